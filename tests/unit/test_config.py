@@ -1,0 +1,310 @@
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from tetri_server.config import (
+    ClusterConfig,
+    Config,
+    ConfigError,
+    KVConfig,
+    ModelConfig,
+    load_config,
+)
+
+SHIPPED = Path(__file__).resolve().parents[2] / "config.toml"
+
+
+def _section_keys(cfg: Config) -> dict[str, set[str]]:
+    return {
+        f.name: {g.name for g in dataclasses.fields(getattr(cfg, f.name))}
+        for f in dataclasses.fields(cfg)
+    }
+
+
+# --- shipped config.toml --------------------------------------------------------------------
+
+
+def test_shipped_config_equals_builtin_defaults() -> None:
+    assert load_config(SHIPPED, []) == Config()
+    assert load_config(None, []) == Config()
+
+
+def test_shipped_keys_match_dataclasses_both_ways() -> None:
+    with open(SHIPPED, "rb") as f:
+        raw = tomllib.load(f)
+    assert {s: set(keys) for s, keys in raw.items()} == _section_keys(Config())
+
+
+def test_every_shipped_key_has_a_comment_above_it() -> None:
+    lines = SHIPPED.read_text().splitlines()
+    for i, line in enumerate(lines):
+        if "=" in line and not line.lstrip().startswith("#"):
+            assert lines[i - 1].lstrip().startswith("#"), f"undocumented key: {line}"
+
+
+def test_keys_later_code_relies_on() -> None:
+    keys = _section_keys(Config())
+    required = """
+        server.host server.port server.api_key server.max_body_bytes server.max_queued_requests
+        server.request_timeout_s server.drain_timeout_s server.log_level
+        model.path model.dtype model.max_model_len model.served_name
+        cluster.mode cluster.prefill_workers cluster.decode_workers cluster.workers
+        cluster.device cluster.threads_per_worker cluster.worker_start_timeout_s
+        cluster.restart_workers
+        kv.transport kv.block_size kv.num_blocks kv.memory_fraction kv.memory_gb
+        prefill.chunk_size prefill.policy prefill.sched_batch prefill.token_budget
+        decode.policy decode.max_batch predictor.kind predictor.artifact
+        predictor.heavy_decode_tokens dispatch.policy monitor.interval_ms
+        flip.enabled flip.idle_s flip.low_load flip.window_s flip.min_interval_s
+    """.split()
+    for name in required:
+        section, key = name.split(".")
+        assert key in keys[section], name
+
+
+def test_documented_defaults() -> None:
+    cfg = Config()
+    assert (cfg.server.host, cfg.server.port, cfg.server.api_key) == ("127.0.0.1", 8000, "")
+    assert cfg.model.path == "builtin:tiny"
+    assert cfg.cluster.mode == "disaggregated"
+    assert (cfg.cluster.prefill_workers, cfg.cluster.decode_workers, cfg.cluster.workers) == (
+        1,
+        1,
+        2,
+    )
+    assert (cfg.kv.transport, cfg.kv.block_size, cfg.kv.num_blocks) == ("auto", 16, 0)
+    assert (cfg.prefill.chunk_size, cfg.prefill.sched_batch) == (0, 16)
+    assert cfg.decode.max_batch == 32
+    assert cfg.predictor.heavy_decode_tokens == 128
+    assert cfg.monitor.interval_ms == 100
+    assert (cfg.flip.enabled, cfg.flip.low_load) == (False, 0.1)
+
+
+# --- --set overrides ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("override", "section", "key", "expected"),
+    [
+        ("server.port=8123", "server", "port", 8123),
+        ("server.host=0.0.0.0", "server", "host", "0.0.0.0"),
+        ('server.api_key="s3cret"', "server", "api_key", "s3cret"),
+        ("server.api_key=12345", "server", "api_key", "12345"),  # str key keeps the text
+        ("server.api_key=a=b", "server", "api_key", "a=b"),
+        ("server.api_key=", "server", "api_key", ""),
+        ("model.path=/models/opt-125m", "model", "path", "/models/opt-125m"),
+        ("model.dtype=bfloat16", "model", "dtype", "bfloat16"),
+        ("cluster.mode=coupled-chunked", "cluster", "mode", "coupled-chunked"),
+        ("cluster.restart_workers=false", "cluster", "restart_workers", False),
+        ("kv.memory_fraction=0.25", "kv", "memory_fraction", 0.25),
+        ("kv.memory_gb=2", "kv", "memory_gb", 2.0),  # int accepted for a float key
+        ("flip.window_s=30.5", "flip", "window_s", 30.5),
+        (" prefill.chunk_size = 512 ", "prefill", "chunk_size", 512),
+    ],
+)
+def test_set_override_of_each_type(override: str, section: str, key: str, expected: object) -> None:
+    value = getattr(getattr(load_config(None, [override]), section), key)
+    assert value == expected
+    assert type(value) is type(expected)
+
+
+def test_overrides_apply_on_top_of_file_in_order(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text('[server]\nport = 9000\n[cluster]\nmode = "coupled"\nworkers = 3\n')
+    cfg = load_config(path, ["server.port=9001", "server.port=9002"])
+    assert (cfg.server.port, cfg.cluster.mode, cfg.cluster.workers) == (9002, "coupled", 3)
+    assert cfg.kv == KVConfig()  # untouched sections keep their defaults
+
+
+def test_overrides_validate_together_not_one_by_one() -> None:
+    # device=cuda alone with transport=shm would be invalid; the final combination is checked.
+    cfg = load_config(None, ["kv.transport=cuda_ipc", "cluster.device=cuda"])
+    assert (cfg.kv.transport, cfg.cluster.device) == ("cuda_ipc", "cuda")
+
+
+@pytest.mark.parametrize(
+    ("override", "must_mention"),
+    [
+        ("server.prot=1", ["server.prot", "port", "api_key", "log_level"]),
+        ("srv.port=1", ["srv", "server", "cluster", "flip"]),
+        ("server.port", ["section.key=value"]),
+        ("port=1", ["section.key=value"]),
+        ("server.port=abc", ["server.port", "'abc'", "integer"]),
+        ("server.port=true", ["server.port", "integer"]),
+        ("server.port=1.5", ["server.port", "integer"]),
+        ("kv.memory_gb=lots", ["kv.memory_gb", "number"]),
+        ("flip.enabled=yes", ["flip.enabled", "true or false"]),
+        ("cluster.mode=tetris", ["cluster.mode", "disaggregated", "coupled", "coupled-chunked"]),
+        ("cluster.device=1", ["cluster.device", "cpu", "cuda"]),
+        ("decode.policy=lazy", ["decode.policy", "greedy", "reserve-static", "reserve-dynamic"]),
+        ("prefill.policy=random", ["prefill.policy", "fcfs", "sjf", "ljf"]),
+        ("kv.transport=tcp", ["kv.transport", "auto", "shm", "cuda_ipc"]),
+        ("server.port=70000", ["server.port", "65535"]),
+        ("decode.max_batch=0", ["decode.max_batch", ">= 1"]),
+        ("kv.memory_fraction=1.5", ["kv.memory_fraction"]),
+    ],
+)
+def test_bad_override_names_the_key_and_the_choices(override: str, must_mention: list[str]) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [override])
+    for text in must_mention:
+        assert text in str(info.value)
+
+
+def test_bad_file_values_name_the_file_and_key(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text('[server]\nport = "8000"\n')
+    with pytest.raises(ConfigError, match=r"c\.toml.*server\.port.*integer"):
+        load_config(path, [])
+    path.write_text("[cluster]\nmode = 'fast'\n")
+    with pytest.raises(ConfigError, match=r"c\.toml.*cluster\.mode.*disaggregated"):
+        load_config(path, [])
+    path.write_text("[cluster]\nfoo = 1\n")
+    with pytest.raises(ConfigError, match=r"unknown key cluster\.foo.*prefill_workers"):
+        load_config(path, [])
+    path.write_text("port = 8000\n")
+    with pytest.raises(ConfigError, match=r"unknown section \[port\]"):
+        load_config(path, [])
+    path.write_text("[server\n")
+    with pytest.raises(ConfigError, match="invalid TOML"):
+        load_config(path, [])
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "missing.toml", [])
+
+
+# --- cross-field rules ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("overrides", "must_mention"),
+    [
+        (["kv.transport=cuda_ipc"], "cluster.device = cuda"),
+        (["cluster.device=cuda", "kv.transport=shm"], "cluster.device = cpu"),
+        (["cluster.prefill_workers=0"], "cluster.prefill_workers >= 1"),
+        (["cluster.decode_workers=0"], "cluster.decode_workers >= 1"),
+        (["flip.enabled=true"], "at least 3 workers"),
+        (["flip.enabled=true", "cluster.mode=coupled", "cluster.workers=4"], "disaggregated"),
+        (["predictor.kind=none"], "predictor.kind"),
+    ],
+)
+def test_cross_field_rules(overrides: list[str], must_mention: str) -> None:
+    with pytest.raises(ConfigError, match=must_mention):
+        load_config(None, overrides)
+
+
+def test_cross_field_rules_allow_valid_combinations() -> None:
+    load_config(None, ["cluster.mode=coupled", "cluster.prefill_workers=0"])  # ignored there
+    load_config(None, ["flip.enabled=true", "cluster.decode_workers=2"])
+    load_config(None, ["predictor.kind=none", "decode.policy=greedy"])
+    load_config(None, ["cluster.device=cuda"])  # transport auto
+
+
+def test_constructors_validate_too() -> None:
+    with pytest.raises(ConfigError, match="model.dtype"):
+        ModelConfig(dtype="int8")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="cuda_ipc"):
+        Config(kv=KVConfig(transport="cuda_ipc"))
+
+
+# --- frozen, serialisable -------------------------------------------------------------------
+
+
+def test_frozen() -> None:
+    cfg = Config()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.server.port = 1  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.server = cfg.server  # type: ignore[misc]
+
+
+def test_to_dict_round_trips_through_json() -> None:
+    cfg = load_config(None, ["cluster.mode=coupled", "kv.memory_gb=1.5"]).resolve(cpu_count=8)
+    data = json.loads(json.dumps(cfg.to_dict()))
+    assert data["cluster"]["mode"] == "coupled"
+    assert Config.from_dict(data) == cfg
+
+
+def test_to_dict_redacts_the_api_key_unless_asked() -> None:
+    cfg = load_config(None, ["server.api_key=s3cret"])
+    assert cfg.to_dict()["server"]["api_key"] == "<redacted>"
+    assert Config.from_dict(cfg.to_dict(redact=False)) == cfg
+
+
+def test_bad_override_error_names_the_set_not_the_file() -> None:
+    with pytest.raises(ConfigError, match=r"^--set 'cluster.mode=tetris': cluster\.mode"):
+        load_config(SHIPPED, ["cluster.mode=tetris"])
+
+
+# --- resolve --------------------------------------------------------------------------------
+
+
+def test_resolve_on_cpu() -> None:
+    cfg = Config()
+    resolved = cfg.resolve(cpu_count=8)
+    assert resolved is not cfg and cfg == Config()  # a new object; the original is untouched
+    assert resolved.model.dtype == "float32"
+    assert resolved.kv.transport == "shm"
+    assert resolved.cluster.threads_per_worker == 4  # 8 cores / (1 prefill + 1 decode)
+    assert resolved.model.served_name == "tiny"
+    # left for the runtime: they need the model or the device
+    assert (resolved.model.max_model_len, resolved.prefill.chunk_size) == (0, 0)
+    assert resolved.kv.num_blocks == 0
+    assert resolved.resolve(cpu_count=8) == resolved  # idempotent
+
+
+def test_resolve_on_cuda() -> None:
+    resolved = load_config(None, ["cluster.device=cuda"]).resolve(cpu_count=16)
+    assert resolved.model.dtype == "bfloat16"
+    assert resolved.kv.transport == "cuda_ipc"
+
+
+def test_resolve_keeps_explicit_values() -> None:
+    cfg = load_config(
+        None,
+        [
+            "model.dtype=float16",
+            "model.served_name=m",
+            "cluster.threads_per_worker=3",
+            "kv.transport=shm",
+        ],
+    ).resolve(cpu_count=64)
+    assert (cfg.model.dtype, cfg.model.served_name) == ("float16", "m")
+    assert (cfg.cluster.threads_per_worker, cfg.kv.transport) == (3, "shm")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "cpu_count", "threads"),
+    [
+        (["cluster.mode=coupled", "cluster.workers=3"], 8, 2),
+        (["cluster.prefill_workers=2", "cluster.decode_workers=2"], 2, 1),  # never 0
+        ([], 2, 1),
+    ],
+)
+def test_resolve_threads_divide_cores_among_workers(
+    overrides: list[str], cpu_count: int, threads: int
+) -> None:
+    cfg = load_config(None, overrides).resolve(cpu_count=cpu_count)
+    assert cfg.cluster.threads_per_worker == threads
+
+
+@pytest.mark.parametrize(
+    ("path", "name"),
+    [
+        ("/models/Qwen2-0.5B/", "Qwen2-0.5B"),
+        ("models/opt-125m", "opt-125m"),
+        ("builtin:tiny", "tiny"),
+    ],
+)
+def test_resolve_served_name_from_path(path: str, name: str) -> None:
+    cfg = Config(model=ModelConfig(path=path)).resolve(cpu_count=2)
+    assert cfg.model.served_name == name
+
+
+def test_num_workers_by_mode() -> None:
+    assert ClusterConfig(prefill_workers=2, decode_workers=3).num_workers == 5
+    assert ClusterConfig(mode="coupled", workers=4).num_workers == 4

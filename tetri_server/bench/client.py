@@ -1,0 +1,226 @@
+"""Open-loop load generator for any OpenAI-compatible ``/v1/completions`` (streaming SSE).
+
+Each request is sent at its ``arrival_s`` whether or not earlier ones have finished (open loop);
+an optional concurrency cap delays sending, and that delay is recorded (``send_s - arrival_s``).
+Times are seconds from the run's start on ``time.perf_counter``. Token arrivals are counted the
+way ``vllm bench serve`` counts them: every streamed chunk that carries a choice is one arrival,
+except a terminal chunk with no text and a ``finish_reason``. Every wait is bounded: connect,
+silence inside a stream, whole request, whole run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from tetri_server.bench.progress import Progress
+from tetri_server.bench.prom import scrape_busy_seconds
+from tetri_server.bench.sse import SSEEvent, SSEParser
+from tetri_server.bench.workload import BenchRequest
+
+RUN_DEADLINE_MARGIN_S = 30.0
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    base_url: str  # e.g. http://127.0.0.1:8010 (no /v1)
+    model: str
+    max_concurrency: int | None = None  # None: open loop without a cap
+    request_timeout_s: float = 600.0  # one request, send to end of stream
+    read_timeout_s: float = 120.0  # longest silence inside one stream
+    connect_timeout_s: float = 10.0
+    extra_body: dict[str, Any] = field(default_factory=dict)  # merged into every request body
+    api_key: str | None = None
+    progress: bool = True
+
+
+@dataclass
+class RequestRecord:
+    """What happened to one request. Times in seconds from the start of the run."""
+
+    request_id: int
+    kind: str
+    prompt_len: int
+    output_len: int  # requested (max_tokens)
+    arrival_s: float  # scheduled send time
+    send_s: float | None = None
+    first_token_s: float | None = None
+    token_times_s: list[float] = field(default_factory=list)
+    end_s: float | None = None
+    num_output_tokens: int | None = None  # usage.completion_tokens
+    num_prompt_tokens: int | None = None  # usage.prompt_tokens
+    http_status: int | None = None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.end_s is not None and self.first_token_s is not None
+
+
+@dataclass
+class RunResult:
+    records: list[RequestRecord]
+    duration_s: float  # run start to the last request's end
+    started_unix_s: float
+    busy_before: dict[str, float] | None = None  # "worker:role" -> busy seconds
+    busy_after: dict[str, float] | None = None
+
+
+def request_body(req: BenchRequest, cfg: ClientConfig) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": cfg.model,
+        "prompt": req.prompt,
+        "max_tokens": req.output_len,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    body.update(cfg.extra_body)
+    return body
+
+
+def _on_event(ev: SSEEvent, rec: RequestRecord, now_s: float) -> bool:
+    """Apply one SSE event to ``rec``; True when the stream says it is done."""
+    if ev.data.strip() == "[DONE]":
+        return True
+    try:
+        obj = json.loads(ev.data)
+    except ValueError:
+        rec.error = rec.error or f"bad JSON in stream: {ev.data[:100]!r}"
+        return False
+    if ev.event == "error" or (isinstance(obj, dict) and "error" in obj):
+        err = obj.get("error", obj) if isinstance(obj, dict) else obj
+        msg = err.get("message", err) if isinstance(err, dict) else err
+        rec.error = rec.error or f"stream error: {msg}"
+        return False
+    choices = obj.get("choices") or []
+    if choices and rec.error is None:
+        choice = choices[0]
+        if choice.get("text") or choice.get("finish_reason") is None:
+            rec.token_times_s.append(now_s)
+            if rec.first_token_s is None:
+                rec.first_token_s = now_s
+    usage = obj.get("usage")
+    if usage:
+        rec.num_output_tokens = usage.get("completion_tokens")
+        rec.num_prompt_tokens = usage.get("prompt_tokens")
+    return False
+
+
+async def _read_stream(resp: aiohttp.ClientResponse, rec: RequestRecord, t0: float) -> None:
+    parser, done = SSEParser(), False
+    async for chunk in resp.content.iter_any():
+        now_s = time.perf_counter() - t0
+        for ev in parser.feed(chunk):
+            done = _on_event(ev, rec, now_s) or done
+        if done:
+            break
+    if not done:
+        now_s = time.perf_counter() - t0
+        for ev in parser.close():
+            done = _on_event(ev, rec, now_s) or done
+    rec.end_s = time.perf_counter() - t0
+    if rec.error is None and not done:
+        rec.error = "stream ended without [DONE]"
+    if rec.error is None and not rec.token_times_s:
+        rec.error = "stream finished with no tokens"
+
+
+async def _send(
+    session: aiohttp.ClientSession,
+    cfg: ClientConfig,
+    req: BenchRequest,
+    rec: RequestRecord,
+    t0: float,
+    cap: asyncio.Semaphore | None,
+) -> None:
+    delay_s = t0 + req.arrival_s - time.perf_counter()
+    if delay_s > 0:
+        await asyncio.sleep(delay_s)
+    timeout = aiohttp.ClientTimeout(
+        total=cfg.request_timeout_s,
+        sock_connect=cfg.connect_timeout_s,
+        sock_read=cfg.read_timeout_s,
+    )
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else None
+    async with cap if cap is not None else contextlib.nullcontext():
+        rec.send_s = time.perf_counter() - t0
+        try:
+            async with session.post(
+                f"{cfg.base_url}/v1/completions",
+                json=request_body(req, cfg),
+                timeout=timeout,
+                headers=headers,
+            ) as resp:
+                rec.http_status = resp.status
+                if resp.status != 200:
+                    rec.error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
+                else:
+                    await _read_stream(resp, rec, t0)
+        except TimeoutError:
+            rec.error = rec.error or "timeout"
+        except aiohttp.ClientError as exc:
+            rec.error = rec.error or f"{type(exc).__name__}: {exc}"
+        except asyncio.CancelledError:
+            rec.error = rec.error or "cancelled at the run deadline"
+            raise
+        finally:
+            if rec.end_s is None:
+                rec.end_s = time.perf_counter() - t0
+
+
+async def run_benchmark(
+    requests: list[BenchRequest], cfg: ClientConfig, scrape_metrics: bool = True
+) -> RunResult:
+    """Send ``requests`` open-loop at their arrival times; return one record per request."""
+    records = [
+        RequestRecord(r.request_id, r.kind, r.prompt_len, r.output_len, r.arrival_s)
+        for r in requests
+    ]
+    cap = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
+    deadline_s = max((r.arrival_s for r in requests), default=0.0)
+    deadline_s += cfg.request_timeout_s + RUN_DEADLINE_MARGIN_S
+    # limit=0: the connector must not become a hidden concurrency cap (aiohttp's default is 100)
+    connector = aiohttp.TCPConnector(limit=0)
+    progress = Progress(len(requests), enabled=cfg.progress)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        before = await scrape_busy_seconds(session, cfg.base_url) if scrape_metrics else None
+        started_unix_s = time.time()
+        t0 = time.perf_counter()
+
+        async def one(req: BenchRequest, rec: RequestRecord) -> None:
+            try:
+                await _send(session, cfg, req, rec, t0, cap)
+            finally:
+                progress.update(ok=rec.ok)
+
+        tasks = [asyncio.ensure_future(one(q, r)) for q, r in zip(requests, records, strict=True)]
+        try:
+            async with asyncio.timeout(deadline_s):
+                await asyncio.gather(*tasks)
+        except TimeoutError:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        finally:
+            progress.close()
+        ends = [r.end_s for r in records if r.end_s is not None]
+        duration_s = max(ends, default=time.perf_counter() - t0)
+        after = await scrape_busy_seconds(session, cfg.base_url) if scrape_metrics else None
+    return RunResult(records, duration_s, started_unix_s, before, after)
+
+
+async def fetch_model_name(base_url: str, timeout_s: float = 10.0) -> str:
+    """The first model id the server lists under ``/v1/models``."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
+        async with session.get(f"{base_url}/v1/models") as resp:
+            resp.raise_for_status()
+            listing = await resp.json()
+    return str(listing["data"][0]["id"])

@@ -1,0 +1,493 @@
+"""config.toml -> frozen, validated dataclasses, resolved once at start-up.
+
+Each ``[section]`` of ``config.toml`` maps one-to-one onto a frozen dataclass below and each key
+onto one field with the same name. ``__post_init__`` only validates (single fields in the
+section classes, cross-field rules in ``Config.__post_init__``); nothing here does I/O except
+``load_config`` reading the file it is given.
+
+``Config.resolve(cpu_count=...)`` returns a new ``Config`` with every ``auto``/0 value that can
+be decided from the config alone made concrete:
+
+    model.dtype = auto              -> float32 on cpu, bfloat16 on cuda
+    model.served_name = ""          -> folder name of model.path (``builtin:NAME`` -> NAME)
+    kv.transport = auto             -> shm on cpu, cuda_ipc on cuda
+    cluster.threads_per_worker = 0  -> max(1, cpu_count // number of workers)
+
+Values that need the model or the device stay as they are for the runtime to resolve:
+``model.max_model_len = 0`` (from the checkpoint's config.json, by the control process),
+``prefill.chunk_size = 0`` (calibrated by each prefill worker at start-up) and
+``kv.num_blocks = 0`` (sized by each worker from ``kv.memory_gb`` / ``kv.memory_fraction``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path, PurePath
+from typing import Any, ClassVar, Literal, get_args, get_origin
+
+Mode = Literal["disaggregated", "coupled", "coupled-chunked"]
+Device = Literal["cpu", "cuda"]
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+Transport = Literal["auto", "shm", "cuda_ipc"]
+LogLevel = Literal["debug", "info", "warning", "error"]
+PrefillPolicyName = Literal["fcfs", "sjf", "ljf"]
+DecodePolicyName = Literal["greedy", "reserve-static", "reserve-dynamic"]
+PredictorKind = Literal["classifier", "oracle", "none"]
+DispatchPolicyName = Literal["power-of-two", "round-robin"]
+
+BUILTIN_PREFIX = "builtin:"
+
+
+class ConfigError(ValueError):
+    """A config file, override or value is invalid; the message names the key."""
+
+
+class _Section:
+    """Validation shared by the section dataclasses; ``SECTION`` names keys in errors."""
+
+    SECTION: ClassVar[str] = ""
+
+    def __post_init__(self) -> None:
+        for key, hint in typing.get_type_hints(type(self)).items():
+            if get_origin(hint) is Literal and getattr(self, key) not in get_args(hint):
+                raise ConfigError(
+                    f"{self.SECTION}.{key} = {getattr(self, key)!r} is not allowed; "
+                    "choose one of: " + ", ".join(get_args(hint))
+                )
+        self._validate()
+
+    def _validate(self) -> None:
+        """Range checks of single fields; cross-field rules live in ``Config.__post_init__``."""
+
+    def _at_least(self, key: str, low: float) -> None:
+        if getattr(self, key) < low:
+            raise ConfigError(f"{self.SECTION}.{key} = {getattr(self, key)!r} must be >= {low}")
+
+    def _positive(self, key: str) -> None:
+        if getattr(self, key) <= 0:
+            raise ConfigError(f"{self.SECTION}.{key} = {getattr(self, key)!r} must be > 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerConfig(_Section):
+    """``[server]``: the HTTP front end in the control process."""
+
+    SECTION: ClassVar[str] = "server"
+
+    host: str = "127.0.0.1"
+    """Address to bind; loopback by default."""
+    port: int = 8000
+    """TCP port to bind; 0 picks a free port."""
+    api_key: str = ""
+    """Bearer token required on /v1/* and /admin/* routes; "" = no auth."""
+    max_body_bytes: int = 4 * 1024 * 1024
+    """Largest accepted request body in bytes; larger bodies get 413."""
+    max_queued_requests: int = 1024
+    """Requests admitted but not yet finished, at most; beyond this new requests get 429."""
+    request_timeout_s: float = 600.0
+    """Server-side bound on one request, arrival to last token; then it fails with an error."""
+    drain_timeout_s: float = 30.0
+    """On SIGTERM, wait at most this long for in-flight requests before exiting."""
+    log_level: LogLevel = "info"
+    """Log verbosity."""
+
+    def _validate(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"server.port = {self.port} must be in 0..65535")
+        self._positive("max_body_bytes")
+        self._positive("max_queued_requests")
+        self._positive("request_timeout_s")
+        self._positive("drain_timeout_s")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig(_Section):
+    """``[model]``: which checkpoint every worker loads."""
+
+    SECTION: ClassVar[str] = "model"
+
+    path: str = "builtin:tiny"
+    """Local Hugging Face checkpoint folder, or builtin:tiny (made locally on first use)."""
+    dtype: DType = "auto"
+    """Weight and KV dtype; auto = float32 on cpu, bfloat16 on cuda."""
+    max_model_len: int = 0
+    """Longest prompt + output in tokens; 0 = from the model's config.json."""
+    served_name: str = ""
+    """Model name clients send and /v1/models lists; "" = folder name of model.path."""
+
+    def _validate(self) -> None:
+        if not self.path:
+            raise ConfigError("model.path must not be empty")
+        self._at_least("max_model_len", 0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterConfig(_Section):
+    """``[cluster]``: the worker processes and their roles."""
+
+    SECTION: ClassVar[str] = "cluster"
+
+    mode: Mode = "disaggregated"
+    """disaggregated (TetriInfer), coupled (vLLM-like) or coupled-chunked (Sarathi-like)."""
+    prefill_workers: int = 1
+    """Prefill-only workers in disaggregated mode."""
+    decode_workers: int = 1
+    """Decode-only workers in disaggregated mode."""
+    workers: int = 2
+    """Workers that both prefill and decode in the coupled modes."""
+    device: Device = "cpu"
+    """cpu (workers pinned to cores) or cuda (worker i on cuda:i)."""
+    threads_per_worker: int = 0
+    """Torch threads and pinned cores per worker; 0 = cpu cores // number of workers."""
+    worker_start_timeout_s: float = 300.0
+    """Bound on a worker loading its model and reporting ready."""
+    restart_workers: bool = True
+    """Restart a worker that dies (its requests are re-run elsewhere either way)."""
+
+    @property
+    def num_workers(self) -> int:
+        """Worker processes this mode starts."""
+        if self.mode == "disaggregated":
+            return self.prefill_workers + self.decode_workers
+        return self.workers
+
+    def _validate(self) -> None:
+        self._at_least("prefill_workers", 0)
+        self._at_least("decode_workers", 0)
+        self._at_least("workers", 1)
+        self._at_least("threads_per_worker", 0)
+        self._positive("worker_start_timeout_s")
+
+
+@dataclass(frozen=True, kw_only=True)
+class KVConfig(_Section):
+    """``[kv]``: each worker's paged KV pool and how KV moves between workers."""
+
+    SECTION: ClassVar[str] = "kv"
+
+    transport: Transport = "auto"
+    """KV hand-off: shm (cpu), cuda_ipc (cuda), auto = the one matching cluster.device."""
+    block_size: int = 16
+    """Tokens per KV block."""
+    num_blocks: int = 0
+    """Blocks per worker; 0 = sized at start-up from memory_gb or memory_fraction."""
+    memory_gb: float = 0.0
+    """KV pool size per worker in GiB when num_blocks = 0; 0 = use memory_fraction."""
+    memory_fraction: float = 0.5
+    """When num_blocks = 0 and memory_gb = 0: share of the memory left after weights (free
+    device memory on cuda, available RAM split across workers on cpu) given to the KV pool."""
+
+    def _validate(self) -> None:
+        self._at_least("block_size", 1)
+        self._at_least("num_blocks", 0)
+        self._at_least("memory_gb", 0)
+        if not 0 < self.memory_fraction <= 1:
+            raise ConfigError(f"kv.memory_fraction = {self.memory_fraction} must be in (0, 1]")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrefillConfig(_Section):
+    """``[prefill]``: the prefill queue and chunker."""
+
+    SECTION: ClassVar[str] = "prefill"
+
+    chunk_size: int = 0
+    """Tokens per prefill forward pass (the knee); 0 = calibrated by each worker at start-up."""
+    policy: PrefillPolicyName = "fcfs"
+    """Queue order by prompt length: fcfs, sjf (shortest first) or ljf (longest first)."""
+    sched_batch: int = 16
+    """Sort window: waiting requests reordered together by the policy."""
+    token_budget: int = 512
+    """coupled-chunked mode: tokens per step, decode tokens first, prompt chunks fill the rest."""
+
+    def _validate(self) -> None:
+        self._at_least("chunk_size", 0)
+        self._at_least("sched_batch", 1)
+        self._at_least("token_budget", 1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecodeConfig(_Section):
+    """``[decode]``: admission and batching on decode workers."""
+
+    SECTION: ClassVar[str] = "decode"
+
+    policy: DecodePolicyName = "reserve-dynamic"
+    """Admission: greedy (while blocks are free), reserve-static or reserve-dynamic."""
+    max_batch: int = 32
+    """Most requests decoded together in one step."""
+
+    def _validate(self) -> None:
+        self._at_least("max_batch", 1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PredictorConfig(_Section):
+    """``[predictor]``: decode-length prediction on prefill workers."""
+
+    SECTION: ClassVar[str] = "predictor"
+
+    kind: PredictorKind = "classifier"
+    """classifier (trained model), oracle (true length from the benchmark) or none."""
+    artifact: str = ""
+    """Folder of the trained classifier; "" = the one shipped in the package."""
+    heavy_decode_tokens: int = 128
+    """A decode predicted to generate more tokens than this is heavy."""
+
+    def _validate(self) -> None:
+        self._at_least("heavy_decode_tokens", 0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DispatchConfig(_Section):
+    """``[dispatch]``: how a prefill worker picks the decode worker for a request."""
+
+    SECTION: ClassVar[str] = "dispatch"
+
+    policy: DispatchPolicyName = "power-of-two"
+    """power-of-two (two random fitting workers, lower heavy:light ratio) or round-robin."""
+    seed: int = 0
+    """Seed of the dispatcher's random choices (worker i uses seed + i)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class MonitorConfig(_Section):
+    """``[monitor]``: the cluster monitor in the control process."""
+
+    SECTION: ClassVar[str] = "monitor"
+
+    interval_ms: int = 100
+    """Period of worker load reports and of the decode-view broadcast to prefill workers."""
+
+    def _validate(self) -> None:
+        self._at_least("interval_ms", 1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FlipConfig(_Section):
+    """``[flip]``: automatic prefill <-> decode role changes (disaggregated mode)."""
+
+    SECTION: ClassVar[str] = "flip"
+
+    enabled: bool = False
+    """Let the flip policy change worker roles (POST /admin/flip works either way)."""
+    idle_s: float = 60.0
+    """Flip a worker that has been completely idle this long."""
+    low_load: float = 0.1
+    """Or flip one whose load stayed under this fraction over window_s."""
+    window_s: float = 60.0
+    """Window over which low_load is measured."""
+    min_interval_s: float = 120.0
+    """Hysteresis: no worker flips again within this long of its last flip."""
+
+    def _validate(self) -> None:
+        self._positive("idle_s")
+        if not 0 <= self.low_load <= 1:
+            raise ConfigError(f"flip.low_load = {self.low_load} must be in [0, 1]")
+        self._positive("window_s")
+        self._at_least("min_interval_s", 0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    """The whole server configuration; one field per ``config.toml`` section."""
+
+    server: ServerConfig = field(default_factory=ServerConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    kv: KVConfig = field(default_factory=KVConfig)
+    prefill: PrefillConfig = field(default_factory=PrefillConfig)
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
+    predictor: PredictorConfig = field(default_factory=PredictorConfig)
+    dispatch: DispatchConfig = field(default_factory=DispatchConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    flip: FlipConfig = field(default_factory=FlipConfig)
+
+    def __post_init__(self) -> None:
+        """Cross-field rules, all in one place."""
+        c, kv = self.cluster, self.kv
+        if c.mode == "disaggregated" and (c.prefill_workers < 1 or c.decode_workers < 1):
+            raise ConfigError(
+                "cluster.mode = disaggregated needs cluster.prefill_workers >= 1 and "
+                f"cluster.decode_workers >= 1 (got {c.prefill_workers} and {c.decode_workers})"
+            )
+        if kv.transport == "cuda_ipc" and c.device != "cuda":
+            raise ConfigError("kv.transport = cuda_ipc requires cluster.device = cuda")
+        if kv.transport == "shm" and c.device != "cpu":
+            raise ConfigError("kv.transport = shm requires cluster.device = cpu")
+        if self.flip.enabled:
+            if c.mode != "disaggregated":
+                raise ConfigError("flip.enabled = true requires cluster.mode = disaggregated")
+            if c.num_workers < 3:
+                raise ConfigError(
+                    "flip.enabled = true needs at least 3 workers (prefill_workers + "
+                    "decode_workers), since one prefill and one decode worker always remain"
+                )
+        if self.decode.policy != "greedy" and self.predictor.kind == "none":
+            raise ConfigError(
+                f"decode.policy = {self.decode.policy} needs a length prediction; set "
+                "predictor.kind to classifier or oracle, or decode.policy to greedy"
+            )
+
+    def resolve(self, *, cpu_count: int) -> Config:
+        """Return a copy with every auto/0 value decidable without I/O made concrete.
+
+        ``cpu_count`` is the number of usable cores (pass ``len(os.sched_getaffinity(0))``).
+        Idempotent. See the module docstring for what stays for the runtime.
+        """
+        c = self.cluster
+        dtype = self.model.dtype
+        if dtype == "auto":
+            dtype = "bfloat16" if c.device == "cuda" else "float32"
+        served_name = self.model.served_name or _default_served_name(self.model.path)
+        transport = self.kv.transport
+        if transport == "auto":
+            transport = "cuda_ipc" if c.device == "cuda" else "shm"
+        threads = c.threads_per_worker or max(1, cpu_count // c.num_workers)
+        return dataclasses.replace(
+            self,
+            model=dataclasses.replace(self.model, dtype=dtype, served_name=served_name),
+            kv=dataclasses.replace(self.kv, transport=transport),
+            cluster=dataclasses.replace(c, threads_per_worker=threads),
+        )
+
+    def to_dict(self, *, redact: bool = True) -> dict[str, dict[str, Any]]:
+        """``{section: {key: value}}``, the shape of config.toml; JSON- and TOML-safe.
+
+        ``redact`` replaces a set ``server.api_key`` with ``"<redacted>"`` (for result files).
+        """
+        data = dataclasses.asdict(self)
+        if redact and self.server.api_key:
+            data["server"]["api_key"] = "<redacted>"
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, source: str = "config") -> Config:
+        """Build from ``{section: {key: value}}``; missing keys take their defaults.
+
+        Unknown sections or keys and values of the wrong type raise ``ConfigError``
+        naming ``source`` and the key.
+        """
+        sections: dict[str, Any] = {}
+        for name, values in data.items():
+            section_cls = _section_class(name, source)
+            if not isinstance(values, dict):
+                raise ConfigError(f"{source}: [{name}] must be a table of keys")
+            hints = typing.get_type_hints(section_cls)
+            for key, value in values.items():
+                _check_key(section_cls, name, key, source)
+                _check_type(f"{name}.{key}", value, hints[key], source)
+            kwargs = {k: float(v) if hints[k] is float else v for k, v in values.items()}
+            try:
+                sections[name] = section_cls(**kwargs)
+            except ConfigError as e:
+                raise ConfigError(f"{source}: {e}") from None
+        try:
+            return cls(**sections)
+        except ConfigError as e:
+            raise ConfigError(f"{source}: {e}") from None
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
+    """Read ``path`` (None = built-in defaults, equal to the shipped config.toml), apply
+    ``--set section.key=value`` overrides in order, validate, and return the (unresolved) Config.
+
+    An override's value is parsed as a TOML literal when it parses (``8001``, ``true``,
+    ``0.5``, ``"x"``), else taken as a string; string and choice keys take the text as is
+    (a quoted TOML string is unquoted).
+    """
+    data: dict[str, Any] = {}
+    source = "config" if path is None else str(path)
+    if path is not None:
+        try:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path}: invalid TOML: {e}") from None
+    for item in overrides or []:
+        section, key, value = _parse_override(item)
+        table = data.setdefault(section, {})
+        if not isinstance(table, dict):
+            raise ConfigError(f"{source}: [{section}] must be a table of keys")
+        table[key] = value
+    return Config.from_dict(data, source=source)
+
+
+def _parse_override(item: str) -> tuple[str, str, Any]:
+    source = f"--set {item!r}"
+    name, sep, text = item.partition("=")
+    parts = name.strip().split(".")
+    if not sep or len(parts) != 2 or not all(parts):
+        raise ConfigError(f"{source}: expected section.key=value")
+    section, key = parts
+    section_cls = _section_class(section, source)
+    _check_key(section_cls, section, key, source)
+    hint = typing.get_type_hints(section_cls)[key]
+    text = text.strip()
+    try:
+        value = tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text
+    if (hint is str or get_origin(hint) is Literal) and not isinstance(value, str):
+        value = text
+    _check_type(f"{section}.{key}", value, hint, source)
+    try:  # per-field rules now, so the error names the --set; cross-field rules run at the end
+        section_cls(**{key: float(value) if hint is float else value})
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
+    return section, key, value
+
+
+def _sections() -> dict[str, type[_Section]]:
+    return typing.get_type_hints(Config)
+
+
+def _section_class(name: str, source: str) -> type[_Section]:
+    sections = _sections()
+    if name not in sections:
+        raise ConfigError(
+            f"{source}: unknown section [{name}]; valid sections: " + ", ".join(sections)
+        )
+    return sections[name]
+
+
+def _keys(section_cls: type[_Section]) -> list[str]:
+    return [f.name for f in dataclasses.fields(section_cls)]  # type: ignore[arg-type]
+
+
+def _check_key(section_cls: type[_Section], section: str, key: str, source: str) -> None:
+    keys = _keys(section_cls)
+    if key not in keys:
+        raise ConfigError(
+            f"{source}: unknown key {section}.{key}; valid keys in [{section}]: " + ", ".join(keys)
+        )
+
+
+def _check_type(key: str, value: Any, hint: Any, source: str) -> None:
+    if get_origin(hint) is Literal:
+        expected = "one of: " + ", ".join(get_args(hint))
+        ok = isinstance(value, str)  # membership is checked by the section's __post_init__
+    elif hint is float:
+        expected = "a number"
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+    elif hint is int:
+        expected = "an integer"
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    else:
+        expected = {str: "a string", bool: "true or false"}[hint]
+        ok = isinstance(value, hint)
+    if not ok:
+        raise ConfigError(
+            f"{source}: {key} = {value!r} ({type(value).__name__}) is invalid; expected {expected}"
+        )
+
+
+def _default_served_name(path: str) -> str:
+    if path.startswith(BUILTIN_PREFIX):
+        return path[len(BUILTIN_PREFIX) :]
+    return PurePath(path.rstrip("/\\")).name or path

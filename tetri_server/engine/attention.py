@@ -1,0 +1,84 @@
+"""Attention over the KV pool for a packed, ragged batch.
+
+A batch is a flat run of tokens from many sequences: prompt chunks (possibly the 2nd/3rd/...
+chunk of a long prompt whose earlier KV is already in the pool) and single decode tokens, plus
+optional padding at the end. Each sequence's context is one contiguous extent of the pool, so
+attention reads it as a zero-copy view: ``pool_k[:, start:start+ctx]`` is ``[kv_heads, ctx, D]``.
+Nothing copies a sequence's context per step; only the new tokens' K/V are written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class BatchMetadata:
+    """Describes one forward pass. Built by the model runner; read by every layer.
+
+    ``q_starts[i]``/``q_lens[i]``: where sequence i's new tokens sit in the flat batch.
+    ``ctx_lens[i]``: its context length after this step (earlier tokens + new ones).
+    ``kv_starts[i]``: pool token index of its extent start (block id * block_size).
+    ``slot_mapping``: ``[num_tokens]`` pool token index of each new token (only real tokens).
+    ``positions``: ``[num_tokens]`` position of each token (padding gets 0).
+    ``num_real``: tokens before the padding.
+    """
+
+    q_starts: list[int]
+    q_lens: list[int]
+    ctx_lens: list[int]
+    kv_starts: list[int]
+    slot_mapping: torch.Tensor
+    positions: torch.Tensor
+    num_real: int
+    _masks: dict[tuple[int, int], torch.Tensor] | None = None
+
+    def mask(self, q_len: int, ctx_len: int, device: torch.device) -> torch.Tensor:
+        """Bool mask [q_len, ctx_len]: query i (at context position ctx-q+i) sees keys <= it."""
+        if self._masks is None:
+            self._masks = {}
+        key = (q_len, ctx_len)
+        m = self._masks.get(key)
+        if m is None:
+            q_pos = torch.arange(ctx_len - q_len, ctx_len, device=device)[:, None]
+            m = torch.arange(ctx_len, device=device)[None, :] <= q_pos
+            self._masks[key] = m
+        return m
+
+
+def write_kv(pool_k: torch.Tensor, pool_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             meta: BatchMetadata) -> None:
+    """Store the new tokens' K/V. pool_*: [kv_heads, pool_tokens, D]; k, v: [T, kv_heads, D]."""
+    n = meta.num_real
+    if n == 0:
+        return
+    slots = meta.slot_mapping
+    pool_k.index_copy_(1, slots, k[:n].transpose(0, 1))
+    pool_v.index_copy_(1, slots, v[:n].transpose(0, 1))
+
+
+def paged_attention(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor,
+                    meta: BatchMetadata, scale: float | None = None) -> torch.Tensor:
+    """q: [T, heads, D] -> out [T, heads, D]. Padding rows are left zero.
+
+    One SDPA call per sequence over a view of its extent (GQA handled by SDPA)."""
+    out = torch.zeros_like(q)
+    gqa = q.shape[1] != pool_k.shape[0]
+    for qs, ql, ctx, ks in zip(meta.q_starts, meta.q_lens, meta.ctx_lens, meta.kv_starts,
+                               strict=True):
+        qi = q[qs:qs + ql].transpose(0, 1).unsqueeze(0)  # [1, heads, ql, D]
+        ki = pool_k[:, ks:ks + ctx].unsqueeze(0)  # [1, kv_heads, ctx, D] (a view)
+        vi = pool_v[:, ks:ks + ctx].unsqueeze(0)
+        if ql == 1:
+            o = F.scaled_dot_product_attention(qi, ki, vi, scale=scale, enable_gqa=gqa)
+        elif ql == ctx:
+            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale,
+                                               enable_gqa=gqa)
+        else:
+            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=meta.mask(ql, ctx, q.device),
+                                               scale=scale, enable_gqa=gqa)
+        out[qs:qs + ql] = o[0].transpose(0, 1)
+    return out

@@ -1,0 +1,137 @@
+"""Llama-family forward (Llama, Qwen2, Mistral): RMSNorm, RoPE (with config scaling), GQA,
+SwiGLU, tied or untied embeddings. Weights are fused at load: q|k|v and gate|up."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tetri_server.engine.attention import BatchMetadata, paged_attention, write_kv
+from tetri_server.engine.spec import ModelSpec
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Same order of operations as transformers' LlamaRMSNorm (fp32 statistics).
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(spec: ModelSpec, hf_config: object) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [head_dim/2] and the cos/sin scale, incl. scaling from the config."""
+    rope_type = spec.rope.get("rope_type", "default")
+    if rope_type == "default":
+        dim = spec.head_dim
+        theta = float(spec.rope.get("rope_theta", 10000.0))
+        return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](hf_config, None)
+    return inv_freq.float(), float(scale)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, D]; cos/sin: [T, 1, D] (rotate-half convention)."""
+    half = x.shape[-1] // 2
+    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rot * sin
+
+
+class LlamaLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        s = spec
+        qkv_out = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
+
+        def p(*shape: int) -> nn.Parameter:
+            return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device),
+                                requires_grad=False)
+
+        self.input_norm = p(s.hidden_size)
+        self.qkv = p(qkv_out, s.hidden_size)
+        self.qkv_bias = p(qkv_out) if s.attention_bias else None
+        self.o = p(s.hidden_size, s.num_heads * s.head_dim)
+        self.post_norm = p(s.hidden_size)
+        self.gate_up = p(2 * s.intermediate_size, s.hidden_size)
+        self.down = p(s.hidden_size, s.intermediate_size)
+        self.spec = s
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                pool_k: torch.Tensor, pool_v: torch.Tensor, meta: BatchMetadata) -> torch.Tensor:
+        s = self.spec
+        t = x.shape[0]
+        h = rms_norm(x, self.input_norm, s.eps)
+        qkv = F.linear(h, self.qkv, self.qkv_bias)
+        nq, nkv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        q = qkv[:, :nq].view(t, s.num_heads, s.head_dim)
+        k = qkv[:, nq:nq + nkv].view(t, s.num_kv_heads, s.head_dim)
+        v = qkv[:, nq + nkv:].view(t, s.num_kv_heads, s.head_dim)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        write_kv(pool_k, pool_v, k, v, meta)
+        attn = paged_attention(q, pool_k, pool_v, meta)
+        x = x + F.linear(attn.reshape(t, nq), self.o)
+        h = rms_norm(x, self.post_norm, s.eps)
+        gate, up = F.linear(h, self.gate_up).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, self.down)
+
+
+class LlamaModel(nn.Module):
+    """forward(input_ids [T], meta, pool layers, logits_indices [S]) -> logits [S, vocab]."""
+
+    def __init__(self, spec: ModelSpec, hf_config: object, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__()
+        self.spec = spec
+        self.embed = nn.Parameter(torch.empty(spec.vocab_size, spec.hidden_size, dtype=dtype,
+                                              device=device), requires_grad=False)
+        self.layers = nn.ModuleList(LlamaLayer(spec, dtype, device)
+                                    for _ in range(spec.num_layers))
+        self.norm = nn.Parameter(torch.empty(spec.hidden_size, dtype=dtype, device=device),
+                                 requires_grad=False)
+        self.lm_head = self.embed if spec.tie_word_embeddings else nn.Parameter(
+            torch.empty(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device),
+            requires_grad=False)
+        inv_freq, self.rope_scale = rope_inv_freq(spec, hf_config)
+        self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, meta: BatchMetadata, kv: torch.Tensor,
+                logits_indices: torch.Tensor) -> torch.Tensor:
+        """kv: the pool, [layers, 2, kv_heads, pool_tokens, head_dim]."""
+        x = F.embedding(input_ids, self.embed)  # [T, hidden]
+        freqs = meta.positions[:, None].float() * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb.cos() * self.rope_scale).to(x.dtype)[:, None, :]  # [T, 1, D]
+        sin = (emb.sin() * self.rope_scale).to(x.dtype)[:, None, :]
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, kv[i, 0], kv[i, 1], meta)
+        x = rms_norm(x[logits_indices], self.norm, self.spec.eps)
+        return F.linear(x, self.lm_head).float()
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """HF names (``model.layers.N.self_attn.q_proj.weight`` ...) -> fused parameters."""
+        w = {k.removeprefix("model."): v for k, v in weights.items()}
+        with torch.no_grad():
+            self.embed.copy_(w.pop("embed_tokens.weight"))
+            self.norm.copy_(w.pop("norm.weight"))
+            head = w.pop("lm_head.weight", None)
+            if not self.spec.tie_word_embeddings:
+                if head is None:
+                    raise ValueError("checkpoint has no lm_head.weight but tie_word_embeddings"
+                                     " is false")
+                self.lm_head.copy_(head)
+            for i, layer in enumerate(self.layers):
+                p = f"layers.{i}."
+                a = p + "self_attn."
+                layer.input_norm.copy_(w.pop(p + "input_layernorm.weight"))
+                layer.post_norm.copy_(w.pop(p + "post_attention_layernorm.weight"))
+                layer.qkv.copy_(torch.cat([w.pop(a + n + "_proj.weight") for n in "qkv"]))
+                if layer.qkv_bias is not None:
+                    layer.qkv_bias.copy_(torch.cat([w.pop(a + n + "_proj.bias") for n in "qkv"]))
+                layer.o.copy_(w.pop(a + "o_proj.weight"))
+                layer.gate_up.copy_(torch.cat([w.pop(p + "mlp.gate_proj.weight"),
+                                               w.pop(p + "mlp.up_proj.weight")]))
+                layer.down.copy_(w.pop(p + "mlp.down_proj.weight"))
+        leftover = [k for k in w if "rotary_emb" not in k]
+        if leftover:
+            raise ValueError(f"unexpected weights in checkpoint: {leftover[:5]}")

@@ -1,0 +1,130 @@
+"""In-process engine: add requests, step, get tokens. Workers wrap the same pieces."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from tetri_server.engine.loader import load_model
+from tetri_server.engine.runner import ModelRunner
+from tetri_server.engine.sampling import make_generator
+from tetri_server.engine.scheduler import StepScheduler
+from tetri_server.engine.sequence import Sequence, SeqStatus
+from tetri_server.engine.stops import append_token
+from tetri_server.kv.blocks import BlockAllocator, blocks_for
+from tetri_server.kv.manager import KVCacheManager
+from tetri_server.messages import SamplingParams, TokenDelta
+
+DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_path: str
+    dtype: str = "float32"
+    device: str = "cpu"
+    block_size: int = 16
+    num_blocks: int = 0  # 0 = from kv_memory_gb
+    kv_memory_gb: float = 1.0
+    mode: str = "coupled"  # coupled | chunked
+    chunk_size: int = 512
+    max_batch: int = 32
+    max_model_len: int = 0  # 0 = the model's max_position_embeddings
+    pad_chunks: bool = False
+
+
+def num_blocks_for_memory(kv_elems_per_token: int, dtype: torch.dtype, block_size: int,
+                          memory_gb: float) -> int:
+    return int(memory_gb * 2**30) // (kv_elems_per_token * DTYPE_BYTES[dtype] * block_size)
+
+
+class LLMEngine:
+    """Single-process engine. ``step()`` = schedule -> execute -> update."""
+
+    def __init__(self, cfg: EngineConfig) -> None:
+        self.cfg = cfg
+        self.device = torch.device(cfg.device)
+        self.model, self.spec = load_model(cfg.model_path, cfg.dtype, self.device)
+        dtype = next(self.model.parameters()).dtype
+        s = self.spec
+        limit = s.max_position_embeddings if s.sliding_window is None else min(
+            s.max_position_embeddings, s.sliding_window)
+        self.max_model_len = min(cfg.max_model_len or limit, limit)
+        num_blocks = cfg.num_blocks or num_blocks_for_memory(
+            s.kv_bytes_per_token, dtype, cfg.block_size, cfg.kv_memory_gb)
+        if num_blocks < blocks_for(self.max_model_len, cfg.block_size):
+            raise ValueError(f"KV pool of {num_blocks} blocks cannot hold one sequence of "
+                             f"max_model_len={self.max_model_len}")
+        self.kv = torch.zeros(s.num_layers, 2, s.num_kv_heads, num_blocks * cfg.block_size,
+                              s.head_dim, dtype=dtype, device=self.device)
+        self.allocator = BlockAllocator(num_blocks)
+        self.kv_manager = KVCacheManager(self.allocator, self.kv, cfg.block_size)
+        self.runner = ModelRunner(self.model, s, self.kv, cfg.block_size, self.device)
+        self.scheduler = StepScheduler(self.kv_manager, cfg.mode, cfg.chunk_size, cfg.max_batch,
+                                       pad_chunks=cfg.pad_chunks)
+        self.seqs: dict[int, Sequence] = {}
+
+    def add_request(self, req_id: int, prompt_ids: list[int],
+                    params: SamplingParams | None = None) -> None:
+        params = params or SamplingParams()
+        if not prompt_ids:
+            raise ValueError("prompt is empty")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(prompt_ids)} tokens; max_model_len is "
+                             f"{self.max_model_len}")
+        if req_id in self.seqs:
+            raise ValueError(f"duplicate request id {req_id}")
+        seq = Sequence(req_id, list(prompt_ids), len(prompt_ids), params,
+                       arrival_s=time.monotonic(),
+                       generator=make_generator(params.seed, self.device))
+        self.seqs[req_id] = seq
+        self.scheduler.add(seq)
+
+    def abort(self, req_id: int) -> None:
+        seq = self.seqs.pop(req_id, None)
+        if seq is not None:
+            seq.status = SeqStatus.FINISHED
+            self.scheduler.remove(seq)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[TokenDelta]:
+        plan = self.scheduler.schedule()
+        if not plan.items:
+            if self.scheduler.waiting and not self.scheduler.running:
+                raise RuntimeError("no request fits in the KV pool")
+            return []
+        result = self.runner.execute(plan)
+        deltas: list[TokenDelta] = []
+        for item, tok, lp in zip(plan.items, result.sampled, result.logprobs, strict=True):
+            if tok is None:
+                continue
+            seq = item.seq
+            reason = append_token(seq, tok, lp, self.spec.eos_token_ids, self.max_model_len)
+            new = seq.token_ids[seq.num_prompt + seq.num_emitted:]
+            new_lp = seq.logprobs[seq.num_emitted:] if seq.params.logprobs else None
+            seq.num_emitted = seq.num_output
+            if reason is not None:
+                seq.status = SeqStatus.FINISHED
+                seq.finish_reason = reason
+                self.scheduler.remove(seq)
+                del self.seqs[seq.req_id]
+            deltas.append(TokenDelta(seq.req_id, new, new_lp, reason))
+        self.scheduler.on_step_done(plan)
+        return deltas
+
+    def generate(self, prompts: list[list[int]],
+                 params: SamplingParams | list[SamplingParams] | None = None) -> list[list[int]]:
+        """Run prompts to completion; returns the output token ids of each."""
+        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        base = max(self.seqs, default=-1) + 1
+        for i, (p, sp) in enumerate(zip(prompts, plist, strict=True)):
+            self.add_request(base + i, p, sp)
+        out: dict[int, list[int]] = {base + i: [] for i in range(len(prompts))}
+        while self.has_unfinished():
+            for d in self.step():
+                out[d.req_id].extend(d.token_ids)
+        return [out[base + i] for i in range(len(prompts))]

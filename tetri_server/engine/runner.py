@@ -1,0 +1,103 @@
+"""Model runner: turns a step plan into one forward over a packed, ragged batch and samples."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tetri_server.engine.attention import BatchMetadata
+from tetri_server.engine.loader import CausalLM
+from tetri_server.engine.sampling import sample
+from tetri_server.engine.sequence import Sequence
+from tetri_server.engine.spec import ModelSpec
+
+
+@dataclass
+class ScheduledSeq:
+    """Compute the next ``num_tokens`` uncomputed tokens of ``seq`` (a prompt chunk, or 1 for a
+    decode step). Its blocks must already hold ``seq.num_computed + num_tokens`` tokens."""
+
+    seq: Sequence
+    num_tokens: int
+
+
+@dataclass
+class StepPlan:
+    items: list[ScheduledSeq]
+    num_pad: int = 0  # padding tokens after the real ones (fixed-size chunks)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(i.num_tokens for i in self.items) + self.num_pad
+
+
+@dataclass
+class StepResult:
+    """``sampled[i]`` is the new token of ``plan.items[i]``, or None when that item was a
+    non-final chunk of a prompt (nothing to sample yet)."""
+
+    sampled: list[int | None]
+    logprobs: list[float | None]
+
+
+class ModelRunner:
+    """Owns the model and the KV pool tensor of one worker. Not thread-safe."""
+
+    def __init__(self, model: CausalLM, spec: ModelSpec, kv: torch.Tensor, block_size: int,
+                 device: torch.device) -> None:
+        self.model = model
+        self.spec = spec
+        self.kv = kv
+        self.block_size = block_size
+        self.device = device
+
+    def _build(self, plan: StepPlan) -> tuple[torch.Tensor, BatchMetadata, list[int], list[int]]:
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        q_starts, q_lens, ctx_lens, kv_starts, sample_rows, sample_items = [], [], [], [], [], []
+        for n, item in enumerate(plan.items):
+            seq, k = item.seq, item.num_tokens
+            start, end = seq.num_computed, seq.num_computed + k
+            assert end <= seq.num_tokens and k > 0, (seq.req_id, start, k, seq.num_tokens)
+            base = seq.blocks[0] * self.block_size
+            assert len(seq.blocks) * self.block_size >= end, "blocks not reserved"
+            q_starts.append(len(ids))
+            q_lens.append(k)
+            ctx_lens.append(end)
+            kv_starts.append(base)
+            ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(range(base + start, base + end))
+            if end == seq.num_tokens:
+                sample_rows.append(len(ids) - 1)
+                sample_items.append(n)
+        ids.extend([0] * plan.num_pad)
+        positions.extend([0] * plan.num_pad)
+        dev = self.device
+        meta = BatchMetadata(
+            q_starts=q_starts, q_lens=q_lens, ctx_lens=ctx_lens, kv_starts=kv_starts,
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            num_real=len(slots))
+        return torch.tensor(ids, dtype=torch.long, device=dev), meta, sample_rows, sample_items
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Run the forward, advance ``num_computed`` of every item, sample where a sequence's
+        tokens are all computed. The caller appends the sampled tokens."""
+        ids, meta, rows, items = self._build(plan)
+        rows_t = torch.tensor(rows, dtype=torch.long, device=self.device)
+        logits = self.model(ids, meta, self.kv, rows_t)
+        for item in plan.items:
+            item.seq.num_computed += item.num_tokens
+        sampled: list[int | None] = [None] * len(plan.items)
+        logprobs: list[float | None] = [None] * len(plan.items)
+        if items:
+            seqs = [plan.items[n].seq for n in items]
+            toks, lps = sample(logits, seqs)
+            for j, n in enumerate(items):
+                sampled[n] = toks[j]
+                logprobs[n] = lps[j] if lps is not None else None
+        return StepResult(sampled, logprobs)

@@ -1,0 +1,53 @@
+"""One request inside a worker: its tokens, how much of its KV is computed, its blocks."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from tetri_server.messages import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"  # queued for (re)prefill; no blocks, or blocks being filled by chunks
+    RUNNING = "running"  # prompt done, decoding
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """Owned by exactly one worker at a time. ``blocks`` is one extent (consecutive ids) holding
+    the KV of ``token_ids[:num_computed]``; the last token in ``token_ids`` may not be computed."""
+
+    req_id: int
+    token_ids: list[int]
+    num_prompt: int
+    params: SamplingParams
+    arrival_s: float = 0.0
+    num_computed: int = 0
+    blocks: list[int] = field(default_factory=list)
+    status: SeqStatus = SeqStatus.WAITING
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    generator: torch.Generator | None = None
+    num_emitted: int = 0  # output tokens already reported to the caller
+    predicted_bucket: int = 0
+    predicted_len: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.num_prompt
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt:]

@@ -1,0 +1,78 @@
+"""Keeps each sequence's blocks one extent of the pool, growing in place or relocating."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+from tetri_server.kv.blocks import BlockAllocator, OutOfBlocks, blocks_for
+
+if TYPE_CHECKING:
+    import torch
+
+
+class HasBlocks(Protocol):
+    blocks: list[int]
+    num_computed: int
+
+
+class KVCacheManager:
+    """Allocation on top of a ``BlockAllocator`` for one pool tensor
+    ``kv: [layers, 2, kv_heads, num_blocks * block_size, head_dim]``.
+
+    ``reserve(seq, n)`` makes ``seq.blocks`` hold at least ``n`` tokens: in place when the next
+    blocks are free, else by moving the computed KV to a new extent (one strided copy)."""
+
+    def __init__(self, allocator: BlockAllocator, kv: torch.Tensor, block_size: int) -> None:
+        self.allocator = allocator
+        self.kv = kv
+        self.block_size = block_size
+        self.num_relocations = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.allocator.num_free
+
+    def can_reserve(self, seq: HasBlocks, num_tokens: int) -> bool:
+        need = blocks_for(num_tokens, self.block_size) - len(seq.blocks)
+        if need <= 0:
+            return True
+        if not seq.blocks:
+            return self.allocator.can_allocate(need)
+        return (self.allocator.free_after(seq.blocks[-1]) >= need
+                or self.allocator.can_allocate(len(seq.blocks) + need))
+
+    def reserve(self, seq: HasBlocks, num_tokens: int) -> bool:
+        """Grow ``seq.blocks`` to hold ``num_tokens`` tokens. False (nothing changed) if the pool
+        has no room."""
+        need = blocks_for(num_tokens, self.block_size) - len(seq.blocks)
+        if need <= 0:
+            return True
+        if not seq.blocks:
+            try:
+                seq.blocks = self.allocator.allocate(need)
+            except OutOfBlocks:
+                return False
+            return True
+        if self.allocator.extend(seq.blocks, need):
+            return True
+        try:
+            new = self.allocator.allocate(len(seq.blocks) + need)
+        except OutOfBlocks:
+            return False
+        self._move(seq.blocks[0], new[0], seq.num_computed)
+        self.allocator.free(seq.blocks)
+        seq.blocks = new
+        self.num_relocations += 1
+        return True
+
+    def free(self, seq: HasBlocks) -> None:
+        if seq.blocks:
+            self.allocator.free(seq.blocks)
+            seq.blocks = []
+
+    def _move(self, old_block: int, new_block: int, num_tokens: int) -> None:
+        if num_tokens == 0:
+            return
+        bs = self.block_size
+        src = self.kv[:, :, :, old_block * bs:old_block * bs + num_tokens]
+        self.kv[:, :, :, new_block * bs:new_block * bs + num_tokens].copy_(src)

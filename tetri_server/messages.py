@@ -1,0 +1,208 @@
+"""Every type that crosses a process boundary. This file is the wire contract.
+
+Rules: msgspec Structs only (no pickle, no tensors); every message on a channel is a member of
+that channel's tagged union; fields are only ever appended, never reordered or removed; hot
+messages use ``array_like=True``. Send deltas (new tokens, new block ids), not state.
+
+Channels (one SPSC ring per direction per peer, see ``channel.py``):
+    control -> worker   ``ToWorker``       AddRequest, Abort, Shutdown, DecodeView, PeerPools, ...
+    worker  -> control  ``FromWorker``     Ready, StepOutput, LoadReport, RequestFailed, ...
+    prefill -> decode   ``ToDecode``       Handoff
+    decode  -> prefill  ``ToPrefill``      KVPulled, HandoffRejected
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class SamplingParams(msgspec.Struct, frozen=True, array_like=True):
+    """How to pick tokens. Stop *strings* are matched by the control process on detokenized
+    text; workers only see token-level stops."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    logprobs: bool = False
+    min_tokens: int = 0
+
+
+class PoolHandle(msgspec.Struct, frozen=True):
+    """How a peer maps a worker's KV pool. Exported once at worker start-up.
+
+    ``transport`` is ``shm`` (``name`` is a shared-memory segment) or ``cuda_ipc`` (``ipc_handle``
+    is a cudaIpcMemHandle as bytes, ``device`` the CUDA ordinal). Layout: one contiguous buffer of
+    ``[num_layers, 2, num_blocks * block_size, num_kv_heads, head_dim]`` elements of ``dtype``.
+    """
+
+    worker_id: int
+    transport: str
+    name: str
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    ipc_handle: bytes = b""
+    device: int = -1
+
+
+# ---------------------------------------------------------------- control -> worker
+
+
+class AddRequest(msgspec.Struct, tag=True, array_like=True):
+    """A new request for a prefill (or coupled) worker. The worker owns it until it reports a
+    finish, a failure, or hands it off (disaggregated: the decode worker then owns it)."""
+
+    req_id: int
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    arrival_s: float
+    true_output_len: int | None = None  # only for predictor.kind = "oracle"
+    prompt_text: str = ""  # for the length predictor
+
+
+class Abort(msgspec.Struct, tag=True, array_like=True):
+    """Drop a request wherever it is; its blocks are freed within one step."""
+
+    req_id: int
+
+
+class Shutdown(msgspec.Struct, tag=True):
+    """Finish the current step, free everything, exit 0."""
+
+
+class PeerPools(msgspec.Struct, tag=True):
+    """The KV pools of the peers this worker may pull from (sent after all workers are ready,
+    and again after a restart). A worker drops mappings of pools that are no longer listed."""
+
+    pools: list[PoolHandle]
+
+
+class DecodeInstanceView(msgspec.Struct, array_like=True):
+    """One decode worker as the cluster monitor last saw it."""
+
+    worker_id: int
+    num_free_blocks: int
+    num_total_blocks: int
+    num_heavy: int
+    num_light: int
+    predicted_demand_blocks: int
+
+
+class DecodeView(msgspec.Struct, tag=True, array_like=True):
+    """Broadcast by the cluster monitor to every prefill worker every ``monitor.interval_ms``."""
+
+    seq: int
+    decodes: list[DecodeInstanceView]
+
+
+class SetRole(msgspec.Struct, tag=True):
+    """Instance flip: once drained, the worker switches role without reloading weights."""
+
+    role: str
+
+
+# ---------------------------------------------------------------- worker -> control
+
+
+class Ready(msgspec.Struct, tag=True):
+    """The worker has loaded the model and exported its KV pool."""
+
+    worker_id: int
+    role: str
+    pool: PoolHandle
+    chunk_size: int
+    pid: int
+
+
+class TokenDelta(msgspec.Struct, array_like=True):
+    """New tokens of one request since the last StepOutput. ``finish_reason`` is set on the
+    last delta of a request: ``stop`` | ``length`` | ``abort``."""
+
+    req_id: int
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    finish_reason: str | None = None
+
+
+class StepOutput(msgspec.Struct, tag=True, array_like=True):
+    """Every token produced by one model step of one worker, in one message."""
+
+    worker_id: int
+    deltas: list[TokenDelta]
+
+
+class RequestFailed(msgspec.Struct, tag=True, array_like=True):
+    """The request cannot finish; the control process turns this into an error for the client."""
+
+    req_id: int
+    error: str
+
+
+class Dispatched(msgspec.Struct, tag=True, array_like=True):
+    """A prefill worker handed a request to a decode worker (for the request table)."""
+
+    req_id: int
+    decode_worker: int
+    predicted_bucket: int
+
+
+class LoadReport(msgspec.Struct, tag=True, array_like=True):
+    """Sent every ``monitor.interval_ms`` by every worker to the cluster monitor."""
+
+    worker_id: int
+    role: str
+    num_waiting: int
+    num_running: int
+    num_queued_prompt_tokens: int
+    num_free_blocks: int
+    num_total_blocks: int
+    num_heavy: int
+    num_light: int
+    predicted_demand_blocks: int
+    busy_s: float  # cumulative seconds spent in model steps
+    num_preemptions: int = 0
+
+
+# ---------------------------------------------------------------- prefill <-> decode
+
+
+class Handoff(msgspec.Struct, tag=True, array_like=True):
+    """A prefilled request moves to a decode worker. Its blocks in the prefill worker's pool stay
+    held until the decode worker answers with KVPulled (or HandoffRejected)."""
+
+    req_id: int
+    src_worker: int
+    src_block_ids: list[int]
+    token_ids: list[int]  # prompt + the first generated token (its KV is not yet computed)
+    num_prompt_tokens: int
+    sampling: SamplingParams
+    predicted_bucket: int
+    predicted_len: int
+    arrival_s: float
+
+
+class KVPulled(msgspec.Struct, tag=True, array_like=True):
+    """The decode worker holds its own copy of the KV: the prefill worker frees its blocks."""
+
+    req_id: int
+
+
+class HandoffRejected(msgspec.Struct, tag=True, array_like=True):
+    """The decode worker could not take the request (no room, pool unmapped); the prefill worker
+    keeps the KV and re-dispatches on the next view."""
+
+    req_id: int
+    reason: str
+
+
+ToWorker = AddRequest | Abort | Shutdown | PeerPools | DecodeView | SetRole
+FromWorker = Ready | StepOutput | RequestFailed | Dispatched | LoadReport
+ToDecode = Handoff
+ToPrefill = KVPulled | HandoffRejected

@@ -1,0 +1,173 @@
+"""Forward-pass planning over a ``PrefillQueue``: TetriInfer's fixed-size chunks and the two
+coupled baselines (Sarathi-like chunks riding on decode steps, vLLM-like prefill-first).
+
+Contract, for every planner here: ``plan`` is pure (it reads the queue, never changes it); the
+runtime executes the plan, then calls ``queue.advance(plan.slices)`` (``Chunker.on_done`` does)
+to record progress. KV blocks: a request's blocks for its whole prompt are allocated by the
+runtime when its first slice runs (``ChunkSlice.is_first``); given ``num_free_blocks`` the
+planner never starts a request whose prompt does not fit, and stops there (no overtaking, so a
+long prompt cannot starve behind short ones).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tetri_server.policy.prefill import ChunkSlice, PrefillQueue
+
+
+def num_blocks_for(num_tokens: int, block_size: int) -> int:
+    """Blocks needed to hold ``num_tokens`` tokens of KV."""
+    return -(-num_tokens // block_size)
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """One prefill-only forward pass of exactly ``chunk_size`` token slots: the slices packed
+    in queue order, then ``num_pad`` padding slots (non-zero only when the queue ran out, or a
+    ``max_seqs`` / free-block limit stopped packing). A runtime may skip computing the pad."""
+
+    slices: tuple[ChunkSlice, ...]
+    num_pad: int
+    chunk_size: int
+
+    @property
+    def num_tokens(self) -> int:
+        """Real (non-pad) tokens."""
+        return self.chunk_size - self.num_pad
+
+    @property
+    def req_ids(self) -> tuple[int, ...]:
+        return tuple(piece.req_id for piece in self.slices)
+
+
+@dataclass(frozen=True)
+class MixedStepPlan:
+    """One coupled-mode step: every request in ``decode_req_ids`` decodes one token, and the
+    prompt ``slices`` are prefilled, in one forward pass. No padding."""
+
+    decode_req_ids: tuple[int, ...]
+    slices: tuple[ChunkSlice, ...]
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(piece.num_tokens for piece in self.slices)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decode_req_ids) + self.num_prefill_tokens
+
+
+def take_slices(
+    queue: PrefillQueue,
+    num_budget_tokens: int,
+    *,
+    split: bool = True,
+    max_seqs: int | None = None,
+    num_free_blocks: int | None = None,
+    block_size: int = 16,
+) -> tuple[ChunkSlice, ...]:
+    """Fill ``num_budget_tokens`` with prompt slices in queue order. ``split``: long prompts
+    are cut at the budget; otherwise only whole remaining prompts are taken, except that the
+    head is always taken whole (a prompt longer than the budget must still run)."""
+    slices: list[ChunkSlice] = []
+    budget = num_budget_tokens
+    num_free = num_free_blocks
+    for prompt in queue.order():
+        if budget <= 0 or (max_seqs is not None and len(slices) >= max_seqs):
+            break
+        n = min(budget, prompt.num_remaining_tokens) if split else prompt.num_remaining_tokens
+        if not split and slices and n > budget:
+            break
+        if num_free is not None and not prompt.started:
+            need = num_blocks_for(prompt.num_prompt_tokens, block_size)
+            if need > num_free:
+                break
+            num_free -= need
+        slices.append(
+            ChunkSlice(prompt.req_id, prompt.num_done_tokens, n, prompt.num_prompt_tokens)
+        )
+        budget -= n
+    return tuple(slices)
+
+
+class Chunker:
+    """TetriInfer's chunked prefill: every forward pass carries exactly ``chunk_size`` tokens
+    (the throughput knee). Long prompts are split across passes, short ones packed together
+    (Tetris), only the last pass before the queue runs dry is padded."""
+
+    def __init__(self, chunk_size: int, *, block_size: int = 16, max_seqs: int | None = None):
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        self.chunk_size = chunk_size
+        self.block_size = block_size
+        self.max_seqs = max_seqs
+
+    def plan(self, queue: PrefillQueue, num_free_blocks: int | None = None) -> ChunkPlan | None:
+        """The next forward pass, or None when nothing can run (empty queue, or no blocks for
+        the head request)."""
+        slices = take_slices(
+            queue,
+            self.chunk_size,
+            max_seqs=self.max_seqs,
+            num_free_blocks=num_free_blocks,
+            block_size=self.block_size,
+        )
+        if not slices:
+            return None
+        num_real = sum(piece.num_tokens for piece in slices)
+        return ChunkPlan(slices, self.chunk_size - num_real, self.chunk_size)
+
+    def on_done(self, queue: PrefillQueue, plan: ChunkPlan) -> list[int]:
+        """The pass ran: advance progress. Returns the requests whose prompt is complete (the
+        runtime samples their first token and dispatches them)."""
+        return queue.advance(plan.slices)
+
+
+def coupled_chunked_plan(
+    queue: PrefillQueue,
+    decode_req_ids: Sequence[int],
+    num_budget_tokens: int,
+    *,
+    max_seqs: int | None = None,
+    num_free_blocks: int | None = None,
+    block_size: int = 16,
+) -> MixedStepPlan:
+    """Sarathi-like step: all running decodes (one token each) run; prompt slices fill what is
+    left of the token budget. Decodes are never dropped for prefill, so a step may exceed the
+    budget when there are more decodes than budget. ``max_seqs`` bounds the whole step."""
+    num_left = max(0, num_budget_tokens - len(decode_req_ids))
+    seq_room = None if max_seqs is None else max(0, max_seqs - len(decode_req_ids))
+    slices = take_slices(
+        queue,
+        num_left,
+        max_seqs=seq_room,
+        num_free_blocks=num_free_blocks,
+        block_size=block_size,
+    )
+    return MixedStepPlan(tuple(decode_req_ids), slices)
+
+
+def prefill_first_plan(
+    queue: PrefillQueue,
+    decode_req_ids: Sequence[int],
+    num_budget_tokens: int,
+    *,
+    max_seqs: int | None = None,
+    num_free_blocks: int | None = None,
+    block_size: int = 16,
+) -> MixedStepPlan:
+    """vLLM-like step (no chunking): if any whole prompt can start, the step prefills whole
+    prompts up to the budget and decodes pause; otherwise every running request decodes."""
+    slices = take_slices(
+        queue,
+        num_budget_tokens,
+        split=False,
+        max_seqs=max_seqs,
+        num_free_blocks=num_free_blocks,
+        block_size=block_size,
+    )
+    if slices:
+        return MixedStepPlan((), slices)
+    return MixedStepPlan(tuple(decode_req_ids), ())
