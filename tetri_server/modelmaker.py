@@ -76,9 +76,12 @@ def _tokenizer_ids() -> dict[str, int]:
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(TOKENIZER_DIR / "tokenizer.json"))
-    ids = {name: tok.token_to_id(token) for name, token in
-           (("bos", "<s>"), ("eos", "</s>"), ("pad", "<pad>"))}
-    ids["vocab"] = tok.get_vocab_size(with_added_tokens=True)
+    ids = {"vocab": tok.get_vocab_size(with_added_tokens=True)}
+    for name, token in (("bos", "<s>"), ("eos", "</s>"), ("pad", "<pad>")):
+        token_id = tok.token_to_id(token)
+        if token_id is None:
+            raise ValueError(f"shipped tokenizer lacks {token}")
+        ids[name] = token_id
     return ids
 
 

@@ -34,7 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     elapsed_s = time.perf_counter() - start
     size_mb = (path / "model.safetensors").stat().st_size / 1e6
     print(path)
-    print(f"parameters: {count_parameters(path):,}  weights: {size_mb:.1f} MB  made in {elapsed_s:.1f} s")
+    num_params = count_parameters(path)
+    print(f"parameters: {num_params:,}  weights: {size_mb:.1f} MB  made in {elapsed_s:.1f} s")
     return 0
 
 

@@ -1,0 +1,55 @@
+"""What the HTTP layer needs from the serving backend (the control process's cluster).
+
+The API (``tetri_server/api``) tokenizes, validates, detokenizes, matches stop strings and
+streams; the backend schedules and runs. One ``RequestStream`` per request: iterate it for token
+deltas; ``abort()`` it when the client goes away or a stop string matched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+from tetri_server.messages import SamplingParams, TokenDelta
+
+
+class GenerationError(Exception):
+    """The request cannot finish (worker died without a live replacement, timeout, transfer
+    failure). The client gets an error (SSE error event or 5xx), never an empty 200."""
+
+
+class QueueFullError(Exception):
+    """Admission limit reached: the client gets 429 with ``Retry-After``."""
+
+    def __init__(self, retry_after_s: float = 1.0) -> None:
+        super().__init__("server is at its queue limit; retry later")
+        self.retry_after_s = retry_after_s
+
+
+class RequestStream(Protocol):
+    req_id: int
+
+    def __aiter__(self) -> AsyncIterator[TokenDelta]:
+        """Token deltas in order; the last one has ``finish_reason`` set. Raises
+        ``GenerationError`` if the request fails. Every wait inside is bounded."""
+        ...
+
+    async def abort(self) -> None:
+        """Stop the request and free its blocks (within one worker step). Idempotent."""
+        ...
+
+
+class Backend(Protocol):
+    model_name: str
+    max_model_len: int
+    tokenizer: Any  # a transformers tokenizer loaded from the model folder
+    eos_token_ids: tuple[int, ...]
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, *, prompt_text: str = "",
+               true_output_len: int | None = None) -> RequestStream:
+        """Register and schedule a request. Raises ``QueueFullError`` at the queue limit."""
+        ...
+
+    def is_ready(self) -> bool:
+        """True only while every worker is up and ready (``GET /health``)."""
+        ...
