@@ -127,13 +127,15 @@ class Channel(Generic[T]):
     """One SPSC ring of ``msg_type`` messages (usually a tagged union from ``messages.py``)."""
 
     def __init__(self, shm: SharedMemory, spec: ChannelSpec, msg_type: Any, owner: bool) -> None:
+        # First, so that an unsupported msg_type fails before anything is mapped.
+        self._decoder: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(msg_type)
+        self._encoder = msgspec.msgpack.Encoder()
         self.spec = spec
         self._shm, self._owner = shm, owner
         self._cap = spec.capacity
+        assert shm.buf is not None  # None only after shm.close()
         self._view = shm.buf[: _DATA + spec.capacity]
         self._words = self._view.cast("Q")
-        self._encoder = msgspec.msgpack.Encoder()
-        self._decoder: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(msg_type)
         self._data_fd, self._space_fd = spec.data_fd, spec.space_fd
         self._data_poll, self._space_poll = _poller(spec.data_fd), _poller(spec.space_fd)
         self._async_lock: asyncio.Lock | None = None
@@ -146,18 +148,18 @@ class Channel(Generic[T]):
         them in ``pass_fds`` inherit them). The caller owns the name and must ``unlink`` it."""
         if capacity < 64 or capacity % 8:
             raise ValueError(f"channel capacity must be a multiple of 8 >= 64, got {capacity}")
-        shm = SharedMemory(name=name, create=True, size=_DATA + capacity)
-        fds: list[int] = []
+        fds = [os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC) for _ in range(2)]
+        shm: SharedMemory | None = None
         try:
-            for _ in range(2):
-                fds.append(os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC))
+            shm = SharedMemory(name=name, create=True, size=_DATA + capacity)
+            channel: Channel[Any] = cls(shm, ChannelSpec(name, capacity, *fds), msg_type, True)
         except BaseException:
+            if shm is not None:
+                shm.close()
+                shm.unlink()
             for fd in fds:
                 os.close(fd)
-            shm.close()
-            shm.unlink()
             raise
-        channel: Channel[Any] = cls(shm, ChannelSpec(name, capacity, *fds), msg_type, owner=True)
         channel._words[_CAPACITY] = capacity
         channel._words[0] = _MAGIC
         return channel
@@ -176,7 +178,11 @@ class Channel(Generic[T]):
             shm = SharedMemory(name=spec.name)
             # 3.11/3.12 track attached segments too and would unlink the parent's at our exit.
             resource_tracker.unregister(f"/{shm.name}", "shared_memory")
-        channel: Channel[Any] = cls(shm, spec, msg_type, owner=False)
+        try:
+            channel: Channel[Any] = cls(shm, spec, msg_type, owner=False)
+        except BaseException:
+            shm.close()
+            raise
         if channel._words[0] != _MAGIC or channel._words[_CAPACITY] != spec.capacity:
             channel.close()
             raise ValueError(f"channel {spec.name}: segment does not match its spec")

@@ -1,14 +1,17 @@
 """Every type that crosses a process boundary. This file is the wire contract.
 
 Rules: msgspec Structs only (no pickle, no tensors); every message on a channel is a member of
-that channel's tagged union; fields are only ever appended, never reordered or removed; hot
+that channel's tagged union (members of one union must all be ``array_like``); fields are only ever appended, never reordered or removed; hot
 messages use ``array_like=True``. Send deltas (new tokens, new block ids), not state.
 
-Channels (one SPSC ring per direction per peer, see ``channel.py``):
-    control -> worker   ``ToWorker``       AddRequest, Abort, Shutdown, DecodeView, PeerPools, ...
-    worker  -> control  ``FromWorker``     Ready, StepOutput, LoadReport, RequestFailed, ...
-    prefill -> decode   ``ToDecode``       Handoff
-    decode  -> prefill  ``ToPrefill``      KVPulled, HandoffRejected
+Channels (one SPSC ring per direction between control and each worker, see ``channel.py``):
+    control -> worker   ``ToWorker``       AddRequest, Abort, Shutdown, DecodeView, PeerPools,
+                                           SetRole, Handoff, KVPulled, HandoffRejected
+    worker  -> control  ``FromWorker``     Ready, StepOutput, LoadReport, RequestFailed,
+                                           Dispatched, Handoff, KVPulled, HandoffRejected
+Prefill<->decode messages (Handoff, KVPulled, HandoffRejected) travel through the control process,
+which forwards them: a star keeps worker restarts and role flips local to one worker's channels,
+and lets the request table always know a request's owner. KV bytes never travel in messages.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from __future__ import annotations
 import msgspec
 
 
-class SamplingParams(msgspec.Struct, frozen=True, array_like=True):
+class SamplingParams(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """How to pick tokens. Stop *strings* are matched by the control process on detokenized
     text; workers only see token-level stops."""
 
@@ -73,11 +76,11 @@ class Abort(msgspec.Struct, tag=True, array_like=True):
     req_id: int
 
 
-class Shutdown(msgspec.Struct, tag=True):
+class Shutdown(msgspec.Struct, tag=True, array_like=True):
     """Finish the current step, free everything, exit 0."""
 
 
-class PeerPools(msgspec.Struct, tag=True):
+class PeerPools(msgspec.Struct, tag=True, array_like=True):
     """The KV pools of the peers this worker may pull from (sent after all workers are ready,
     and again after a restart). A worker drops mappings of pools that are no longer listed."""
 
@@ -102,7 +105,7 @@ class DecodeView(msgspec.Struct, tag=True, array_like=True):
     decodes: list[DecodeInstanceView]
 
 
-class SetRole(msgspec.Struct, tag=True):
+class SetRole(msgspec.Struct, tag=True, array_like=True):
     """Instance flip: once drained, the worker switches role without reloading weights."""
 
     role: str
@@ -111,7 +114,7 @@ class SetRole(msgspec.Struct, tag=True):
 # ---------------------------------------------------------------- worker -> control
 
 
-class Ready(msgspec.Struct, tag=True):
+class Ready(msgspec.Struct, tag=True, array_like=True):
     """The worker has loaded the model and exported its KV pool."""
 
     worker_id: int
@@ -121,7 +124,7 @@ class Ready(msgspec.Struct, tag=True):
     pid: int
 
 
-class TokenDelta(msgspec.Struct, array_like=True):
+class TokenDelta(msgspec.Struct, array_like=True, gc=False):
     """New tokens of one request since the last StepOutput. ``finish_reason`` is set on the
     last delta of a request: ``stop`` | ``length`` | ``abort``."""
 
@@ -131,7 +134,7 @@ class TokenDelta(msgspec.Struct, array_like=True):
     finish_reason: str | None = None
 
 
-class StepOutput(msgspec.Struct, tag=True, array_like=True):
+class StepOutput(msgspec.Struct, tag=True, array_like=True, gc=False):
     """Every token produced by one model step of one worker, in one message."""
 
     worker_id: int
@@ -170,7 +173,7 @@ class LoadReport(msgspec.Struct, tag=True, array_like=True):
     num_preemptions: int = 0
 
 
-# ---------------------------------------------------------------- prefill <-> decode
+# ------------------------------------------------ prefill <-> decode (forwarded by control)
 
 
 class Handoff(msgspec.Struct, tag=True, array_like=True):
@@ -202,7 +205,7 @@ class HandoffRejected(msgspec.Struct, tag=True, array_like=True):
     reason: str
 
 
-ToWorker = AddRequest | Abort | Shutdown | PeerPools | DecodeView | SetRole
-FromWorker = Ready | StepOutput | RequestFailed | Dispatched | LoadReport
-ToDecode = Handoff
-ToPrefill = KVPulled | HandoffRejected
+ToWorker = (AddRequest | Abort | Shutdown | PeerPools | DecodeView | SetRole | Handoff | KVPulled
+            | HandoffRejected)
+FromWorker = (Ready | StepOutput | RequestFailed | Dispatched | LoadReport | Handoff | KVPulled
+              | HandoffRejected)
