@@ -1,0 +1,73 @@
+"""Scheduling policies. PURE and synchronous: no torch, asyncio, aiohttp or cupy; no clock
+reads, no I/O. Time (``now_s``), randomness (``random.Random``) and ids are passed in. Workers
+and the simulator run the same objects: ``plan = policy.plan(...)``, the runtime executes it,
+``policy.on_done(...)``.
+"""
+
+from __future__ import annotations
+
+from tetri_server.policy.chunker import (
+    Chunker,
+    ChunkPlan,
+    MixedStepPlan,
+    coupled_chunked_plan,
+    num_blocks_for,
+    prefill_first_plan,
+    take_slices,
+)
+from tetri_server.policy.decode import (
+    DECODE_POLICIES,
+    AdmitPlan,
+    DecodeAdmission,
+    DecodeLoad,
+    DecodePolicyName,
+    DecodeStepPlan,
+    PreemptPlan,
+)
+from tetri_server.policy.dispatch import (
+    Dispatcher,
+    DispatchPlan,
+    RoundRobinDispatcher,
+    TetriDispatcher,
+)
+from tetri_server.policy.flip import FlipPlan, FlipPolicy
+from tetri_server.policy.global_sched import LeastLoadedPicker
+from tetri_server.policy.knee import pick_chunk_size, throughput_curve
+from tetri_server.policy.prefill import (
+    PREFILL_ORDERS,
+    ChunkSlice,
+    PrefillOrder,
+    PrefillQueue,
+    QueuedPrompt,
+)
+
+__all__ = [
+    "DECODE_POLICIES",
+    "PREFILL_ORDERS",
+    "AdmitPlan",
+    "ChunkPlan",
+    "ChunkSlice",
+    "Chunker",
+    "DecodeAdmission",
+    "DecodeLoad",
+    "DecodePolicyName",
+    "DecodeStepPlan",
+    "DispatchPlan",
+    "Dispatcher",
+    "FlipPlan",
+    "FlipPolicy",
+    "LeastLoadedPicker",
+    "MixedStepPlan",
+    "PreemptPlan",
+    "PrefillOrder",
+    "PrefillQueue",
+    "QueuedPrompt",
+    "RoundRobinDispatcher",
+    "TetriDispatcher",
+    "coupled_chunked_plan",
+    "num_blocks_for",
+    "pick_chunk_size",
+    "prefill_first_plan",
+    "take_slices",
+    "throughput_curve",
+]

@@ -74,7 +74,7 @@ def take_slices(
     slices: list[ChunkSlice] = []
     budget = num_budget_tokens
     num_free = num_free_blocks
-    for prompt in queue.order():
+    for prompt in queue.iter_order():
         if budget <= 0 or (max_seqs is not None and len(slices) >= max_seqs):
             break
         n = min(budget, prompt.num_remaining_tokens) if split else prompt.num_remaining_tokens

@@ -15,7 +15,7 @@ pass ran). ``order()`` is a pure view.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -74,7 +74,9 @@ class _Entry:
     num_done_tokens: int = 0
 
     def view(self) -> QueuedPrompt:
-        return QueuedPrompt(self.req_id, self.num_prompt_tokens, self.arrival_s, self.num_done_tokens)
+        return QueuedPrompt(
+            self.req_id, self.num_prompt_tokens, self.arrival_s, self.num_done_tokens
+        )
 
 
 class PrefillQueue:
@@ -130,11 +132,17 @@ class PrefillQueue:
 
     def order(self) -> list[QueuedPrompt]:
         """Every queued prompt in the order the chunker must serve them. Pure."""
-        ids = self._started + self._scheduled
-        raw_ids = [rid for _, _, rid in self._raw]
-        for lo in range(0, len(raw_ids), self.sched_batch):
-            ids.extend(self._sorted_round(raw_ids[lo : lo + self.sched_batch]))
-        return [self._entries[rid].view() for rid in ids]
+        return list(self.iter_order())
+
+    def iter_order(self) -> Iterator[QueuedPrompt]:
+        """``order()`` lazily: rounds are sorted only as far as the caller reads. Do not
+        mutate the queue while iterating."""
+        for rid in (*self._started, *self._scheduled):
+            yield self._entries[rid].view()
+        for lo in range(0, len(self._raw), self.sched_batch):
+            window = [rid for _, _, rid in self._raw[lo : lo + self.sched_batch]]
+            for rid in self._sorted_round(window):
+                yield self._entries[rid].view()
 
     def advance(self, slices: Iterable[ChunkSlice]) -> list[int]:
         """Record that ``slices`` ran. Returns the ids whose prompt is now complete, in slice

@@ -1,0 +1,177 @@
+"""Decode admission (level 2) driven by a fake runtime that owns a block pool."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+import pytest
+
+from tetri_server.policy import DecodeAdmission, DecodeStepPlan, num_blocks_for
+
+BLOCK = 16
+
+
+class FakeRuntime:
+    """Executes plans against a pool of ``num_total_blocks`` the way a decode worker does, and
+    fails the test if a plan ever needs more blocks than are free."""
+
+    def __init__(self, policy: str, num_total_blocks: int, **kwargs: int) -> None:
+        self.num_total_blocks = num_total_blocks
+        self.adm = DecodeAdmission(
+            policy,  # type: ignore[arg-type]
+            block_size=BLOCK,
+            num_total_blocks=num_total_blocks,
+            **kwargs,  # type: ignore[arg-type]
+        )
+        self.tokens: dict[int, int] = {}
+        self.held: dict[int, int] = {}
+
+    @property
+    def free(self) -> int:
+        return self.num_total_blocks - sum(self.held.values())
+
+    def add(self, rid: int, prompt: int, bucket: int, max_tokens: int = 4000, gen: int = 1) -> None:
+        self.tokens[rid] = prompt + gen
+        self.held[rid] = num_blocks_for(prompt + gen - 1, BLOCK)  # the pulled KV
+        assert self.free >= 0
+        self.adm.add(rid, prompt, prompt + gen, bucket, max_tokens)
+
+    def step(self, finished: Collection[int] = ()) -> DecodeStepPlan:
+        plan = self.adm.plan(self.free)
+        for rid in plan.preempt.req_ids:
+            self.held[rid] = 0
+        for rid in plan.fail_ids:
+            del self.held[rid], self.tokens[rid]
+        for rid in plan.run_ids:
+            self.held[rid] = num_blocks_for(self.tokens[rid], BLOCK)
+            assert self.free >= 0, "plan overcommitted the pool"
+        for rid in plan.run_ids:
+            if rid in finished:
+                del self.held[rid], self.tokens[rid]
+            else:
+                self.tokens[rid] += 1
+        self.adm.on_done(plan, finished)
+        return plan
+
+
+def with_long_running_request(policy: str) -> FakeRuntime:
+    rt = FakeRuntime(policy, 100)
+    rt.add(1, prompt=160, bucket=5)  # predicted 1000 more tokens: reserves 73 blocks
+    assert rt.step().admit.req_ids == (1,)
+    rt.add(2, prompt=320, bucket=1)  # 33 blocks predicted, 20 already held
+    return rt
+
+
+def test_reserve_static_refuses_what_greedy_admits() -> None:
+    assert with_long_running_request("greedy").step().admit.req_ids == (2,)
+    static = with_long_running_request("reserve-static")
+    for _ in range(5):
+        plan = static.step()
+        assert plan.admit.req_ids == () and plan.run_ids == (1,)
+    assert static.step(finished={1}).run_ids == (1,)
+    assert static.step().admit.req_ids == (2,)  # room again once the reservation is gone
+
+
+def near_finish_then_big_newcomer(policy: str, remaining: int) -> FakeRuntime:
+    rt = FakeRuntime(policy, 100)
+    rt.add(1, prompt=800, bucket=1, max_tokens=1000, gen=200 - remaining)
+    rt.step()
+    rt.add(2, prompt=320, bucket=3)  # 600 predicted tokens: 38 more blocks
+    return rt
+
+
+def test_reserve_dynamic_admits_when_the_shortest_running_request_is_about_to_finish() -> None:
+    assert near_finish_then_big_newcomer("reserve-static", 10).step().admit.req_ids == ()
+    assert near_finish_then_big_newcomer("reserve-dynamic", 10).step().admit.req_ids == (2,)
+
+
+def test_reserve_dynamic_refuses_when_the_pool_runs_out_before_anyone_finishes() -> None:
+    rt = FakeRuntime("reserve-dynamic", 100)
+    rt.add(1, prompt=800, bucket=5)  # 1000 predicted tokens: outgrows the pool on its own
+    rt.step()
+    rt.add(2, prompt=320, bucket=3)
+    assert rt.step().admit.req_ids == ()
+
+
+def test_reserve_policies_admit_into_an_empty_batch_even_if_predicted_too_big() -> None:
+    rt = FakeRuntime("reserve-static", 20)
+    rt.add(1, prompt=64, bucket=10)  # 2000 predicted tokens > 320-token pool
+    assert rt.step().admit.req_ids == (1,)
+
+
+def test_misprediction_raises_the_estimate_then_the_newest_is_preempted() -> None:
+    rt = FakeRuntime("reserve-static", 20, granularity=50)  # 320 tokens of KV
+    rt.add(1, prompt=64, bucket=1)  # predicted 50 tokens, both really run far longer
+    rt.add(2, prompt=64, bucket=1)
+    assert rt.step().admit.req_ids == (1, 2)
+    for _ in range(49):
+        rt.step()
+    assert rt.adm.predicted_len(1) == 100  # reached 50: raised to the next bucket
+    preempted: tuple[int, ...] = ()
+    for _ in range(100):
+        plan = rt.step()
+        if plan.preempt.req_ids:
+            preempted = plan.preempt.req_ids
+            break
+    assert preempted == (2,)  # admitted last, evicted first; 1 keeps running
+    assert rt.held[2] == 0 and rt.adm.running_ids == (1,)
+    assert rt.adm.load().num_preemptions == 1
+    rt.step(finished={1})
+    plan = rt.step()
+    assert plan.admit.req_ids == (2,) and plan.admit.recompute_ids == (2,)
+
+
+def test_a_context_that_outgrows_the_whole_pool_fails_instead_of_hanging() -> None:
+    rt = FakeRuntime("greedy", 4, watermark=0)  # 64 tokens
+    rt.add(1, prompt=48, bucket=0)
+    plans = [rt.step() for _ in range(18)]
+    assert plans[-2].preempt.req_ids == (1,)
+    assert plans[-1].fail_ids == (1,) and 1 not in rt.adm
+
+
+def test_max_batch_caps_the_running_batch() -> None:
+    rt = FakeRuntime("greedy", 100, max_batch=2)
+    for rid in range(3):
+        rt.add(rid, prompt=16, bucket=0)
+    assert rt.step().run_ids == (0, 1)
+    assert rt.step(finished={0}).run_ids == (0, 1)
+    assert rt.step().run_ids == (1, 2)
+
+
+def test_a_refused_head_blocks_later_requests_fcfs() -> None:
+    rt = with_long_running_request("reserve-static")
+    rt.add(3, prompt=16, bucket=0)  # small enough, but not allowed to overtake
+    assert rt.step().admit.req_ids == ()
+
+
+def test_abort_removes_a_request_wherever_it_is() -> None:
+    rt = with_long_running_request("reserve-static")
+    plan = rt.adm.plan(rt.free)
+    assert rt.adm.remove(1) and rt.adm.remove(2)
+    rt.adm.on_done(plan, finished=())  # ids removed meanwhile are ignored
+    assert rt.adm.plan(100).run_ids == () and not rt.adm.remove(1)
+
+
+def test_load_counts_heavy_light_and_predicted_demand() -> None:
+    rt = FakeRuntime("greedy", 100)
+    rt.add(1, prompt=32, bucket=1)  # 200 predicted: heavy
+    rt.add(2, prompt=32, bucket=0)  # 0 predicted: light
+    load = rt.adm.load()
+    assert (load.num_waiting, load.num_running, load.num_heavy, load.num_light) == (2, 0, 1, 1)
+    held_1, full_1 = num_blocks_for(32, BLOCK), num_blocks_for(232, BLOCK)
+    assert load.predicted_demand_blocks == (full_1 - held_1) + 1  # 2 still needs a block: 33
+    rt.step()
+    load = rt.adm.load()
+    assert load.num_running == 2
+    assert (load.num_heavy, load.num_light) == (1, 1)  # a raised reservation is not "heavy"
+    for _ in range(128):
+        rt.step()
+    assert rt.adm.load().num_heavy == 2  # 2 has now generated more than 128 tokens
+
+
+def test_bad_arguments_are_refused() -> None:
+    with pytest.raises(ValueError):
+        DecodeAdmission("lazy", block_size=16, num_total_blocks=10)  # type: ignore[arg-type]
+    adm = DecodeAdmission("greedy", block_size=16, num_total_blocks=10)
+    with pytest.raises(ValueError):
+        adm.add(1, 10, 10, 0, 16)  # the first output token must be counted

@@ -1,0 +1,111 @@
+"""Level-1 dispatch (prefill -> decode worker) on hand-made cluster views."""
+
+from __future__ import annotations
+
+import random
+
+from tetri_server.messages import DecodeInstanceView, DecodeView
+from tetri_server.policy import RoundRobinDispatcher, TetriDispatcher, num_blocks_for
+
+BLOCK = 16
+
+
+def inst(
+    wid: int, free: int, heavy: int = 0, light: int = 0, demand: int = 0, total: int = 1000
+) -> DecodeInstanceView:
+    return DecodeInstanceView(wid, free, total, heavy, light, demand)
+
+
+def tetri(seed: int = 0) -> TetriDispatcher:
+    return TetriDispatcher(random.Random(seed), block_size=BLOCK, granularity=200)
+
+
+def test_never_picks_a_decode_without_room() -> None:
+    rng = random.Random(1)
+    for trial in range(300):
+        view = [
+            inst(w, rng.randrange(0, 60), rng.randrange(5), rng.randrange(5), rng.randrange(20))
+            for w in range(rng.randrange(1, 6))
+        ]
+        num_prompt, bucket = rng.randrange(1, 400), rng.randrange(3)
+        need = num_blocks_for(num_prompt + max(bucket * 200, 1), BLOCK)
+        dispatcher = tetri(trial)
+        dispatcher.on_view(DecodeView(seq=1, decodes=view))
+        plan = dispatcher.plan(trial, num_prompt, bucket)
+        roomy = {d.worker_id for d in view if d.num_free_blocks - d.predicted_demand_blocks >= need}
+        if plan is None:
+            assert not roomy
+        else:
+            assert plan.decode_worker in roomy and plan.num_blocks == need
+
+
+def test_empty_alpha_holds_until_a_newer_view_has_room() -> None:
+    dispatcher = tetri()
+    assert dispatcher.plan(1, 100, 0) is None  # no view yet
+    dispatcher.on_view(DecodeView(seq=1, decodes=[inst(0, free=2), inst(1, free=50, demand=49)]))
+    assert dispatcher.plan(1, 100, 0) is None
+    dispatcher.on_view(DecodeView(seq=2, decodes=[inst(0, free=2), inst(1, free=50)]))
+    plan = dispatcher.plan(1, 100, 0)
+    assert plan is not None and plan.decode_worker == 1
+
+
+def test_picks_the_lower_heavy_share_of_the_two() -> None:
+    dispatcher = tetri()
+    dispatcher.on_view(DecodeView(seq=1, decodes=[inst(0, 500, heavy=4), inst(1, 500, light=4)]))
+    heavy = dispatcher.plan(1, 100, bucket=2)  # lower end 400 tokens > 128: heavy
+    assert heavy is not None and heavy.heavy and heavy.decode_worker == 1
+    light = dispatcher.plan(2, 100, bucket=0)
+    assert light is not None and not light.heavy and light.decode_worker == 1
+
+
+def test_own_dispatches_count_against_a_stale_view() -> None:
+    dispatcher = tetri()
+    dispatcher.on_view(DecodeView(seq=5, decodes=[inst(0, free=70), inst(1, free=70)]))
+    picks = [dispatcher.plan(i, 100, bucket=2) for i in range(4)]  # 32 blocks, heavy each
+    # heavy requests alternate instead of piling onto the worker that looked best
+    assert [p.decode_worker for p in picks if p] == [0, 1, 0, 1]
+    assert dispatcher.plan(9, 100, bucket=2) is None  # 2 x 32 of the 70 free blocks each are gone
+    assert not dispatcher.on_view(DecodeView(seq=4, decodes=[inst(0, 100), inst(1, 100)]))
+    assert dispatcher.plan(9, 100, bucket=2) is None  # an older view changes nothing
+    assert dispatcher.on_view(DecodeView(seq=6, decodes=[inst(0, 100), inst(1, 100)]))
+    assert dispatcher.plan(9, 100, bucket=2) is not None
+
+
+def test_rejected_handoff_gives_the_room_back() -> None:
+    dispatcher = tetri()
+    dispatcher.on_view(DecodeView(seq=1, decodes=[inst(0, free=40)]))
+    plan = dispatcher.plan(1, 400, bucket=1)  # 600 tokens: 38 blocks
+    assert plan is not None
+    assert dispatcher.plan(2, 400, bucket=1) is None
+    dispatcher.on_rejected(plan)
+    assert dispatcher.plan(2, 400, bucket=1) is not None
+
+
+def test_prediction_larger_than_any_pool_waits_for_an_idle_worker() -> None:
+    dispatcher = tetri()
+    dispatcher.on_view(DecodeView(seq=1, decodes=[inst(0, free=90, demand=5, total=100)]))
+    assert dispatcher.plan(1, 100, bucket=50) is None  # 10,000 tokens never fit 100 blocks
+    dispatcher.on_view(DecodeView(seq=2, decodes=[inst(0, free=100, total=100)]))
+    plan = dispatcher.plan(1, 100, bucket=50)
+    assert plan is not None and plan.decode_worker == 0
+
+
+def test_same_seed_same_choices() -> None:
+    view = DecodeView(seq=1, decodes=[inst(w, 900, heavy=w % 3, light=2) for w in range(8)])
+
+    def run(seed: int) -> list[int]:
+        dispatcher = tetri(seed)
+        dispatcher.on_view(view)
+        return [p.decode_worker for i in range(20) if (p := dispatcher.plan(i, 50, i % 3))]
+
+    assert run(3) == run(3)
+    assert len(set(run(3))) > 1
+
+
+def test_round_robin_cycles_and_skips_full_workers() -> None:
+    dispatcher = RoundRobinDispatcher(block_size=BLOCK)
+    dispatcher.on_view(DecodeView(seq=1, decodes=[inst(2, 100), inst(0, 100), inst(1, 0)]))
+    picks = [dispatcher.plan(i, 10, 0) for i in range(4)]
+    assert [p.decode_worker for p in picks if p] == [0, 2, 0, 2]
+    dispatcher.on_view(DecodeView(seq=2, decodes=[inst(0, 0)]))
+    assert dispatcher.plan(9, 10, 0) is None

@@ -1,0 +1,115 @@
+"""The instance flip rule over hand-made load report histories."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from tetri_server.messages import LoadReport
+from tetri_server.policy import FlipPlan, FlipPolicy
+
+
+def report(wid: int, role: str, busy_s: float, waiting: int = 0, running: int = 0) -> LoadReport:
+    return LoadReport(wid, role, waiting, running, 0, 100, 100, 0, 0, 0, busy_s)
+
+
+Util = Callable[[int, str], tuple[float, int]]  # (worker, role) -> (utilisation, waiting)
+
+
+def cluster(roles: dict[int, str], util: Util) -> Callable[[float], list[LoadReport]]:
+    """Reports at time t of workers busy a fixed fraction of wall time since t = 0."""
+
+    def at(t_s: float) -> list[LoadReport]:
+        out = []
+        for wid, role in roles.items():
+            frac, waiting = util(wid, role)
+            out.append(report(wid, role, frac * t_s, waiting, running=1 if frac else 0))
+        return out
+
+    return at
+
+
+def run(
+    policy: FlipPolicy, at: Callable[[float], list[LoadReport]], until_s: float
+) -> list[tuple[int, FlipPlan]]:
+    """Feed a report every second; returns (t, plan) for every plan made."""
+    plans = []
+    for t in range(int(until_s) + 1):
+        plan = policy.plan(at(float(t)), float(t))
+        if plan is not None:
+            plans.append((t, plan))
+    return plans
+
+
+def idle_prefill_busy_decode(wid: int, role: str) -> tuple[float, int]:
+    if role == "decode":
+        return 0.95, 3
+    return (0.02, 0) if wid == 1 else (0.5, 0)
+
+
+ROLES = {0: "prefill", 1: "prefill", 2: "decode"}
+
+
+def test_an_idle_prefill_worker_flips_to_an_overloaded_decode_role_after_the_window() -> None:
+    plans = run(FlipPolicy(window_s=60), cluster(ROLES, idle_prefill_busy_decode), 90)
+    assert plans and plans[0][0] == 60  # not before a whole window of evidence
+    assert plans[0][1] == FlipPlan(1, "prefill", "decode", plans[0][1].utilisation)
+    assert plans[0][1].utilisation < 0.1
+    assert len(plans) == 1  # one flip in flight at a time
+
+
+def test_the_last_worker_of_a_role_never_flips() -> None:
+    roles = {1: "prefill", 2: "decode", 3: "decode"}
+    assert run(FlipPolicy(window_s=60), cluster(roles, idle_prefill_busy_decode), 120) == []
+
+
+def test_no_flip_when_the_other_role_is_not_overloaded() -> None:
+    def calm(wid: int, role: str) -> tuple[float, int]:
+        return (0.3, 0) if role == "decode" else (0.0, 0)
+
+    assert run(FlipPolicy(window_s=60), cluster(ROLES, calm), 120) == []
+
+
+def test_no_flip_when_load_is_above_the_threshold() -> None:
+    def busy_enough(wid: int, role: str) -> tuple[float, int]:
+        return (0.95, 3) if role == "decode" else (0.15, 0)
+
+    assert run(FlipPolicy(window_s=60), cluster(ROLES, busy_enough), 120) == []
+
+
+def test_a_queue_on_the_other_role_counts_as_overload() -> None:
+    def queued(wid: int, role: str) -> tuple[float, int]:
+        return (0.4, 2) if role == "decode" else (0.0, 0)
+
+    assert run(FlipPolicy(window_s=60), cluster(ROLES, queued), 60)[0][1].worker_id in (0, 1)
+
+
+def test_cooldown_after_a_flip_and_the_window_restarts_in_the_new_role() -> None:
+    policy = FlipPolicy(window_s=10, cooldown_s=30)
+    roles = {0: "prefill", 1: "prefill", 2: "prefill", 3: "decode"}
+
+    def util(wid: int, role: str) -> tuple[float, int]:
+        return (0.95, 3) if role == "decode" else (0.01, 0)
+
+    at = cluster(roles, util)
+    first = run(policy, at, 10)
+    assert [(t, p.worker_id) for t, p in first] == [(10, 0)]  # least utilised, then lowest id
+    roles[0] = "decode"
+    policy.on_done(first[0][1], 12.0)
+    later = []
+    for t in range(13, 60):
+        plan = policy.plan(at(float(t)), float(t))
+        if plan is not None:
+            later.append((t, plan.worker_id))
+            roles[plan.worker_id] = "decode"
+            policy.on_done(plan, float(t))
+    assert later == [(42, 1)]  # nothing until the cooldown ends at 42, then the next cooldown
+
+
+def test_a_worker_that_stops_reporting_is_forgotten() -> None:
+    policy = FlipPolicy(window_s=10)
+    at = cluster(ROLES, idle_prefill_busy_decode)
+    for t in range(9):
+        policy.plan(at(float(t)), float(t))
+    without_1 = [r for r in at(10.0) if r.worker_id != 1]
+    assert policy.plan(without_1, 10.0) is None
+    assert policy.plan(at(11.0), 11.0) is None  # worker 1 starts a fresh window

@@ -1,0 +1,56 @@
+"""The global scheduler's least-loaded pick."""
+
+from __future__ import annotations
+
+from tetri_server.messages import LoadReport
+from tetri_server.policy import LeastLoadedPicker
+
+
+def report(
+    wid: int, role: str, queued_tokens: int, waiting: int = 0, running: int = 0
+) -> LoadReport:
+    return LoadReport(wid, role, waiting, running, queued_tokens, 100, 100, 0, 0, 0, 0.0)
+
+
+def test_picks_the_prefill_worker_with_fewest_queued_prompt_tokens() -> None:
+    picker = LeastLoadedPicker()
+    for r in [report(0, "prefill", 900), report(1, "prefill", 300), report(2, "decode", 0)]:
+        picker.on_report(r)
+    assert picker.pick(100) == 1  # the idle decode worker is not a prefill target
+
+
+def test_ties_go_to_the_lowest_id() -> None:
+    picker = LeastLoadedPicker()
+    for wid in (3, 1, 2):
+        picker.on_report(report(wid, "prefill", 0))
+    assert picker.pick(0) == 1
+
+
+def test_a_burst_between_reports_is_spread_by_counting_own_sends() -> None:
+    picker = LeastLoadedPicker()
+    picker.on_report(report(0, "prefill", 0))
+    picker.on_report(report(1, "prefill", 0))
+    picks = [picker.pick(n) for n in (1000, 200, 300, 400)]
+    assert picks == [0, 1, 1, 1]  # 1000 on worker 0 outweighs 200 + 300 on worker 1
+    picker.on_report(report(0, "prefill", 0))  # worker 0 finished its work
+    assert picker.pick(10) == 0
+
+
+def test_excluded_and_removed_workers_are_not_picked() -> None:
+    picker = LeastLoadedPicker()
+    picker.on_report(report(0, "prefill", 0))
+    picker.on_report(report(1, "prefill", 500))
+    assert picker.pick(1, exclude={0}) == 1
+    picker.remove_worker(1)
+    assert picker.pick(1, exclude={0}) is None
+    assert LeastLoadedPicker().pick(1) is None
+
+
+def test_coupled_mode_balances_requests_over_all_workers() -> None:
+    picker = LeastLoadedPicker(coupled=True)
+    picker.on_report(report(0, "coupled", 0, waiting=0, running=5))
+    picker.on_report(report(1, "coupled", 2000, waiting=1, running=1))
+    assert picker.pick(100) == 1  # 2 requests against 5, despite the queued prompt
+    assert picker.pick(100) == 1
+    assert picker.pick(100) == 1
+    assert picker.pick(100) == 0  # 5 against 5: fewer queued tokens wins

@@ -1,0 +1,93 @@
+"""Chunk-size calibration on hand-made throughput curves."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tetri_server.policy import pick_chunk_size, throughput_curve
+
+SIZES = [32, 64, 128, 256, 512, 1024, 2048, 4096]
+
+
+def samples_from_throughput(tps: dict[int, float]) -> list[tuple[int, float]]:
+    return [(n, n / t) for n, t in tps.items()]
+
+
+def saturating(knee: int, plateau_tps: float = 10_000.0) -> dict[int, float]:
+    return {n: plateau_tps * min(n, knee) / knee for n in SIZES}
+
+
+def test_clean_knee_is_found() -> None:
+    assert pick_chunk_size(samples_from_throughput(saturating(512))) == 512
+    assert pick_chunk_size(samples_from_throughput(saturating(2048))) == 2048
+
+
+def test_tolerance_accepts_a_size_just_below_the_plateau() -> None:
+    tps = saturating(1024)
+    tps[512] = 0.96 * tps[1024]
+    assert pick_chunk_size(samples_from_throughput(tps)) == 512
+    assert pick_chunk_size(samples_from_throughput(tps), tolerance=0.01) == 1024
+
+
+def test_a_single_lucky_small_measurement_is_not_picked() -> None:
+    tps = saturating(512)
+    tps[64] = 3 * tps[512]  # one spike, e.g. a timer glitch
+    assert pick_chunk_size(samples_from_throughput(tps)) == 512
+
+
+def test_a_single_spike_does_not_raise_the_plateau() -> None:
+    tps = saturating(512)
+    tps[2048] = 2 * tps[512]
+    assert pick_chunk_size(samples_from_throughput(tps)) == 512
+
+
+def test_a_lucky_first_measurement_is_capped_by_its_neighbour() -> None:
+    tps = saturating(512)
+    tps[32] = 1.5 * tps[512]
+    assert pick_chunk_size(samples_from_throughput(tps)) == 512
+
+
+def test_a_slow_measurement_at_the_knee_costs_at_most_one_size_step() -> None:
+    tps = saturating(512)
+    tps[512] *= 0.7  # the machine was busy during this one measurement
+    assert pick_chunk_size(samples_from_throughput(tps)) == 1024
+    tps = saturating(512)
+    tps[2048] *= 0.5  # a slow one well past the knee changes nothing
+    assert pick_chunk_size(samples_from_throughput(tps)) == 512
+
+
+def test_noisy_curve_with_repeats_finds_the_knee() -> None:
+    rng = random.Random(0)
+    samples = [
+        (n, n / (t * rng.uniform(0.98, 1.02))) for n, t in saturating(256).items() for _ in range(5)
+    ]
+    samples.append((1024, 1024 / 1.0))  # one absurdly slow repeat: the median ignores it
+    assert pick_chunk_size(samples) == 256
+
+
+def test_curve_that_never_flattens_returns_the_largest_size() -> None:
+    tps = {n: float(n) for n in SIZES}  # linear: no knee in range
+    assert pick_chunk_size(samples_from_throughput(tps)) == 4096
+
+
+def test_curve_that_declines_after_the_knee_uses_the_peak_as_plateau() -> None:
+    tps = saturating(512)
+    tps.update({1024: tps[512] * 0.97, 2048: tps[512] * 0.9, 4096: tps[512] * 0.8})
+    assert pick_chunk_size(samples_from_throughput(tps)) == 512
+
+
+def test_throughput_curve_sorts_and_takes_median_time() -> None:
+    curve = throughput_curve([(200, 1.0), (100, 1.0), (100, 3.0), (100, 2.0)])
+    assert curve == [(100, 50.0), (200, 200.0)]
+
+
+def test_bad_samples_are_refused() -> None:
+    with pytest.raises(ValueError):
+        pick_chunk_size([])
+    with pytest.raises(ValueError):
+        pick_chunk_size([(128, 0.0)])
+    with pytest.raises(ValueError):
+        pick_chunk_size([(0, 1.0)])
+    assert pick_chunk_size([(128, 0.5)]) == 128

@@ -1,0 +1,173 @@
+"""Prefill queue ordering, chunking and the coupled step planners, on hand-made queues."""
+
+from __future__ import annotations
+
+import pytest
+
+from tetri_server.policy import (
+    Chunker,
+    ChunkPlan,
+    PrefillQueue,
+    coupled_chunked_plan,
+    prefill_first_plan,
+)
+
+
+def make_queue(lengths: list[int], policy: str = "fcfs", sched_batch: int = 16) -> PrefillQueue:
+    queue = PrefillQueue(policy, sched_batch)  # type: ignore[arg-type]
+    for i, n in enumerate(lengths):
+        queue.add(i, n, arrival_s=float(i))
+    return queue
+
+
+def order(queue: PrefillQueue) -> list[int]:
+    return [p.req_id for p in queue.order()]
+
+
+def run_all(queue: PrefillQueue, chunker: Chunker) -> list[tuple[ChunkPlan, list[int]]]:
+    """Plan and 'execute' until the queue is empty."""
+    out = []
+    while (plan := chunker.plan(queue)) is not None:
+        out.append((plan, chunker.on_done(queue, plan)))
+    return out
+
+
+def test_fcfs_orders_by_arrival_time_not_insertion() -> None:
+    queue = PrefillQueue("fcfs")
+    queue.add(7, 10, arrival_s=2.0)
+    queue.add(8, 10, arrival_s=1.0)  # re-queued request with an older arrival
+    queue.add(9, 10, arrival_s=3.0)
+    assert order(queue) == [8, 7, 9]
+
+
+def test_sjf_reorders_only_within_the_window() -> None:
+    queue = make_queue([400, 300, 200, 100, 50, 10], "sjf", sched_batch=4)
+    # the two short late arrivals do not jump ahead of the first round
+    assert order(queue) == [3, 2, 1, 0, 5, 4]
+
+
+def test_ljf_sorts_descending_within_window_and_keeps_fcfs_on_ties() -> None:
+    queue = make_queue([100, 300, 100, 300, 999], "ljf", sched_batch=4)
+    assert order(queue) == [1, 3, 0, 2, 4]
+
+
+def test_started_request_stays_at_head_until_its_prompt_is_done() -> None:
+    queue = make_queue([3000], "sjf")
+    chunker = Chunker(512)
+    plan = chunker.plan(queue)
+    assert plan is not None
+    chunker.on_done(queue, plan)
+    queue.add(1, 10, arrival_s=5.0)  # much shorter, but prefill is non-preemptive
+    plan = chunker.plan(queue)
+    assert plan is not None
+    assert [(s.req_id, s.start, s.num_tokens) for s in plan.slices] == [(0, 512, 512)]
+
+
+def test_a_round_is_frozen_once_started_so_later_arrivals_cannot_overtake_it() -> None:
+    queue = make_queue([300, 200], "sjf", sched_batch=3)
+    chunker = Chunker(128)
+    plan = chunker.plan(queue)
+    assert plan is not None and plan.req_ids == (1,)
+    chunker.on_done(queue, plan)
+    queue.add(2, 10, arrival_s=9.0)  # fits the window's free slot, but the round is closed
+    assert order(queue) == [1, 0, 2]
+
+
+def test_long_prompt_becomes_six_chunks_with_only_the_last_padded() -> None:
+    queue = make_queue([3000])
+    steps = run_all(queue, Chunker(512))
+    assert len(steps) == 6
+    assert [plan.num_pad for plan, _ in steps] == [0, 0, 0, 0, 0, 6 * 512 - 3000]
+    assert [plan.slices[0].start for plan, _ in steps] == [0, 512, 1024, 1536, 2048, 2560]
+    assert [plan.slices[0].is_last for plan, _ in steps] == [False] * 5 + [True]
+    assert [done for _, done in steps] == [[], [], [], [], [], [0]]
+    assert all(plan.num_tokens + plan.num_pad == 512 for plan, _ in steps)
+
+
+def test_five_short_prompts_pack_into_one_chunk() -> None:
+    queue = make_queue([100, 90, 80, 70, 60])
+    steps = run_all(queue, Chunker(512))
+    assert len(steps) == 1
+    plan, done = steps[0]
+    assert plan.req_ids == (0, 1, 2, 3, 4)
+    assert plan.num_pad == 512 - 400
+    assert all(s.is_first and s.is_last for s in plan.slices)
+    assert done == [0, 1, 2, 3, 4]
+
+
+def test_tetris_packing_splits_a_prompt_across_a_chunk_boundary() -> None:
+    queue = make_queue([300, 300, 100])
+    steps = run_all(queue, Chunker(512))
+    shapes = [[(s.req_id, s.start, s.num_tokens) for s in p.slices] for p, _ in steps]
+    assert shapes == [[(0, 0, 300), (1, 0, 212)], [(1, 212, 88), (2, 0, 100)]]
+    assert [p.num_pad for p, _ in steps] == [0, 512 - 188]
+    assert [done for _, done in steps] == [[0], [1, 2]]
+
+
+def test_abort_mid_prompt_drops_the_request_and_its_in_flight_slice() -> None:
+    queue = make_queue([1000, 50])
+    chunker = Chunker(512)
+    plan = chunker.plan(queue)
+    assert plan is not None
+    assert queue.remove(0)
+    assert chunker.on_done(queue, plan) == []  # the aborted slice is ignored
+    assert order(queue) == [1]
+    assert not queue.remove(0)
+
+
+def test_free_blocks_gate_new_requests_without_overtaking() -> None:
+    queue = make_queue([1024, 16])  # 64 blocks, then 1 block (block_size 16)
+    chunker = Chunker(512, block_size=16)
+    assert chunker.plan(queue, num_free_blocks=10) is None  # the short one may not overtake
+    plan = chunker.plan(queue, num_free_blocks=64)
+    assert plan is not None and plan.req_ids == (0,)
+    chunker.on_done(queue, plan)
+    plan = chunker.plan(queue, num_free_blocks=0)  # a started request holds its blocks already
+    assert plan is not None and plan.req_ids == (0,) and plan.num_pad == 0
+
+
+def test_max_seqs_limits_packing() -> None:
+    plan = Chunker(512, max_seqs=2).plan(make_queue([10, 10, 10]))
+    assert plan is not None and plan.req_ids == (0, 1) and plan.num_pad == 492
+
+
+def test_num_queued_tokens_counts_remaining_prompt_tokens() -> None:
+    queue = make_queue([1000, 50])
+    chunker = Chunker(512)
+    plan = chunker.plan(queue)
+    assert plan is not None
+    chunker.on_done(queue, plan)
+    assert queue.num_queued_tokens == 1000 - 512 + 50
+    assert len(queue) == 2 and 0 in queue
+
+
+def test_invalid_arguments_are_refused() -> None:
+    with pytest.raises(ValueError):
+        PrefillQueue("lifo")  # type: ignore[arg-type]
+    queue = make_queue([10])
+    with pytest.raises(ValueError):
+        queue.add(0, 10, 0.0)
+    with pytest.raises(ValueError):
+        queue.add(1, 0, 0.0)
+
+
+def test_coupled_chunked_plan_fills_the_budget_left_by_decodes() -> None:
+    queue = make_queue([1000, 20])
+    step = coupled_chunked_plan(queue, [7, 8, 9], 512)
+    assert step.decode_req_ids == (7, 8, 9)
+    assert [(s.req_id, s.num_tokens) for s in step.slices] == [(0, 509)]
+    assert step.num_tokens == 512
+    busy = coupled_chunked_plan(queue, list(range(600)), 512)
+    assert busy.slices == () and len(busy.decode_req_ids) == 600
+
+
+def test_prefill_first_plan_pauses_decodes_and_never_splits() -> None:
+    queue = make_queue([1000, 20, 30])
+    step = prefill_first_plan(queue, [7, 8], 512)
+    # the head runs whole even beyond the budget; nothing else fits after it
+    assert step.decode_req_ids == () and [s.num_tokens for s in step.slices] == [1000]
+    queue.advance(step.slices)
+    step = prefill_first_plan(queue, [7, 8], 512)
+    assert [s.req_id for s in step.slices] == [1, 2]
+    queue.advance(step.slices)
+    assert prefill_first_plan(queue, [7, 8], 512).decode_req_ids == (7, 8)

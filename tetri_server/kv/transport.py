@@ -1,0 +1,117 @@
+"""KV hand-off between workers: one small interface, two implementations.
+
+Every worker owns one pool tensor ``[layers, 2, kv_heads, num_blocks * block_size, head_dim]``,
+made and pre-touched once at start-up and exported as a ``PoolHandle``. A decode worker maps the
+pools of its prefill peers once (``open``) and pulls a request's blocks with ``copy_blocks``:
+one strided copy per run of consecutive blocks (a request's blocks are one extent, so one copy).
+
+    shm       (CPU)  the pool lives in a POSIX shared-memory segment; peers mmap it.
+    cuda_ipc  (GPU)  the pool is a cudaMalloc'd buffer; peers open its cudaIpcMemHandle (cupy).
+
+The owner frees its blocks only after the puller acknowledges (``KVPulled``); a peer's mapping
+stays valid even if the owner dies, until ``drop``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from tetri_server.messages import PoolHandle
+
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+NAME_DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
+
+
+@dataclass(frozen=True)
+class PoolGeometry:
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int]:
+        return (self.num_layers, 2, self.num_kv_heads, self.num_blocks * self.block_size,
+                self.head_dim)
+
+    @property
+    def num_bytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+    @staticmethod
+    def of(handle: PoolHandle) -> PoolGeometry:
+        return PoolGeometry(handle.num_layers, handle.num_blocks, handle.block_size,
+                            handle.num_kv_heads, handle.head_dim, NAME_DTYPES[handle.dtype])
+
+
+class KVTransport(Protocol):
+    """Owned by one worker. ``kv`` is its own pool; peers are keyed by worker id."""
+
+    kv: torch.Tensor
+
+    def export(self) -> PoolHandle:
+        """How peers map this worker's pool (sent once, in ``Ready``)."""
+        ...
+
+    def open(self, handle: PoolHandle) -> None:
+        """Map a peer's pool (idempotent for the same handle; a new handle replaces the old)."""
+        ...
+
+    def drop(self, worker_id: int) -> None:
+        """Forget a peer's mapping (the peer died or was replaced)."""
+        ...
+
+    def copy_blocks(self, src_worker: int, src_ids: list[int], dst_ids: list[int],
+                    num_tokens: int) -> None:
+        """Copy the first ``num_tokens`` tokens held in the peer's blocks ``src_ids`` into this
+        worker's blocks ``dst_ids`` (same order). Raises KeyError for an unmapped peer."""
+        ...
+
+    def close(self) -> None:
+        """Unmap peers and release (and, for shm, unlink) this worker's own pool."""
+        ...
+
+
+def copy_extent_runs(src: torch.Tensor, dst: torch.Tensor, src_ids: list[int],
+                     dst_ids: list[int], num_tokens: int, block_size: int) -> None:
+    """Copy token ranges between two pools, one strided copy per run of blocks that are
+    consecutive on both sides."""
+    if len(src_ids) != len(dst_ids):
+        raise ValueError(f"block lists differ in length: {len(src_ids)} vs {len(dst_ids)}")
+    if num_tokens > len(src_ids) * block_size:
+        raise ValueError(f"{num_tokens} tokens do not fit in {len(src_ids)} blocks")
+    i = 0
+    while i < len(src_ids) and i * block_size < num_tokens:
+        j = i + 1
+        while (j < len(src_ids) and src_ids[j] == src_ids[j - 1] + 1
+               and dst_ids[j] == dst_ids[j - 1] + 1):
+            j += 1
+        n = min(num_tokens, j * block_size) - i * block_size
+        s, d = src_ids[i] * block_size, dst_ids[i] * block_size
+        dst[:, :, :, d:d + n].copy_(src[:, :, :, s:s + n])
+        i = j
+
+
+def make_transport(kind: str, worker_id: int, geometry: PoolGeometry, device: torch.device,
+                   segment_name: str) -> KVTransport:
+    """``kind`` is ``shm`` or ``cuda_ipc`` (``auto`` is resolved by the config). Fails loudly
+    when the choice cannot work on this device."""
+    if kind == "shm":
+        if device.type != "cpu":
+            raise ValueError("kv.transport = shm needs cluster.device = cpu")
+        from tetri_server.kv.shm import ShmTransport
+
+        return ShmTransport(worker_id, geometry, segment_name)
+    if kind == "cuda_ipc":
+        from tetri_server.kv.cuda_ipc import CudaIpcTransport
+
+        return CudaIpcTransport(worker_id, geometry, device)
+    raise ValueError(f"kv.transport must be shm or cuda_ipc, got {kind!r}")

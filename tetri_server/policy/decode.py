@@ -1,0 +1,242 @@
+"""Decode admission on a decode (or coupled) worker: TetriInfer's level-2 scheduler.
+
+Lifecycle: ``add`` a request once its prompt KV is in this worker's pool (pulled after a
+hand-off, or prefilled locally in coupled mode); every step ``plan = admission.plan(free)``,
+the runtime executes it, then ``admission.on_done(plan, finished)``. ``plan`` is pure.
+
+Block invariant (the runtime keeps it): a request holds exactly ``ceil(kv_tokens / block_size)``
+blocks, where ``kv_tokens`` are the tokens whose KV is computed. ``num_tokens`` counts prompt +
+generated tokens; the last generated token's KV is computed by the next step, so one step of a
+request needs ``blocks(num_tokens)`` blocks in all. A preempted request holds nothing and is
+recomputed (prefill over all its ``num_tokens``) when it is admitted again.
+
+Estimates: a request's predicted output is the lower end of its bucket (``bucket *
+granularity``, capped at ``max_tokens``), as in the paper. The paper leaves mispredictions open;
+here a request that reaches its estimate and keeps going gets the estimate raised one bucket at a
+time, and when blocks run out anyway the most recently admitted request is preempted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import Literal
+
+from tetri_server.policy.chunker import num_blocks_for
+from tetri_server.policy.decode_state import DecodeSeq, fits_reserved
+
+DecodePolicyName = Literal["greedy", "reserve-static", "reserve-dynamic"]
+DECODE_POLICIES: tuple[DecodePolicyName, ...] = ("greedy", "reserve-static", "reserve-dynamic")
+
+
+@dataclass(frozen=True)
+class PreemptPlan:
+    """Requests to evict, newest admission first: the runtime frees their KV blocks and keeps
+    their tokens; they return to the head of the waiting queue for recompute."""
+
+    req_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class AdmitPlan:
+    """Waiting requests that join the batch this step, in order. ``recompute_ids`` (a subset)
+    lost their KV to a preemption: the runtime prefills all their tokens in this step."""
+
+    req_ids: tuple[int, ...] = ()
+    recompute_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class DecodeStepPlan:
+    """One decode step. ``run_ids``: the batch (surviving running requests, then admitted
+    ones); each produces one token. ``fail_ids``: waiting requests whose context can never fit
+    this pool; the runtime reports them failed and frees their blocks."""
+
+    preempt: PreemptPlan
+    admit: AdmitPlan
+    run_ids: tuple[int, ...]
+    fail_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class DecodeLoad:
+    """What the decode side reports to the cluster monitor (``LoadReport`` fields)."""
+
+    num_waiting: int
+    num_running: int
+    num_heavy: int
+    num_light: int
+    predicted_demand_blocks: int  # blocks still to be taken by known requests, by estimate
+    num_preemptions: int  # cumulative
+
+
+class DecodeAdmission:
+    """Continuous-batching admission by ``policy``:
+
+    - ``greedy`` (vLLM): admit while the next step's blocks fit (above a small watermark).
+    - ``reserve-static``: also require prompt + predicted output to fit now, counting what
+      the running requests still reserve by their own estimates.
+    - ``reserve-dynamic``: like reserve-static, but also admit when it will fit once the running
+      request with the shortest predicted remaining output finishes.
+
+    Reserve policies always admit into an empty batch, so a request predicted larger than the
+    pool still runs (and is preempted or finishes).
+    """
+
+    def __init__(
+        self,
+        policy: DecodePolicyName,
+        *,
+        block_size: int,
+        num_total_blocks: int,
+        granularity: int = 200,
+        max_batch: int = 256,
+        heavy_threshold: int = 128,
+        watermark: float = 0.01,
+    ) -> None:
+        if policy not in DECODE_POLICIES:
+            raise ValueError(f"decode policy must be one of {DECODE_POLICIES}, got {policy!r}")
+        if min(block_size, num_total_blocks, granularity, max_batch) < 1:
+            raise ValueError("block_size, num_total_blocks, granularity, max_batch must be >= 1")
+        self.policy: DecodePolicyName = policy
+        self.block_size = block_size
+        self.num_total_blocks = num_total_blocks
+        self.granularity = granularity
+        self.max_batch = max_batch
+        self.heavy_threshold = heavy_threshold
+        self.num_watermark_blocks = int(watermark * num_total_blocks)
+        self._waiting: list[DecodeSeq] = []  # FCFS; preempted requests go back to the head
+        self._running: dict[int, DecodeSeq] = {}  # insertion order == admission order
+        self._num_preemptions = 0
+
+    # ------------------------------------------------------------------ requests in and out
+
+    def add(
+        self, req_id: int, num_prompt_tokens: int, num_tokens: int, bucket: int, max_tokens: int
+    ) -> None:
+        """A request whose prompt KV is in the pool waits for admission. ``num_tokens`` =
+        prompt + tokens generated so far (>= prompt + 1: prefill sampled the first one)."""
+        if req_id in self:
+            raise ValueError(f"request {req_id} is already known")
+        if num_tokens <= num_prompt_tokens:
+            raise ValueError(f"request {req_id}: num_tokens must include the first output token")
+        seq = DecodeSeq(
+            req_id,
+            num_prompt_tokens,
+            num_tokens,
+            predicted_bucket=bucket,
+            max_tokens=max_tokens,
+            bucket=bucket,
+            est_output_tokens=min(bucket * self.granularity, max_tokens),
+            num_held_blocks=num_blocks_for(num_tokens - 1, self.block_size),
+        )
+        self._waiting.append(seq)
+
+    def remove(self, req_id: int) -> bool:
+        """Forget a request (abort or finish outside a step). Its blocks are the runtime's."""
+        if self._running.pop(req_id, None) is not None:
+            return True
+        for i, seq in enumerate(self._waiting):
+            if seq.req_id == req_id:
+                del self._waiting[i]
+                return True
+        return False
+
+    def __contains__(self, req_id: object) -> bool:
+        return req_id in self._running or any(s.req_id == req_id for s in self._waiting)
+
+    @property
+    def running_ids(self) -> tuple[int, ...]:
+        return tuple(self._running)
+
+    def predicted_len(self, req_id: int) -> int:
+        """Current output-length estimate of a known request (tokens)."""
+        for seq in (*self._running.values(), *self._waiting):
+            if seq.req_id == req_id:
+                return seq.est_output_tokens
+        raise KeyError(req_id)
+
+    # ------------------------------------------------------------------ the step
+
+    def plan(self, num_free_blocks: int) -> DecodeStepPlan:
+        """Decide this step's preemptions and admissions. Pure."""
+        running = list(self._running.values())
+        step_need = sum(s.num_step_blocks(self.block_size) for s in running)
+        free = num_free_blocks
+        victims: list[int] = []
+        while running and step_need > free:
+            victim = running.pop()  # the most recently admitted
+            step_need -= victim.num_step_blocks(self.block_size)
+            free += victim.num_held_blocks
+            victims.append(victim.req_id)
+        free -= step_need
+        admitted: list[DecodeSeq] = []
+        failed: list[int] = []
+        for seq in self._waiting if not victims else ():
+            if num_blocks_for(seq.num_tokens, self.block_size) > self.num_total_blocks:
+                failed.append(seq.req_id)
+                continue
+            if len(running) + len(admitted) >= self.max_batch:
+                break
+            step = seq.num_step_blocks(self.block_size)
+            if step > free - self.num_watermark_blocks:
+                break
+            batch = running + admitted
+            if self.policy != "greedy" and batch:
+                dynamic = self.policy == "reserve-dynamic"
+                if not fits_reserved(seq, batch, num_free_blocks, self.block_size, dynamic):
+                    break
+            admitted.append(seq)
+            free -= step
+        return DecodeStepPlan(
+            preempt=PreemptPlan(tuple(victims)),
+            admit=AdmitPlan(
+                tuple(s.req_id for s in admitted),
+                tuple(s.req_id for s in admitted if s.num_held_blocks == 0),
+            ),
+            run_ids=tuple(s.req_id for s in running + admitted),
+            fail_ids=tuple(failed),
+        )
+
+    def on_done(self, plan: DecodeStepPlan, finished: Collection[int]) -> None:
+        """The step ran. ``finished``: ids that stopped (stop token, length, abort); every other
+        id in ``plan.run_ids`` gained one token. Ids removed meanwhile are ignored."""
+        for req_id in plan.fail_ids:
+            self.remove(req_id)
+        for req_id in reversed(plan.preempt.req_ids):  # oldest admission ends up first
+            victim = self._running.pop(req_id, None)
+            if victim is not None:
+                victim.num_held_blocks = 0
+                self._waiting.insert(0, victim)
+                self._num_preemptions += 1
+        waiting = {s.req_id: s for s in self._waiting}
+        for req_id in plan.admit.req_ids:
+            seq = waiting.get(req_id)
+            if seq is not None:
+                self._waiting.remove(seq)
+                self._running[req_id] = seq
+        for req_id in plan.run_ids:
+            seq = self._running.get(req_id)
+            if seq is None:
+                continue
+            if req_id in finished:
+                del self._running[req_id]
+                continue
+            seq.num_held_blocks = num_blocks_for(seq.num_tokens, self.block_size)
+            seq.num_tokens += 1
+            seq.raise_estimate(self.granularity)
+
+    def load(self) -> DecodeLoad:
+        """Counts for the load report. Heavy: predicted (lower end) or generated output above
+        ``heavy_threshold`` tokens."""
+        seqs = [*self._running.values(), *self._waiting]
+        num_heavy = sum(s.is_heavy(self.granularity, self.heavy_threshold) for s in seqs)
+        demand = sum(s.num_reserved_blocks(self.block_size) for s in seqs)
+        return DecodeLoad(
+            num_waiting=len(self._waiting),
+            num_running=len(self._running),
+            num_heavy=num_heavy,
+            num_light=len(seqs) - num_heavy,
+            predicted_demand_blocks=demand,
+            num_preemptions=self._num_preemptions,
+        )

@@ -1,0 +1,150 @@
+"""Level-1 scheduling on a prefill worker: which decode worker receives a prefilled request.
+
+Contract: the worker feeds every ``DecodeView`` broadcast to ``on_view``; when a request's
+prompt is done it calls ``plan(req_id, num_prompt_tokens, bucket)``. A ``DispatchPlan`` names the
+decode worker; ``None`` means no decode worker has room: hold the request (its KV stays in this
+pool) and ask again after the next view. ``on_rejected(plan)`` undoes a plan whose hand-off the
+decode worker refused. The view is up to one broadcast interval stale, so every dispatcher
+counts its own dispatches since the view against it; a newer view (higher ``seq``) resets that.
+Draining (flipping) decode workers must be left out of the view by the cluster monitor.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Protocol
+
+from tetri_server.messages import DecodeInstanceView, DecodeView
+from tetri_server.policy.chunker import num_blocks_for
+
+
+@dataclass(frozen=True)
+class DispatchPlan:
+    """Send ``req_id`` to ``decode_worker``. ``num_blocks``: its predicted footprint (prompt +
+    lower end of the predicted output), counted against that worker until the next view."""
+
+    req_id: int
+    decode_worker: int
+    num_blocks: int
+    heavy: bool
+
+
+class Dispatcher(Protocol):
+    def on_view(self, view: DecodeView) -> bool: ...
+
+    def plan(self, req_id: int, num_prompt_tokens: int, bucket: int) -> DispatchPlan | None: ...
+
+    def on_rejected(self, plan: DispatchPlan) -> None: ...
+
+
+class _ViewTracker:
+    """The last view plus this worker's own dispatches since it."""
+
+    def __init__(self, *, block_size: int, granularity: int, heavy_threshold: int) -> None:
+        self.block_size = block_size
+        self.granularity = granularity
+        self.heavy_threshold = heavy_threshold
+        self.view: DecodeView | None = None
+        self._since_view: dict[int, DispatchPlan] = {}  # req_id -> plan
+
+    def on_view(self, view: DecodeView) -> bool:
+        """Adopt ``view`` if newer than the current one; returns whether it was adopted."""
+        if self.view is not None and view.seq <= self.view.seq:
+            return False
+        self.view = view
+        self._since_view.clear()
+        return True
+
+    def on_rejected(self, plan: DispatchPlan) -> None:
+        self._since_view.pop(plan.req_id, None)
+
+    def instances(self) -> list[DecodeInstanceView]:
+        """The view with own dispatches applied, by worker id."""
+        if self.view is None:
+            return []
+        out = []
+        for inst in sorted(self.view.decodes, key=lambda d: d.worker_id):
+            mine = [p for p in self._since_view.values() if p.decode_worker == inst.worker_id]
+            num_heavy = sum(p.heavy for p in mine)
+            out.append(
+                DecodeInstanceView(
+                    worker_id=inst.worker_id,
+                    num_free_blocks=inst.num_free_blocks - sum(p.num_blocks for p in mine),
+                    num_total_blocks=inst.num_total_blocks,
+                    num_heavy=inst.num_heavy + num_heavy,
+                    num_light=inst.num_light + len(mine) - num_heavy,
+                    predicted_demand_blocks=inst.predicted_demand_blocks,
+                )
+            )
+        return out
+
+    def make_plan(self, req_id: int, worker_id: int, num_prompt: int, bucket: int) -> DispatchPlan:
+        lower_end = bucket * self.granularity
+        num_blocks = num_blocks_for(num_prompt + max(lower_end, 1), self.block_size)
+        plan = DispatchPlan(req_id, worker_id, num_blocks, lower_end > self.heavy_threshold)
+        self._since_view[req_id] = plan
+        return plan
+
+
+class TetriDispatcher(_ViewTracker):
+    """TetriInfer's dispatcher: α = decode workers whose free blocks, less what their running
+    requests are still predicted to take, hold this request's prompt + predicted output (lower
+    end of its bucket; capped at the worker's pool so an over-long prediction waits for an
+    empty worker rather than forever). Two of α are drawn with ``rng`` (power of two choices);
+    the one with the lower heavy share after adding the request wins (ties: fewer requests,
+    more room, lower id). Heavy: predicted output above ``heavy_threshold`` tokens."""
+
+    def __init__(
+        self,
+        rng: random.Random,
+        *,
+        block_size: int,
+        granularity: int = 200,
+        heavy_threshold: int = 128,
+    ) -> None:
+        super().__init__(
+            block_size=block_size, granularity=granularity, heavy_threshold=heavy_threshold
+        )
+        self.rng = rng
+
+    def plan(self, req_id: int, num_prompt_tokens: int, bucket: int) -> DispatchPlan | None:
+        lower_end = bucket * self.granularity
+        need = num_blocks_for(num_prompt_tokens + max(lower_end, 1), self.block_size)
+        heavy = lower_end > self.heavy_threshold
+        alpha = [d for d in self.instances() if _room(d) >= min(need, d.num_total_blocks)]
+        if not alpha:
+            return None
+        pair = alpha if len(alpha) <= 2 else self.rng.sample(alpha, 2)
+
+        def key(d: DecodeInstanceView) -> tuple[float, int, int, int]:
+            num_heavy = d.num_heavy + heavy
+            num_all = d.num_heavy + d.num_light + 1
+            return (num_heavy / num_all, num_all, -_room(d), d.worker_id)
+
+        return self.make_plan(req_id, min(pair, key=key).worker_id, num_prompt_tokens, bucket)
+
+
+class RoundRobinDispatcher(_ViewTracker):
+    """Baseline: decode workers in turn by id, skipping those without free blocks for the
+    prompt and its first token. Ignores predictions and reservations."""
+
+    def __init__(self, *, block_size: int, granularity: int = 200, heavy_threshold: int = 128):
+        super().__init__(
+            block_size=block_size, granularity=granularity, heavy_threshold=heavy_threshold
+        )
+        self._last_worker = -1
+
+    def plan(self, req_id: int, num_prompt_tokens: int, bucket: int) -> DispatchPlan | None:
+        need = num_blocks_for(num_prompt_tokens + 1, self.block_size)
+        fits = [d.worker_id for d in self.instances() if d.num_free_blocks >= need]
+        if not fits:
+            return None
+        later = [w for w in fits if w > self._last_worker]
+        self._last_worker = later[0] if later else fits[0]
+        return self.make_plan(req_id, self._last_worker, num_prompt_tokens, bucket)
+
+
+def _room(d: DecodeInstanceView) -> int:
+    """Free blocks not spoken for by the predictions of the worker's known requests."""
+    return d.num_free_blocks - d.predicted_demand_blocks

@@ -1,0 +1,148 @@
+"""Instance flip: when one role sits idle while the other is overloaded, move a worker across.
+
+Contract: the control process calls ``plan(reports, now_s)`` on every monitor tick with the
+latest ``LoadReport`` of each live worker (role ``prefill`` or ``decode``; other roles, e.g. a
+worker already draining, are ignored). A ``FlipPlan`` means: stop routing to that worker, drain
+it, send ``SetRole``; then call ``on_done(plan, now_s)`` (also when the flip is abandoned). At
+most one flip is in flight, and none starts within ``cooldown_s`` of the last one's end.
+
+Rule: a worker whose utilisation (model-step seconds / wall seconds) stayed under ``low_util``
+for the whole ``window_s``, or that had no work in every report of the window, flips to the
+other role if that role is overloaded: its mean utilisation over the window is at least
+``high_util``, or its workers had on average at least one waiting request. A role never drops to
+zero workers. Among candidates the least utilised (then lowest id) flips.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tetri_server.messages import LoadReport
+
+ROLES = ("prefill", "decode")
+
+
+@dataclass(frozen=True)
+class FlipPlan:
+    """Drain ``worker_id`` and switch it from ``from_role`` to ``to_role``."""
+
+    worker_id: int
+    from_role: str
+    to_role: str
+    utilisation: float  # of the worker over the window, in [0, 1]
+
+
+@dataclass(frozen=True)
+class _Sample:
+    t_s: float
+    busy_s: float
+    num_waiting: int
+    idle: bool
+
+
+@dataclass(frozen=True)
+class _WindowStats:
+    role: str
+    utilisation: float
+    mean_waiting: float
+    idle: bool  # no work in any report of the window
+    complete: bool  # the history covers the whole window
+
+
+class FlipPolicy:
+    """The flip rule; keeps a per-worker history of reports over the window."""
+
+    def __init__(
+        self,
+        *,
+        window_s: float = 60.0,
+        low_util: float = 0.10,
+        high_util: float = 0.70,
+        cooldown_s: float = 60.0,
+    ) -> None:
+        if window_s <= 0 or cooldown_s < 0 or not 0 <= low_util < high_util <= 1:
+            raise ValueError("need window_s > 0, cooldown_s >= 0, 0 <= low_util < high_util <= 1")
+        self.window_s = window_s
+        self.low_util = low_util
+        self.high_util = high_util
+        self.cooldown_s = cooldown_s
+        self._history: dict[int, tuple[str, deque[_Sample]]] = {}
+        self._in_flight: FlipPlan | None = None
+        self._last_flip_end_s: float | None = None
+
+    def plan(self, reports: Sequence[LoadReport], now_s: float) -> FlipPlan | None:
+        """Record ``reports`` (taken at ``now_s``) and decide whether a worker flips now."""
+        self._observe(reports, now_s)
+        if self._in_flight is not None:
+            return None
+        if self._last_flip_end_s is not None and now_s - self._last_flip_end_s < self.cooldown_s:
+            return None
+        stats = {wid: self._stats(wid) for wid in self._history}
+        by_role = {role: [w for w, s in stats.items() if s.role == role] for role in ROLES}
+        overloaded = {role: self._overloaded([stats[w] for w in by_role[role]]) for role in ROLES}
+        candidates = [
+            (s.utilisation, wid)
+            for wid, s in stats.items()
+            if s.complete
+            and (s.idle or s.utilisation < self.low_util)
+            and len(by_role[s.role]) >= 2
+            and overloaded[_other(s.role)]
+        ]
+        if not candidates:
+            return None
+        utilisation, wid = min(candidates)
+        role = stats[wid].role
+        self._in_flight = FlipPlan(wid, role, _other(role), utilisation)
+        del self._history[wid]  # its window restarts in the new role
+        return self._in_flight
+
+    def on_done(self, plan: FlipPlan, now_s: float) -> None:
+        """The flip finished (or was abandoned): the cooldown starts now."""
+        if self._in_flight == plan:
+            self._in_flight = None
+        self._last_flip_end_s = now_s
+
+    def _observe(self, reports: Sequence[LoadReport], now_s: float) -> None:
+        flipping = None if self._in_flight is None else self._in_flight.worker_id
+        live = set()
+        for r in reports:
+            if r.role not in ROLES or r.worker_id == flipping:
+                continue
+            live.add(r.worker_id)
+            role, samples = self._history.get(r.worker_id, (r.role, deque()))
+            if role != r.role:
+                samples = deque()  # flipped (or restarted): a new window
+            idle = r.num_waiting == 0 and r.num_running == 0
+            samples.append(_Sample(now_s, r.busy_s, r.num_waiting, idle))
+            # keep one sample at or before the window start as the anchor
+            while len(samples) >= 2 and samples[1].t_s <= now_s - self.window_s:
+                samples.popleft()
+            self._history[r.worker_id] = (r.role, samples)
+        for wid in set(self._history) - live:
+            del self._history[wid]
+
+    def _stats(self, worker_id: int) -> _WindowStats:
+        role, samples = self._history[worker_id]
+        first, last = samples[0], samples[-1]
+        span_s = last.t_s - first.t_s
+        utilisation = (last.busy_s - first.busy_s) / span_s if span_s > 0 else 0.0
+        return _WindowStats(
+            role=role,
+            utilisation=min(1.0, max(0.0, utilisation)),
+            mean_waiting=sum(s.num_waiting for s in samples) / len(samples),
+            idle=all(s.idle for s in samples),
+            complete=span_s >= self.window_s,
+        )
+
+    def _overloaded(self, workers: list[_WindowStats]) -> bool:
+        if not workers:
+            return False
+        mean_util = sum(w.utilisation for w in workers) / len(workers)
+        mean_waiting = sum(w.mean_waiting for w in workers) / len(workers)
+        return mean_util >= self.high_util or mean_waiting >= 1.0
+
+
+def _other(role: str) -> str:
+    return "decode" if role == "prefill" else "prefill"
