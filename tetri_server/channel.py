@@ -36,6 +36,8 @@ from typing import Any, Generic, TypeVar
 
 import msgspec
 
+from tetri_server.messages import ChannelSpec
+
 T = TypeVar("T")
 
 SHM_DIR = "/dev/shm"
@@ -48,20 +50,6 @@ _SEGMENT_RE = re.compile(r"^tetri-(\d+)-")
 
 class MessageTooLarge(ValueError):
     """One encoded message needs more bytes than the whole ring holds."""
-
-
-class ChannelSpec(msgspec.Struct, frozen=True):
-    """How a child process attaches to a channel: passed on argv as JSON by the parent, which
-    also passes ``fds`` to ``Popen(pass_fds=...)`` so the fd numbers are valid in the child."""
-
-    name: str  # shared-memory segment, without the leading slash
-    capacity: int  # bytes of frame data
-    data_fd: int  # eventfd: the producer writes after each push
-    space_fd: int  # eventfd: the consumer writes after each pop batch
-
-    @property
-    def fds(self) -> list[int]:
-        return [self.data_fd, self.space_fd]
 
 
 def new_run_id() -> str:

@@ -34,6 +34,37 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True, gc=False):
     min_tokens: int = 0
 
 
+class ChannelSpec(msgspec.Struct, frozen=True):
+    """How a child process attaches to a channel: passed on argv as JSON by the parent, which
+    also passes ``fds`` to ``Popen(pass_fds=...)`` so the fd numbers are valid in the child."""
+
+    name: str  # shared-memory segment, without the leading slash
+    capacity: int  # bytes of frame data
+    data_fd: int  # eventfd: the producer writes after each push
+    space_fd: int  # eventfd: the consumer writes after each pop batch
+
+    @property
+    def fds(self) -> list[int]:
+        return [self.data_fd, self.space_fd]
+
+
+class WorkerSpec(msgspec.Struct, frozen=True):
+    """Everything a worker process needs, passed by the control process on argv as JSON."""
+
+    worker_id: int
+    role: str  # prefill | decode | coupled
+    generation: int  # restarts of this worker id so far (segment names differ per generation)
+    run_id: str
+    config: dict[str, dict[str, object]]  # Config.to_dict(redact=False), already resolved
+    inbox: ChannelSpec  # control -> worker
+    outbox: ChannelSpec  # worker -> control
+    cpus: list[int]  # CPU cores to pin to (empty = no pinning)
+    num_threads: int
+    parent_pid: int
+    kv_segment: str  # name of the shared-memory segment of this worker's KV pool (shm)
+    device: str = "cpu"  # cpu | cuda:<i>
+
+
 class PoolHandle(msgspec.Struct, frozen=True):
     """How a peer maps a worker's KV pool. Exported once at worker start-up.
 
@@ -189,6 +220,7 @@ class Handoff(msgspec.Struct, tag=True, array_like=True):
     predicted_bucket: int
     predicted_len: int
     arrival_s: float
+    dst_worker: int = -1  # the decode worker chosen by the dispatcher
 
 
 class KVPulled(msgspec.Struct, tag=True, array_like=True):

@@ -79,3 +79,33 @@ def test_random_workload_never_leaks_and_runs_stay_merged():
 
 def test_blocks_for():
     assert [blocks_for(n, 16) for n in (0, 1, 16, 17)] == [0, 1, 1, 2]
+
+
+def test_manager_compacts_when_free_space_is_fragmented():
+    import torch
+
+    from tetri_server.kv.manager import KVCacheManager
+
+    class Seq:
+        def __init__(self) -> None:
+            self.blocks: list[int] = []
+            self.num_computed = 0
+
+    bs = 2
+    kv = torch.zeros(1, 2, 1, 10 * bs, 1)
+    m = KVCacheManager(BlockAllocator(10), kv, bs)
+    seqs = [Seq() for _ in range(5)]
+    for i, s in enumerate(seqs):  # five 2-block extents fill the pool
+        assert m.reserve(s, 2 * bs)
+        s.num_computed = 2 * bs
+        start = s.blocks[0] * bs
+        kv[:, :, :, start:start + 2 * bs] = float(i + 1)
+    m.free(seqs[1])
+    m.free(seqs[3])  # 4 free blocks, but in two runs of 2
+    big = Seq()
+    assert m.reserve(big, 4 * bs)
+    assert m.num_compactions == 1
+    for i in (0, 2, 4):  # the moved sequences kept their KV
+        start = seqs[i].blocks[0] * bs
+        assert torch.all(kv[:, :, :, start:start + 2 * bs] == float(i + 1))
+    assert m.allocator.num_free == 0

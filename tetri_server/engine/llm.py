@@ -12,7 +12,7 @@ from tetri_server.engine.runner import ModelRunner
 from tetri_server.engine.sampling import make_generator
 from tetri_server.engine.scheduler import StepScheduler
 from tetri_server.engine.sequence import Sequence, SeqStatus
-from tetri_server.engine.stops import append_token
+from tetri_server.engine.stops import append_token, emit
 from tetri_server.kv.blocks import BlockAllocator, blocks_for
 from tetri_server.kv.manager import KVCacheManager
 from tetri_server.messages import SamplingParams, TokenDelta
@@ -104,15 +104,12 @@ class LLMEngine:
                 continue
             seq = item.seq
             reason = append_token(seq, tok, lp, self.spec.eos_token_ids, self.max_model_len)
-            new = seq.token_ids[seq.num_prompt + seq.num_emitted:]
-            new_lp = seq.logprobs[seq.num_emitted:] if seq.params.logprobs else None
-            seq.num_emitted = seq.num_output
+            deltas.append(emit(seq, reason))
             if reason is not None:
                 seq.status = SeqStatus.FINISHED
                 seq.finish_reason = reason
                 self.scheduler.remove(seq)
                 del self.seqs[seq.req_id]
-            deltas.append(TokenDelta(seq.req_id, new, new_lp, reason))
         self.scheduler.on_step_done(plan)
         return deltas
 

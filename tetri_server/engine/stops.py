@@ -4,6 +4,7 @@ detokenized text by the control process)."""
 from __future__ import annotations
 
 from tetri_server.engine.sequence import Sequence
+from tetri_server.messages import TokenDelta
 
 
 def append_token(seq: Sequence, token: int, logprob: float | None, eos_ids: tuple[int, ...],
@@ -20,3 +21,11 @@ def append_token(seq: Sequence, token: int, logprob: float | None, eos_ids: tupl
     if n >= p.max_tokens or seq.num_tokens >= max_model_len:
         return "length"
     return None
+
+
+def emit(seq: Sequence, reason: str | None) -> TokenDelta:
+    """The output tokens of ``seq`` not yet reported, as one delta (and mark them reported)."""
+    new = seq.token_ids[seq.num_prompt + seq.num_emitted:]
+    lps = seq.logprobs[seq.num_emitted:] if seq.params.logprobs else None
+    seq.num_emitted = seq.num_output
+    return TokenDelta(seq.req_id, new, lps, reason)

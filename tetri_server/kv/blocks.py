@@ -57,6 +57,16 @@ class BlockAllocator:
         self._take(start + offset, num)
         return list(range(start + offset, start + offset + num))
 
+    def allocate_at(self, start: int, num: int) -> list[int]:
+        """The extent [start, start+num), which must be free (used by compaction)."""
+        if num <= 0:
+            return []
+        run = self._run_containing(start)
+        if run + self._runs[run] < start + num:
+            raise OutOfBlocks(f"blocks {start}..{start + num - 1} are not all free")
+        self._take(start, num)
+        return list(range(start, start + num))
+
     def extend(self, blocks: list[int], num: int) -> bool:
         """Grow the extent ``blocks`` in place by ``num`` blocks if the blocks after it are free.
         Appends to ``blocks`` and returns True, or changes nothing and returns False."""

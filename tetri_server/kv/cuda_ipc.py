@@ -66,6 +66,10 @@ class CudaIpcTransport:
         tensor = _as_tensor(self.cp, ptr, PoolGeometry.of(handle), self.device, self)
         self._peers[handle.worker_id] = (handle, ptr, tensor)
 
+    def retain(self, worker_ids: set[int]) -> None:
+        for wid in [w for w in self._peers if w not in worker_ids]:
+            self.drop(wid)
+
     def drop(self, worker_id: int) -> None:
         peer = self._peers.pop(worker_id, None)
         if peer is not None:

@@ -27,6 +27,8 @@ class KVCacheManager:
         self.kv = kv
         self.block_size = block_size
         self.num_relocations = 0
+        self.num_compactions = 0
+        self._holders: dict[int, HasBlocks] = {}  # id(seq) -> seq, for every seq with blocks
 
     @property
     def num_free_blocks(self) -> int:
@@ -47,6 +49,42 @@ class KVCacheManager:
         need = blocks_for(num_tokens, self.block_size) - len(seq.blocks)
         if need <= 0:
             return True
+        if need > self.allocator.num_free:
+            return False
+        if not self._grow(seq, need):
+            self.compact()  # enough blocks in total, but no run long enough
+            if not self._grow(seq, need):
+                return False
+        self._holders[id(seq)] = seq
+        return True
+
+    def free(self, seq: HasBlocks) -> None:
+        if seq.blocks:
+            self.allocator.free(seq.blocks)
+            seq.blocks = []
+        self._holders.pop(id(seq), None)
+
+    def adopt(self, seq: HasBlocks, num_tokens: int) -> bool:
+        """Give a sequence without blocks a fresh extent for ``num_tokens`` tokens (e.g. to
+        receive pulled KV). False if the pool has no room."""
+        assert not seq.blocks
+        return self.reserve(seq, num_tokens)
+
+    def compact(self) -> None:
+        """Slide every extent to the left, in address order, so free space is one run."""
+        holders = sorted(self._holders.values(), key=lambda s: s.blocks[0])
+        for seq in holders:
+            self.allocator.free(seq.blocks)
+        cursor = 0
+        for seq in holders:
+            n, old = len(seq.blocks), seq.blocks[0]
+            seq.blocks = self.allocator.allocate_at(cursor, n)
+            if old != cursor:
+                self._move(old, cursor, seq.num_computed, overlap=old - cursor < n)
+            cursor += n
+        self.num_compactions += 1
+
+    def _grow(self, seq: HasBlocks, need: int) -> bool:
         if not seq.blocks:
             try:
                 seq.blocks = self.allocator.allocate(need)
@@ -65,14 +103,12 @@ class KVCacheManager:
         self.num_relocations += 1
         return True
 
-    def free(self, seq: HasBlocks) -> None:
-        if seq.blocks:
-            self.allocator.free(seq.blocks)
-            seq.blocks = []
-
-    def _move(self, old_block: int, new_block: int, num_tokens: int) -> None:
+    def _move(self, old_block: int, new_block: int, num_tokens: int,
+              overlap: bool = False) -> None:
         if num_tokens == 0:
             return
         bs = self.block_size
         src = self.kv[:, :, :, old_block * bs:old_block * bs + num_tokens]
+        if overlap:
+            src = src.clone()
         self.kv[:, :, :, new_block * bs:new_block * bs + num_tokens].copy_(src)

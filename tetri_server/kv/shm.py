@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from multiprocessing import resource_tracker
-from multiprocessing.shared_memory import SharedMemory
+import mmap
+import os
 
 import torch
 
@@ -11,14 +11,34 @@ from tetri_server.kv.transport import DTYPE_NAMES, PoolGeometry, copy_extent_run
 from tetri_server.messages import PoolHandle
 
 
-def _untrack(shm: SharedMemory) -> None:
-    # The control process owns segment lifetimes (it unlinks pools of dead workers and stale
-    # runs); Python's resource tracker would otherwise unlink or warn on a worker's exit.
-    resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+SHM_DIR = "/dev/shm"
 
 
-def _view(shm: SharedMemory, geometry: PoolGeometry) -> torch.Tensor:
-    flat = torch.frombuffer(shm.buf, dtype=torch.uint8, count=geometry.num_bytes)
+def _map(name: str, num_bytes: int, create: bool) -> torch.Tensor:
+    """A uint8 tensor over the segment ``name``. Plain mmap rather than ``SharedMemory``: the
+    mapping must live exactly as long as tensors view it (no resource tracker, no close())."""
+    path = os.path.join(SHM_DIR, name)
+    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+    fd = os.open(path, flags, 0o600)
+    try:
+        if create:
+            os.ftruncate(fd, num_bytes)
+        mm = mmap.mmap(fd, num_bytes)
+    finally:
+        os.close(fd)
+    return torch.frombuffer(mm, dtype=torch.uint8, count=num_bytes)
+
+
+def unlink_segment(name: str) -> bool:
+    """Remove a pool segment; False if it was already gone. Mappings stay valid."""
+    try:
+        os.unlink(os.path.join(SHM_DIR, name))
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def _view(flat: torch.Tensor, geometry: PoolGeometry) -> torch.Tensor:
     return flat.view(geometry.dtype).view(geometry.shape)
 
 
@@ -26,15 +46,14 @@ class ShmTransport:
     def __init__(self, worker_id: int, geometry: PoolGeometry, segment_name: str) -> None:
         self.worker_id = worker_id
         self.geometry = geometry
-        self._shm = SharedMemory(name=segment_name, create=True, size=geometry.num_bytes)
-        _untrack(self._shm)
-        self.kv = _view(self._shm, geometry)
+        self.name = segment_name
+        self.kv = _view(_map(segment_name, geometry.num_bytes, create=True), geometry)
         self.kv.zero_()  # pre-touch: first-touch page faults cost ~6 us per 4 KiB page here
-        self._peers: dict[int, tuple[PoolHandle, SharedMemory, torch.Tensor]] = {}
+        self._peers: dict[int, tuple[PoolHandle, torch.Tensor]] = {}
 
     def export(self) -> PoolHandle:
         g = self.geometry
-        return PoolHandle(self.worker_id, "shm", self._shm.name, g.num_layers, g.num_blocks,
+        return PoolHandle(self.worker_id, "shm", self.name, g.num_layers, g.num_blocks,
                           g.block_size, g.num_kv_heads, g.head_dim, DTYPE_NAMES[g.dtype])
 
     def open(self, handle: PoolHandle) -> None:
@@ -44,25 +63,21 @@ class ShmTransport:
         if handle.transport != "shm":
             raise ValueError(f"peer {handle.worker_id} exports {handle.transport}, not shm")
         self.drop(handle.worker_id)
-        shm = SharedMemory(name=handle.name, create=False)
-        _untrack(shm)
-        self._peers[handle.worker_id] = (handle, shm, _view(shm, PoolGeometry.of(handle)))
+        g = PoolGeometry.of(handle)
+        self._peers[handle.worker_id] = (handle, _view(_map(handle.name, g.num_bytes, False), g))
+
+    def retain(self, worker_ids: set[int]) -> None:
+        for wid in [w for w in self._peers if w not in worker_ids]:
+            self.drop(wid)
 
     def drop(self, worker_id: int) -> None:
-        peer = self._peers.pop(worker_id, None)
-        if peer is not None:
-            del peer  # the tensor view must go before the mapping closes
-            # SharedMemory.close() fails while views exist; let GC unmap it with the tensor.
+        self._peers.pop(worker_id, None)  # unmapped with the last tensor that views it
 
     def copy_blocks(self, src_worker: int, src_ids: list[int], dst_ids: list[int],
                     num_tokens: int) -> None:
-        _, _, src = self._peers[src_worker]
+        _, src = self._peers[src_worker]
         copy_extent_runs(src, self.kv, src_ids, dst_ids, num_tokens, self.geometry.block_size)
 
     def close(self) -> None:
         self._peers.clear()
-        name = self._shm.name
-        try:
-            SharedMemory(name=name, create=False).unlink()
-        except FileNotFoundError:
-            pass  # already unlinked by the control process
+        unlink_segment(self.name)  # may already be gone: the control process unlinks it too

@@ -69,6 +69,10 @@ class KVTransport(Protocol):
         """Forget a peer's mapping (the peer died or was replaced)."""
         ...
 
+    def retain(self, worker_ids: set[int]) -> None:
+        """Drop the mappings of every peer not in ``worker_ids``."""
+        ...
+
     def copy_blocks(self, src_worker: int, src_ids: list[int], dst_ids: list[int],
                     num_tokens: int) -> None:
         """Copy the first ``num_tokens`` tokens held in the peer's blocks ``src_ids`` into this

@@ -1,0 +1,353 @@
+"""The control process's core: workers, request table, global scheduler, cluster monitor,
+message forwarding and supervision. Implements the ``Backend`` protocol for the HTTP layer.
+
+Everything here runs on one asyncio loop and never blocks: worker messages arrive through
+``AsyncReceiver`` callbacks (eventfd + add_reader), worker deaths through pidfds, the monitor
+runs on ``call_later``. Every wait (start-up, tokens, drain) has a bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+from typing import Any
+
+from tetri_server.channel import cleanup_stale_segments, new_run_id
+from tetri_server.config import Config
+from tetri_server.control.protocol import GenerationError, QueueFullError
+from tetri_server.control.requests import DONE, ReqState, Request, Stream
+from tetri_server.control.supervisor import WorkerHandle, reap, spawn_worker
+from tetri_server.messages import (
+    Abort,
+    AddRequest,
+    DecodeInstanceView,
+    DecodeView,
+    FromWorker,
+    Handoff,
+    HandoffRejected,
+    KVPulled,
+    LoadReport,
+    PeerPools,
+    Ready,
+    RequestFailed,
+    SamplingParams,
+    Shutdown,
+    StepOutput,
+)
+from tetri_server.policy import LeastLoadedPicker
+
+log = logging.getLogger("tetri.control")
+MAX_RERUNS = 3
+
+
+class Cluster:
+    def __init__(self, cfg: Config, metrics: Any = None) -> None:
+        from tetri_server.engine.loader import load_hf_config, resolve_model_path
+        from tetri_server.engine.spec import spec_from_hf_config
+
+        folder = resolve_model_path(cfg.model.path)  # makes builtin:tiny once, here
+        self.cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model,
+                                                                      path=str(folder)))
+        spec = spec_from_hf_config(load_hf_config(folder))
+        self.model_name = cfg.model.served_name or folder.name
+        limit = spec.max_position_embeddings
+        self.max_model_len = min(cfg.model.max_model_len or limit, limit)
+        self.eos_token_ids = spec.eos_token_ids
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        self.metrics = metrics
+        self.disaggregated = cfg.cluster.mode == "disaggregated"
+        self.workers: dict[int, WorkerHandle] = {}
+        self.generations: dict[int, int] = {}
+        self.requests: dict[int, Request] = {}
+        self.picker = LeastLoadedPicker(coupled=not self.disaggregated)
+        self.reports: dict[int, LoadReport] = {}
+        self.num_restarts = 0
+        self._next_id = 0
+        self._view_seq = 0
+        self._stopping = False
+        self._monitor: asyncio.TimerHandle | None = None
+        self.parked: list[Request] = []  # waiting for a restarted worker
+        self._drained = asyncio.Event()
+
+    # ------------------------------------------------------------------ life cycle
+
+    def roles(self) -> dict[int, str]:
+        c = self.cfg.cluster
+        if self.disaggregated:
+            return {i: "prefill" if i < c.prefill_workers else "decode"
+                    for i in range(c.prefill_workers + c.decode_workers)}
+        return {i: "coupled" for i in range(c.workers)}
+
+    def _cpus(self, worker_id: int) -> tuple[list[int], int]:
+        cores = sorted(os.sched_getaffinity(0))
+        n = max(1, self.cfg.cluster.threads_per_worker)
+        if self.cfg.cluster.device != "cpu":
+            return [], n
+        first = (worker_id * n) % len(cores)
+        return [cores[(first + k) % len(cores)] for k in range(min(n, len(cores)))], n
+
+    def _spawn(self, worker_id: int, role: str) -> WorkerHandle:
+        gen = self.generations.get(worker_id, -1) + 1
+        self.generations[worker_id] = gen
+        cpus, threads = self._cpus(worker_id)
+        device = "cpu"
+        if self.cfg.cluster.device == "cuda":
+            device = f"cuda:{worker_id % max(1, _num_cuda_devices())}"
+        h = spawn_worker(worker_id, role, gen, self.run_id, self.cfg.to_dict(redact=False),
+                         cpus, threads, device, self._on_message, self._on_exit)
+        self.workers[worker_id] = h
+        return h
+
+    async def start(self) -> None:
+        removed = cleanup_stale_segments()
+        if removed:
+            log.warning("removed %d stale shared-memory segments of dead runs", len(removed))
+        self.run_id = new_run_id()
+        handles = [self._spawn(wid, role) for wid, role in self.roles().items()]
+        timeout = self.cfg.cluster.worker_start_timeout_s
+        try:
+            await asyncio.wait_for(asyncio.gather(*(h.ready for h in handles)), timeout)
+        except BaseException:
+            await self.stop(drain_timeout_s=0)
+            raise
+        self._broadcast_pools()
+        if self.disaggregated:
+            self._schedule_monitor()
+        log.info("cluster ready: %s", ", ".join(f"worker{h.worker_id}={h.role}"
+                                                 for h in handles))
+
+    async def stop(self, drain_timeout_s: float | None = None) -> None:
+        """Let in-flight requests finish (bounded), then shut every worker down."""
+        bound = self.cfg.server.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
+        if self.requests:
+            self._drained.clear()
+            try:
+                await asyncio.wait_for(self._drained.wait(), bound)
+            except TimeoutError:
+                log.warning("drain bound of %.0f s reached with %d requests in flight", bound,
+                            len(self.requests))
+        self._stopping = True
+        if self._monitor is not None:
+            self._monitor.cancel()
+        for req in list(self.requests.values()):
+            self.fail(req, "server is shutting down")
+        for h in self.workers.values():
+            h.post(Shutdown())
+        for h in list(self.workers.values()):
+            if not h.alive:
+                continue
+            try:
+                await asyncio.wait_for(asyncio.to_thread(h.proc.wait), 10.0)
+            except TimeoutError:
+                h.proc.kill()
+            if h.alive:
+                reap(h)
+
+    def is_ready(self) -> bool:
+        return (not self._stopping and bool(self.workers)
+                and all(h.is_ready for h in self.workers.values()))
+
+    # ------------------------------------------------------------------ requests
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, *, prompt_text: str = "",
+               true_output_len: int | None = None) -> Stream:
+        if len(self.requests) >= self.cfg.server.max_queued_requests:
+            raise QueueFullError(retry_after_s=1.0)
+        if not self.is_ready():
+            raise GenerationError("server is not ready (workers starting or restarting)")
+        req = Request(self._next_id, list(prompt_ids), params, prompt_text, true_output_len)
+        self._next_id += 1
+        self.requests[req.req_id] = req
+        self._route(req)
+        return Stream(self, req, self.cfg.server.request_timeout_s)
+
+    def _route(self, req: Request) -> None:
+        """Send to the least-loaded prefill (or coupled) worker; the prompt of a re-run
+        includes the tokens already streamed, so the stream continues where it stopped."""
+        down = [w for w, h in self.workers.items() if not h.is_ready]
+        prompt = req.prompt_ids + req.output_ids
+        wid = self.picker.pick(len(prompt), exclude=down)
+        if wid is None:
+            if any(h.alive and not h.is_ready for h in self.workers.values()):
+                self.parked.append(req)  # a restart is on its way; bounded by the stream
+            else:
+                self.fail(req, "no live worker can take the request")
+            return
+        done = len(req.output_ids)
+        p = req.params
+        params = p if done == 0 else dataclasses.replace(
+            p, max_tokens=p.max_tokens - done, min_tokens=max(0, p.min_tokens - done))
+        req.owner, req.src, req.state = wid, -1, ReqState.PREFILL
+        self.workers[wid].post(AddRequest(req.req_id, prompt, params, req.arrival_s,
+                                          req.true_output_len, req.prompt_text))
+
+    def _forget(self, req_id: int) -> Request | None:
+        req = self.requests.pop(req_id, None)
+        if not self.requests:
+            self._drained.set()
+        return req
+
+    def abort(self, req_id: int) -> None:
+        req = self._forget(req_id)
+        if req is None:
+            return
+        req.state = ReqState.ABORTED
+        for wid in {req.owner, req.src} - {-1}:
+            if wid in self.workers:
+                self.workers[wid].post(Abort(req_id))
+
+    def fail(self, req: Request, error: str) -> None:
+        if req.state in DONE:
+            return
+        req.state = ReqState.FAILED
+        self._forget(req.req_id)
+        req.queue.put_nowait(GenerationError(error))
+        for wid in {req.owner, req.src} - {-1}:
+            h = self.workers.get(wid)
+            if h is not None and h.alive:
+                h.post(Abort(req.req_id))
+        if self.metrics is not None:
+            self.metrics.inc_error("generation")
+
+    # ------------------------------------------------------------------ worker messages
+
+    def _on_message(self, h: WorkerHandle, msg: FromWorker) -> None:
+        if not h.alive:
+            return
+        if isinstance(msg, StepOutput):
+            for d in msg.deltas:
+                req = self.requests.get(d.req_id)
+                if req is None:
+                    continue
+                req.output_ids.extend(d.token_ids)
+                req.queue.put_nowait(d)
+                if d.finish_reason is not None:
+                    req.state = ReqState.FINISHED
+                    self._forget(d.req_id)
+        elif isinstance(msg, Handoff):
+            self._forward_handoff(h, msg)
+        elif isinstance(msg, KVPulled):
+            req = self.requests.get(msg.req_id)
+            if req is not None and req.src in self.workers:
+                self.workers[req.src].post(msg)
+                req.src, req.state = -1, ReqState.DECODE
+        elif isinstance(msg, HandoffRejected):
+            req = self.requests.get(msg.req_id)
+            if req is not None and req.src in self.workers:
+                self.workers[req.src].post(msg)
+                req.owner, req.src, req.state = req.src, -1, ReqState.PREFILL
+        elif isinstance(msg, LoadReport):
+            self.reports[h.worker_id] = msg
+            self.picker.on_report(msg)
+            if self.metrics is not None:
+                used = msg.num_total_blocks - msg.num_free_blocks
+                self.metrics.set_worker(str(h.worker_id), h.role, used, msg.num_total_blocks,
+                                        msg.busy_s)
+        elif isinstance(msg, RequestFailed):
+            req = self.requests.get(msg.req_id)
+            if req is not None:
+                self.fail(req, msg.error)
+        elif isinstance(msg, Ready):
+            h.pool, h.chunk_size = msg.pool, msg.chunk_size
+            empty = LoadReport(h.worker_id, msg.role, 0, 0, 0, msg.pool.num_blocks,
+                               msg.pool.num_blocks, 0, 0, 0, 0.0)
+            self.reports[h.worker_id] = empty
+            self.picker.on_report(empty)
+            if not h.ready.done():
+                h.ready.set_result(None)
+            if self.metrics is not None and msg.chunk_size:
+                self.metrics.set_chunk_size(str(h.worker_id), msg.chunk_size)
+            if h.generation > 0:
+                self._broadcast_pools()  # a restarted worker: peers map its new pool
+                parked, self.parked = self.parked, []
+                for req in parked:
+                    if req.state not in DONE:
+                        self._route(req)
+
+    def _forward_handoff(self, src: WorkerHandle, msg: Handoff) -> None:
+        req = self.requests.get(msg.req_id)
+        if req is None:
+            return  # aborted meanwhile: the prefill worker freed its blocks on Abort
+        dst = self.workers.get(msg.dst_worker)
+        if dst is None or not dst.is_ready:
+            src.post(HandoffRejected(msg.req_id, f"decode worker {msg.dst_worker} is down"))
+            return
+        req.owner, req.src, req.state = dst.worker_id, src.worker_id, ReqState.HANDOFF
+        dst.post(msg)
+
+    # ------------------------------------------------------------------ monitor
+
+    def _schedule_monitor(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._monitor = loop.call_later(self.cfg.monitor.interval_ms / 1000, self._broadcast_view)
+
+    def _broadcast_view(self) -> None:
+        """Cluster monitor: the decode view, from the latest reports, to every prefill worker."""
+        self._view_seq += 1
+        decodes = [DecodeInstanceView(wid, r.num_free_blocks, r.num_total_blocks, r.num_heavy,
+                                      r.num_light, r.predicted_demand_blocks)
+                   for wid, r in sorted(self.reports.items())
+                   if r.role == "decode" and self.workers[wid].is_ready]
+        view = DecodeView(self._view_seq, decodes)
+        for h in self.workers.values():
+            if h.role == "prefill" and h.is_ready:
+                h.post(view)
+        if self.metrics is not None:
+            waiting = sum(r.num_waiting for r in self.reports.values())
+            self.metrics.set_requests(len(self.requests), waiting)
+        if not self._stopping:
+            self._schedule_monitor()
+
+    def _broadcast_pools(self) -> None:
+        pools = [h.pool for h in self.workers.values() if h.is_ready and h.pool is not None]
+        for h in self.workers.values():
+            if h.is_ready:
+                h.post(PeerPools(pools))
+
+    # ------------------------------------------------------------------ supervision
+
+    def _on_exit(self, h: WorkerHandle) -> None:
+        code = reap(h)
+        if self._stopping:
+            return
+        log.error("worker %d (%s) exited with code %s", h.worker_id, h.role, code)
+        self.picker.remove_worker(h.worker_id)
+        self.reports.pop(h.worker_id, None)
+        for req in list(self.requests.values()):
+            if req.src == h.worker_id:
+                req.src = -1  # the decode worker's mapping of the dead pool stays valid
+            if req.owner == h.worker_id:
+                self._rerun(req)
+        if self.cfg.cluster.restart_workers:
+            self.num_restarts += 1
+            if self.metrics is not None:
+                self.metrics.inc_restarts()
+            new = self._spawn(h.worker_id, h.role)
+            new.ready.add_done_callback(_log_ready_failure)
+        self._broadcast_pools()
+
+    def _rerun(self, req: Request) -> None:
+        """Re-run a request whose worker died, from its prompt plus what was streamed."""
+        for wid in {req.src} - {-1}:
+            if wid in self.workers:
+                self.workers[wid].post(Abort(req.req_id))  # free KV held for a hand-off
+        req.num_reruns += 1
+        if req.num_reruns > MAX_RERUNS:
+            self.fail(req, "worker failed repeatedly while running this request")
+            return
+        self._route(req)
+
+
+def _log_ready_failure(fut: asyncio.Future[None]) -> None:
+    if not fut.cancelled() and fut.exception() is not None:
+        log.error("restarted worker failed: %s", fut.exception())
+
+
+def _num_cuda_devices() -> int:
+    import torch
+
+    return torch.cuda.device_count()

@@ -1,0 +1,76 @@
+"""The control process's request table: one record per live request, one state enum."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from tetri_server.control.protocol import GenerationError
+from tetri_server.messages import SamplingParams, TokenDelta
+
+if TYPE_CHECKING:
+    from tetri_server.control.cluster import Cluster
+
+
+class ReqState(enum.Enum):
+    PREFILL = "prefill"  # sent to a prefill (or coupled) worker
+    HANDOFF = "handoff"  # Handoff forwarded; the decode worker is pulling its KV
+    DECODE = "decode"  # owned by a decode worker
+    FINISHED = "finished"
+    FAILED = "failed"
+    ABORTED = "aborted"
+
+
+DONE = (ReqState.FINISHED, ReqState.FAILED, ReqState.ABORTED)
+
+
+@dataclass(eq=False)
+class Request:
+    """Owned by the control process. ``owner``: the worker that will produce its next token;
+    ``src``: during a hand-off, the prefill worker still holding its KV blocks."""
+
+    req_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    prompt_text: str
+    true_output_len: int | None
+    arrival_s: float = field(default_factory=time.monotonic)
+    owner: int = -1
+    src: int = -1
+    state: ReqState = ReqState.PREFILL
+    output_ids: list[int] = field(default_factory=list)
+    num_reruns: int = 0
+    queue: asyncio.Queue[TokenDelta | GenerationError] = field(default_factory=asyncio.Queue)
+
+
+class Stream:
+    """The ``RequestStream`` the HTTP layer iterates. Each wait is bounded by
+    ``token_timeout_s`` (a stalled request becomes a GenerationError, never a hang)."""
+
+    def __init__(self, cluster: Cluster, req: Request, token_timeout_s: float) -> None:
+        self.req_id = req.req_id
+        self._cluster = cluster
+        self._req = req
+        self._timeout_s = token_timeout_s
+
+    async def __aiter__(self) -> AsyncIterator[TokenDelta]:
+        while True:
+            try:
+                item = await asyncio.wait_for(self._req.queue.get(), self._timeout_s)
+            except TimeoutError:
+                self._cluster.fail(self._req, "no token within "
+                                   f"{self._timeout_s:.0f} s (server overloaded or stalled)")
+                await self.abort()
+                raise GenerationError(f"request {self.req_id} timed out") from None
+            if isinstance(item, GenerationError):
+                raise item
+            yield item
+            if item.finish_reason is not None:
+                return
+
+    async def abort(self) -> None:
+        self._cluster.abort(self.req_id)

@@ -1,0 +1,163 @@
+"""What every worker process has: one device, one model copy, one KV pool, two channels, and the
+loop  drain inbox -> plan -> execute -> update -> report.  Role logic lives in subclasses."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import time
+
+import torch
+
+from tetri_server.channel import Channel
+from tetri_server.config import Config
+from tetri_server.engine.loader import load_model
+from tetri_server.engine.runner import ModelRunner
+from tetri_server.kv.blocks import BlockAllocator, blocks_for
+from tetri_server.kv.manager import KVCacheManager
+from tetri_server.kv.transport import PoolGeometry, make_transport
+from tetri_server.messages import (
+    Abort,
+    FromWorker,
+    LoadReport,
+    PeerPools,
+    Ready,
+    Shutdown,
+    ToWorker,
+    WorkerSpec,
+)
+
+log = logging.getLogger("tetri.worker")
+DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
+SEND_TIMEOUT_S = 30.0
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGTERM this process when the control process dies (no orphans)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        log.warning("prctl(PR_SET_PDEATHSIG) unavailable; relying on the parent-pid check")
+
+
+class Worker:
+    role = "base"
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        _die_with_parent()
+        self.spec = spec
+        self.cfg = Config.from_dict(spec.config)
+        self.worker_id = spec.worker_id
+        if spec.cpus:
+            os.sched_setaffinity(0, spec.cpus)
+        torch.set_num_threads(max(1, spec.num_threads))
+        self.inbox = Channel.attach(spec.inbox, ToWorker)
+        self.outbox = Channel.attach(spec.outbox, FromWorker)
+        self.device = torch.device(spec.device)
+        mcfg = self.cfg.model
+        self.model, self.model_spec = load_model(mcfg.path, mcfg.dtype, self.device)
+        s = self.model_spec
+        self.max_model_len = min(mcfg.max_model_len or s.max_position_embeddings,
+                                 s.max_position_embeddings)
+        dtype = next(self.model.parameters()).dtype
+        bs = self.cfg.kv.block_size
+        num_blocks = self.cfg.kv.num_blocks or self._blocks_from_memory(dtype)
+        if num_blocks < blocks_for(self.max_model_len, bs):
+            raise ValueError(f"KV pool of {num_blocks} blocks cannot hold one sequence of "
+                             f"max_model_len={self.max_model_len}; raise kv.num_blocks")
+        geometry = PoolGeometry(s.num_layers, num_blocks, bs, s.num_kv_heads, s.head_dim, dtype)
+        self.transport = make_transport(self.cfg.kv.transport, self.worker_id, geometry,
+                                        self.device, spec.kv_segment)
+        self.allocator = BlockAllocator(num_blocks)
+        self.kv = KVCacheManager(self.allocator, self.transport.kv, bs)
+        self.runner = ModelRunner(self.model, s, self.transport.kv, bs, self.device)
+        self.block_size = bs
+        self.busy_s = 0.0
+        self.stopping = False
+        self.report_interval_s = self.cfg.monitor.interval_ms / 1000.0
+
+    def _blocks_from_memory(self, dtype: torch.dtype) -> int:
+        kv = self.cfg.kv
+        per_block = self.model_spec.kv_bytes_per_token * DTYPE_BYTES[dtype] * kv.block_size
+        if kv.memory_gb > 0:
+            budget = kv.memory_gb * 2**30
+        elif self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = free * kv.memory_fraction
+        else:
+            pages = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            budget = pages * kv.memory_fraction / max(1, self.cfg.cluster.num_workers)
+        return max(1, int(budget // per_block))
+
+    # ------------------------------------------------------------------ the loop
+
+    def chunk_size(self) -> int:
+        return 0
+
+    def run(self) -> None:
+        self.send(Ready(self.worker_id, self.role, self.transport.export(), self.chunk_size(),
+                        os.getpid()))
+        next_report = time.monotonic()
+        try:
+            while not self.stopping:
+                for msg in self.inbox.drain():
+                    self.handle(msg)
+                if os.getppid() != self.spec.parent_pid:
+                    log.warning("control process is gone; worker %d exits", self.worker_id)
+                    break
+                if self.has_work():
+                    t0 = time.monotonic()
+                    self.step()
+                    self.busy_s += time.monotonic() - t0
+                else:
+                    wait = max(0.0, next_report - time.monotonic())
+                    msg = self.inbox.recv(timeout_s=min(wait, 0.5))
+                    if msg is not None:
+                        self.handle(msg)
+                now = time.monotonic()
+                if now >= next_report:
+                    self.send(self.load_report())
+                    next_report = now + self.report_interval_s
+        finally:
+            self.transport.close()
+            self.inbox.close()
+            self.outbox.close()
+
+    def send(self, msg: object) -> None:
+        self.outbox.send(msg, timeout_s=SEND_TIMEOUT_S)
+
+    def handle(self, msg: object) -> None:
+        if isinstance(msg, Shutdown):
+            self.stopping = True
+        elif isinstance(msg, PeerPools):
+            self.on_peer_pools(msg)
+        elif isinstance(msg, Abort):
+            self.abort(msg.req_id)
+        else:
+            self.handle_role(msg)
+
+    def on_peer_pools(self, msg: PeerPools) -> None:
+        peers = [p for p in msg.pools if p.worker_id != self.worker_id]
+        self.transport.retain({p.worker_id for p in peers})
+        for p in peers:
+            self.transport.open(p)
+
+    # ------------------------------------------------------------------ role hooks
+
+    def handle_role(self, msg: object) -> None:
+        raise NotImplementedError(type(msg).__name__)
+
+    def abort(self, req_id: int) -> None:
+        raise NotImplementedError
+
+    def has_work(self) -> bool:
+        raise NotImplementedError
+
+    def step(self) -> None:
+        raise NotImplementedError
+
+    def load_report(self) -> LoadReport:
+        raise NotImplementedError

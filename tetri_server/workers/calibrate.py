@@ -1,0 +1,93 @@
+"""Chunk-size calibration (``prefill.chunk_size = 0``): measure prefill throughput over token
+counts 32..4096 at start-up and pick the knee (``policy.knee``). The result is cached per
+(model, device, dtype, threads) so later starts skip the measurement."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from tetri_server.engine.runner import ScheduledSeq, StepPlan
+from tetri_server.engine.sequence import Sequence
+from tetri_server.messages import SamplingParams
+from tetri_server.policy import pick_chunk_size
+
+if TYPE_CHECKING:
+    from tetri_server.workers.base import Worker
+
+log = logging.getLogger("tetri.calibrate")
+SIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
+REPEATS = 2
+
+
+def cache_file() -> Path:
+    root = Path(os.environ.get("TETRI_CACHE_DIR", Path.home() / ".cache" / "tetri_server"))
+    return root / "chunk_size.json"
+
+
+def cache_key(worker: Worker) -> str:
+    model = worker.cfg.model.path
+    folder = Path(model)
+    stamp = ""
+    if (folder / "config.json").is_file():
+        stamp = hashlib.sha256((folder / "config.json").read_bytes()).hexdigest()[:16]
+    dtype = next(worker.model.parameters()).dtype
+    return f"{model}|{stamp}|{worker.device}|{dtype}|threads={torch.get_num_threads()}"
+
+
+def measure(worker: Worker, sizes: tuple[int, ...] = SIZES) -> list[tuple[int, float]]:
+    """(tokens, seconds) of one packed prefill pass per size, best of ``REPEATS``."""
+    gen = torch.Generator().manual_seed(0)
+    per_seq = max(1, min(worker.max_model_len - 1, 1024))
+    samples: list[tuple[int, float]] = []
+    for n in sizes:
+        if n > worker.allocator.num_blocks * worker.block_size // 2:
+            break
+        best = float("inf")
+        for _ in range(REPEATS):
+            seqs = []
+            left = n
+            while left > 0:
+                k = min(left, per_seq)
+                ids = torch.randint(5, worker.model_spec.vocab_size, (k,), generator=gen)
+                seq = Sequence(-1, ids.tolist(), k, SamplingParams(temperature=0.0))
+                if not worker.kv.reserve(seq, k):
+                    break
+                seqs.append(seq)
+                left -= k
+            t0 = time.perf_counter()
+            worker.runner.execute(StepPlan([ScheduledSeq(s, s.num_prompt) for s in seqs]))
+            best = min(best, time.perf_counter() - t0)
+            for s in seqs:
+                worker.kv.free(s)
+        samples.append((n, best))
+    return samples
+
+
+def resolve_chunk_size(worker: Worker, configured: int) -> int:
+    if configured > 0:
+        return configured
+    key, path = cache_key(worker), cache_file()
+    cached: dict[str, int] = {}
+    if path.is_file():
+        cached = json.loads(path.read_text())
+        if key in cached:
+            log.info("chunk size %d (cached calibration for %s)", cached[key], key)
+            return cached[key]
+    samples = measure(worker)
+    size = pick_chunk_size(samples)
+    log.warning("calibrated prefill chunk size %d from %s", size,
+                ", ".join(f"{n}:{n / s:.0f} tok/s" for n, s in samples))
+    cached[key] = size
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(cached, indent=1))
+    tmp.replace(path)
+    return size

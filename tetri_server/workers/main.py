@@ -1,0 +1,34 @@
+"""Worker process entry point: ``python -m tetri_server.workers.main '<WorkerSpec JSON>'``.
+
+Started by the control process with ``subprocess.Popen(pass_fds=...)``; exits 0 after Shutdown,
+non-zero on any error (the supervisor notices through the process's pidfd)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import msgspec
+
+from tetri_server.messages import WorkerSpec
+
+
+def main(argv: list[str]) -> int:
+    spec = msgspec.json.decode(argv[1].encode(), type=WorkerSpec)
+    level = str(spec.config.get("server", {}).get("log_level", "info")).upper()
+    logging.basicConfig(level=level, stream=sys.stderr,
+                        format=f"%(asctime)s worker{spec.worker_id} %(levelname)s %(message)s")
+    if spec.role == "prefill":
+        from tetri_server.workers.prefill import PrefillWorker as cls
+    elif spec.role == "decode":
+        from tetri_server.workers.decode import DecodeWorker as cls  # type: ignore[assignment]
+    elif spec.role == "coupled":
+        from tetri_server.workers.coupled import CoupledWorker as cls  # type: ignore[assignment]
+    else:
+        raise SystemExit(f"unknown worker role {spec.role!r}")
+    cls(spec).run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
