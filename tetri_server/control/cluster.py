@@ -14,6 +14,8 @@ import logging
 import os
 from typing import Any
 
+import msgspec
+
 from tetri_server.channel import cleanup_stale_segments, new_run_id
 from tetri_server.config import Config
 from tetri_server.control.protocol import GenerationError, QueueFullError
@@ -69,6 +71,7 @@ class Cluster:
         self._next_id = 0
         self._view_seq = 0
         self._stopping = False
+        self._started = False
         self._monitor: asyncio.TimerHandle | None = None
         self.parked: list[Request] = []  # waiting for a restarted worker
         self._drained = asyncio.Event()
@@ -114,6 +117,7 @@ class Cluster:
         except BaseException:
             await self.stop(drain_timeout_s=0)
             raise
+        self._started = True
         self._broadcast_pools()
         if self.disaggregated:
             self._schedule_monitor()
@@ -179,7 +183,7 @@ class Cluster:
             return
         done = len(req.output_ids)
         p = req.params
-        params = p if done == 0 else dataclasses.replace(
+        params = p if done == 0 else msgspec.structs.replace(
             p, max_tokens=p.max_tokens - done, min_tokens=max(0, p.min_tokens - done))
         req.owner, req.src, req.state = wid, -1, ReqState.PREFILL
         self.workers[wid].post(AddRequest(req.req_id, prompt, params, req.arrival_s,
@@ -312,8 +316,8 @@ class Cluster:
 
     def _on_exit(self, h: WorkerHandle) -> None:
         code = reap(h)
-        if self._stopping:
-            return
+        if self._stopping or not self._started:
+            return  # start() reports a worker that dies before it is ready
         log.error("worker %d (%s) exited with code %s", h.worker_id, h.role, code)
         self.picker.remove_worker(h.worker_id)
         self.reports.pop(h.worker_id, None)
