@@ -1,0 +1,76 @@
+"""``tetri-server serve | bench`` (also ``python -m tetri_server``)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+
+log = logging.getLogger("tetri")
+
+
+def _serve_args(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("serve", help="serve the OpenAI-compatible API")
+    p.add_argument("--config", help="config.toml to read (default: built-in defaults)")
+    p.add_argument("--set", dest="overrides", action="append", default=[],
+                   metavar="SECTION.KEY=VALUE", help="override one config key (repeatable)")
+
+
+async def serve(cfg) -> int:  # noqa: ANN001 - Config
+    from tetri_server.api.app import build_app
+    from tetri_server.api.server import drain, start_site
+    from tetri_server.control.cluster import Cluster
+    from tetri_server.metrics import Metrics
+
+    metrics = Metrics()
+    cluster = Cluster(cfg.resolve(cpu_count=len(os.sched_getaffinity(0))), metrics)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await cluster.start()
+    app = build_app(cluster, cluster.cfg.server, metrics)
+    runner, port = await start_site(app, cfg.server.host, cfg.server.port)
+    url = f"http://{cfg.server.host}:{port}"
+    print(f"tetri-server: serving {cluster.model_name!r} ({cfg.cluster.mode}) at {url}/v1\n"
+          f"  try: curl {url}/v1/completions -H 'Content-Type: application/json' "
+          f"-d '{{\"model\": \"{cluster.model_name}\", \"prompt\": \"Hello\", "
+          f"\"max_tokens\": 16}}'", flush=True)
+    await stop.wait()
+    log.info("shutting down: draining for up to %.0f s", cfg.server.drain_timeout_s)
+    await drain(app, cfg.server.drain_timeout_s)
+    await runner.cleanup()
+    await cluster.stop(drain_timeout_s=0)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "bench":
+        from tetri_server.bench.cli import main as bench_main
+
+        return int(bench_main(argv[1:]) or 0)
+    parser = argparse.ArgumentParser(prog="tetri-server")
+    sub = parser.add_subparsers(dest="command")
+    _serve_args(sub)
+    sub.add_parser("bench", help="benchmark a server (see: tetri-server bench --help)")
+    args = parser.parse_args(argv or ["serve"])
+    from tetri_server.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"tetri-server: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=cfg.server.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    import uvloop
+
+    return uvloop.run(serve(cfg))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
