@@ -38,6 +38,7 @@ class ClientConfig:
     extra_body: dict[str, Any] = field(default_factory=dict)  # merged into every request body
     api_key: str | None = None
     progress: bool = True
+    label: str = ""  # shown before the progress bar
 
 
 @dataclass
@@ -95,8 +96,11 @@ def _on_event(ev: SSEEvent, rec: RequestRecord, now_s: float) -> bool:
     except ValueError:
         rec.error = rec.error or f"bad JSON in stream: {ev.data[:100]!r}"
         return False
-    if ev.event == "error" or (isinstance(obj, dict) and "error" in obj):
-        err = obj.get("error", obj) if isinstance(obj, dict) else obj
+    if not isinstance(obj, dict):
+        rec.error = rec.error or f"unexpected chunk in stream: {ev.data[:100]!r}"
+        return False
+    if ev.event == "error" or "error" in obj:
+        err = obj.get("error", obj)
         msg = err.get("message", err) if isinstance(err, dict) else err
         rec.error = rec.error or f"stream error: {msg}"
         return False
@@ -189,7 +193,7 @@ async def run_benchmark(
     deadline_s += cfg.request_timeout_s + RUN_DEADLINE_MARGIN_S
     # limit=0: the connector must not become a hidden concurrency cap (aiohttp's default is 100)
     connector = aiohttp.TCPConnector(limit=0)
-    progress = Progress(len(requests), enabled=cfg.progress)
+    progress = Progress(len(requests), enabled=cfg.progress, label=cfg.label)
     async with aiohttp.ClientSession(connector=connector) as session:
         before = await scrape_busy_seconds(session, cfg.base_url) if scrape_metrics else None
         started_unix_s = time.time()

@@ -123,5 +123,7 @@ def load_arena_responses(folder: Path) -> list[ArenaResponse]:
     out: list[ArenaResponse] = []
     for name in ARENA_RESPONSE_FILES:
         with gzip.open(folder / name, "rt", encoding="utf-8") as f:
-            out.extend(ArenaResponse(r["prompt_id"], r["model"], r["response"]) for r in map(json.loads, f))
+            out.extend(
+                ArenaResponse(r["prompt_id"], r["model"], r["response"]) for r in map(json.loads, f)
+            )
     return out

@@ -15,7 +15,7 @@ SCRAPE_TIMEOUT_S = 10.0
 
 
 def parse_busy_seconds(text: str) -> dict[str, float] | None:
-    """``{"worker:role": seconds}`` from a Prometheus text page; ``None`` if the metric is absent."""
+    """``{"worker:role": seconds}`` from a Prometheus page; ``None`` if the metric is absent."""
     found: dict[str, float] = {}
     seen = False
     for family in text_string_to_metric_families(text):

@@ -4,7 +4,8 @@ Token ids are the default: the server takes them as they are, so ``prompt_len`` 
 tokenizer is needed (only the vocabulary size). Text prompts are made of real Arena prompts
 joined together, tokenized with the served model's tokenizer, sliced at a seeded offset and
 decoded; the slice is adjusted until re-encoding the text (with special tokens, as the server
-will) gives the requested count, and the count actually reached is returned.
+will) gives the requested count, and the count actually reached is returned (never more than
+requested).
 """
 
 from __future__ import annotations
@@ -12,11 +13,12 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, cast
 
 import numpy as np
 
-MAX_FIT_TRIES = 8
+MAX_FIT_TRIES = 8  # slice-length adjustments per start offset
+MAX_FIT_STARTS = 4  # start offsets tried before settling for the closest count below
 
 
 class PromptTokenizer(Protocol):
@@ -31,8 +33,9 @@ def load_tokenizer(model_dir: str | Path) -> PromptTokenizer:
     """The served model's tokenizer (transformers is imported only here)."""
     from transformers import AutoTokenizer
 
-    tok: PromptTokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    return tok
+    # the pool is tokenized in long pieces: lift the length limit so no warning is printed
+    tok = AutoTokenizer.from_pretrained(str(model_dir), model_max_length=1 << 40)
+    return cast(PromptTokenizer, tok)
 
 
 def model_vocab(model_dir: str | Path) -> tuple[int, frozenset[int]]:
@@ -88,18 +91,31 @@ class TextPrompts:
         n = len(self._pool)  # a pool shorter than the slice is repeated
         return [self._pool[(start + i) % n] for i in range(num_tokens)]
 
-    def make(self, num_tokens: int, rng: np.random.Generator) -> tuple[str, int]:
-        """Text whose server-side encoding has ``num_tokens`` tokens (or the closest reached)."""
-        start = int(rng.integers(0, len(self._pool)))
-        k = max(0, num_tokens - self._num_special)
-        best: tuple[str, int] | None = None
-        for _ in range(MAX_FIT_TRIES):
+    def _fit(self, start: int, num_tokens: int) -> list[tuple[str, int]]:
+        """Texts tried from one start offset, the last one exact if the slice could be fitted."""
+        tried: list[tuple[str, int]] = []
+        k, seen = max(0, num_tokens - self._num_special), set()
+        while k not in seen and len(tried) < MAX_FIT_TRIES:
+            seen.add(k)
             text = self._tok.decode(self._slice(start, k))
             got = len(self._tok.encode(text, add_special_tokens=True))
-            if best is None or abs(got - num_tokens) < abs(best[1] - num_tokens):
-                best = (text, got)
+            tried.append((text, got))
             if got == num_tokens:
                 break
             k = max(0, k + num_tokens - got)
-        assert best is not None
-        return best
+        return tried
+
+    def make(self, num_tokens: int, rng: np.random.Generator) -> tuple[str, int]:
+        """Text whose server-side encoding has exactly ``num_tokens`` tokens; when the
+        tokenizer's merges make that impossible from a few start offsets, the longest text
+        under the count (never over it, so prompt + output stays within the context)."""
+        start = int(rng.integers(0, len(self._pool)))
+        tried: list[tuple[str, int]] = []
+        for shift in range(MAX_FIT_STARTS):
+            tried += self._fit(start + shift, num_tokens)
+            if tried[-1][1] == num_tokens:
+                return tried[-1]
+        under = [t for t in tried if t[1] <= num_tokens]
+        if under:
+            return max(under, key=lambda t: t[1])
+        return min(tried, key=lambda t: t[1])

@@ -50,9 +50,8 @@ def fit_to_context(
     floor_p = HEAVY_PROMPT_TOKENS + 1 if keep_class and prompt_len > HEAVY_PROMPT_TOKENS else 1
     floor_o = HEAVY_OUTPUT_TOKENS + 1 if keep_class and output_len > HEAVY_OUTPUT_TOKENS else 1
     if floor_p + floor_o > max_model_len:
-        raise ValueError(
-            f"max_model_len {max_model_len} cannot hold class {length_class(prompt_len, output_len)}"
-        )
+        cls = length_class(prompt_len, output_len)
+        raise ValueError(f"max_model_len {max_model_len} cannot hold class {cls}")
     factor = max_model_len / (prompt_len + output_len)
     p = max(floor_p, math.floor(prompt_len * factor))
     o = max(floor_o, math.floor(output_len * factor))
@@ -73,7 +72,7 @@ class BenchRequest:
     output_len: int  # sent as max_tokens with ignore_eos
     arrival_s: float  # seconds from the start of the run
     kind: str  # length class (LPLD, ...)
-    source: str  # where the lengths came from, e.g. "sharegpt:123", "arena:<id>/<model>"
+    source: str  # where the lengths came from: "sharegpt:<row>", "arena:<id>/<model>#<n>", ...
 
 
 @dataclass(frozen=True)
@@ -97,7 +96,9 @@ class WorkloadSpec:
         if self.prompt_mode not in PROMPT_MODES:
             raise ValueError(f"prompt_mode {self.prompt_mode!r} not in {PROMPT_MODES}")
         if self.arrival != "poisson" and self.arrival not in data.TRACE_FILES:
-            raise ValueError(f"arrival {self.arrival!r}: 'poisson' or one of {list(data.TRACE_FILES)}")
+            raise ValueError(
+                f"arrival {self.arrival!r}: 'poisson' or one of {list(data.TRACE_FILES)}"
+            )
         if self.num_requests <= 0:
             raise ValueError("num_requests must be > 0")
         if self.arrival == "poisson" and self.rate_rps is None:
@@ -112,7 +113,9 @@ class WorkloadSpec:
 _Pair = tuple[int, int, str]  # (prompt_len, output_len, source)
 
 
-def _class_pairs(spec: WorkloadSpec, rows: list[data.LengthRow], rng: np.random.Generator) -> list[_Pair]:
+def _class_pairs(
+    spec: WorkloadSpec, rows: list[data.LengthRow], rng: np.random.Generator
+) -> list[_Pair]:
     wanted = CLASSES if spec.name == "Mixed" else (spec.name,)
     shares = [spec.num_requests // len(wanted)] * len(wanted)
     for i in range(spec.num_requests % len(wanted)):
@@ -143,7 +146,9 @@ def _arrival_times(spec: WorkloadSpec, folder: Path, rng: np.random.Generator) -
 
 
 def _trace_pairs(spec: WorkloadSpec, folder: Path) -> list[_Pair]:
-    rows = data.load_trace(folder, spec.arrival)[spec.trace_start : spec.trace_start + spec.num_requests]
+    rows = data.load_trace(folder, spec.arrival)[
+        spec.trace_start : spec.trace_start + spec.num_requests
+    ]
     out: list[_Pair] = []
     for i, r in enumerate(rows, start=spec.trace_start):
         p, o = fit_to_context(max(1, r.prompt_len), max(1, r.output_len), spec.max_model_len, False)
@@ -157,19 +162,20 @@ def _arena_requests(
     """(prompt text, prompt_len, real output_len, source) for random fitting Arena pairs."""
     prompts = {p.prompt_id: p.text for p in data.load_arena_prompts(folder)}
     responses = [
-        r
-        for r in data.load_arena_responses(folder)
-        if r.text.strip() and r.prompt_id in prompts
+        (i, r)  # i: index in data.load_arena_responses order, names the sample
+        for i, r in enumerate(data.load_arena_responses(folder))
+        if r.text.strip()
+        and r.prompt_id in prompts
         and (spec.arena_model is None or r.model == spec.arena_model)
     ]
     out: list[tuple[str, int, int, str]] = []
     for k in rng.permutation(len(responses)):
-        r = responses[int(k)]
+        i, r = responses[int(k)]
         text = prompts[r.prompt_id]
         p = len(tok.encode(text, add_special_tokens=True))
         o = len(tok.encode(r.text, add_special_tokens=False))
         if p + o <= spec.max_model_len:
-            out.append((text, p, o, f"arena:{r.prompt_id}/{r.model}"))
+            out.append((text, p, o, f"arena:{r.prompt_id}/{r.model}#{i}"))
             if len(out) == spec.num_requests:
                 return out
     raise ValueError(f"only {len(out)} Arena pairs fit max_model_len {spec.max_model_len}")
@@ -213,5 +219,5 @@ def build_workload(
     out: list[BenchRequest] = []
     for i, ((p, o, src), t) in enumerate(zip(pairs, times, strict=True)):
         prompt, got = maker.make(p, rng_prompt)
-        out.append(BenchRequest(i, prompt, got, o, t, length_class(p, o), src))
+        out.append(BenchRequest(i, prompt, got, o, t, length_class(got, o), src))
     return out

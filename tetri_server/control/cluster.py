@@ -119,8 +119,7 @@ class Cluster:
             raise
         self._started = True
         self._broadcast_pools()
-        if self.disaggregated:
-            self._schedule_monitor()
+        self._schedule_monitor()
         log.info("cluster ready: %s", ", ".join(f"worker{h.worker_id}={h.role}"
                                                  for h in handles))
 
@@ -214,8 +213,6 @@ class Cluster:
             h = self.workers.get(wid)
             if h is not None and h.alive:
                 h.post(Abort(req.req_id))
-        if self.metrics is not None:
-            self.metrics.inc_error("generation")
 
     # ------------------------------------------------------------------ worker messages
 
@@ -248,9 +245,10 @@ class Cluster:
             self.reports[h.worker_id] = msg
             self.picker.on_report(msg)
             if self.metrics is not None:
-                used = msg.num_total_blocks - msg.num_free_blocks
-                self.metrics.set_worker(str(h.worker_id), h.role, used, msg.num_total_blocks,
-                                        msg.busy_s)
+                self.metrics.set_worker(
+                    h.worker_id, h.role, blocks_used=msg.num_total_blocks - msg.num_free_blocks,
+                    blocks_total=msg.num_total_blocks, busy_s=msg.busy_s,
+                    num_preemptions=msg.num_preemptions)
         elif isinstance(msg, RequestFailed):
             req = self.requests.get(msg.req_id)
             if req is not None:
@@ -264,7 +262,7 @@ class Cluster:
             if not h.ready.done():
                 h.ready.set_result(None)
             if self.metrics is not None and msg.chunk_size:
-                self.metrics.set_chunk_size(str(h.worker_id), msg.chunk_size)
+                self.metrics.set_chunk_size(h.worker_id, msg.chunk_size)
             if h.generation > 0:
                 self._broadcast_pools()  # a restarted worker: peers map its new pool
                 parked, self.parked = self.parked, []
@@ -298,11 +296,11 @@ class Cluster:
                    if r.role == "decode" and self.workers[wid].is_ready]
         view = DecodeView(self._view_seq, decodes)
         for h in self.workers.values():
-            if h.role == "prefill" and h.is_ready:
+            if self.disaggregated and h.role == "prefill" and h.is_ready:
                 h.post(view)
         if self.metrics is not None:
             waiting = sum(r.num_waiting for r in self.reports.values())
-            self.metrics.set_requests(len(self.requests), waiting)
+            self.metrics.set_requests(running=len(self.requests) - waiting, waiting=waiting)
         if not self._stopping:
             self._schedule_monitor()
 
@@ -329,7 +327,7 @@ class Cluster:
         if self.cfg.cluster.restart_workers:
             self.num_restarts += 1
             if self.metrics is not None:
-                self.metrics.inc_restarts()
+                self.metrics.inc_restarts(h.worker_id)
             new = self._spawn(h.worker_id, h.role)
             new.ready.add_done_callback(_log_ready_failure)
         self._broadcast_pools()

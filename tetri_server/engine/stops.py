@@ -26,6 +26,8 @@ def append_token(seq: Sequence, token: int, logprob: float | None, eos_ids: tupl
 def emit(seq: Sequence, reason: str | None) -> TokenDelta:
     """The output tokens of ``seq`` not yet reported, as one delta (and mark them reported)."""
     new = seq.token_ids[seq.num_prompt + seq.num_emitted:]
-    lps = seq.logprobs[seq.num_emitted:] if seq.params.logprobs else None
+    # The last len(new) logprobs belong to the new tokens (a decode worker only holds the
+    # logprobs of the tokens it sampled itself).
+    lps = seq.logprobs[len(seq.logprobs) - len(new):] if seq.params.logprobs else None
     seq.num_emitted = seq.num_output
     return TokenDelta(seq.req_id, new, lps, reason)

@@ -1,0 +1,165 @@
+"""Bad input: every case is a 4xx with an OpenAI-style error body that names the problem, and
+the server keeps serving afterwards."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.unit.test_api_double import MAX_MODEL_LEN
+from tests.unit.test_api_support import ApiHarness, raw_request
+
+pytest_plugins = ["tests.unit.test_api_support"]
+
+C, CHAT = "/v1/completions", "/v1/chat/completions"
+OK: dict[str, Any] = {"prompt": "hi", "max_tokens": 2}
+MSG: list[dict[str, Any]] = [{"role": "user", "content": "hi"}]
+
+
+def c(**kw: Any) -> dict[str, Any]:
+    return {**OK, **kw}
+
+
+def chat(**kw: Any) -> dict[str, Any]:
+    return {"messages": MSG, "max_tokens": 2, **kw}
+
+
+# (case id, path, body, status, the field named in error.param (None: none), text in message)
+CASES: list[tuple[str, str, Any, int, str | None, str]] = [
+    ("invalid-json", C, b'{"prompt": ', 400, None, "not valid JSON"),
+    ("not-an-object", C, b"[1, 2]", 400, None, "must be a JSON object"),
+    ("invalid-utf8", C, b'{"prompt": "\xff\xfe"}', 400, None, "not valid UTF-8"),
+    ("empty-body", C, b"", 400, None, "empty"),
+    ("nan-literal", C, b'{"prompt": "hi", "temperature": NaN}', 400, None, "not valid JSON"),
+    ("missing-prompt", C, {"max_tokens": 2}, 400, "prompt", "required"),
+    ("prompt-number", C, c(prompt=123), 400, "prompt", "expected a string"),
+    ("prompt-empty-list", C, c(prompt=[]), 400, "prompt", "the prompt is empty"),
+    ("prompt-batch", C, c(prompt=["a", "b"]), 400, "prompt", "batches of prompts"),
+    ("prompt-id-out-of-vocab", C, c(prompt=[5, 999999]), 400, "prompt", "outside the vocab"),
+    ("prompt-id-not-int", C, c(prompt=[[5, "x"]]), 400, "prompt", "not an integer"),
+    ("prompt-too-long", C, c(prompt=[7] * (MAX_MODEL_LEN + 5)), 400, "prompt", "context"),
+    ("max-tokens-zero", C, c(max_tokens=0), 400, "max_tokens", ">= 1"),
+    ("max-tokens-negative", C, c(max_tokens=-5), 400, "max_tokens", ">= 1"),
+    ("max-tokens-string", C, c(max_tokens="10"), 400, "max_tokens", "integer"),
+    ("max-tokens-float", C, c(max_tokens=2.5), 400, "max_tokens", "integer"),
+    ("max-tokens-too-large", C, c(max_tokens=10_000), 400, "max_tokens", "exceed the context"),
+    ("temperature-negative", C, c(temperature=-0.5), 400, "temperature", ">= 0"),
+    ("temperature-string", C, c(temperature="hot"), 400, "temperature", "number"),
+    ("top-p-zero", C, c(top_p=0), 400, "top_p", "> 0"),
+    ("top-p-above-one", C, c(top_p=1.5), 400, "top_p", "<= 1"),
+    ("top-k-negative", C, c(top_k=-2), 400, "top_k", ">= -1"),
+    ("n-two", C, c(n=2), 400, "n", "n > 1 is not supported"),
+    ("echo-true", C, c(echo=True), 400, "echo", "not supported"),
+    ("logprobs-five", C, c(logprobs=5), 400, "logprobs", "0 or 1"),
+    ("logprobs-bool", C, c(logprobs=True), 400, "logprobs", "integer"),
+    ("stop-empty-string", C, c(stop=[""]), 400, "stop", "must not be empty"),
+    ("stop-number", C, c(stop=123), 400, "stop", "list of strings"),
+    ("unknown-model", C, c(model="gpt-17"), 404, "model", "does not exist"),
+    ("stream-string", C, c(stream="yes"), 400, "stream", "true or false"),
+    (
+        "stream-options-no-stream",
+        C,
+        c(stream_options={"include_usage": True}),
+        400,
+        "stream_options",
+        "only allowed when stream",
+    ),
+    ("seed-string", C, c(seed="abc"), 400, "seed", "integer"),
+    ("min-tokens-above-max", C, c(min_tokens=5), 400, "min_tokens", "<= 2"),
+    ("ignore-eos-string", C, c(ignore_eos="true"), 400, "ignore_eos", "true or false"),
+    ("frequency-penalty", C, c(frequency_penalty=0.5), 400, "frequency_penalty", "not supported"),
+    ("stop-token-id-negative", C, c(stop_token_ids=[-1]), 400, "stop_token_ids", "outside"),
+    ("chat-missing-messages", CHAT, {"max_tokens": 2}, 400, "messages", "required"),
+    ("chat-empty-messages", CHAT, chat(messages=[]), 400, "messages", "non-empty"),
+    (
+        "chat-bad-role",
+        CHAT,
+        chat(messages=[{"role": "wizard", "content": "x"}]),
+        400,
+        "messages[0].role",
+        "'wizard' is not one of",
+    ),
+    (
+        "chat-content-number",
+        CHAT,
+        chat(messages=[{"role": "user", "content": 5}]),
+        400,
+        "messages[0].content",
+        "expected a string",
+    ),
+    ("chat-message-not-object", CHAT, chat(messages=["hi"]), 400, "messages[0]", "object"),
+    (
+        "chat-image-part",
+        CHAT,
+        chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
+        400,
+        "messages[0].content[0]",
+        "only parts of type 'text'",
+    ),
+    ("chat-top-logprobs", CHAT, chat(logprobs=True, top_logprobs=3), 400, "top_logprobs", "use 0"),
+    (
+        "chat-max-completion-zero",
+        CHAT,
+        chat(max_completion_tokens=0),
+        400,
+        "max_completion_tokens",
+        ">= 1",
+    ),
+    (
+        "chat-user-content-null",
+        CHAT,
+        chat(messages=[{"role": "user", "content": None}]),
+        400,
+        "messages[0].content",
+        "required",
+    ),
+    ("chat-unknown-model", CHAT, chat(model="nope"), 404, "model", "does not exist"),
+    ("chat-tools", CHAT, chat(tools=[{"type": "function"}]), 400, "tools", "not supported"),
+]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param", "text"),
+    [case[1:] for case in CASES],
+    ids=[case[0] for case in CASES],
+)
+def test_bad_input_is_a_clear_4xx(
+    api: ApiHarness, path: str, body: Any, status: int, param: str | None, text: str
+) -> None:
+    reply = raw_request(api.base_url, "POST", path, body)
+    assert reply.status == status, reply.body
+    err = reply.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["type"] == "invalid_request_error"
+    assert err["param"] == param
+    assert text in err["message"]
+
+
+def test_table_is_big_enough() -> None:
+    assert len(CASES) >= 30
+
+
+def test_routing_errors_are_json(api: ApiHarness) -> None:
+    reply = raw_request(api.base_url, "GET", C)
+    assert reply.status == 405 and "POST" in reply.headers["allow"]
+    assert "Method Not Allowed" in reply.json()["error"]["message"]
+    reply = raw_request(api.base_url, "POST", "/v1/nothing-here", OK)
+    assert reply.status == 404 and reply.json()["error"]["message"].startswith("Not Found")
+
+
+def test_still_serving_after_bad_input(api: ApiHarness) -> None:
+    for _, path, body, *_ in CASES:
+        raw_request(api.base_url, "POST", path, body)
+    reply = raw_request(api.base_url, "POST", C, c(unknown_field={"x": 1}, user="u1"))
+    assert reply.status == 200, reply.body
+    assert reply.json()["usage"]["completion_tokens"] >= 1
+    reply = raw_request(
+        api.base_url,
+        "POST",
+        CHAT,
+        chat(messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}]}]),
+    )
+    assert reply.status == 200, reply.body
+    metrics = raw_request(api.base_url, "GET", "/metrics").body.decode()
+    assert 'tetri_request_errors_total{kind="invalid_parameter"}' in metrics

@@ -1,0 +1,73 @@
+"""Incremental detokenization and stop strings, on the real byte-level BPE tokenizer."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tetri_server.api.detokenizer import REPLACEMENT, IncrementalDetokenizer, StopMatcher
+
+PROMPT = [1, 500, 600]
+
+
+@pytest.fixture(scope="module")
+def tok(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir("llama", "tiny")))
+
+
+def _stream(tok, ids: list[int]) -> list[str]:
+    d = IncrementalDetokenizer(tok, PROMPT)
+    return [d.add([t], final=i == len(ids) - 1) for i, t in enumerate(ids)]
+
+
+def test_multibyte_characters_split_across_tokens_are_never_sent_broken(tok) -> None:
+    text = "Hi 😀 wörld — 你好世界 🎉🎉 naïve café ½"
+    ids = tok.encode(text, add_special_tokens=False)
+    split = [t for t in ids if REPLACEMENT in tok.decode([t])]
+    assert len(split) >= 4, "the test needs tokens that hold part of a character"
+    pieces = _stream(tok, ids)
+    assert "".join(pieces) == text
+    assert not any(REPLACEMENT in p for p in pieces)
+    assert "" in pieces  # something was held back
+
+
+def test_random_tokens_join_to_the_full_decode(tok) -> None:
+    partial = [i for i in range(len(tok)) if REPLACEMENT in tok.decode([i])]
+    rng = random.Random(0)
+    for _ in range(200):
+        ids = [
+            rng.choice(partial) if rng.random() < 0.5 else rng.randrange(5, len(tok))
+            for _ in range(30)
+        ]
+        assert "".join(_stream(tok, ids)) == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_special_tokens_are_skipped_and_leading_space_kept(tok) -> None:
+    ids = tok.encode(" hello there", add_special_tokens=False)
+    eos = tok.eos_token_id
+    pieces = _stream(tok, [*ids[:1], eos, *ids[1:], eos])
+    assert "".join(pieces) == " hello there"
+
+
+def test_stop_string_split_across_pieces_is_cut_and_never_sent() -> None:
+    m = StopMatcher(("STOP", "xyz"))
+    sent = []
+    for piece in ["Hello S", "TO", "P! more"]:
+        out, matched = m.feed(piece)
+        sent.append(out)
+        if matched:
+            break
+    assert matched and "".join(sent) == "Hello "
+    assert "S" not in "".join(sent[:2])  # the prefix of the stop string was held back
+
+
+def test_stop_matcher_flushes_held_text_at_the_end_and_picks_the_earliest() -> None:
+    m = StopMatcher(("abcd",))
+    assert m.feed("xxab") == ("x", False)
+    assert m.feed("c", final=True) == ("xabc", False)
+    m = StopMatcher(("lo", "he"))
+    assert m.feed("say hello") == ("say ", True)
+    assert StopMatcher(()).feed("anything") == ("anything", False)

@@ -1,0 +1,188 @@
+"""``run`` and ``compare`` end to end against a fake OpenAI-compatible server in a subprocess
+(started, health-checked and stopped by the same code that will drive tetri_server and vLLM)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tetri_server.bench import cli
+from tetri_server.bench.compare import ServerSpec, free_port, running_server
+
+# argv: mode port [health_status] [pid_file]. Tokens come TOKEN_GAP_S[mode] apart; every
+# request adds busy seconds to two workers, so perf/$ and resource usage are measurable.
+FAKE_SERVER = r"""
+import asyncio, json, subprocess, sys
+from aiohttp import web
+mode, port = sys.argv[1], int(sys.argv[2])
+health = int(sys.argv[3]) if len(sys.argv) > 3 else 200
+if len(sys.argv) > 4:  # a child in the server's process group, as workers are
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    open(sys.argv[4], "w").write(str(child.pid))
+gap = {"coupled": 0.004, "disaggregated": 0.002}.get(mode, 0.003)
+busy = {"0": 0.0, "1": 0.0}
+async def completions(request):
+    body = await request.json()
+    n = body["max_tokens"]
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    for i in range(n):
+        await asyncio.sleep(gap)
+        ch = {"choices": [{"index": 0, "text": "x", "finish_reason": None}]}
+        await resp.write(b"data: " + json.dumps(ch).encode() + b"\n\n")
+    busy["0"] += 0.001 * len(body["prompt"]); busy["1"] += gap * n
+    usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": n}
+    await resp.write(b"data: " + json.dumps({"choices": [], "usage": usage}).encode() + b"\n\n")
+    await resp.write(b"data: [DONE]\n\n")
+    return resp
+async def metrics(request):
+    roles = {"0": "prefill", "1": "decode"}
+    lines = [f'tetri_worker_busy_seconds_total{{worker="{w}",role="{roles[w]}"}} {s}'
+             for w, s in busy.items()]
+    return web.Response(text="\n".join(lines) + "\n")
+app = web.Application()
+app.router.add_get("/health", lambda r: web.Response(status=health))
+app.router.add_get("/v1/models", lambda r: web.json_response({"data": [{"id": "fake-" + mode}]}))
+app.router.add_get("/metrics", metrics)
+app.router.add_post("/v1/completions", completions)
+web.run_app(app, host="127.0.0.1", port=port, print=None)
+"""
+
+
+def fake_spec(mode: str, *extra: str, ready_timeout_s: float = 30.0) -> ServerSpec:
+    port = free_port()
+    argv = [sys.executable, "-c", FAKE_SERVER, mode, str(port), *extra]
+    return ServerSpec(mode, argv, port, ready_timeout_s=ready_timeout_s)
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    folder = tmp_path / "model"
+    folder.mkdir()
+    config = {
+        "vocab_size": 512,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "max_position_embeddings": 700,
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def test_server_is_stopped_with_its_process_group(tmp_path: Path) -> None:
+    pid_file = tmp_path / "child.pid"
+    spec = fake_spec("coupled", "200", str(pid_file))
+    with running_server(spec, tmp_path / "log") as proc:
+        child = int(pid_file.read_text())
+        assert _alive(proc.pid) and _alive(child)
+    assert proc.returncode is not None
+    deadline = time.monotonic() + 5
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(child)
+
+
+def test_a_server_that_never_gets_healthy_times_out_and_is_stopped(tmp_path: Path) -> None:
+    spec = fake_spec("coupled", "503", ready_timeout_s=0.8)
+    with pytest.raises(TimeoutError), running_server(spec, tmp_path / "log"):
+        pass
+    dead = ServerSpec("dead", [sys.executable, "-c", "print('no model'); raise SystemExit(3)"], 1)
+    with pytest.raises(RuntimeError, match="no model"), running_server(dead, tmp_path / "log2"):
+        pass
+
+
+def test_run_writes_json_table_and_plots(tmp_path: Path, model_dir: Path) -> None:
+    spec = fake_spec("coupled")
+    with running_server(spec, tmp_path / "server.log"):
+        out = tmp_path / "out"
+        rc = cli.main(
+            [
+                "run",
+                "--url",
+                spec.base_url,
+                "--model",
+                str(model_dir),
+                "--workload",
+                "LPLD,HPLD",
+                "--num-requests",
+                "8",
+                "--rate",
+                "50",
+                "--out",
+                str(out),
+                "--no-progress",
+                "--server-config",
+                '{"mode": "x"}',
+            ]
+        )
+    assert rc == 0
+    results = json.loads((out / "results.json").read_text())
+    assert [r["workload"]["name"] for r in results] == ["LPLD", "HPLD"]
+    first = results[0]
+    assert first["server_config"]["mode"] == "x" and first["server_config"]["served_model"]
+    assert first["summary"]["num_completed"] == 8 and len(first["records"]) == 8
+    assert first["summary"]["num_workers"] == 2 and first["summary"]["busy_s_total"] > 0
+    assert first["workload"]["max_model_len"] == 700  # from the model's config.json
+    assert "| HPLD | server | 8/8 |" in (out / "table.md").read_text()
+    for png in ("cdf_LPLD.png", "cdf_HPLD.png", "bars.png"):
+        assert (out / png).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_compare_runs_every_mode_and_prints_ratios(
+    tmp_path: Path,
+    model_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    started: list[list[str]] = []
+
+    def spec(mode: str, model: str, port: int, max_len: int, sets: list[str]) -> ServerSpec:
+        started.append([mode, model, str(max_len), *sets])
+        return fake_spec(mode)
+
+    monkeypatch.setattr(cli, "tetri_spec", spec)
+    out = tmp_path / "cmp"
+    rc = cli.main(
+        [
+            "compare",
+            "--model",
+            str(model_dir),
+            "--no-vllm",
+            "--workload",
+            "LPLD",
+            "--num-requests",
+            "6",
+            "--rate",
+            "20",
+            "--set",
+            "cluster.num_workers=2",
+            "--out",
+            str(out),
+            "--no-progress",
+            "--no-plots",
+        ]
+    )
+    assert rc == 0
+    assert [s[0] for s in started] == ["disaggregated", "coupled", "coupled-chunked"]
+    assert started[0][1:] == [str(model_dir), "700", "cluster.num_workers=2"]
+    printed = capsys.readouterr().out
+    assert "| LPLD | disaggregated |" in printed and "vs coupled" in printed
+    results = json.loads((out / "results.json").read_text())
+    assert [r["mode"] for r in results] == ["disaggregated", "coupled", "coupled-chunked"]
+    # the same requests went to every server
+    lens = [[(q["prompt_len"], q["output_len"]) for q in r["records"]] for r in results]
+    assert lens[0] == lens[1] == lens[2]
+    for mode in ("disaggregated", "coupled", "coupled-chunked"):
+        assert (out / f"{mode}.log").exists()

@@ -1,0 +1,177 @@
+"""The load generator against a small real aiohttp server that streams OpenAI-format chunks.
+
+The fixture server's behaviour is chosen by the prompt text: "ok" streams ``max_tokens`` chunks
+``TOKEN_GAP_S`` apart (the first after ``FIRST_TOKEN_S``), then a usage chunk and [DONE], with
+events split across and packed into TCP writes; other prompts fail in the ways servers fail.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+from collections.abc import AsyncIterator
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from tetri_server.bench.client import ClientConfig, RequestRecord, _on_event, run_benchmark
+from tetri_server.bench.progress import Progress
+from tetri_server.bench.sse import SSEEvent, SSEParser
+from tetri_server.bench.workload import BenchRequest
+
+STATE = web.AppKey("state", dict)
+FIRST_TOKEN_S = 0.15
+TOKEN_GAP_S = 0.05
+
+
+def _chunk(obj: object) -> bytes:
+    return f"data: {json.dumps(obj)}\n\n".encode()
+
+
+def _token(i: int, finish: str | None = None) -> dict[str, object]:
+    return {
+        "object": "text_completion",
+        "choices": [{"index": 0, "text": f"t{i}", "finish_reason": finish}],
+    }
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    body = await request.json()
+    state = request.app[STATE]
+    state["bodies"].append(body)
+    state["running"] += 1
+    state["peak"] = max(state["peak"], state["running"])
+    try:
+        prompt, n = body["prompt"], body["max_tokens"]
+        if prompt == "http-500":
+            return web.json_response({"error": {"message": "boom"}}, status=500)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await asyncio.sleep(FIRST_TOKEN_S)
+        for i in range(n):
+            if i:
+                await asyncio.sleep(TOKEN_GAP_S)
+            if prompt == "error-event" and i == 2:
+                await resp.write(_chunk({"error": {"message": "worker died", "code": 500}}))
+                break
+            piece = _chunk(_token(i, "length" if i == n - 1 else None))
+            if i == 1:  # one event split over two writes
+                await resp.write(piece[:7])
+                await asyncio.sleep(0.01)
+                await resp.write(piece[7:])
+            else:
+                await resp.write(piece)
+        if prompt == "stall":
+            await asyncio.sleep(5.0)
+        if prompt == "no-done":
+            return resp
+        usage = {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": n + 3}
+        # the usage chunk and [DONE] packed into one write; a keep-alive comment first
+        await resp.write(
+            b": ping\n\n" + _chunk({"choices": [], "usage": usage}) + b"data: [DONE]\n\n"
+        )
+        return resp
+    finally:
+        state["running"] -= 1
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[tuple[str, dict[str, object]]]:
+    app = web.Application()
+    app[STATE] = {"bodies": [], "running": 0, "peak": 0}
+    app.router.add_post("/v1/completions", completions)
+    srv = TestServer(app, host="127.0.0.1")
+    await srv.start_server()
+    try:
+        yield f"http://127.0.0.1:{srv.port}", app[STATE]
+    finally:
+        await srv.close()
+
+
+def _req(i: int, prompt: str, n: int = 4, arrival_s: float = 0.0) -> BenchRequest:
+    return BenchRequest(i, prompt, 3, n, arrival_s, "LPLD", "test")
+
+
+async def test_streamed_tokens_are_timed(server: tuple[str, dict[str, object]]) -> None:
+    url, state = server
+    cfg = ClientConfig(url, "m", progress=False)
+    run = await run_benchmark([_req(0, "ok", 5), _req(1, "ok", 1, arrival_s=0.2)], cfg, False)
+    a, b = run.records
+    assert a.ok and b.ok, (a.error, b.error)
+    assert len(a.token_times_s) == 5 and a.num_output_tokens == 5 and a.num_prompt_tokens == 3
+    assert a.send_s is not None and a.first_token_s is not None and a.end_s is not None
+    assert a.first_token_s - a.send_s >= FIRST_TOKEN_S
+    gaps = [y - x for x, y in zip(a.token_times_s, a.token_times_s[1:], strict=False)]
+    assert all(g >= TOKEN_GAP_S * 0.8 for g in gaps) and all(g < 1.0 for g in gaps)
+    assert a.end_s >= a.token_times_s[-1]
+    assert b.send_s == pytest.approx(0.2, abs=0.05)  # sent at its arrival time, open loop
+    assert run.duration_s == pytest.approx(max(a.end_s, b.end_s or 0.0))
+    body = state["bodies"][0]  # type: ignore[index]
+    assert body["max_tokens"] == 5 and body["ignore_eos"] is True and body["stream"] is True
+    assert body["stream_options"] == {"include_usage": True} and body["model"] == "m"
+
+
+async def test_failures_are_errors_not_hangs(server: tuple[str, dict[str, object]]) -> None:
+    url, _ = server
+    cfg = ClientConfig(url, "m", read_timeout_s=1.0, progress=False)
+    prompts = ["http-500", "error-event", "no-done", "stall"]
+    run = await run_benchmark([_req(i, p) for i, p in enumerate(prompts)], cfg, False)
+    errors = {p: r.error for p, r in zip(prompts, run.records, strict=True)}
+    assert errors["http-500"] is not None and errors["http-500"].startswith("HTTP 500")
+    assert errors["error-event"] == "stream error: worker died"
+    assert errors["no-done"] == "stream ended without [DONE]"
+    assert errors["stall"] is not None  # silent for 5 s > read timeout of 1 s
+    assert all(not r.ok and r.end_s is not None for r in run.records)
+    assert run.records[3].end_s < 3.0  # type: ignore[operator]
+
+
+async def test_concurrency_cap_delays_sends(server: tuple[str, dict[str, object]]) -> None:
+    url, state = server
+    cfg = ClientConfig(url, "m", max_concurrency=2, progress=False)
+    run = await run_benchmark([_req(i, "ok", 2) for i in range(6)], cfg, False)
+    assert all(r.ok for r in run.records) and state["peak"] == 2
+    waits = sorted((r.send_s or 0.0) - r.arrival_s for r in run.records)
+    assert waits[-1] >= 2 * FIRST_TOKEN_S  # the last pair waited for two earlier pairs
+
+
+def test_sse_parser_handles_any_split() -> None:
+    stream = (
+        b'data: {"a": 1}\r\n\r\n: comment\n\nevent: error\ndata: x\ndata: y\n\ndata: [DONE]\n\n'
+    )
+    want = [SSEEvent('{"a": 1}'), SSEEvent("x\ny", "error"), SSEEvent("[DONE]")]
+    for size in (1, 2, 5, len(stream)):
+        parser = SSEParser()
+        got = [e for i in range(0, len(stream), size) for e in parser.feed(stream[i : i + size])]
+        assert got == want
+    parser = SSEParser()
+    assert parser.feed(b"data: tail") == [] and parser.close() == [SSEEvent("tail")]
+
+
+def test_progress_bar_text() -> None:
+    out = io.StringIO()
+    bar = Progress(4, stream=out, label="coupled/LPLD")
+    for ok in (True, False, True, True):
+        bar.update(ok)
+    bar.close()
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("coupled/LPLD 1/4 [") and "25%" in lines[0]
+    assert lines[-1].startswith("coupled/LPLD 4/4 [" + "=" * 30 + "] 100% errors 1")
+
+
+def test_terminal_chunk_without_text_is_not_a_token() -> None:
+    rec = RequestRecord(0, "LPLD", 3, 2, 0.0, send_s=0.0)
+    events = [
+        _token(0),
+        {"choices": [{"index": 0, "text": "", "finish_reason": None}]},  # held-back UTF-8
+        {"choices": [{"index": 0, "text": "", "finish_reason": "length"}]},
+        {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}},
+    ]
+    for t, ev in enumerate(events):
+        assert _on_event(SSEEvent(json.dumps(ev)), rec, float(t)) is False
+    assert _on_event(SSEEvent("[DONE]"), rec, 9.0) is True
+    assert rec.token_times_s == [0.0, 1.0] and rec.first_token_s == 0.0
+    assert (rec.num_output_tokens, rec.num_prompt_tokens, rec.error) == (2, 3, None)
+    _on_event(SSEEvent("[1, 2]"), rec, 10.0)
+    assert rec.error is not None and rec.error.startswith("unexpected chunk")

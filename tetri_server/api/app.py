@@ -1,0 +1,145 @@
+"""``build_app``: the aiohttp application of the OpenAI-compatible API.
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{model}],
+GET /health (200 only while ``backend.is_ready()``), GET /metrics (Prometheus text).
+Middlewares: every error is an OpenAI-style JSON body; an optional bearer key guards /v1/*
+and /admin/* (health and metrics stay open for probes and scrapers).
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+
+from tetri_server.api.errors import APIError, error_body, error_response
+from tetri_server.api.handlers import ApiState, GenerateHandlers
+from tetri_server.config import ServerConfig
+from tetri_server.control.protocol import Backend
+from tetri_server.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+STATE = web.AppKey("tetri_api_state", ApiState)
+PROTECTED_PREFIXES = ("/v1/", "/admin/")
+
+
+def _error_middleware(metrics: Metrics) -> Callable[..., Awaitable[web.StreamResponse]]:
+    @web.middleware
+    async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except APIError as e:
+            metrics.inc_error(e.kind)
+            level = logging.WARNING if e.status >= 500 and e.status != 503 else logging.DEBUG
+            log.log(level, "%s %s -> %d %s", request.method, request.path, e.status, e.message)
+            return error_response(e)
+        except web.HTTPException as e:  # aiohttp's own: 404 no route, 405 wrong method, ...
+            if e.status < 400:
+                raise
+            metrics.inc_error(f"http_{e.status}")
+            message = f"{e.reason}: {request.method} {request.path}"
+            headers = {k: v for k, v in e.headers.items() if k.lower() == "allow"}
+            return web.json_response(
+                error_body(message, e.status), status=e.status, headers=headers
+            )
+        except Exception:  # a bug: log it with its traceback, answer 500, keep serving
+            log.exception("internal error on %s %s", request.method, request.path)
+            metrics.inc_error("internal")
+            body = error_body("internal server error", 500, code="internal_error")
+            return web.json_response(body, status=500)
+
+    return errors
+
+
+def _auth_middleware(api_key: str) -> Callable[..., Awaitable[web.StreamResponse]]:
+    expected = f"Bearer {api_key}".encode()
+
+    @web.middleware
+    async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path.startswith(PROTECTED_PREFIXES):
+            given = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                raise APIError(
+                    "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                    status=401,
+                    code="invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+        return await handler(request)
+
+    return auth
+
+
+class _InfoRoutes:
+    """The GET routes: health, models, metrics."""
+
+    def __init__(self, backend: Backend, metrics: Metrics, state: ApiState) -> None:
+        self.backend = backend
+        self.metrics = metrics
+        self.state = state
+        self.created = int(time.time())
+
+    async def health(self, request: web.Request) -> web.Response:
+        if self.state.draining:
+            raise APIError("the server is shutting down", status=503, code="shutting_down")
+        if not self.backend.is_ready():
+            raise APIError(
+                "the server is not ready: workers are starting or restarting",
+                status=503,
+                code="not_ready",
+            )
+        return web.json_response({"status": "ok"})
+
+    def _model_card(self) -> dict[str, object]:
+        return {
+            "id": self.backend.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "tetri_server",
+            "root": self.backend.model_name,
+            "max_model_len": self.backend.max_model_len,
+        }
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        name = request.match_info["model"]
+        if name != self.backend.model_name:
+            raise APIError(
+                f"the model '{name}' does not exist",
+                status=404,
+                param="model",
+                code="model_not_found",
+            )
+        return web.json_response(self._model_card())
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        return web.Response(
+            body=self.metrics.render(), headers={"Content-Type": self.metrics.content_type}
+        )
+
+
+def build_app(backend: Backend, cfg: ServerConfig, metrics: Metrics) -> web.Application:
+    """The API application. Serve it with ``tetri_server.api.server.start_site`` (which turns
+    on handler cancellation, so a client that disconnects aborts its request at once)."""
+    middlewares = [_error_middleware(metrics)]
+    if cfg.api_key:
+        middlewares.append(_auth_middleware(cfg.api_key))
+    app = web.Application(client_max_size=cfg.max_body_bytes, middlewares=middlewares)
+    state = ApiState()
+    app[STATE] = state
+    gen = GenerateHandlers(backend, cfg, metrics, state)
+    info = _InfoRoutes(backend, metrics, state)
+    app.router.add_post("/v1/completions", gen.completions)
+    app.router.add_post("/v1/chat/completions", gen.chat)
+    app.router.add_get("/v1/models", info.models)
+    app.router.add_get("/v1/models/{model}", info.model)
+    app.router.add_get("/health", info.health)
+    app.router.add_get("/metrics", info.prometheus)
+    return app

@@ -1,0 +1,80 @@
+"""Incremental detokenization that never emits a broken character, and stop-string matching.
+
+Byte-level BPE splits multi-byte UTF-8 characters across tokens: decoding a prefix of such a
+token run yields U+FFFD. ``IncrementalDetokenizer`` holds such a tail back until the character
+is complete. ``StopMatcher`` holds back the last ``len(longest stop) - 1`` characters so no part
+of a stop string is ever sent, and cuts the text right before the first stop string found.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+REPLACEMENT = "\ufffd"
+# While a decode ends in U+FFFD, everything before that trailing run is sent and the run is held.
+# Valid text holds at most 3 tokens (a character has at most 4 bytes); only invalid bytes (a
+# random model) hold longer, and past this many tokens the run is sent as U+FFFD so the
+# decode window stays small.
+MAX_HELD_TOKENS = 64
+# Prompt tokens decoded as left context, so the first output token keeps its leading space
+# (SentencePiece-style tokenizers drop it at the start of a decode).
+CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    """Token ids in, text pieces out; the concatenated pieces equal decoding all ids at once
+    (for valid UTF-8). Special tokens are skipped."""
+
+    def __init__(self, tokenizer: Any, prompt_ids: list[int]) -> None:
+        self._tok = tokenizer
+        self._ids: list[int] = list(prompt_ids[-CONTEXT_TOKENS:])
+        self._prefix = 0  # ids[prefix:read] is decoded context whose text was already emitted
+        self._read = len(self._ids)
+        self._partial = 0  # characters beyond the decoded context already emitted (held tail)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=True)
+
+    def add(self, token_ids: list[int], *, final: bool = False) -> str:
+        """Append tokens; return the text that is now safe to send (``final`` flushes all)."""
+        self._ids.extend(token_ids)
+        if len(self._ids) == self._read and not final:
+            return ""
+        base = self._decode(self._ids[self._prefix : self._read])
+        full = self._decode(self._ids[self._prefix :])
+        new = full[len(base) :]
+        held = len(self._ids) - self._read
+        if not final and new.endswith(REPLACEMENT) and held < MAX_HELD_TOKENS:
+            stable = new.rstrip(REPLACEMENT)
+            out = stable[self._partial :]
+            self._partial = max(self._partial, len(stable))
+            return out
+        out = new[self._partial :]
+        self._prefix, self._read, self._partial = self._read, len(self._ids), 0
+        return out
+
+
+class StopMatcher:
+    """Cuts generated text before the first stop string; holds back possible stop prefixes."""
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self._stops = stops
+        self._hold = max((len(s) for s in stops), default=1) - 1
+        self._pending = ""  # text not sent yet: it may be the start of a stop string
+
+    def feed(self, text: str, *, final: bool = False) -> tuple[str, bool]:
+        """Return (text to send now, whether a stop string matched). After a match the text
+        sent so far is the whole output."""
+        pending = self._pending + text
+        hits = [i for i in (pending.find(s) for s in self._stops) if i >= 0]
+        if hits:
+            self._pending = ""
+            return pending[: min(hits)], True
+        keep = 0 if final else min(len(pending), self._hold)
+        self._pending = pending[len(pending) - keep :]
+        return pending[: len(pending) - keep], False
+
+
+def token_texts(tokenizer: Any, token_ids: list[int]) -> list[str]:
+    """Each token's own text, for logprobs (a partial UTF-8 byte shows as U+FFFD)."""
+    return [tokenizer.decode([t]) for t in token_ids]

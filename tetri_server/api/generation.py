@@ -1,0 +1,130 @@
+"""One request's run against the backend: submit, stream token deltas, detokenize, match stop
+strings, time it, and always abort what is left (client gone, stop string, timeout, error).
+
+The handler owns a ``Generation`` for the life of the HTTP request and must call ``close()``
+in a ``finally``: that is what frees the request's KV blocks when anything goes wrong.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+
+from tetri_server.api.detokenizer import IncrementalDetokenizer, StopMatcher
+from tetri_server.api.errors import generation_failed, queue_full
+from tetri_server.api.params import GenRequest
+from tetri_server.control.protocol import (
+    Backend,
+    GenerationError,
+    QueueFullError,
+    RequestStream,
+)
+from tetri_server.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """What one backend delta turned into: text safe to send (maybe empty), the tokens that
+    arrived (with their logprobs when asked for), and the finish reason on the last piece."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[float] | None
+    finish_reason: str | None
+
+
+class Generation:
+    """Drives one ``RequestStream``. Not reusable."""
+
+    def __init__(
+        self, backend: Backend, req: GenRequest, metrics: Metrics, arrival_s: float
+    ) -> None:
+        self.req = req
+        self._backend = backend
+        self._metrics = metrics
+        self._arrival_s = arrival_s  # time.monotonic() when the HTTP request arrived
+        self._stream: RequestStream | None = None
+        self._detok = IncrementalDetokenizer(backend.tokenizer, req.prompt_ids)
+        self._stops = StopMatcher(req.stop)
+        self.num_output_tokens = 0
+        self.finish_reason: str | None = None
+        self._backend_done = False  # the backend sent its last delta: nothing to abort
+        self._first_s: float | None = None
+        self._last_s: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.req.prompt_ids)
+
+    def submit(self) -> None:
+        """Hand the request to the backend; 429 at its queue limit."""
+        r = self.req
+        try:
+            self._stream = self._backend.submit(
+                r.prompt_ids, r.params, prompt_text=r.prompt_text, true_output_len=r.true_output_len
+            )
+        except QueueFullError as e:
+            raise queue_full(e.retry_after_s) from None
+        except GenerationError as e:
+            raise generation_failed(str(e)) from None
+
+    async def pieces(self) -> AsyncGenerator[Piece, None]:
+        """Text pieces until the request finishes. Raises ``APIError`` if it fails."""
+        assert self._stream is not None, "submit() first"
+        try:
+            async for delta in self._stream:
+                piece = self._on_delta(delta.token_ids, delta.logprobs, delta.finish_reason)
+                if piece.finish_reason == "stop" and delta.finish_reason is None:
+                    await self._abort()  # a stop string matched: the backend may stop now
+                yield piece
+                if piece.finish_reason is not None:
+                    return
+        except GenerationError as e:
+            raise generation_failed(str(e)) from None
+        raise generation_failed("the backend ended the request's stream without finishing it")
+
+    def _on_delta(
+        self, token_ids: list[int], logprobs: list[float] | None, backend_reason: str | None
+    ) -> Piece:
+        now = time.monotonic()
+        if token_ids:
+            if self._first_s is None:
+                self._first_s = now
+                self._metrics.observe_first_token(now - self._arrival_s)
+            self._last_s = now
+            self.num_output_tokens += len(token_ids)
+        final = self._backend_done = backend_reason is not None
+        if backend_reason == "abort":
+            raise generation_failed("the request was aborted by the server")
+        text = self._detok.add(token_ids, final=final)
+        text, matched = self._stops.feed(text, final=final)
+        reason = "stop" if matched else backend_reason
+        if reason is not None:
+            self._finish(reason, now)
+        return Piece(text, list(token_ids), logprobs if self.req.logprobs else None, reason)
+
+    def _finish(self, reason: str, now: float) -> None:
+        self.finish_reason = reason
+        tpot = None
+        if self._first_s is not None and self._last_s is not None and self.num_output_tokens > 1:
+            tpot = (self._last_s - self._first_s) / (self.num_output_tokens - 1)
+        self._metrics.observe_finished(reason, e2e_s=now - self._arrival_s, tpot_s=tpot)
+
+    async def _abort(self) -> None:
+        if self._stream is not None:
+            stream, self._stream = self._stream, None
+            # shielded: the handler may be being cancelled (client gone); the abort must land
+            await asyncio.shield(stream.abort())
+
+    async def close(self, *, client_gone: bool = False) -> None:
+        """Abort the request unless it finished; count a client that left. Idempotent."""
+        if self.finish_reason is None and client_gone and self._stream is not None:
+            self._metrics.observe_finished("abort")
+            log.debug("client went away; aborting its request")
+        if not self._backend_done:
+            await self._abort()

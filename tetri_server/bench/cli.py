@@ -1,0 +1,255 @@
+"""``python -m tetri_server.bench run|compare`` (also ``tools/bench.py``).
+
+run      send workloads to a running OpenAI-compatible server (``--url``)
+compare  start tetri_server in each mode (and vLLM-CPU when installed), run the same workloads
+         against each in turn, print one table of ratios against ``coupled``
+Both write results.json (config, summaries, every request), table.md and PNG plots to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from tetri_server.bench import data, report
+from tetri_server.bench.client import ClientConfig, fetch_model_name, run_benchmark
+from tetri_server.bench.compare import (
+    TETRI_MODES,
+    CompareOptions,
+    find_vllm,
+    free_port,
+    run_against,
+    tetri_spec,
+    vllm_spec,
+)
+from tetri_server.bench.metrics import SLO, summarize
+from tetri_server.bench.prompts import PromptTokenizer, load_tokenizer, model_max_len, model_vocab
+from tetri_server.bench.workload import (
+    CLASSES,
+    WORKLOADS,
+    BenchRequest,
+    WorkloadSpec,
+    build_workload,
+)
+
+DEFAULT_MAX_MODEL_LEN = 4096
+DEFAULT_RATE_RPS = 1.0  # Poisson without --rate; a trace without --rate keeps its own timing
+_Built = list[tuple[WorkloadSpec, list[BenchRequest]]]
+
+
+def _add_workload_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("workload")
+    g.add_argument(
+        "--workload",
+        action="append",
+        help=f"{', '.join(WORKLOADS)} or 'all' (the "
+        "five paper workloads); repeat or comma-separate; default Mixed",
+    )
+    g.add_argument("--num-requests", type=int, default=100)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument(
+        "--rate",
+        action="append",
+        default=[],
+        help="requests/s ('inf' = burst; "
+        "default 1); NAME=RATE sets one workload's rate; for a trace: the target "
+        "mean rate (default: the trace's own timing)",
+    )
+    g.add_argument("--arrival", default="poisson", help=f"poisson or {', '.join(data.TRACE_FILES)}")
+    g.add_argument("--time-scale", type=float, help="trace: multiply the trace's gaps by this")
+    g.add_argument("--trace-start", type=int, default=0, help="trace: first row used")
+    g.add_argument("--prompt-mode", choices=("ids", "text"), default="ids")
+    g.add_argument(
+        "--model", help="model folder or builtin:NAME (vocab size, tokenizer, context length)"
+    )
+    g.add_argument("--vocab-size", type=int, help="for id prompts without --model")
+    g.add_argument("--max-model-len", type=int, help="default: the model's, else 4096")
+    g.add_argument("--arena-model", help="Arena: only this model's responses")
+    g.add_argument("--data-dir", help="default $TETRI_DATA_DIR or ../shared/data")
+    c = p.add_argument_group("client and metrics")
+    c.add_argument("--max-concurrency", type=int)
+    c.add_argument("--request-timeout-s", type=float, default=600.0)
+    c.add_argument("--slo-ttft-s", type=float, default=SLO.ttft_s)
+    c.add_argument("--slo-tpot-s", type=float, default=SLO.tpot_s)
+    c.add_argument("--out", type=Path, help="default bench_results/<time>")
+    c.add_argument("--no-progress", action="store_true")
+    c.add_argument("--no-plots", action="store_true")
+
+
+def _parse_rates(items: Sequence[str]) -> tuple[float | None, dict[str, float]]:
+    default: float | None = None
+    per: dict[str, float] = {}
+    for item in items:
+        for part in item.split(","):
+            name, _, val = part.rpartition("=")
+            if name:
+                per[name] = float(val)
+            else:
+                default = float(val)
+    return default, per
+
+
+def build_requests(args: argparse.Namespace) -> _Built:
+    names: list[str] = []
+    for item in args.workload or ["Mixed"]:
+        names += [*CLASSES, "Mixed"] if item == "all" else item.split(",")
+    max_len = args.max_model_len or (model_max_len(args.model) if args.model else None)
+    if max_len is None:
+        max_len = DEFAULT_MAX_MODEL_LEN
+        print(f"max_model_len not given: using {max_len}", file=sys.stderr)
+    rate, per = _parse_rates(args.rate)
+    folder = data.data_dir(args.data_dir)
+    vocab = model_vocab(args.model) if args.model else None
+    if vocab is None and args.vocab_size:
+        vocab = (args.vocab_size, frozenset())
+    tok: PromptTokenizer | None = None
+    if args.model and (args.prompt_mode == "text" or "Arena" in names):
+        tok = load_tokenizer(args.model)
+    if rate is None and args.arrival == "poisson":
+        rate = DEFAULT_RATE_RPS
+    built: _Built = []
+    for name in names:
+        spec = WorkloadSpec(
+            name=name,
+            num_requests=args.num_requests,
+            seed=args.seed,
+            max_model_len=max_len,
+            prompt_mode=args.prompt_mode,
+            arrival=args.arrival,
+            rate_rps=per.get(name, rate),
+            time_scale=args.time_scale,
+            trace_start=args.trace_start,
+            arena_model=args.arena_model,
+        )
+        built.append((spec, build_workload(spec, folder, vocab=vocab, tokenizer=tok)))
+    return built
+
+
+def write_outputs(results: list[report.BenchResult], out: Path, plots: bool) -> None:
+    report.write_json(results, out / "results.json")
+    text = report.markdown_table(results)
+    if any(r.mode == report.BASELINE_MODE for r in results) and len({r.mode for r in results}) > 1:
+        text += "\n" + report.ratio_table(results)
+    (out / "table.md").write_text(text)
+    print(text)
+    if plots:
+        for name in dict.fromkeys(r.spec.name for r in results):
+            report.plot_cdfs([r for r in results if r.spec.name == name], out / f"cdf_{name}.png")
+        report.plot_bars(results, out / "bars.png")
+    print(f"results in {out}", file=sys.stderr)
+
+
+def _server_config(arg: str | None) -> dict[str, Any]:
+    if not arg:
+        return {}
+    text = Path(arg[1:]).read_text() if arg.startswith("@") else arg
+    loaded = json.loads(text)
+    if not isinstance(loaded, dict):
+        raise SystemExit("--server-config must be a JSON object")
+    return loaded
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    built = build_requests(args)
+    base_url = args.url.rstrip("/")
+    try:
+        model = args.model_name or asyncio.run(fetch_model_name(base_url))
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        raise SystemExit(f"cannot list models at {base_url}/v1/models: {exc}") from exc
+    slo = SLO(args.slo_ttft_s, args.slo_tpot_s)
+    results = []
+    for spec, requests in built:
+        cfg = ClientConfig(
+            base_url,
+            model,
+            args.max_concurrency,
+            args.request_timeout_s,
+            api_key=args.api_key,
+            progress=not args.no_progress,
+            label=f"{args.label}/{spec.name}",
+        )
+        run = asyncio.run(run_benchmark(requests, cfg))
+        summary = summarize(run, slo, args.num_workers)
+        config = {"url": base_url, "served_model": model, **_server_config(args.server_config)}
+        results.append(report.BenchResult(args.label, spec, summary, run, config))
+    write_outputs(results, args.out, not args.no_plots)
+    return 0 if all(r.summary.num_errors == 0 for r in results) else 1
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    built = build_requests(args)
+    opts = CompareOptions(
+        args.out,
+        SLO(args.slo_ttft_s, args.slo_tpot_s),
+        args.max_concurrency,
+        args.request_timeout_s,
+        not args.no_progress,
+    )
+    max_len = built[0][0].max_model_len
+    specs = [
+        tetri_spec(mode, args.model, free_port(), max_len, args.set)
+        for mode in args.modes.split(",")
+    ]
+    vllm_cmd = None if args.no_vllm else find_vllm(args.vllm_bin)
+    if vllm_cmd is not None:
+        specs.append(vllm_spec(vllm_cmd, args.model, free_port(), max_len, args.vllm_workers))
+    else:
+        print("vLLM not found (--vllm-bin PATH to add it): skipped", file=sys.stderr)
+    results: list[report.BenchResult] = []
+    for spec in specs:
+        results += run_against(replace(spec, ready_timeout_s=args.ready_timeout_s), built, opts)
+    write_outputs(results, args.out, not args.no_plots)
+    return 0 if all(r.summary.num_errors == 0 for r in results) else 1
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m tetri_server.bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = p.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="benchmark a running server")
+    run.add_argument("--url", required=True, help="e.g. http://127.0.0.1:8010")
+    run.add_argument("--label", default="server", help="name of this configuration in tables")
+    run.add_argument("--model-name", help="model field to send; default: first of /v1/models")
+    run.add_argument("--server-config", help="JSON object (or @file) recorded with the results")
+    run.add_argument("--num-workers", type=int, help="for perf/$; default: workers in /metrics")
+    run.add_argument("--api-key")
+    _add_workload_args(run)
+    cmp = sub.add_parser("compare", help="start each server mode in turn and compare")
+    cmp.add_argument("--modes", default=",".join(TETRI_MODES))
+    cmp.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        help="key=value for every tetri server (e.g. the worker count, equal across modes)",
+    )
+    cmp.add_argument("--vllm-bin", help="vllm executable (e.g. /tmp/vllm-peer/bin/vllm)")
+    cmp.add_argument("--no-vllm", action="store_true")
+    cmp.add_argument("--vllm-workers", type=int, default=1, help="workers vLLM counts as (perf/$)")
+    cmp.add_argument("--ready-timeout-s", type=float, default=300.0)
+    _add_workload_args(cmp)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if args.out is None:
+        args.out = Path("bench_results") / time.strftime("%Y%m%d-%H%M%S")
+    if args.command == "compare" and not args.model:
+        raise SystemExit("compare needs --model (the folder both servers load)")
+    if args.model and args.model.startswith("builtin:"):
+        from tetri_server.modelmaker import resolve_model_path  # makes the model on first use
+
+        args.model = str(resolve_model_path(args.model))
+    return cmd_run(args) if args.command == "run" else cmd_compare(args)

@@ -1,0 +1,208 @@
+"""Side-by-side runs: start each server configuration in turn, run the same requests, stop it.
+
+Servers run one at a time (on 2 cores two servers would measure each other). Each is started in
+its own session (``start_new_session``) so that stopping it signals exactly its process group:
+SIGTERM, a bounded wait, then SIGKILL. tetri_server is started as
+``python -m tetri_server serve --set cluster.mode=<mode> --set model.path=<folder> ...``;
+vLLM-CPU as in docs/peer-vllm-cpu.md (eager, float32, no prefix caching, no chunked prefill:
+the paper's "vanilla vLLM").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from tetri_server.bench.client import ClientConfig, fetch_model_name, run_benchmark
+from tetri_server.bench.metrics import SLO, summarize
+from tetri_server.bench.report import BenchResult
+from tetri_server.bench.workload import BenchRequest, WorkloadSpec
+
+TETRI_MODES = ("disaggregated", "coupled", "coupled-chunked")
+VLLM_LABEL = "vllm-cpu"
+READY_POLL_S = 0.5
+STOP_GRACE_S = 30.0
+VLLM_ENV = {
+    "VLLM_CACHE_ROOT": "/tmp/vllm-peer-cache",
+    "XDG_CACHE_HOME": "/tmp/vllm-peer-cache",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "2",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+}
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    label: str
+    argv: list[str]
+    port: int
+    env: dict[str, str] = field(default_factory=dict)  # added to the inherited environment
+    ready_timeout_s: float = 300.0
+    num_workers: int | None = None  # for perf/$; None: count the workers in /metrics
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def config(self) -> dict[str, Any]:
+        return {"label": self.label, "argv": self.argv, "env": self.env, "port": self.port}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def tetri_spec(
+    mode: str, model: str, port: int, max_model_len: int, sets: Sequence[str] = ()
+) -> ServerSpec:
+    """tetri_server in ``mode``; ``sets`` (key=value) apply to every mode, e.g. worker counts
+    (config defaults give 2 workers in every mode: 1 prefill + 1 decode, or 2 coupled)."""
+    argv = [sys.executable, "-m", "tetri_server", "serve"]
+    pinned = (
+        f"cluster.mode={mode}",
+        f"model.path={model}",
+        "server.host=127.0.0.1",
+        f"server.port={port}",
+        f"model.max_model_len={max_model_len}",
+    )
+    for item in (*pinned, *sets):
+        argv += ["--set", item]
+    return ServerSpec(mode, argv, port)
+
+
+def find_vllm(explicit: str | None = None) -> list[str] | None:
+    """The command that runs vLLM's CLI: the given path, ``vllm`` on PATH, or the module."""
+    if explicit:
+        return [explicit]
+    if found := shutil.which("vllm"):
+        return [found]
+    if importlib.util.find_spec("vllm") is not None:
+        return [sys.executable, "-m", "vllm.entrypoints.cli.main"]
+    return None
+
+
+def vllm_spec(
+    vllm_cmd: list[str], model: str, port: int, max_model_len: int, num_workers: int = 1
+) -> ServerSpec:
+    argv = [*vllm_cmd, "serve", model, "--host", "127.0.0.1", "--port", str(port)]
+    argv += ["--dtype", "float32", "--max-model-len", str(max_model_len), "--enforce-eager"]
+    argv += ["--no-enable-prefix-caching", "--no-enable-chunked-prefill"]
+    return ServerSpec(VLLM_LABEL, argv, port, dict(VLLM_ENV), num_workers=num_workers)
+
+
+def _http_status(url: str) -> int | None:
+    try:
+        with urllib.request.urlopen(url, timeout=2.0) as resp:
+            return int(resp.status)
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except (urllib.error.URLError, OSError):
+        return None
+
+
+def _tail(path: Path, num_chars: int = 2000) -> str:
+    return path.read_text(errors="replace")[-num_chars:] if path.exists() else ""
+
+
+@contextlib.contextmanager
+def running_server(spec: ServerSpec, log_path: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """Start ``spec``, wait until ``/health`` (or ``/v1/models``) answers 200, always stop it."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            spec.argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **spec.env},
+            start_new_session=True,
+        )
+    try:
+        deadline = time.monotonic() + spec.ready_timeout_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{spec.label} exited ({proc.returncode}):\n{_tail(log_path)}")
+            health = _http_status(f"{spec.base_url}/health")
+            if health == 200 or (
+                health == 404 and _http_status(f"{spec.base_url}/v1/models") == 200
+            ):
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{spec.label} not ready in {spec.ready_timeout_s} s")
+            time.sleep(READY_POLL_S)
+        yield proc
+    finally:
+        stop_server(proc)
+
+
+def stop_server(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the server's process group, wait, SIGKILL what is left (bounded)."""
+    pgid = proc.pid  # session leader: its pid is the group id
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        pass
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)  # anyone left in the group (workers outliving the parent)?
+        except ProcessLookupError:
+            break
+        time.sleep(0.2)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=5.0)
+
+
+@dataclass(frozen=True)
+class CompareOptions:
+    out_dir: Path
+    slo: SLO = SLO()
+    max_concurrency: int | None = None
+    request_timeout_s: float = 600.0
+    progress: bool = True
+
+
+def run_against(
+    spec: ServerSpec,
+    workloads: Sequence[tuple[WorkloadSpec, list[BenchRequest]]],
+    opts: CompareOptions,
+) -> list[BenchResult]:
+    """Start one server, run every workload against it in order, stop it."""
+    results: list[BenchResult] = []
+    with running_server(spec, opts.out_dir / f"{spec.label}.log"):
+        model = asyncio.run(fetch_model_name(spec.base_url))
+        cfg = ClientConfig(
+            spec.base_url,
+            model,
+            opts.max_concurrency,
+            opts.request_timeout_s,
+            progress=opts.progress,
+        )
+        server_config = {**spec.config(), "served_model": model}
+        for wspec, requests in workloads:
+            cfg = replace(cfg, label=f"{spec.label}/{wspec.name}")
+            run = asyncio.run(run_benchmark(requests, cfg))
+            summary = summarize(run, opts.slo, spec.num_workers)
+            results.append(BenchResult(spec.label, wspec, summary, run, server_config))
+    return results

@@ -1,0 +1,180 @@
+"""Benchmark output: JSON (with the server config), Markdown tables, PNG plots.
+
+matplotlib is imported only when a plot is drawn (it belongs in the ``bench`` extra).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tetri_server.bench.client import RunResult
+from tetri_server.bench.metrics import Summary, jct_s, ttft_s
+from tetri_server.bench.workload import WorkloadSpec
+
+BASELINE_MODE = "coupled"
+# TetriInfer vs vanilla vLLM, avg TTFT / avg JCT change in % (docs/tetriinfer.md §8.2)
+PAPER_DELTAS_PCT: dict[str, tuple[float | None, float | None]] = {
+    "LPLD": (-44.0, -40.0),
+    "LPHD": (-97.0, -47.0),
+    "HPLD": (-9.0, -23.0),
+    "HPHD": (None, -19.0),
+    "Mixed": (-85.0, -50.0),
+}
+
+
+@dataclass
+class BenchResult:
+    """One workload run against one server configuration."""
+
+    mode: str  # label of the server configuration, e.g. "coupled", "vllm-cpu"
+    spec: WorkloadSpec
+    summary: Summary
+    run: RunResult
+    server_config: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self, include_records: bool = True) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "mode": self.mode,
+            "workload": self.spec.to_dict(),
+            "server_config": self.server_config,
+            "summary": self.summary.to_dict(),
+            "started_unix_s": self.run.started_unix_s,
+        }
+        if include_records:
+            out["records"] = [asdict(r) for r in self.run.records]
+        return out
+
+
+def write_json(results: Sequence[BenchResult], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps([r.to_dict() for r in results], indent=1))
+
+
+def _num(x: float | None, scale: float = 1.0, digits: int = 3) -> str:
+    return "n/a" if x is None else f"{x * scale:.{digits}f}"
+
+
+def markdown_table(results: Sequence[BenchResult]) -> str:
+    """One row per (workload, mode): latency, throughput, goodput, resource usage, perf/$."""
+    head = (
+        "| workload | mode | done | TTFT mean / p99 (s) | TPOT mean (ms) | ITL p99 (ms) "
+        "| JCT mean / p99 (s) | req/s | goodput req/s | busy (worker·s) | held (worker·s) "
+        "| perf/$ (req per worker·s) |\n" + "|---" * 12 + "|\n"
+    )
+    rows = []
+    for r in results:
+        s = r.summary
+        rows.append(
+            f"| {r.spec.name} | {r.mode} | {s.num_completed}/{s.num_requests} "
+            f"| {_num(s.ttft_s.mean)} / {_num(s.ttft_s.p99)} | {_num(s.tpot_s.mean, 1e3, 1)} "
+            f"| {_num(s.itl_s.p99, 1e3, 1)} | {_num(s.jct_s.mean)} / {_num(s.jct_s.p99)} "
+            f"| {_num(s.request_throughput_rps)} | {_num(s.goodput_rps)} "
+            f"| {_num(s.busy_s_total, digits=1)} | {_num(s.held_worker_s, digits=1)} "
+            f"| {_num(s.perf_per_dollar, digits=4)} |"
+        )
+    slos = sorted({(r.summary.slo.ttft_s, r.summary.slo.tpot_s) for r in results})
+    note = "".join(f"\nGoodput SLO: TTFT <= {a} s, TPOT <= {b * 1e3:.0f} ms." for a, b in slos)
+    return head + "\n".join(rows) + "\n" + note + "\n"
+
+
+def ratio(value: float | None, base: float | None) -> float | None:
+    if value is None or base is None or base == 0:
+        return None
+    return value / base
+
+
+def _fmt_ratio(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.2f}× ({(x - 1) * 100:+.0f}%)"
+
+
+def ratio_table(results: Sequence[BenchResult], baseline: str = BASELINE_MODE) -> str:
+    """Each mode against ``baseline`` on the same workload (lower is better for latency and
+    resource usage, higher for perf/$), with the paper's TetriInfer-vs-vLLM deltas beside."""
+    base = {r.spec.name: r.summary for r in results if r.mode == baseline}
+    head = (
+        f"| workload | mode | TTFT mean vs {baseline} | JCT mean vs {baseline} "
+        f"| busy vs {baseline} | perf/$ vs {baseline} | paper TTFT / JCT vs vLLM |\n"
+        + "|---" * 7
+        + "|\n"
+    )
+    rows = []
+    for r in results:
+        b = base.get(r.spec.name)
+        if r.mode == baseline or b is None:
+            continue
+        s = r.summary
+        paper = (
+            PAPER_DELTAS_PCT.get(r.spec.name, (None, None)) if r.mode == "disaggregated" else None
+        )
+        paper_txt = (
+            "" if paper is None else " / ".join("?" if p is None else f"{p:+.0f}%" for p in paper)
+        )
+        rows.append(
+            f"| {r.spec.name} | {r.mode} | {_fmt_ratio(ratio(s.ttft_s.mean, b.ttft_s.mean))} "
+            f"| {_fmt_ratio(ratio(s.jct_s.mean, b.jct_s.mean))} "
+            f"| {_fmt_ratio(ratio(s.busy_s_total, b.busy_s_total))} "
+            f"| {_fmt_ratio(ratio(s.perf_per_dollar, b.perf_per_dollar))} | {paper_txt} |"
+        )
+    return head + "\n".join(rows) + "\n"
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_cdfs(results: Sequence[BenchResult], path: Path) -> None:
+    """CDFs of TTFT and JCT, one line per mode (pass the results of one workload)."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, (label, fn) in zip(axes, (("TTFT (s)", ttft_s), ("JCT (s)", jct_s)), strict=True):
+        for r in results:
+            xs = sorted(fn(rec) for rec in r.run.records if rec.ok)
+            ys = [(i + 1) / len(xs) for i in range(len(xs))]
+            ax.step(xs, ys, where="post", label=r.mode)
+        ax.set_xlabel(label)
+        ax.set_ylabel("fraction of requests")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    names = sorted({r.spec.name for r in results})
+    fig.suptitle(f"workload {', '.join(names)}")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_bars(results: Sequence[BenchResult], path: Path) -> None:
+    """Bars per workload and mode: mean TTFT, mean JCT, perf/$."""
+    plt = _pyplot()
+    workloads = list(dict.fromkeys(r.spec.name for r in results))
+    modes = list(dict.fromkeys(r.mode for r in results))
+    by_key = {(r.spec.name, r.mode): r.summary for r in results}
+    panels = (
+        ("mean TTFT (s)", lambda s: s.ttft_s.mean),
+        ("mean JCT (s)", lambda s: s.jct_s.mean),
+        ("perf/$ (req per worker·s)", lambda s: s.perf_per_dollar),
+    )
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4))
+    width = 0.8 / max(1, len(modes))
+    for ax, (label, get) in zip(axes, panels, strict=True):
+        for j, mode in enumerate(modes):
+            vals = [by_key.get((w, mode)) for w in workloads]
+            heights = [(get(s) or 0.0) if s is not None else 0.0 for s in vals]
+            ax.bar([i + j * width for i in range(len(workloads))], heights, width, label=mode)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(workloads))], workloads)
+        ax.set_title(label)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
