@@ -12,7 +12,6 @@ import torch
 
 from tests.conftest import hf_greedy, random_prompts
 from tests.integration.conftest import make_cluster, segments
-from tetri_server.control.protocol import GenerationError
 from tetri_server.messages import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -80,24 +79,22 @@ def _decode_plan(seq):
 
 
 async def test_killing_a_decode_worker_loses_no_request(tiny_llama):
-    cluster = make_cluster(tiny_llama, "disaggregated")
+    """With another decode worker up, every request of the killed one is re-run and finishes
+    with the same greedy text."""
+    cluster = make_cluster(tiny_llama, "disaggregated", "cluster.decode_workers=2")
     await cluster.start()
     prompts = random_prompts(16, 8000, (20, 200), seed=13)
     params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
     ref = hf_greedy(tiny_llama, prompts, params.max_tokens)
     try:
         tasks = [asyncio.create_task(collect(cluster, p, params)) for p in prompts]
-        decode = next(h for h in cluster.workers.values() if h.role == "decode")
         while not any(r.state.value == "decode" for r in cluster.requests.values()):
             await asyncio.sleep(0.005)
+        busy = next(r.owner for r in cluster.requests.values() if r.state.value == "decode")
+        decode = cluster.workers[busy]
         os.kill(decode.proc.pid, signal.SIGKILL)
         results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 60)
-        for got, want in zip(results, ref, strict=True):
-            if isinstance(got, BaseException):
-                assert isinstance(got, GenerationError)
-            else:
-                assert got == want  # re-run from prompt + streamed tokens: same greedy text
-        assert sum(not isinstance(r, BaseException) for r in results) == len(prompts)
+        assert results == ref  # re-run from prompt + streamed tokens: same greedy text
         assert cluster.num_restarts == 1
         await asyncio.wait_for(_until_ready(cluster), 60)
         assert await collect(cluster, prompts[0], params) == ref[0]  # still serving

@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
+from tetri_server.api.admin import add_admin_routes
 from tetri_server.api.errors import APIError, error_body, error_response
 from tetri_server.api.handlers import ApiState, GenerateHandlers
 from tetri_server.config import ServerConfig
@@ -142,4 +143,5 @@ def build_app(backend: Backend, cfg: ServerConfig, metrics: Metrics) -> web.Appl
     app.router.add_get("/v1/models/{model}", info.model)
     app.router.add_get("/health", info.health)
     app.router.add_get("/metrics", info.prometheus)
+    add_admin_routes(app, backend)
     return app

@@ -20,6 +20,7 @@ _TYPES = {
     408: "invalid_request_error",
     413: "invalid_request_error",
     415: "invalid_request_error",
+    409: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
     503: "server_error",

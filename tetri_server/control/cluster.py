@@ -73,7 +73,6 @@ class Cluster:
         self._stopping = False
         self._started = False
         self._monitor: asyncio.TimerHandle | None = None
-        self.parked: list[Request] = []  # waiting for a restarted worker
         self._drained = asyncio.Event()
 
     # ------------------------------------------------------------------ life cycle
@@ -175,10 +174,7 @@ class Cluster:
         prompt = req.prompt_ids + req.output_ids
         wid = self.picker.pick(len(prompt), exclude=down)
         if wid is None:
-            if any(h.alive and not h.is_ready for h in self.workers.values()):
-                self.parked.append(req)  # a restart is on its way; bounded by the stream
-            else:
-                self.fail(req, "no live worker can take the request")
+            self.fail(req, "no live worker can take the request")
             return
         done = len(req.output_ids)
         p = req.params
@@ -265,10 +261,6 @@ class Cluster:
                 self.metrics.set_chunk_size(h.worker_id, msg.chunk_size)
             if h.generation > 0:
                 self._broadcast_pools()  # a restarted worker: peers map its new pool
-                parked, self.parked = self.parked, []
-                for req in parked:
-                    if req.state not in DONE:
-                        self._route(req)
 
     def _forward_handoff(self, src: WorkerHandle, msg: Handoff) -> None:
         req = self.requests.get(msg.req_id)
@@ -319,10 +311,18 @@ class Cluster:
         log.error("worker %d (%s) exited with code %s", h.worker_id, h.role, code)
         self.picker.remove_worker(h.worker_id)
         self.reports.pop(h.worker_id, None)
+        # Re-run on a live worker of the same role; with none left, fail now rather than make
+        # clients wait for the restart (a few seconds of model loading).
+        live_peer = any(w.is_ready and w.role == h.role for w in self.workers.values())
         for req in list(self.requests.values()):
             if req.src == h.worker_id:
                 req.src = -1  # the decode worker's mapping of the dead pool stays valid
-            if req.owner == h.worker_id:
+            if req.owner != h.worker_id:
+                continue
+            if h.role == "decode" and not live_peer:
+                self.fail(req, f"decode worker {h.worker_id} died and no other decode worker "
+                          "is up")
+            else:
                 self._rerun(req)
         if self.cfg.cluster.restart_workers:
             self.num_restarts += 1

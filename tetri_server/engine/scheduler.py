@@ -76,6 +76,7 @@ class StepScheduler:
     def _prompts(self, budget: int, whole: bool) -> StepPlan:
         """Prompt work (FCFS) within ``budget`` tokens, reserving blocks as it goes."""
         items: list[ScheduledSeq] = []
+        blocked = False
         for seq in self.waiting:
             if budget <= 0 or len(self.running) + len(items) >= self.max_batch:
                 break
@@ -83,8 +84,13 @@ class StepScheduler:
             n = todo if whole else min(todo, budget)
             if whole and n > budget and items:
                 break
-            if not self.kv.reserve(seq, seq.num_computed + n):
-                break
+            if blocked and not seq.blocks:
+                continue  # FCFS: nobody new overtakes a sequence that is waiting for blocks
+            # All of a sequence's blocks at its first chunk: partial reservations by several
+            # half-prefilled sequences could otherwise deadlock the pool.
+            if not self.kv.reserve(seq, seq.num_tokens):
+                blocked = True
+                continue
             items.append(ScheduledSeq(seq, n))
             budget -= n
         return StepPlan(items)

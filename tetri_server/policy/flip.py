@@ -7,8 +7,8 @@ it, send ``SetRole``; then call ``on_done(plan, now_s)`` (also when the flip is 
 most one flip is in flight, and none starts within ``cooldown_s`` of the last one's end.
 
 Rule: a worker whose utilisation (model-step seconds / wall seconds) stayed under ``low_util``
-for the whole ``window_s``, or that had no work in every report of the window, flips to the
-other role if that role is overloaded: its mean utilisation over the window is at least
+for the whole ``window_s``, or that had no work in every report of the last ``idle_window_s``,
+flips to the other role if that role is overloaded: its mean utilisation over the window is at least
 ``high_util``, or its workers had on average at least one waiting request. A role never drops to
 zero workers. Among candidates the least utilised (then lowest id) flips.
 """
@@ -58,6 +58,7 @@ class FlipPolicy:
         self,
         *,
         window_s: float = 60.0,
+        idle_window_s: float | None = None,
         low_util: float = 0.10,
         high_util: float = 0.70,
         cooldown_s: float = 60.0,
@@ -65,6 +66,8 @@ class FlipPolicy:
         if window_s <= 0 or cooldown_s < 0 or not 0 <= low_util < high_util <= 1:
             raise ValueError("need window_s > 0, cooldown_s >= 0, 0 <= low_util < high_util <= 1")
         self.window_s = window_s
+        self.idle_window_s = window_s if idle_window_s is None else idle_window_s
+        self.keep_s = max(self.window_s, self.idle_window_s)
         self.low_util = low_util
         self.high_util = high_util
         self.cooldown_s = cooldown_s
@@ -79,14 +82,13 @@ class FlipPolicy:
             return None
         if self._last_flip_end_s is not None and now_s - self._last_flip_end_s < self.cooldown_s:
             return None
-        stats = {wid: self._stats(wid) for wid in self._history}
+        stats = {wid: self._stats(wid, now_s) for wid in self._history}
         by_role = {role: [w for w, s in stats.items() if s.role == role] for role in ROLES}
         overloaded = {role: self._overloaded([stats[w] for w in by_role[role]]) for role in ROLES}
         candidates = [
             (s.utilisation, wid)
             for wid, s in stats.items()
-            if s.complete
-            and (s.idle or s.utilisation < self.low_util)
+            if (s.idle or (s.complete and s.utilisation < self.low_util))
             and len(by_role[s.role]) >= 2
             and overloaded[_other(s.role)]
         ]
@@ -117,22 +119,25 @@ class FlipPolicy:
             idle = r.num_waiting == 0 and r.num_running == 0
             samples.append(_Sample(now_s, r.busy_s, r.num_waiting, idle))
             # keep one sample at or before the window start as the anchor
-            while len(samples) >= 2 and samples[1].t_s <= now_s - self.window_s:
+            while len(samples) >= 2 and samples[1].t_s <= now_s - self.keep_s:
                 samples.popleft()
             self._history[r.worker_id] = (r.role, samples)
         for wid in set(self._history) - live:
             del self._history[wid]
 
-    def _stats(self, worker_id: int) -> _WindowStats:
-        role, samples = self._history[worker_id]
+    def _stats(self, worker_id: int, now_s: float) -> _WindowStats:
+        role, history = self._history[worker_id]
+        samples = _last(history, now_s - self.window_s)
         first, last = samples[0], samples[-1]
         span_s = last.t_s - first.t_s
         utilisation = (last.busy_s - first.busy_s) / span_s if span_s > 0 else 0.0
+        recent = _last(history, now_s - self.idle_window_s)
         return _WindowStats(
             role=role,
             utilisation=min(1.0, max(0.0, utilisation)),
             mean_waiting=sum(s.num_waiting for s in samples) / len(samples),
-            idle=all(s.idle for s in samples),
+            idle=recent[-1].t_s - recent[0].t_s >= self.idle_window_s
+            and all(s.idle for s in recent),
             complete=span_s >= self.window_s,
         )
 
@@ -142,6 +147,15 @@ class FlipPolicy:
         mean_util = sum(w.utilisation for w in workers) / len(workers)
         mean_waiting = sum(w.mean_waiting for w in workers) / len(workers)
         return mean_util >= self.high_util or mean_waiting >= 1.0
+
+
+def _last(samples: deque[_Sample], start_s: float) -> list[_Sample]:
+    """The samples from the last one at or before ``start_s`` (the anchor) onwards."""
+    items = list(samples)
+    i = 0
+    while i + 1 < len(items) and items[i + 1].t_s <= start_s:
+        i += 1
+    return items[i:]
 
 
 def _other(role: str) -> str:

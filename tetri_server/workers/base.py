@@ -90,7 +90,10 @@ class Worker:
         else:
             pages = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
             budget = pages * kv.memory_fraction / max(1, self.cfg.cluster.num_workers)
-        return max(1, int(budget // per_block))
+        # More than max_batch full-length sequences (x2: a prefill worker also holds requests
+        # waiting for dispatch) cannot be used; a bigger pool only costs start-up page faults.
+        useful = 2 * self.cfg.decode.max_batch * blocks_for(self.max_model_len, kv.block_size)
+        return max(1, min(useful, int(budget // per_block)))
 
     # ------------------------------------------------------------------ the loop
 

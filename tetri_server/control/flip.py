@@ -1,0 +1,122 @@
+"""Instance flip: the procedure around the pure ``policy.FlipPolicy`` decision.
+
+decide (policy on a monitor tick, or ``POST /admin/flip``) -> stop routing to the worker (a
+decode worker also leaves the dispatchers' view, and hand-offs to it are rejected) -> the
+worker drains (a prefill worker finishes and dispatches its queue; a decode worker finishes its
+batch) -> it switches its role in place on ``SetRole`` (same process, same weights, same pool)
+and answers ``Ready`` with the new role -> routing resumes. At least one prefill and one decode
+worker always remain; one flip at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from tetri_server.messages import SetRole
+from tetri_server.policy import FlipPlan, FlipPolicy
+
+if TYPE_CHECKING:
+    from tetri_server.control.cluster import Cluster
+
+log = logging.getLogger("tetri.flip")
+ROLES = ("prefill", "decode")
+
+
+class FlipRefused(Exception):
+    """The flip cannot be done (``POST /admin/flip`` answers 4xx with this reason)."""
+
+
+@dataclass(frozen=True)
+class FlipResult:
+    worker_id: int
+    from_role: str
+    to_role: str
+    total_s: float  # decision -> serving in the new role
+    switch_s: float  # drained -> serving in the new role (the flip itself, excluding drain)
+
+
+class FlipController:
+    def __init__(self, cluster: Cluster) -> None:
+        f = cluster.cfg.flip
+        self.cluster = cluster
+        self.enabled = f.enabled
+        self.policy = FlipPolicy(window_s=f.window_s, idle_window_s=f.idle_s,
+                                 low_util=f.low_load, cooldown_s=f.min_interval_s)
+        self.timeout_s = cluster.cfg.server.drain_timeout_s + 60.0
+        self._pending: dict[int, tuple[asyncio.Future[float], float]] = {}
+        self.history: list[FlipResult] = []
+
+    def check(self, worker_id: int, role: str) -> str:
+        """The worker's current role, or FlipRefused with the reason."""
+        c = self.cluster
+        if not c.disaggregated:
+            raise FlipRefused("flips need cluster.mode = disaggregated")
+        if role not in ROLES:
+            raise FlipRefused(f"role must be one of {ROLES}, got {role!r}")
+        h = c.workers.get(worker_id)
+        if h is None:
+            raise FlipRefused(f"no worker {worker_id}; workers are {sorted(c.workers)}")
+        if not h.is_ready or worker_id in c.draining:
+            raise FlipRefused(f"worker {worker_id} is not serving (starting, draining or down)")
+        if h.role == role:
+            raise FlipRefused(f"worker {worker_id} is already {role}")
+        if self._pending:
+            raise FlipRefused("another flip is in progress")
+        same = [w for w, x in c.workers.items() if x.role == h.role and w not in c.draining]
+        if len(same) <= 1:
+            raise FlipRefused(f"worker {worker_id} is the last {h.role} worker")
+        return h.role
+
+    async def flip(self, worker_id: int, role: str) -> FlipResult:
+        from_role = self.check(worker_id, role)
+        c = self.cluster
+        t0 = time.monotonic()
+        fut: asyncio.Future[float] = asyncio.get_running_loop().create_future()
+        self._pending[worker_id] = (fut, t0)
+        c.draining.add(worker_id)
+        c.workers[worker_id].post(SetRole(role))
+        log.info("flip: worker %d %s -> %s: draining", worker_id, from_role, role)
+        try:
+            switch_s = await asyncio.wait_for(fut, self.timeout_s)
+        finally:
+            self._pending.pop(worker_id, None)
+            c.draining.discard(worker_id)
+        result = FlipResult(worker_id, from_role, role, time.monotonic() - t0, switch_s)
+        self.history.append(result)
+        log.warning("flip: worker %d is now %s (%.3f s in all, %.3f s after drain)",
+                    worker_id, role, result.total_s, switch_s)
+        return result
+
+    def on_ready(self, worker_id: int, switch_s: float) -> None:
+        """The worker answered SetRole with Ready in its new role."""
+        pending = self._pending.get(worker_id)
+        if pending is not None and not pending[0].done():
+            pending[0].set_result(switch_s)
+
+    def on_worker_exit(self, worker_id: int) -> None:
+        pending = self._pending.get(worker_id)
+        if pending is not None and not pending[0].done():
+            pending[0].set_exception(FlipRefused(f"worker {worker_id} died while flipping"))
+
+    def on_tick(self, now_s: float) -> None:
+        """Monitor tick: let the policy decide an automatic flip."""
+        if not self.enabled or not self.cluster.disaggregated:
+            return
+        c = self.cluster
+        reports = [r for w, r in c.reports.items()
+                   if w in c.workers and c.workers[w].is_ready and w not in c.draining]
+        plan = self.policy.plan(reports, now_s)
+        if plan is not None:
+            asyncio.get_running_loop().create_task(self._auto(plan))
+
+    async def _auto(self, plan: FlipPlan) -> None:
+        try:
+            await self.flip(plan.worker_id, plan.to_role)
+        except (FlipRefused, TimeoutError) as e:
+            log.warning("flip of worker %d abandoned: %s", plan.worker_id, e)
+        finally:
+            self.policy.on_done(plan, time.monotonic())

@@ -1,0 +1,142 @@
+"""Training the bucket classifier: a softmax head over hashed n-gram features (numpy only).
+
+Rows are *prompts*, not responses: a prompt answered by several models (or sampled several
+times) gets the empirical distribution of its responses' buckets as a soft target, weighted by
+its number of responses — the same loss as one row per response, at a fraction of the cost.
+The L2 strength is picked by k-fold cross-validation on the training prompts only, so the
+held-out split is touched once, by ``evaluate``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tetri_server.predictor.data import Sample
+from tetri_server.predictor.features import FeatureSpec, SparseRows, featurize
+from tetri_server.predictor.metrics import bucket_of, num_buckets_for
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Knobs of one training run; all of them are recorded in the artifact."""
+
+    granularity: int = 200
+    max_tokens: int = 1024  # lengths are clipped here (the generation cap of the data)
+    test_frac: float = 0.2  # share of prompts held out
+    seed: int = 0  # fixes the prompt split and the CV folds
+    l2_grid: tuple[float, ...] = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3)
+    folds: int = 5
+    iters: int = 300  # full-batch Adam steps
+    lr: float = 0.05
+    spec: FeatureSpec = field(default_factory=FeatureSpec)
+
+    @property
+    def num_buckets(self) -> int:
+        return num_buckets_for(self.granularity, self.max_tokens)
+
+
+@dataclass(frozen=True)
+class Head:
+    """Softmax head: logits = features @ weight + bias."""
+
+    weight: np.ndarray  # [spec.width, num_buckets] float32
+    bias: np.ndarray  # [num_buckets] float32
+
+    def proba(self, x: SparseRows) -> np.ndarray:
+        return softmax(x.matmul(self.weight) + self.bias)
+
+
+@dataclass(frozen=True)
+class PromptTable:
+    """Training rows: unique prompts with soft bucket targets and response counts."""
+
+    prompt_ids: list[str]
+    prompts: list[str]
+    targets: np.ndarray  # [n, num_buckets], rows sum to 1
+    weights: np.ndarray  # [n] responses per prompt
+
+
+def softmax(z: np.ndarray) -> np.ndarray:
+    z = z - z.max(axis=1, keepdims=True)
+    e = np.exp(z)
+    return e / e.sum(axis=1, keepdims=True)
+
+
+def split_by_prompt(
+    samples: Sequence[Sample], test_frac: float, seed: int
+) -> tuple[list[Sample], list[Sample]]:
+    """Split so that no prompt is in both parts; the same ids and seed give the same split."""
+    ids = sorted({s.prompt_id for s in samples})
+    order = np.random.default_rng(seed).permutation(len(ids))
+    test = {ids[i] for i in order[: int(round(len(ids) * test_frac))]}
+    return [s for s in samples if s.prompt_id not in test], [s for s in samples if s.prompt_id in test]
+
+
+def prompt_table(samples: Sequence[Sample], granularity: int, num_buckets: int) -> PromptTable:
+    index: dict[str, int] = {}
+    texts: list[str] = []
+    for s in samples:
+        if s.prompt_id not in index:
+            index[s.prompt_id] = len(texts)
+            texts.append(s.prompt)
+    counts = np.zeros((len(texts), num_buckets))
+    rows = np.array([index[s.prompt_id] for s in samples], dtype=np.int64)
+    buckets = bucket_of([s.output_tokens for s in samples], granularity, num_buckets)
+    np.add.at(counts, (rows, buckets), 1.0)
+    weights = counts.sum(axis=1)
+    return PromptTable(list(index), texts, counts / weights[:, None], weights)
+
+
+def fit_head(
+    x: SparseRows, targets: np.ndarray, weights: np.ndarray, l2: float, iters: int, lr: float
+) -> Head:
+    """Minimise weighted soft-target cross-entropy + l2/2·|W|² with full-batch Adam."""
+    k = targets.shape[1]
+    share = weights / weights.sum()
+    prior = share @ targets
+    params = [np.zeros((x.width, k)), np.log(prior + 1e-6)]
+    moments = [(np.zeros_like(p), np.zeros_like(p)) for p in params]
+    for step in range(1, iters + 1):
+        grad_logits = (softmax(x.matmul(params[0]) + params[1]) - targets) * share[:, None]
+        grads = [x.rmatmul(grad_logits) + l2 * params[0], grad_logits.sum(axis=0)]
+        for p, g, (m, v) in zip(params, grads, moments, strict=True):
+            m *= 0.9
+            m += 0.1 * g
+            v *= 0.999
+            v += 0.001 * g * g
+            p -= lr * (m / (1 - 0.9**step)) / (np.sqrt(v / (1 - 0.999**step)) + 1e-8)
+    return Head(params[0].astype(np.float32), params[1].astype(np.float32))
+
+
+def cross_validate(
+    x: SparseRows, table: PromptTable, cfg: TrainConfig
+) -> dict[float, float]:
+    """Mean held-out response-weighted accuracy of each L2 strength over k prompt folds."""
+    n = len(table.prompts)
+    folds = np.array_split(np.random.default_rng(cfg.seed + 1).permutation(n), cfg.folds)
+    scores: dict[float, float] = {}
+    for l2 in cfg.l2_grid:
+        hits = total = 0.0
+        for fold in folds:
+            train = np.setdiff1d(np.arange(n), fold)
+            head = fit_head(x.take(train), table.targets[train], table.weights[train], l2,
+                            cfg.iters, cfg.lr)
+            pred = head.proba(x.take(fold)).argmax(axis=1)
+            # share of the fold's responses whose bucket is the predicted one
+            hits += float(np.sum(table.targets[fold, pred] * table.weights[fold]))
+            total += float(np.sum(table.weights[fold]))
+        scores[l2] = hits / total
+    return scores
+
+
+def train_head(samples: Sequence[Sample], cfg: TrainConfig) -> tuple[Head, dict[float, float]]:
+    """Pick L2 by cross-validation on ``samples``, then fit on all of them."""
+    table = prompt_table(samples, cfg.granularity, cfg.num_buckets)
+    x = featurize(table.prompts, cfg.spec)
+    scores = cross_validate(x, table, cfg) if len(cfg.l2_grid) > 1 else {cfg.l2_grid[0]: 0.0}
+    best = max(scores, key=lambda l2: (scores[l2], l2))
+    head = fit_head(x, table.targets, table.weights, best, cfg.iters, cfg.lr)
+    return head, scores
