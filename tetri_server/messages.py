@@ -146,13 +146,15 @@ class SetRole(msgspec.Struct, tag=True, array_like=True):
 
 
 class Ready(msgspec.Struct, tag=True, array_like=True):
-    """The worker has loaded the model and exported its KV pool."""
+    """The worker has loaded the model and exported its KV pool; sent again, with the new
+    role, when it has switched roles after a ``SetRole``."""
 
     worker_id: int
     role: str
     pool: PoolHandle
     chunk_size: int
     pid: int
+    switch_s: float = 0.0  # after a SetRole: seconds from drained to serving in the new role
 
 
 class TokenDelta(msgspec.Struct, array_like=True, gc=False):

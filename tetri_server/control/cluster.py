@@ -74,6 +74,10 @@ class Cluster:
         self._started = False
         self._monitor: asyncio.TimerHandle | None = None
         self._drained = asyncio.Event()
+        self.draining: set[int] = set()  # flipping: no new requests, out of the decode view
+        from tetri_server.control.flip import FlipController
+
+        self.flipper = FlipController(self)
 
     # ------------------------------------------------------------------ life cycle
 
@@ -170,7 +174,7 @@ class Cluster:
     def _route(self, req: Request) -> None:
         """Send to the least-loaded prefill (or coupled) worker; the prompt of a re-run
         includes the tokens already streamed, so the stream continues where it stopped."""
-        down = [w for w, h in self.workers.items() if not h.is_ready]
+        down = [w for w, h in self.workers.items() if not h.is_ready or w in self.draining]
         prompt = req.prompt_ids + req.output_ids
         wid = self.picker.pick(len(prompt), exclude=down)
         if wid is None:
@@ -183,6 +187,27 @@ class Cluster:
         req.owner, req.src, req.state = wid, -1, ReqState.PREFILL
         self.workers[wid].post(AddRequest(req.req_id, prompt, params, req.arrival_s,
                                           req.true_output_len, req.prompt_text))
+
+    # ------------------------------------------------------------------ admin
+
+    async def flip(self, worker_id: int, role: str) -> Any:
+        """Flip one worker by hand (``POST /admin/flip``); FlipRefused with the reason."""
+        return await self.flipper.flip(worker_id, role)
+
+    def workers_info(self) -> list[dict[str, Any]]:
+        out = []
+        for wid, h in sorted(self.workers.items()):
+            r = self.reports.get(wid)
+            state = ("draining" if wid in self.draining else "ready" if h.is_ready
+                     else "starting" if h.alive else "dead")
+            load = None if r is None else {
+                "waiting": r.num_waiting, "running": r.num_running,
+                "queued_prompt_tokens": r.num_queued_prompt_tokens,
+                "kv_blocks_used": r.num_total_blocks - r.num_free_blocks,
+                "kv_blocks_total": r.num_total_blocks, "busy_s": round(r.busy_s, 3)}
+            out.append({"id": wid, "role": h.role, "state": state, "pid": h.proc.pid,
+                        "generation": h.generation, "chunk_size": h.chunk_size, "load": load})
+        return out
 
     def _forget(self, req_id: int) -> Request | None:
         req = self.requests.pop(req_id, None)
@@ -250,7 +275,8 @@ class Cluster:
             if req is not None:
                 self.fail(req, msg.error)
         elif isinstance(msg, Ready):
-            h.pool, h.chunk_size = msg.pool, msg.chunk_size
+            flipped = h.ready.done() and msg.role != h.role
+            h.pool, h.chunk_size, h.role = msg.pool, msg.chunk_size, msg.role
             empty = LoadReport(h.worker_id, msg.role, 0, 0, 0, msg.pool.num_blocks,
                                msg.pool.num_blocks, 0, 0, 0, 0.0)
             self.reports[h.worker_id] = empty
@@ -259,7 +285,9 @@ class Cluster:
                 h.ready.set_result(None)
             if self.metrics is not None and msg.chunk_size:
                 self.metrics.set_chunk_size(h.worker_id, msg.chunk_size)
-            if h.generation > 0:
+            if flipped:
+                self.flipper.on_ready(h.worker_id, msg.switch_s)
+            elif h.generation > 0:
                 self._broadcast_pools()  # a restarted worker: peers map its new pool
 
     def _forward_handoff(self, src: WorkerHandle, msg: Handoff) -> None:
@@ -267,7 +295,7 @@ class Cluster:
         if req is None:
             return  # aborted meanwhile: the prefill worker freed its blocks on Abort
         dst = self.workers.get(msg.dst_worker)
-        if dst is None or not dst.is_ready:
+        if dst is None or not dst.is_ready or dst.worker_id in self.draining:
             src.post(HandoffRejected(msg.req_id, f"decode worker {msg.dst_worker} is down"))
             return
         req.owner, req.src, req.state = dst.worker_id, src.worker_id, ReqState.HANDOFF
@@ -285,7 +313,8 @@ class Cluster:
         decodes = [DecodeInstanceView(wid, r.num_free_blocks, r.num_total_blocks, r.num_heavy,
                                       r.num_light, r.predicted_demand_blocks)
                    for wid, r in sorted(self.reports.items())
-                   if r.role == "decode" and self.workers[wid].is_ready]
+                   if r.role == "decode" and self.workers[wid].is_ready
+                   and wid not in self.draining]
         view = DecodeView(self._view_seq, decodes)
         for h in self.workers.values():
             if self.disaggregated and h.role == "prefill" and h.is_ready:
@@ -293,6 +322,7 @@ class Cluster:
         if self.metrics is not None:
             waiting = sum(r.num_waiting for r in self.reports.values())
             self.metrics.set_requests(running=len(self.requests) - waiting, waiting=waiting)
+        self.flipper.on_tick()
         if not self._stopping:
             self._schedule_monitor()
 
@@ -306,6 +336,8 @@ class Cluster:
 
     def _on_exit(self, h: WorkerHandle) -> None:
         code = reap(h)
+        self.flipper.on_worker_exit(h.worker_id)
+        self.draining.discard(h.worker_id)
         if self._stopping or not self._started:
             return  # start() reports a worker that dies before it is ready
         log.error("worker %d (%s) exited with code %s", h.worker_id, h.role, code)

@@ -102,14 +102,14 @@ class FlipController:
         if pending is not None and not pending[0].done():
             pending[0].set_exception(FlipRefused(f"worker {worker_id} died while flipping"))
 
-    def on_tick(self, now_s: float) -> None:
+    def on_tick(self) -> None:
         """Monitor tick: let the policy decide an automatic flip."""
         if not self.enabled or not self.cluster.disaggregated:
             return
         c = self.cluster
         reports = [r for w, r in c.reports.items()
                    if w in c.workers and c.workers[w].is_ready and w not in c.draining]
-        plan = self.policy.plan(reports, now_s)
+        plan = self.policy.plan(reports, time.monotonic())
         if plan is not None:
             asyncio.get_running_loop().create_task(self._auto(plan))
 

@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import time
+from typing import Any
 
 import torch
 
@@ -24,6 +25,7 @@ from tetri_server.messages import (
     LoadReport,
     PeerPools,
     Ready,
+    SetRole,
     Shutdown,
     ToWorker,
     WorkerSpec,
@@ -44,7 +46,9 @@ def _die_with_parent() -> None:
 
 
 class Worker:
-    role = "base"
+    """The process-wide runtime. ``role`` (prefill, decode or coupled) decides what a step
+    does; it can be replaced in place (instance flip) once drained: same process, weights and
+    pool."""
 
     def __init__(self, spec: WorkerSpec) -> None:
         _die_with_parent()
@@ -78,6 +82,9 @@ class Worker:
         self.busy_s = 0.0
         self.stopping = False
         self.report_interval_s = self.cfg.monitor.interval_ms / 1000.0
+        self._predictor: Any = None
+        self.pending_role: str | None = None  # SetRole received; switch once drained
+        self.role = make_role(spec.role, self)
 
     def _blocks_from_memory(self, dtype: torch.dtype) -> int:
         kv = self.cfg.kv
@@ -95,14 +102,23 @@ class Worker:
         useful = 2 * self.cfg.decode.max_batch * blocks_for(self.max_model_len, kv.block_size)
         return max(1, min(useful, int(budget // per_block)))
 
+    def predictor(self) -> Any:
+        """The length predictor, loaded once per process (kept across role flips)."""
+        if self._predictor is None:
+            from tetri_server.predictor import load_predictor
+
+            p = self.cfg.predictor
+            self._predictor = load_predictor(p.kind, p.artifact or None)
+        return self._predictor
+
     # ------------------------------------------------------------------ the loop
 
-    def chunk_size(self) -> int:
-        return 0
+    def ready_message(self, switch_s: float = 0.0) -> Ready:
+        return Ready(self.worker_id, self.role.name, self.transport.export(),
+                     self.role.chunk_size(), os.getpid(), switch_s)
 
     def run(self) -> None:
-        self.send(Ready(self.worker_id, self.role, self.transport.export(), self.chunk_size(),
-                        os.getpid()))
+        self.send(self.ready_message())
         next_report = time.monotonic()
         try:
             while not self.stopping:
@@ -111,10 +127,12 @@ class Worker:
                 if os.getppid() != self.spec.parent_pid:
                     log.warning("control process is gone; worker %d exits", self.worker_id)
                     break
-                if self.has_work():
+                if self.role.has_work():
                     t0 = time.monotonic()
-                    self.step()
+                    self.role.step()
                     self.busy_s += time.monotonic() - t0
+                elif self.pending_role is not None and self.role.is_drained():
+                    self.switch_role(self.pending_role)
                 else:
                     wait = max(0.0, next_report - time.monotonic())
                     msg = self.inbox.recv(timeout_s=min(wait, 0.5))
@@ -122,12 +140,22 @@ class Worker:
                         self.handle(msg)
                 now = time.monotonic()
                 if now >= next_report:
-                    self.send(self.load_report())
+                    self.send(self.role.load_report())
                     next_report = now + self.report_interval_s
         finally:
             self.transport.close()
             self.inbox.close()
             self.outbox.close()
+
+    def switch_role(self, role: str) -> None:
+        """Instance flip, after the drain: a new role object over the same model and pool."""
+        t0 = time.monotonic()
+        assert self.allocator.num_free == self.allocator.num_blocks, "flip before drain"
+        self.pending_role = None
+        if role != self.role.name:
+            self.role = make_role(role, self)
+        self.send(self.ready_message(switch_s=time.monotonic() - t0))
+        self.send(self.role.load_report())
 
     def send(self, msg: object) -> None:
         self.outbox.send(msg, timeout_s=SEND_TIMEOUT_S)
@@ -138,9 +166,11 @@ class Worker:
         elif isinstance(msg, PeerPools):
             self.on_peer_pools(msg)
         elif isinstance(msg, Abort):
-            self.abort(msg.req_id)
+            self.role.abort(msg.req_id)
+        elif isinstance(msg, SetRole):
+            self.pending_role = msg.role
         else:
-            self.handle_role(msg)
+            self.role.handle(msg)
 
     def on_peer_pools(self, msg: PeerPools) -> None:
         peers = [p for p in msg.pools if p.worker_id != self.worker_id]
@@ -148,19 +178,50 @@ class Worker:
         for p in peers:
             self.transport.open(p)
 
-    # ------------------------------------------------------------------ role hooks
 
-    def handle_role(self, msg: object) -> None:
-        raise NotImplementedError(type(msg).__name__)
+class Role:
+    """What one kind of worker does each step. Owned by a ``Worker`` (``self.w``)."""
+
+    name = "base"
+
+    def __init__(self, w: Worker) -> None:
+        self.w = w
+
+    def chunk_size(self) -> int:
+        return 0
+
+    def handle(self, msg: object) -> None:
+        raise TypeError(f"{self.name} worker got {type(msg).__name__}")
 
     def abort(self, req_id: int) -> None:
         raise NotImplementedError
 
     def has_work(self) -> bool:
+        """A step would do something now."""
         raise NotImplementedError
+
+    def is_drained(self) -> bool:
+        """Nothing in flight any more (no queued, running or handed-off request)."""
+        return not self.has_work()
 
     def step(self) -> None:
         raise NotImplementedError
 
     def load_report(self) -> LoadReport:
         raise NotImplementedError
+
+
+def make_role(name: str, w: Worker) -> Role:
+    if name == "prefill":
+        from tetri_server.workers.prefill import PrefillRole
+
+        return PrefillRole(w)
+    if name == "decode":
+        from tetri_server.workers.decode import DecodeRole
+
+        return DecodeRole(w)
+    if name == "coupled":
+        from tetri_server.workers.coupled import CoupledRole
+
+        return CoupledRole(w)
+    raise ValueError(f"unknown worker role {name!r}")

@@ -20,52 +20,51 @@ from tetri_server.messages import (
     RequestFailed,
     StepOutput,
     TokenDelta,
-    WorkerSpec,
 )
 from tetri_server.policy import DecodeAdmission
-from tetri_server.workers.base import Worker
+from tetri_server.workers.base import Role, Worker
 
 DEFAULT_GRANULARITY = 200
 
 
-class DecodeWorker(Worker):
-    role = "decode"
+class DecodeRole(Role):
+    name = "decode"
 
-    def __init__(self, spec: WorkerSpec) -> None:
-        super().__init__(spec)
+    def __init__(self, w: Worker) -> None:
+        super().__init__(w)
         self.admission = DecodeAdmission(
-            self.cfg.decode.policy, block_size=self.block_size,
-            num_total_blocks=self.allocator.num_blocks, granularity=DEFAULT_GRANULARITY,
-            max_batch=self.cfg.decode.max_batch,
-            heavy_threshold=self.cfg.predictor.heavy_decode_tokens)
+            self.w.cfg.decode.policy, block_size=self.w.block_size,
+            num_total_blocks=self.w.allocator.num_blocks, granularity=DEFAULT_GRANULARITY,
+            max_batch=self.w.cfg.decode.max_batch,
+            heavy_threshold=self.w.cfg.predictor.heavy_decode_tokens)
         self.seqs: dict[int, Sequence] = {}
 
-    def handle_role(self, msg: object) -> None:
+    def handle(self, msg: object) -> None:
         if isinstance(msg, Handoff):
             self.receive(msg)
         else:
-            raise TypeError(f"decode worker got {type(msg).__name__}")
+            super().handle(msg)
 
     def receive(self, h: Handoff) -> None:
         """Pull the request's KV into our pool and queue it for admission."""
         seq = Sequence(h.req_id, list(h.token_ids), h.num_prompt_tokens, h.sampling,
                        arrival_s=h.arrival_s, status=SeqStatus.RUNNING,
-                       generator=make_generator(h.sampling.seed, self.device),
+                       generator=make_generator(h.sampling.seed, self.w.device),
                        predicted_bucket=h.predicted_bucket, predicted_len=h.predicted_len)
         seq.num_computed = seq.num_tokens - 1  # the last sampled token has no KV yet
         seq.num_emitted = seq.num_output  # the prefill worker streamed these
-        if not self.kv.reserve(seq, seq.num_computed):
-            self.send(HandoffRejected(h.req_id, "decode worker has no free blocks"))
+        if not self.w.kv.reserve(seq, seq.num_computed):
+            self.w.send(HandoffRejected(h.req_id, "decode worker has no free blocks"))
             return
         n = len(seq.blocks)
         try:
-            self.transport.copy_blocks(h.src_worker, h.src_block_ids[:n], seq.blocks,
+            self.w.transport.copy_blocks(h.src_worker, h.src_block_ids[:n], seq.blocks,
                                        seq.num_computed)
         except KeyError:
-            self.kv.free(seq)
-            self.send(HandoffRejected(h.req_id, f"pool of worker {h.src_worker} not mapped"))
+            self.w.kv.free(seq)
+            self.w.send(HandoffRejected(h.req_id, f"pool of worker {h.src_worker} not mapped"))
             return
-        self.send(KVPulled(h.req_id))
+        self.w.send(KVPulled(h.req_id))
         self.seqs[seq.req_id] = seq
         self.admission.add(seq.req_id, seq.num_prompt, seq.num_tokens, seq.predicted_bucket,
                            seq.params.max_tokens)
@@ -74,50 +73,50 @@ class DecodeWorker(Worker):
         seq = self.seqs.pop(req_id, None)
         self.admission.remove(req_id)
         if seq is not None:
-            self.kv.free(seq)
+            self.w.kv.free(seq)
 
     def has_work(self) -> bool:
         return bool(self.seqs)
 
     def step(self) -> None:
-        plan = self.admission.plan(self.allocator.num_free)
+        plan = self.admission.plan(self.w.allocator.num_free)
         for req_id in plan.preempt.req_ids:
             seq = self.seqs[req_id]
-            self.kv.free(seq)
+            self.w.kv.free(seq)
             seq.num_computed = 0
         for req_id in plan.fail_ids:
             seq = self.seqs.pop(req_id)
-            self.kv.free(seq)
-            self.send(RequestFailed(req_id, "request no longer fits this worker's KV pool"))
+            self.w.kv.free(seq)
+            self.w.send(RequestFailed(req_id, "request no longer fits this worker's KV pool"))
         recompute = set(plan.admit.recompute_ids)
         items = []
         for req_id in plan.run_ids:
             seq = self.seqs[req_id]
-            if not self.kv.reserve(seq, seq.num_tokens):
+            if not self.w.kv.reserve(seq, seq.num_tokens):
                 raise RuntimeError(f"admission planned request {req_id} but its blocks do not "
                                    "fit: allocator and policy disagree")
             items.append(ScheduledSeq(seq, seq.num_uncomputed if req_id in recompute else 1))
         finished: set[int] = set()
         deltas: list[TokenDelta] = []
         if items:
-            result = self.runner.execute(StepPlan(items))
+            result = self.w.runner.execute(StepPlan(items))
             for item, tok, lp in zip(items, result.sampled, result.logprobs, strict=True):
                 seq = item.seq
                 assert tok is not None
-                reason = append_token(seq, tok, lp, self.model_spec.eos_token_ids,
-                                      self.max_model_len)
+                reason = append_token(seq, tok, lp, self.w.model_spec.eos_token_ids,
+                                      self.w.max_model_len)
                 deltas.append(emit(seq, reason))
                 if reason is not None:
                     finished.add(seq.req_id)
-                    self.kv.free(seq)
+                    self.w.kv.free(seq)
                     del self.seqs[seq.req_id]
         self.admission.on_done(plan, finished)
         if deltas:
-            self.send(StepOutput(self.worker_id, deltas))
+            self.w.send(StepOutput(self.w.worker_id, deltas))
 
     def load_report(self) -> LoadReport:
         load = self.admission.load()
-        return LoadReport(self.worker_id, self.role, load.num_waiting, load.num_running, 0,
-                          self.allocator.num_free, self.allocator.num_blocks, load.num_heavy,
-                          load.num_light, load.predicted_demand_blocks, self.busy_s,
+        return LoadReport(self.w.worker_id, self.name, load.num_waiting, load.num_running, 0,
+                          self.w.allocator.num_free, self.w.allocator.num_blocks, load.num_heavy,
+                          load.num_light, load.predicted_demand_blocks, self.w.busy_s,
                           load.num_preemptions)

@@ -18,15 +18,9 @@ def main(argv: list[str]) -> int:
     level = str(spec.config.get("server", {}).get("log_level", "info")).upper()
     logging.basicConfig(level=level, stream=sys.stderr,
                         format=f"%(asctime)s worker{spec.worker_id} %(levelname)s %(message)s")
-    if spec.role == "prefill":
-        from tetri_server.workers.prefill import PrefillWorker as cls
-    elif spec.role == "decode":
-        from tetri_server.workers.decode import DecodeWorker as cls  # type: ignore[assignment]
-    elif spec.role == "coupled":
-        from tetri_server.workers.coupled import CoupledWorker as cls  # type: ignore[assignment]
-    else:
-        raise SystemExit(f"unknown worker role {spec.role!r}")
-    cls(spec).run()
+    from tetri_server.workers.base import Worker
+
+    Worker(spec).run()
     return 0
 
 

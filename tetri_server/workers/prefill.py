@@ -24,39 +24,32 @@ from tetri_server.messages import (
     KVPulled,
     LoadReport,
     StepOutput,
-    WorkerSpec,
 )
 from tetri_server.policy import Chunker, PrefillQueue, RoundRobinDispatcher, TetriDispatcher
 from tetri_server.policy.dispatch import Dispatcher
-from tetri_server.workers.base import Worker
+from tetri_server.workers.base import Role, Worker
 from tetri_server.workers.calibrate import resolve_chunk_size
 
 log = logging.getLogger("tetri.prefill")
 
 
-def load_length_predictor(kind: str, artifact: str):  # noqa: ANN201 - predictor protocol
-    from tetri_server.predictor import load_predictor
+class PrefillRole(Role):
+    name = "prefill"
 
-    return load_predictor(kind, artifact or None)
-
-
-class PrefillWorker(Worker):
-    role = "prefill"
-
-    def __init__(self, spec: WorkerSpec) -> None:
-        super().__init__(spec)
-        cfg = self.cfg
-        self._chunk_size = resolve_chunk_size(self, cfg.prefill.chunk_size)
+    def __init__(self, w: Worker) -> None:
+        super().__init__(w)
+        cfg = self.w.cfg
+        self._chunk_size = resolve_chunk_size(w, cfg.prefill.chunk_size)
         self.queue = PrefillQueue(cfg.prefill.policy, cfg.prefill.sched_batch)
-        self.chunker = Chunker(self._chunk_size, block_size=self.block_size)
-        self.predictor = load_length_predictor(cfg.predictor.kind, cfg.predictor.artifact)
+        self.chunker = Chunker(self._chunk_size, block_size=self.w.block_size)
+        self.predictor = w.predictor()
         gran = self.predictor.granularity
         heavy = cfg.predictor.heavy_decode_tokens
         self.dispatcher: Dispatcher = (
-            TetriDispatcher(random.Random(cfg.dispatch.seed + self.worker_id),
-                            block_size=self.block_size, granularity=gran, heavy_threshold=heavy)
+            TetriDispatcher(random.Random(cfg.dispatch.seed + self.w.worker_id),
+                            block_size=self.w.block_size, granularity=gran, heavy_threshold=heavy)
             if cfg.dispatch.policy == "power-of-two"
-            else RoundRobinDispatcher(block_size=self.block_size, granularity=gran,
+            else RoundRobinDispatcher(block_size=self.w.block_size, granularity=gran,
                                       heavy_threshold=heavy))
         self.seqs: dict[int, Sequence] = {}  # queued or prefilling
         self.unpredicted: list[tuple[Sequence, AddRequest]] = []
@@ -68,11 +61,11 @@ class PrefillWorker(Worker):
 
     # ------------------------------------------------------------------ messages
 
-    def handle_role(self, msg: object) -> None:
+    def handle(self, msg: object) -> None:
         if isinstance(msg, AddRequest):
             seq = Sequence(msg.req_id, list(msg.prompt_ids), len(msg.prompt_ids), msg.sampling,
                            arrival_s=msg.arrival_s,
-                           generator=make_generator(msg.sampling.seed, self.device))
+                           generator=make_generator(msg.sampling.seed, self.w.device))
             self.seqs[seq.req_id] = seq
             self.unpredicted.append((seq, msg))
         elif isinstance(msg, DecodeView):
@@ -81,14 +74,14 @@ class PrefillWorker(Worker):
         elif isinstance(msg, KVPulled):
             seq = self.handed_off.pop(msg.req_id, None)
             if seq is not None:
-                self.kv.free(seq)
+                self.w.kv.free(seq)
         elif isinstance(msg, HandoffRejected):
             seq = self.handed_off.pop(msg.req_id, None)
             if seq is not None:
                 log.info("request %d rejected by decode: %s", msg.req_id, msg.reason)
                 self.undispatched.append(seq)
         else:
-            raise TypeError(f"prefill worker got {type(msg).__name__}")
+            super().handle(msg)
 
     def abort(self, req_id: int) -> None:
         seq = self.seqs.pop(req_id, None) or self.handed_off.pop(req_id, None)
@@ -99,12 +92,15 @@ class PrefillWorker(Worker):
         self.unpredicted = [(s, m) for s, m in self.unpredicted if s.req_id != req_id]
         self.queue.remove(req_id)
         if seq is not None:
-            self.kv.free(seq)
+            self.w.kv.free(seq)
 
     # ------------------------------------------------------------------ the step
 
     def has_work(self) -> bool:
         return bool(self.unpredicted or len(self.queue))
+
+    def is_drained(self) -> bool:
+        return not (self.has_work() or self.undispatched or self.handed_off)
 
     def predict_new(self) -> None:
         """Batch-predict the output-length bucket of every newly arrived request."""
@@ -120,34 +116,34 @@ class PrefillWorker(Worker):
 
     def step(self) -> None:
         self.predict_new()
-        chunk = self.chunker.plan(self.queue, self.allocator.num_free)
+        chunk = self.chunker.plan(self.queue, self.w.allocator.num_free)
         if chunk is None:
             return
         items = []
         for piece in chunk.slices:
             seq = self.seqs[piece.req_id]
-            if piece.is_first and not self.kv.reserve(seq, seq.num_prompt):
+            if piece.is_first and not self.w.kv.reserve(seq, seq.num_prompt):
                 raise RuntimeError(f"no blocks for request {seq.req_id} after the chunker "
                                    "checked them")
             items.append(ScheduledSeq(seq, piece.num_tokens))
         # Padding is bookkeeping only: on CPU, computing pad tokens is pure waste.
-        result = self.runner.execute(StepPlan(items))
+        result = self.w.runner.execute(StepPlan(items))
         done = set(self.chunker.on_done(self.queue, chunk))
         deltas = []
         for item, tok, lp in zip(items, result.sampled, result.logprobs, strict=True):
             seq = item.seq
             if tok is None or seq.req_id not in done:
                 continue
-            reason = append_token(seq, tok, lp, self.model_spec.eos_token_ids,
-                                  self.max_model_len)
+            reason = append_token(seq, tok, lp, self.w.model_spec.eos_token_ids,
+                                  self.w.max_model_len)
             deltas.append(emit(seq, reason))
             del self.seqs[seq.req_id]
             if reason is not None:
-                self.kv.free(seq)
+                self.w.kv.free(seq)
             else:
                 self.undispatched.append(seq)
         if deltas:
-            self.send(StepOutput(self.worker_id, deltas))
+            self.w.send(StepOutput(self.w.worker_id, deltas))
         self.dispatch_held()
 
     def dispatch_held(self) -> None:
@@ -158,13 +154,13 @@ class PrefillWorker(Worker):
                 still.append(seq)
                 continue
             self.handed_off[seq.req_id] = seq
-            self.send(Handoff(seq.req_id, self.worker_id, list(seq.blocks), list(seq.token_ids),
+            self.w.send(Handoff(seq.req_id, self.w.worker_id, list(seq.blocks), list(seq.token_ids),
                               seq.num_prompt, seq.params, seq.predicted_bucket,
                               seq.predicted_len, seq.arrival_s, dst_worker=plan.decode_worker))
         self.undispatched = still
 
     def load_report(self) -> LoadReport:
         held = len(self.undispatched) + len(self.handed_off)
-        return LoadReport(self.worker_id, self.role, len(self.queue) + len(self.unpredicted),
-                          held, self.queue.num_queued_tokens, self.allocator.num_free,
-                          self.allocator.num_blocks, 0, 0, 0, self.busy_s)
+        return LoadReport(self.w.worker_id, self.name, len(self.queue) + len(self.unpredicted),
+                          held, self.queue.num_queued_tokens, self.w.allocator.num_free,
+                          self.w.allocator.num_blocks, 0, 0, 0, self.w.busy_s)
