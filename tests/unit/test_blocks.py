@@ -109,3 +109,29 @@ def test_manager_compacts_when_free_space_is_fragmented():
         start = seqs[i].blocks[0] * bs
         assert torch.all(kv[:, :, :, start:start + 2 * bs] == float(i + 1))
     assert m.allocator.num_free == 0
+
+
+def test_a_growing_sequence_gets_blocks_whenever_enough_are_free():
+    """Growth needs only the new blocks free, not room for a copy of the whole sequence."""
+    import torch
+
+    from tetri_server.kv.manager import KVCacheManager
+
+    class Seq:
+        def __init__(self) -> None:
+            self.blocks: list[int] = []
+            self.num_computed = 0
+
+    bs = 2
+    kv = torch.zeros(1, 2, 1, 12 * bs, 1)
+    m = KVCacheManager(BlockAllocator(12), kv, bs)
+    a, b, c = Seq(), Seq(), Seq()
+    for s, n in ((a, 6), (b, 2), (c, 2)):
+        assert m.reserve(s, n * bs)
+        s.num_computed = n * bs
+    kv[:, :, :, a.blocks[0] * bs:(a.blocks[0] + 6) * bs] = 7.0
+    m.free(b)  # 4 blocks free in total, in runs smaller than a's 6 + 1
+    assert m.reserve(a, 7 * bs)
+    assert len(a.blocks) == 7 and a.blocks == list(range(a.blocks[0], a.blocks[0] + 7))
+    start = a.blocks[0] * bs
+    assert torch.all(kv[:, :, :, start:start + 6 * bs] == 7.0)

@@ -52,7 +52,9 @@ class KVCacheManager:
         if need > self.allocator.num_free:
             return False
         if not self._grow(seq, need):
-            self.compact()  # enough blocks in total, but no run long enough
+            # Enough blocks in total, but no run long enough: compact, with this sequence
+            # last so that it grows in place into the single free run.
+            self.compact(last=seq)
             if not self._grow(seq, need):
                 return False
         self._holders[id(seq)] = seq
@@ -70,19 +72,29 @@ class KVCacheManager:
         assert not seq.blocks
         return self.reserve(seq, num_tokens)
 
-    def compact(self) -> None:
-        """Slide every extent to the left, in address order, so free space is one run."""
-        holders = sorted(self._holders.values(), key=lambda s: s.blocks[0])
+    def compact(self, last: HasBlocks | None = None) -> None:
+        """Slide every extent to the left, in address order (``last`` moved to the end), so
+        that free space is one run at the end of the pool."""
+        holders = sorted(self._holders.values(), key=lambda s: (s is last, s.blocks[0]))
+        saved = None
+        if last is not None and last.blocks:  # others may slide over it: keep a copy
+            saved = self._tokens(last.blocks[0], last.num_computed).clone()
         for seq in holders:
             self.allocator.free(seq.blocks)
         cursor = 0
         for seq in holders:
             n, old = len(seq.blocks), seq.blocks[0]
             seq.blocks = self.allocator.allocate_at(cursor, n)
-            if old != cursor:
+            if seq is last and saved is not None:
+                self._tokens(cursor, seq.num_computed).copy_(saved)
+            elif old != cursor:  # leftwards only, so earlier moves never overwrite it
                 self._move(old, cursor, seq.num_computed, overlap=old - cursor < n)
             cursor += n
         self.num_compactions += 1
+
+    def _tokens(self, block: int, num_tokens: int) -> torch.Tensor:
+        bs = self.block_size
+        return self.kv[:, :, :, block * bs:block * bs + num_tokens]
 
     def _grow(self, seq: HasBlocks, need: int) -> bool:
         if not seq.blocks:
@@ -107,8 +119,7 @@ class KVCacheManager:
               overlap: bool = False) -> None:
         if num_tokens == 0:
             return
-        bs = self.block_size
-        src = self.kv[:, :, :, old_block * bs:old_block * bs + num_tokens]
+        src = self._tokens(old_block, num_tokens)
         if overlap:
             src = src.clone()
-        self.kv[:, :, :, new_block * bs:new_block * bs + num_tokens].copy_(src)
+        self._tokens(new_block, num_tokens).copy_(src)

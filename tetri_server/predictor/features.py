@@ -82,6 +82,12 @@ class SparseRows:
                 for c in range(g.shape[1])]
         return np.stack(cols, axis=1)
 
+    def to_dense(self) -> np.ndarray:
+        """The rows as a dense [n, width] float32 array."""
+        out = np.zeros((self.num_rows, self.width), dtype=np.float32)
+        out[np.repeat(np.arange(self.num_rows), np.diff(self.indptr)), self.indices] = self.values
+        return out
+
     def take(self, rows: Sequence[int] | np.ndarray) -> SparseRows:
         """The sub-batch of the given rows, in that order."""
         parts = [np.arange(self.indptr[r], self.indptr[r + 1]) for r in rows]

@@ -18,6 +18,8 @@ from tetri_server.predictor.data import Sample
 from tetri_server.predictor.features import FeatureSpec, SparseRows, featurize
 from tetri_server.predictor.metrics import bucket_of, num_buckets_for
 
+DENSE_LIMIT = 64 * 1024 * 1024  # elements (256 MB of float32) up to which training densifies
+
 
 @dataclass(frozen=True)
 class TrainConfig:
@@ -29,7 +31,7 @@ class TrainConfig:
     seed: int = 0  # fixes the prompt split and the CV folds
     l2_grid: tuple[float, ...] = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3)
     folds: int = 5
-    iters: int = 300  # full-batch Adam steps
+    iters: int = 150  # full-batch Adam steps
     lr: float = 0.05
     spec: FeatureSpec = field(default_factory=FeatureSpec)
 
@@ -93,15 +95,25 @@ def prompt_table(samples: Sequence[Sample], granularity: int, num_buckets: int) 
 def fit_head(
     x: SparseRows, targets: np.ndarray, weights: np.ndarray, l2: float, iters: int, lr: float
 ) -> Head:
-    """Minimise weighted soft-target cross-entropy + l2/2·|W|² with full-batch Adam."""
+    """Minimise weighted soft-target cross-entropy + l2/2·|W|² with full-batch Adam.
+
+    Small problems are densified (a BLAS matmul is ~5x faster than the sparse gather here).
+    """
+    dense = x.to_dense() if x.num_rows * x.width <= DENSE_LIMIT else None
     k = targets.shape[1]
     share = weights / weights.sum()
     prior = share @ targets
     params = [np.zeros((x.width, k)), np.log(prior + 1e-6)]
     moments = [(np.zeros_like(p), np.zeros_like(p)) for p in params]
     for step in range(1, iters + 1):
-        grad_logits = (softmax(x.matmul(params[0]) + params[1]) - targets) * share[:, None]
-        grads = [x.rmatmul(grad_logits) + l2 * params[0], grad_logits.sum(axis=0)]
+        weight = params[0].astype(np.float32)
+        logits = dense @ weight if dense is not None else x.matmul(weight)
+        grad_logits = (softmax(logits + params[1]) - targets) * share[:, None]
+        grad_w = (
+            dense.T @ grad_logits.astype(np.float32) if dense is not None
+            else x.rmatmul(grad_logits)
+        )
+        grads = [grad_w + l2 * params[0], grad_logits.sum(axis=0)]
         for p, g, (m, v) in zip(params, grads, moments, strict=True):
             m *= 0.9
             m += 0.1 * g

@@ -1,0 +1,908 @@
+"""Engine benchmark: our model runner and engine against the machine and against transformers.
+
+    .venv/bin/python tools/bench_engine.py [--family llama|opt] [--quick] [--profile]
+        [--dtype float32|bfloat16] [--clock cpu|wall] [--keep-freed-memory] [--cpu N]
+        [--skip prefill,decode,layout]
+
+Everything runs on ONE core (``sched_setaffinity``) and one torch thread. Because the dev machine
+is shared, the machine baselines are measured in the same run (at the start and again at the
+end), every comparison is between numbers measured side by side (interleaved round robin), and
+times are process CPU time by default (``--clock cpu``): time slices that other processes take
+from our core are not counted, cache and memory-bandwidth interference still is. Each section
+prints the CPU share it got (CPU time / wall time; below ~0.9 the core was shared) and the part
+of its CPU time spent in the kernel (mostly first-touch page faults of freshly mapped memory).
+
+Sections (markdown on stdout, progress on stderr):
+
+1. Baselines: matmul peak (``torch.mm`` of 2048x2048 matrices, best of N) and memcpy
+   bandwidth (``np.copyto`` of ~1 GiB into a pre-touched destination, best of N).
+2. Prefill: one step of exactly ``C`` tokens through ``ModelRunner.execute`` for C in 32..2048,
+   (a) prompts of 128 tokens packed into the step (a TetriInfer chunk) and (b) one prompt of C
+   tokens, against transformers' forward of the same C tokens as one sequence. Achieved GFLOP/s
+   counts 2 x matmul parameters x tokens (+ the LM head for the sampled rows) + causal attention
+   (4 x heads x head_dim x L(L+1)/2 per layer and prompt). "matmul-only" times just the step's
+   F.linear calls (an upper bound for us). The knee is
+   ``tetri_server.policy.knee.pick_chunk_size`` over the packed times.
+3. Decode: ``LLMEngine.step()`` over B running sequences whose KV (random values) is already in
+   the pool, against ``generate()`` (greedy) on the same model and batch. transformers gets a
+   real prefix cache (one forward of the prompt, repeated over the batch of equal-length
+   prompts, so no padding is needed) and every timed step of ``generate()`` is a decode step;
+   its step times are the intervals between calls of a LogitsProcessor. Both report the median
+   step. GB/s = (weights + KV read per step) / step; the roofline is max(FLOPs / matmul peak,
+   bytes / memcpy bandwidth).
+4. KV layout: the same engine decode step with attention over zero-copy extent views (ours),
+   vs gathering each sequence's blocks into a contiguous tensor first (``index_select``, what a
+   paged layout without a paged-attention kernel does), vs gathering the whole batch into one
+   padded tensor and running one SDPA per layer.
+
+``--profile`` adds a per-phase breakdown of the engine step (wrapper timers) and torch.profiler's
+top ops for decode at B=32 and for the prefill at the knee. ``--keep-freed-memory`` re-runs the
+benchmark under GLIBC_TUNABLES that keep freed memory in the heap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import inspect
+import os
+import platform
+import resource
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from tetri_server.engine import llama as llama_mod
+from tetri_server.engine import opt as opt_mod
+from tetri_server.engine import runner as runner_mod
+from tetri_server.engine.attention import BatchMetadata, paged_attention
+from tetri_server.engine.llm import EngineConfig, LLMEngine
+from tetri_server.engine.runner import ScheduledSeq, StepPlan
+from tetri_server.engine.sequence import SeqStatus
+from tetri_server.engine.sequence import Sequence as Seq
+from tetri_server.kv.blocks import blocks_for
+from tetri_server.messages import SamplingParams
+
+ROOT = Path(__file__).resolve().parents[1]
+# Freed blocks up to 256 MiB stay in the heap and the heap is trimmed only above 1 GiB, so the
+# forward's large temporaries reuse already-faulted pages instead of fresh mmap'd memory.
+KEEP_FREED_MEMORY = ("glibc.malloc.mmap_threshold=268435456:"
+                     "glibc.malloc.trim_threshold=1073741824")
+GREEDY = SamplingParams(max_tokens=1 << 30, temperature=0.0, ignore_eos=True)
+AttentionFn = Callable[..., torch.Tensor]
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------- CPU & timing
+
+
+def cpu_busy(seconds: float = 0.3) -> dict[int, float]:
+    """Busy fraction of each CPU over ``seconds`` (from /proc/stat)."""
+
+    def read() -> dict[int, tuple[int, int]]:
+        out: dict[int, tuple[int, int]] = {}
+        with open("/proc/stat") as f:
+            for line in f:
+                name, *vals = line.split()
+                if name.startswith("cpu") and name != "cpu":
+                    nums = [int(v) for v in vals]
+                    out[int(name[3:])] = (sum(nums), nums[3] + nums[4])  # total, idle+iowait
+        return out
+
+    a = read()
+    time.sleep(seconds)
+    b = read()
+    return {c: 1.0 - (b[c][1] - a[c][1]) / max(1, b[c][0] - a[c][0]) for c in b if c in a}
+
+
+def pin(cpu: int | None) -> int:
+    """Pin this process to one CPU (the least busy allowed one when ``cpu`` is None)."""
+    allowed = sorted(os.sched_getaffinity(0))
+    if cpu is None:
+        busy = cpu_busy()
+        cpu = min(allowed, key=lambda c: busy.get(c, 1.0))
+    os.sched_setaffinity(0, {cpu})
+    torch.set_num_threads(1)
+    return cpu
+
+
+@dataclass
+class CpuShare:
+    """Process CPU seconds per wall second over the measured regions of one section."""
+
+    wall_s: float = 0.0
+    cpu_s: float = 0.0
+    sys_s: float = 0.0  # kernel time (here mostly first-touch page faults of fresh memory)
+
+    @property
+    def share(self) -> float:
+        return self.cpu_s / self.wall_s if self.wall_s > 0 else float("nan")
+
+    @property
+    def sys_share(self) -> float:
+        return self.sys_s / self.cpu_s if self.cpu_s > 0 else float("nan")
+
+
+SHARE: dict[str, CpuShare] = {}
+
+
+@dataclass
+class Clock:
+    """``cpu``: process CPU time (what the code costs on an unshared core: time slices lost to
+    other processes on our core are not counted); ``wall``: perf_counter."""
+
+    kind: str = "cpu"
+
+    def pick(self, wall_s: float, cpu_s: float) -> float:
+        return cpu_s if self.kind == "cpu" else wall_s
+
+
+CLOCK = Clock()
+
+
+def account(section: str, wall_s: float, cpu_s: float, sys_s: float = 0.0) -> None:
+    acc = SHARE.setdefault(section, CpuShare())
+    acc.wall_s += wall_s
+    acc.cpu_s += cpu_s
+    acc.sys_s += sys_s
+
+
+def timed(fn: Callable[[], object], section: str) -> float:
+    """Seconds (on ``CLOCK``) of one call of ``fn``; CPU share is accounted to ``section``."""
+    s0 = resource.getrusage(resource.RUSAGE_SELF).ru_stime
+    c0, t0 = time.process_time(), time.perf_counter()
+    fn()
+    t1, c1 = time.perf_counter(), time.process_time()
+    account(section, t1 - t0, c1 - c0, resource.getrusage(resource.RUSAGE_SELF).ru_stime - s0)
+    return CLOCK.pick(t1 - t0, c1 - c0)
+
+
+# ---------------------------------------------------------------------------- baselines
+
+
+def matmul_peak_gflops(n: int, reps: int, dtype: torch.dtype = torch.float32) -> float:
+    """``torch.mm`` of n x n by n x n on the current thread count, best of ``reps``."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    out = torch.empty(n, n, dtype=dtype)
+    torch.mm(a, b, out=out)
+    best = min(timed(lambda: torch.mm(a, b, out=out), "baselines") for _ in range(reps))
+    return 2 * n**3 / best / 1e9
+
+
+def memcpy_gbps(nbytes: int, reps: int) -> float:
+    """``np.copyto`` of ``nbytes`` into a pre-touched destination (bytes copied per second)."""
+    src = np.full(nbytes // 8, 1.0)
+    dst = np.full(nbytes // 8, 2.0)  # touched: no first-touch page faults in the timing
+    np.copyto(dst, src)
+    best = min(timed(lambda: np.copyto(dst, src), "baselines") for _ in range(reps))
+    return nbytes / best / 1e9
+
+
+@dataclass
+class Baselines:
+    dtype: torch.dtype = torch.float32
+    peak_gflops: list[float] = field(default_factory=list)
+    mem_gbps: list[float] = field(default_factory=list)
+
+    def measure(self, quick: bool) -> None:
+        self.peak_gflops.append(matmul_peak_gflops(2048, 3 if quick else 5, self.dtype))
+        self.mem_gbps.append(memcpy_gbps((256 if quick else 1024) << 20, 3 if quick else 5))
+
+    @property
+    def peak(self) -> float:
+        return max(self.peak_gflops)
+
+    @property
+    def bandwidth(self) -> float:
+        return max(self.mem_gbps)
+
+
+# ---------------------------------------------------------------------------- model shape
+
+
+@dataclass(frozen=True)
+class Shape:
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    matmul_params: int  # per token: all 2-D weights of the layers (+ OPT project_in/out)
+    head_params: int  # LM head, per sampled row
+    weight_bytes: int  # weights a decode step reads (matmuls + head + norms/biases)
+    dtype_bytes: int
+
+    @classmethod
+    def of(cls, eng: LLMEngine) -> Shape:
+        s, m = eng.spec, eng.model
+        per_token = sum(p.numel() for p in m.layers.parameters() if p.ndim == 2)
+        per_token += sum(p.numel() for n, p in m.named_parameters()
+                         if n.startswith(("project_in", "project_out")))
+        small = sum(p.numel() for p in m.layers.parameters() if p.ndim == 1)
+        head = m.embed.numel()
+        nbytes = m.embed.element_size()
+        return cls(s.num_layers, s.num_heads, s.num_kv_heads, s.head_dim, per_token, head,
+                   (per_token + head + small) * nbytes, nbytes)
+
+    def prefill_flops(self, prompt_lens: Sequence[int]) -> float:
+        tokens = sum(prompt_lens)
+        attn = sum(4 * self.heads * self.head_dim * n * (n + 1) / 2 for n in prompt_lens)
+        return (2 * self.matmul_params * tokens + 2 * self.head_params * len(prompt_lens)
+                + self.layers * attn)
+
+    def decode_flops(self, batch: int, ctx: int) -> float:
+        attn = self.layers * 4 * self.heads * self.head_dim * (ctx + 1)
+        return batch * (2 * self.matmul_params + 2 * self.head_params + attn)
+
+    def kv_bytes(self, batch: int, ctx: int) -> int:
+        return batch * ctx * self.layers * 2 * self.kv_heads * self.head_dim * self.dtype_bytes
+
+
+# ---------------------------------------------------------------------------- our engine
+
+
+class Ours:
+    """One engine (pool sized for the largest decode configuration) driven below the API."""
+
+    def __init__(self, model_path: Path, max_batch: int, max_ctx: int, extra: int,
+                 dtype: str = "float32") -> None:
+        block_size = 16
+        per_seq = blocks_for(max_ctx + extra, block_size) + 1
+        num_blocks = max(int(max_batch * per_seq * 1.25), blocks_for(4096, block_size) * 2)
+        self.eng = LLMEngine(EngineConfig(str(model_path), dtype=dtype, mode="chunked",
+                                          block_size=block_size, num_blocks=num_blocks,
+                                          max_batch=max_batch))
+        self.dtype = self.eng.kv.dtype
+        self.shape = Shape.of(self.eng)
+        self.vocab = self.eng.spec.vocab_size
+        self.block_size = block_size
+        self.gen = torch.Generator().manual_seed(1234)
+        self.next_id = 0
+        s = self.eng.spec
+        # Random KV to copy into decode sequences' extents (values do not change the timing,
+        # but zeros would make attention uniform; random is closer to a real context).
+        self.kv_template = torch.randn(s.num_layers, 2, s.num_kv_heads, max_ctx, s.head_dim,
+                                       generator=self.gen).mul_(0.5).to(self.dtype)
+
+    def tokens(self, n: int) -> list[int]:
+        return torch.randint(3, self.vocab, (n,), generator=self.gen).tolist()
+
+    def new_seq(self, prompt_len: int, computed: int = 0) -> Seq:
+        seq = Seq(self.next_id, self.tokens(prompt_len), prompt_len, GREEDY,
+                  num_computed=computed)
+        self.next_id += 1
+        return seq
+
+    # -- prefill: one runner step of exactly sum(prompt_lens) tokens
+
+    @contextmanager
+    def prefill(self, prompt_lens: Sequence[int]) -> Iterator[Callable[[], None]]:
+        seqs = [self.new_seq(n) for n in prompt_lens]
+        for seq in seqs:
+            if not self.eng.kv_manager.reserve(seq, seq.num_tokens):
+                raise RuntimeError("KV pool too small for the prefill benchmark")
+        plan_items = [ScheduledSeq(seq, seq.num_tokens) for seq in seqs]
+
+        def run() -> None:
+            for seq in seqs:
+                seq.num_computed = 0
+            self.eng.runner.execute(StepPlan(list(plan_items)))
+
+        try:
+            yield run
+        finally:
+            for seq in seqs:
+                self.eng.kv_manager.free(seq)
+
+    # -- decode: engine.step() over B running sequences with ``ctx`` tokens of KV
+
+    @contextmanager
+    def decoding(self, batch: int, ctx: int, max_steps: int) -> Iterator[Callable[[], None]]:
+        eng = self.eng
+        seqs: list[Seq] = []
+        try:
+            for _ in range(batch):
+                seq = self.new_seq(ctx + 1, computed=ctx)  # the last prompt token is the input
+                # Reserve the whole run up front, so no relocation lands in a timed step.
+                if not eng.kv_manager.reserve(seq, ctx + max_steps + 2):
+                    raise RuntimeError("KV pool too small for the decode benchmark")
+                base = seq.blocks[0] * self.block_size
+                eng.kv[:, :, :, base:base + ctx].copy_(self.kv_template[:, :, :, :ctx])
+                seq.status = SeqStatus.RUNNING
+                eng.seqs[seq.req_id] = seq
+                eng.scheduler.running.append(seq)
+                seqs.append(seq)
+
+            def run() -> None:
+                deltas = eng.step()
+                if len(deltas) != batch:
+                    raise RuntimeError(f"decode step returned {len(deltas)} of {batch} tokens")
+
+            yield run
+        finally:
+            for seq in seqs:
+                eng.abort(seq.req_id)
+
+    def decode_step_times(self, batch: int, ctx: int, steps: int, warmup: int,
+                          section: str) -> list[float]:
+        with self.decoding(batch, ctx, steps + warmup) as run:
+            for _ in range(warmup):
+                run()
+            return [timed(run, section) for _ in range(steps)]
+
+
+# ---------------------------------------------------------------------------- transformers
+
+
+class StepTimer:
+    """A LogitsProcessor that only records when each generation step's logits are ready."""
+
+    def __init__(self) -> None:
+        self.stamps: list[float] = []
+        self.cpu: list[float] = []
+        self.sys: list[float] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.stamps.append(time.perf_counter())
+        self.cpu.append(time.process_time())
+        self.sys.append(resource.getrusage(resource.RUSAGE_SELF).ru_stime)
+        return scores
+
+
+class HF:
+    def __init__(self, model_path: Path, dtype: torch.dtype = torch.float32) -> None:
+        from transformers import AutoModelForCausalLM
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            self.model = AutoModelForCausalLM.from_pretrained(str(model_path),
+                                                              dtype=dtype)
+        self.model.eval()
+        params = inspect.signature(self.model.forward).parameters
+        self.cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.pad_id = self.model.generation_config.pad_token_id
+        self.prefix: dict[int, tuple[torch.Tensor, Any]] = {}
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor) -> None:
+        """One prefill forward of ``ids`` [1, C] (logits of the last token only, like ours)."""
+        self.model(ids, use_cache=False, logits_to_keep=1)
+
+    def forward_fn(self, ids: torch.Tensor) -> Callable[[], None]:
+        return lambda: self.forward(ids)
+
+    @torch.inference_mode()
+    def prefix_cache(self, ids: torch.Tensor) -> Any:
+        out = self.model(ids, use_cache=True)
+        cache = getattr(out, "cache", None)
+        return cache if cache is not None else out.past_key_values
+
+    def decode_step_times(self, batch: int, ctx: int, new_tokens: int, vocab: int,
+                          section: str) -> list[float]:
+        """``generate()`` on B copies of a ctx-token prompt whose KV is already cached: every
+        step is a decode step. Returns the intervals between successive steps' logits."""
+        if ctx not in self.prefix:
+            gen = torch.Generator().manual_seed(ctx)
+            ids = torch.randint(3, vocab, (1, ctx + 1), generator=gen)
+            self.prefix[ctx] = (ids, self.prefix_cache(ids[:, :ctx]))
+        ids, base = self.prefix[ctx]
+        cache = copy.deepcopy(base)
+        cache.batch_repeat_interleave(batch)
+        timer = StepTimer()
+        with warnings.catch_warnings(), torch.inference_mode():
+            warnings.simplefilter("ignore")
+            self.model.generate(
+                ids.repeat(batch, 1), attention_mask=torch.ones(batch, ctx + 1, dtype=torch.long),
+                max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                logits_processor=[timer], pad_token_id=self.pad_id, **{self.cache_kw: cache})
+        del cache
+        account(section, timer.stamps[-1] - timer.stamps[0], timer.cpu[-1] - timer.cpu[0],
+                timer.sys[-1] - timer.sys[0])
+        stamps = timer.cpu if CLOCK.kind == "cpu" else timer.stamps
+        return [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+
+
+# ---------------------------------------------------------------------------- gather variant
+
+
+def make_gather_attention(block_size: int) -> AttentionFn:
+    """``paged_attention`` as a paged layout without a kernel must do it: per sequence, gather
+    its blocks (``index_select`` by block table) into a contiguous tensor, then SDPA. The
+    block tables are built once per forward (not per layer), as a real implementation would."""
+    last: list[Any] = [None, None]  # (meta, tables) of the current forward
+
+    def gather_attention(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor,
+                         meta: BatchMetadata, scale: float | None = None) -> torch.Tensor:
+        if last[0] is not meta:
+            last[0] = meta
+            last[1] = [torch.arange(ks // block_size, ks // block_size
+                                    + blocks_for(ctx, block_size))
+                       for ks, ctx in zip(meta.kv_starts, meta.ctx_lens, strict=True)]
+        tables: list[torch.Tensor] = last[1]
+        heads, pool_tokens, dim = pool_k.shape
+        pk = pool_k.view(heads, pool_tokens // block_size, block_size, dim)
+        pv = pool_v.view(heads, pool_tokens // block_size, block_size, dim)
+        out = torch.zeros_like(q)
+        gqa = q.shape[1] != heads
+        for qs, ql, ctx, table in zip(meta.q_starts, meta.q_lens, meta.ctx_lens, tables,
+                                      strict=True):
+            qi = q[qs:qs + ql].transpose(0, 1).unsqueeze(0)
+            ki = pk.index_select(1, table).view(1, heads, -1, dim)[:, :, :ctx]
+            vi = pv.index_select(1, table).view(1, heads, -1, dim)[:, :, :ctx]
+            if ql == 1:
+                o = F.scaled_dot_product_attention(qi, ki, vi, scale=scale, enable_gqa=gqa)
+            elif ql == ctx:
+                o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale,
+                                                   enable_gqa=gqa)
+            else:
+                o = F.scaled_dot_product_attention(
+                    qi, ki, vi, attn_mask=meta.mask(ql, ctx, q.device), scale=scale,
+                    enable_gqa=gqa)
+            out[qs:qs + ql] = o[0].transpose(0, 1)
+        return out
+
+    return gather_attention
+
+
+def make_batched_gather(block_size: int) -> AttentionFn:
+    """Decode-only batches: gather every sequence's context into one padded
+    ``[B, heads, max_ctx, D]`` tensor (one index_select per layer) and run ONE masked SDPA
+    per layer, as a padded-batch engine does. Mixed batches fall back to per-sequence gather."""
+    per_seq = make_gather_attention(block_size)
+    last: list[Any] = [None, None, None]  # (meta, token index [B * max_ctx], mask)
+
+    def batched_gather(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor,
+                       meta: BatchMetadata, scale: float | None = None) -> torch.Tensor:
+        if any(n != 1 for n in meta.q_lens) or meta.num_real != q.shape[0]:
+            return per_seq(q, pool_k, pool_v, meta, scale)
+        b = len(meta.ctx_lens)
+        if last[0] is not meta:
+            width = max(meta.ctx_lens)
+            pos = torch.arange(width)
+            starts = torch.tensor(meta.kv_starts)[:, None]
+            lens = torch.tensor(meta.ctx_lens)[:, None]
+            valid = pos[None, :] < lens  # [B, width]
+            last[0] = meta
+            last[1] = torch.where(valid, starts + pos[None, :], starts).reshape(-1)
+            last[2] = valid[:, None, None, :]  # [B, 1, 1, width], broadcast over heads
+        index, mask = last[1], last[2]
+        heads, _, dim = pool_k.shape
+        k = pool_k.index_select(1, index).view(heads, b, -1, dim).transpose(0, 1)
+        v = pool_v.index_select(1, index).view(heads, b, -1, dim).transpose(0, 1)
+        o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale,
+                                           enable_gqa=q.shape[1] != heads)
+        return o.squeeze(2)
+
+    return batched_gather
+
+
+@contextmanager
+def attention_patched(fn: AttentionFn) -> Iterator[None]:
+    saved = llama_mod.paged_attention, opt_mod.paged_attention
+    llama_mod.paged_attention = fn
+    opt_mod.paged_attention = fn
+    try:
+        yield
+    finally:
+        llama_mod.paged_attention, opt_mod.paged_attention = saved
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def packed_lens(total: int, pack_len: int) -> list[int]:
+    """Split ``total`` tokens into prompts of ``pack_len`` (the last one shorter)."""
+    lens = [pack_len] * (total // pack_len)
+    if total % pack_len:
+        lens.append(total % pack_len)
+    return lens
+
+
+def linear_only(ours: Ours, tokens: int, sampled: int) -> Callable[[], None]:
+    """The F.linear calls of one forward of ``tokens`` tokens (activations random)."""
+    m = ours.eng.model
+    mats = [p for p in m.layers.parameters() if p.ndim == 2]
+    xs = {p.shape[1]: torch.randn(tokens, p.shape[1], dtype=p.dtype) for p in mats}
+    xh = torch.randn(sampled, m.embed.shape[1], dtype=m.embed.dtype)
+
+    def run() -> None:
+        with torch.inference_mode():
+            for p in mats:
+                F.linear(xs[p.shape[1]], p)
+            F.linear(xh, m.embed)
+
+    return run
+
+
+def knee_of(samples: list[tuple[int, float]]) -> int:
+    try:
+        from tetri_server.policy.knee import pick_chunk_size
+    except ImportError:  # inline fallback: smallest size within 5% of the best throughput
+        best = max(n / s for n, s in samples)
+        return min(n for n, s in samples if n / s >= 0.95 * best)
+    return pick_chunk_size(samples)
+
+
+def fmt_share(section: str) -> str:
+    """CPU share of the section, and the part of its CPU time spent in the kernel."""
+    acc = SHARE.get(section)
+    if not acc:
+        return "n/a"
+    return f"{acc.share:.2f} (kernel {100 * acc.sys_share:.0f}% of CPU time)"
+
+
+# ---------------------------------------------------------------------------- sections
+
+
+@dataclass
+class Params:
+    chunk_sizes: list[int]
+    batches: list[int]
+    contexts: list[int]
+    prefill_reps: int
+    decode_steps: int
+    decode_warmup: int
+    hf_new_tokens: int
+    layout_steps: int
+    pack_len: int
+    layout_configs: list[tuple[int, int]]
+
+
+FULL = Params([32, 64, 128, 256, 512, 1024, 2048], [1, 4, 16, 32, 64], [128, 1024],
+              prefill_reps=3, decode_steps=12, decode_warmup=2, hf_new_tokens=16,
+              layout_steps=10, pack_len=128, layout_configs=[(16, 1024), (32, 128)])
+QUICK = Params([32, 128, 512, 2048], [1, 32], [128, 1024], prefill_reps=2, decode_steps=5,
+               decode_warmup=1, hf_new_tokens=6, layout_steps=5, pack_len=128,
+               layout_configs=[(16, 1024)])
+
+
+def bench_prefill(ours: Ours, hf: HF, base: Baselines, p: Params) -> tuple[list[str], int, float]:
+    sh = ours.shape
+    rows: list[dict[str, float]] = []
+    for c in p.chunk_sizes:
+        log(f"prefill C={c}")
+        lens = packed_lens(c, p.pack_len)
+        ids = torch.tensor([ours.tokens(c)])
+        lin = linear_only(ours, c, len(lens))
+        run_hf = hf.forward_fn(ids)
+        t_pack: list[float] = []
+        t_one: list[float] = []
+        t_hf: list[float] = []
+        t_lin: list[float] = []
+        with ours.prefill(lens) as run_pack, ours.prefill([c]) as run_one:
+            run_pack()
+            run_one()
+            run_hf()
+            lin()
+            for _ in range(p.prefill_reps):  # round robin: all variants see the same load
+                t_pack.append(timed(run_pack, "prefill-ours"))
+                t_one.append(timed(run_one, "prefill-ours"))
+                t_hf.append(timed(run_hf, "prefill-hf"))
+                t_lin.append(timed(lin, "prefill-lin"))
+        rows.append(dict(c=c, pack=min(t_pack), one=min(t_one), hf=min(t_hf), lin=min(t_lin),
+                         f_pack=sh.prefill_flops(lens), f_one=sh.prefill_flops([c]),
+                         f_lin=2 * sh.matmul_params * c + 2 * sh.head_params * len(lens)))
+    knee = knee_of([(int(r["c"]), r["pack"]) for r in rows])
+    peak = base.peak
+    out = [
+        f"Prefill ({CLOCK.kind} time, best of {p.prefill_reps}): packed = prompts of {p.pack_len} "
+        f"tokens packed into one step of C tokens; 1-seq = one prompt of C tokens; "
+        f"matmul peak {peak:.1f} GFLOP/s; CPU share ours {fmt_share('prefill-ours')}, HF "
+        f"{fmt_share('prefill-hf')}",
+        "",
+        "| chunk C | ours packed tok/s | GFLOP/s | % peak | matmul-only % peak "
+        "| ours 1-seq tok/s | HF 1-seq tok/s | ours/HF (1-seq) |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    knee_pct = 0.0
+    for r in rows:
+        c = int(r["c"])
+        gf = r["f_pack"] / r["pack"] / 1e9
+        if c == knee:
+            knee_pct = 100 * gf / peak
+        mark = f"**{c}** (knee)" if c == knee else str(c)
+        out.append(
+            f"| {mark} | {c / r['pack']:.0f} | {gf:.1f} | {100 * gf / peak:.0f}% "
+            f"| {100 * r['f_lin'] / r['lin'] / 1e9 / peak:.0f}% | {c / r['one']:.0f} "
+            f"| {c / r['hf']:.0f} | {r['hf'] / r['one']:.2f}x |")
+    return out, knee, knee_pct
+
+
+def bench_decode(ours: Ours, hf: HF, base: Baselines,
+                 p: Params) -> tuple[list[str], dict[int, float]]:
+    sh = ours.shape
+    rows: list[str] = []
+    ratio_b32: dict[int, float] = {}
+    for ctx in p.contexts:
+        for b in p.batches:
+            log(f"decode ctx={ctx} B={b}")
+            t_ours = statistics.median(ours.decode_step_times(
+                b, ctx, p.decode_steps, p.decode_warmup, "decode-ours"))
+            t_hf = statistics.median(hf.decode_step_times(
+                b, ctx, p.hf_new_tokens, ours.vocab, "decode-hf"))
+            read = sh.weight_bytes + sh.kv_bytes(b, ctx)
+            gbps = read / t_ours / 1e9
+            roof = max(sh.decode_flops(b, ctx) / (base.peak * 1e9), read / (base.bandwidth * 1e9))
+            if b == 32:
+                ratio_b32[ctx] = t_hf / t_ours
+            rows.append(
+                f"| {ctx} | {b} | {1e3 * t_ours:.1f} | {b / t_ours:.0f} | {1e3 * t_hf:.1f} "
+                f"| {b / t_hf:.0f} | **{t_hf / t_ours:.2f}x** | {gbps:.1f} "
+                f"| {100 * gbps / base.bandwidth:.0f}% | {1e3 * roof:.1f} | {t_hf / roof:.1f}x |")
+    out = [
+        f"Decode: median step ({CLOCK.kind} time) of {p.decode_steps} engine.step() calls "
+        f"(ours) and of the {p.hf_new_tokens - 1} step intervals of HF generate() (greedy, "
+        f"prefix cached); memcpy {base.bandwidth:.1f} GB/s; CPU share ours "
+        f"{fmt_share('decode-ours')} / HF {fmt_share('decode-hf')}. Roofline = max(FLOPs / "
+        "matmul peak, weight+KV bytes / memcpy GB/s); HF/roofline bounds what any engine could "
+        "gain over HF.",
+        "",
+        "| ctx | batch | ours step ms | ours tok/s | HF step ms | HF tok/s | ours/HF "
+        "| ours GB/s read | % of memcpy | roofline ms | HF/roofline |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        *rows,
+    ]
+    return out, ratio_b32
+
+
+def bench_layout(ours: Ours, p: Params) -> list[str]:
+    """Decode step with three attention paths over the same pool and sequences."""
+    variants: list[tuple[str, AttentionFn]] = [
+        ("zero-copy extent views, SDPA per sequence (ours)", paged_attention),
+        ("gather blocks per sequence (index_select), then SDPA", make_gather_attention(
+            ours.block_size)),
+        ("gather the batch into a padded tensor, one SDPA per layer", make_batched_gather(
+            ours.block_size)),
+    ]
+    out = [f"KV layout: decode step ({CLOCK.kind} time, median) with each attention path over "
+           f"the same pool; CPU share {{share}}", "",
+           "| batch | ctx | KV MB | attention over | step ms | vs ours |",
+           "|---:|---:|---:|---|---:|---:|"]
+    for batch, ctx in p.layout_configs:
+        check_attention(ours, [fn for _, fn in variants[1:]], batch, ctx)
+        times: list[list[float]] = [[] for _ in variants]
+        for _ in range(2):  # interleave the variants twice
+            log(f"layout B={batch} ctx={ctx}")
+            for (_, fn), ts in zip(variants, times, strict=True):
+                with attention_patched(fn):
+                    ts += ours.decode_step_times(batch, ctx, p.layout_steps, 1, "layout")
+        med = [statistics.median(ts) for ts in times]
+        kv_mb = ours.shape.kv_bytes(batch, ctx) / 1e6
+        for (name, _), t in zip(variants, med, strict=True):
+            out.append(f"| {batch} | {ctx} | {kv_mb:.0f} | {name} | {1e3 * t:.1f} "
+                       f"| {t / med[0]:.2f}x |")
+    out[0] = out[0].format(share=fmt_share("layout"))
+    return out
+
+
+def check_attention(ours: Ours, fns: list[AttentionFn], batch: int, ctx: int) -> None:
+    """Every variant gives the extent-view output on a real decode batch's metadata."""
+    with ours.decoding(batch, ctx, 1):
+        plan = StepPlan([ScheduledSeq(s, 1) for s in ours.eng.scheduler.running])
+        _, meta, _, _ = ours.eng.runner._build(plan)
+        meta.ctx_lens = [ctx - i % 3 for i in range(batch)]  # ragged, all within written KV
+        pk, pv = ours.eng.kv[0, 0], ours.eng.kv[0, 1]
+        q = torch.randn(batch, ours.eng.spec.num_heads, ours.eng.spec.head_dim, dtype=ours.dtype)
+        ref = paged_attention(q, pk, pv, meta)
+        for fn in fns:
+            if not torch.allclose(ref.float(), fn(q, pk, pv, meta).float(), atol=2e-2 if
+                                  ours.dtype != torch.float32 else 1e-5):
+                raise AssertionError(f"{fn.__name__} differs from the extent-view attention")
+
+
+# ---------------------------------------------------------------------------- profiling
+
+
+INSIDE_FORWARD = ("F.linear (matmuls)", "attention (SDPA loop)", "write_kv (index_copy_)")
+
+
+@contextmanager
+def phase_timers(ours: Ours) -> Iterator[dict[str, float]]:
+    """Wrap the engine's phases with accumulators on ``CLOCK`` (cheap; no profiler)."""
+    acc: dict[str, float] = {}
+    eng = ours.eng
+    now = time.process_time if CLOCK.kind == "cpu" else time.perf_counter
+
+    def wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def inner(*a: Any, **k: Any) -> Any:
+            t0 = now()
+            try:
+                return fn(*a, **k)
+            finally:
+                acc[name] = acc.get(name, 0.0) + now() - t0
+
+        return inner
+
+    saved_sched, saved_build = eng.scheduler.schedule, eng.runner._build
+    saved_fwd = eng.model.forward
+    saved = (llama_mod.paged_attention, opt_mod.paged_attention, llama_mod.write_kv,
+             opt_mod.write_kv, runner_mod.sample, F.linear)
+    eng.scheduler.schedule = wrap("schedule", saved_sched)  # type: ignore[method-assign]
+    eng.runner._build = wrap("build metadata", saved_build)  # type: ignore[method-assign]
+    eng.model.forward = wrap("model forward", saved_fwd)  # type: ignore[method-assign]
+    attn = wrap("attention (SDPA loop)", paged_attention)
+    llama_mod.paged_attention = opt_mod.paged_attention = attn
+    wkv = wrap("write_kv (index_copy_)", llama_mod.write_kv)
+    llama_mod.write_kv = opt_mod.write_kv = wkv
+    runner_mod.sample = wrap("sample", saved[4])
+    # F.linear is shared by both model modules through ``F``; patch the function object.
+    F.linear = wrap("F.linear (matmuls)", saved[5])  # type: ignore[assignment]
+    try:
+        yield acc
+        inner_s = sum(v for k, v in acc.items() if k in INSIDE_FORWARD)
+        acc["rest of forward: norms, RoPE, SiLU, residuals, per-layer Python"] = (
+            acc.get("model forward", 0.0) - inner_s)
+    finally:
+        eng.scheduler.schedule = saved_sched  # type: ignore[method-assign]
+        eng.runner._build = saved_build  # type: ignore[method-assign]
+        eng.model.forward = saved_fwd  # type: ignore[method-assign]
+        (llama_mod.paged_attention, opt_mod.paged_attention, llama_mod.write_kv,
+         opt_mod.write_kv, runner_mod.sample, F.linear) = saved  # type: ignore[assignment]
+
+
+def phase_rows(acc: dict[str, float], steps: int, step_s: float) -> list[str]:
+    def key(item: tuple[str, float]) -> tuple[bool, float]:
+        return (item[0] in INSIDE_FORWARD or item[0].startswith("rest"), -item[1])
+
+    rows = []
+    for name, s in sorted(acc.items(), key=key):
+        inside = name in INSIDE_FORWARD or name.startswith("rest")
+        label = f"&nbsp;&nbsp;↳ {name}" if inside else name
+        rows.append(f"| {label} | {1e3 * s / steps:.2f} | {100 * s / steps / step_s:.0f}% |")
+    return rows
+
+
+def profile_section(ours: Ours, knee: int, p: Params) -> list[str]:
+    from torch.profiler import ProfilerActivity, profile
+
+    out = [f"Profile ({CLOCK.kind} time per step; the phases inside `model forward` are "
+           "indented; torch.profiler's table is wall time and inflated when the core is shared)",
+           ""]
+    for ctx in p.contexts:
+        batch = 32
+        log(f"profile decode ctx={ctx} B={batch}")
+        steps = 8
+        with ours.decoding(batch, ctx, 2 * steps + 2) as run:
+            run()
+            t_step = statistics.median(timed(run, "profile") for _ in range(steps))
+            with phase_timers(ours) as acc:
+                wall = sum(timed(run, "profile") for _ in range(steps)) / steps
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(2):
+                    run()
+        acc["engine bookkeeping (step() minus the phases)"] = wall * steps - sum(
+            v for k, v in acc.items() if k not in INSIDE_FORWARD and not k.startswith("rest"))
+        out += [f"Decode B={batch} ctx={ctx}: step {1e3 * t_step:.1f} ms unwrapped, "
+                f"{1e3 * wall:.1f} ms with phase timers", "",
+                "| phase | ms/step | % of step |", "|---|---:|---:|"]
+        out += phase_rows(acc, steps, wall)
+        out += ["", "```", prof.key_averages().table(sort_by="self_cpu_time_total",
+                                                    row_limit=14), "```", ""]
+    log(f"profile prefill C={knee}")
+    with ours.prefill(packed_lens(knee, p.pack_len)) as run:
+        run()
+        with phase_timers(ours) as acc:
+            wall = timed(run, "profile")
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            run()
+    out += [f"Prefill C={knee} (packed): {1e3 * wall:.1f} ms with phase timers", "",
+            "| phase | ms | % |", "|---|---:|---:|"]
+    out += phase_rows(acc, 1, wall)
+    out += ["", "```", prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14),
+            "```"]
+    return out
+
+
+# ---------------------------------------------------------------------------- main
+
+
+def model_path(family: str, models_dir: Path) -> Path:
+    path = models_dir / f"{family}-bench"
+    if not (path / "config.json").is_file():
+        from tetri_server.modelmaker import make_model
+
+        log(f"making the {family} bench model in {path}")
+        make_model(path, family, "bench")
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--family", default="llama", choices=["llama", "qwen2", "mistral", "opt"])
+    ap.add_argument("--models-dir", type=Path, default=ROOT / "models")
+    ap.add_argument("--quick", action="store_true", help="a 1-2 minute version")
+    ap.add_argument("--cpu", type=int, default=None, help="core to pin to (default: idlest)")
+    ap.add_argument("--profile", action="store_true", help="add a profile of the engine step")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--clock", default="cpu", choices=["cpu", "wall"],
+                    help="cpu: process CPU time (robust when other processes share the core)")
+    ap.add_argument("--keep-freed-memory", action="store_true",
+                    help="re-run under GLIBC_TUNABLES that stop glibc from returning freed "
+                    "memory to the OS (no first-touch page faults for big temporaries)")
+    ap.add_argument("--skip", default="", help="comma list of sections to skip: "
+                    "prefill,decode,layout")
+    args = ap.parse_args(argv)
+    if args.keep_freed_memory and os.environ.get("GLIBC_TUNABLES") != KEEP_FREED_MEMORY:
+        argv_now = sys.argv[1:] if argv is None else argv
+        env = dict(os.environ, GLIBC_TUNABLES=KEEP_FREED_MEMORY)
+        os.execve(sys.executable, [sys.executable, str(Path(__file__).resolve()), *argv_now],
+                  env)
+    p = QUICK if args.quick else FULL
+    skip = set(filter(None, args.skip.split(",")))
+    CLOCK.kind = args.clock
+
+    t_start = time.perf_counter()
+    busy = cpu_busy()
+    cpu = pin(args.cpu)
+    path = model_path(args.family, args.models_dir)
+    log(f"pinned to cpu {cpu}; model {path}")
+    dtype = getattr(torch, args.dtype)
+    base = Baselines(dtype)
+    base.measure(args.quick)
+    ours = Ours(path, max(p.batches), max(p.contexts),
+                max(p.decode_steps, p.layout_steps) + p.decode_warmup + 2, args.dtype)
+    hf = HF(path, dtype)
+    sh = ours.shape
+
+    report = [
+        f"`{' '.join(['tools/bench_engine.py', *sys.argv[1:]])}` on "
+        f"{datetime.date.today().isoformat()}, {platform.processor() or platform.machine()}, "
+        f"torch {torch.__version__}, 1 thread pinned to cpu {cpu}, {CLOCK.kind} time, glibc "
+        f"malloc {'tuned' if os.environ.get('GLIBC_TUNABLES') else 'default'} "
+        f"(CPU busy before start: {', '.join(f'cpu{c} {100 * b:.0f}%' for c, b in busy.items())})",
+        "",
+        f"Model: {args.family} `bench` ({sh.layers} layers, {sh.heads} heads x {sh.head_dim}, "
+        f"{sh.matmul_params / 1e6:.1f} M matmul params + {sh.head_params / 1e6:.1f} M LM head, "
+        f"{args.dtype}, {sh.weight_bytes / 1e6:.0f} MB read per decode step)",
+        "",
+    ]
+    results: dict[str, float] = {}
+    ratios: dict[int, float] = {}
+    knee = 256
+    if "prefill" not in skip:
+        lines, knee, results["knee_pct"] = bench_prefill(ours, hf, base, p)
+        report += lines + [""]
+    if "decode" not in skip:
+        lines, ratios = bench_decode(ours, hf, base, p)
+        report += lines + [""]
+    if "layout" not in skip:
+        report += bench_layout(ours, p) + [""]
+    base.measure(args.quick)
+    report[4:4] = [
+        f"Baselines (start / end of the run, the max is used): {args.dtype} matmul 2048^3 "
+        f"{' / '.join(f'{g:.1f}' for g in base.peak_gflops)} GFLOP/s; np.copyto "
+        f"{' / '.join(f'{g:.1f}' for g in base.mem_gbps)} GB/s; CPU share "
+        f"{fmt_share('baselines')}",
+        "",
+    ]
+    targets = []
+    if "knee_pct" in results:
+        ok = results["knee_pct"] >= 50
+        targets.append(f"prefill at the knee ({knee}) = {results['knee_pct']:.0f}% of matmul "
+                       f"peak (target >= 50%): {'MET' if ok else 'MISSED'}")
+    for ctx, r in ratios.items():
+        targets.append(f"decode at batch 32, context {ctx} = {r:.2f}x generate() (target >= 5x): "
+                       f"{'MET' if r >= 5 else 'MISSED'}")
+    report += ["Targets:", "", *[f"- {t}" for t in targets], ""] if targets else []
+    if args.profile:
+        report += profile_section(ours, knee, p) + [""]
+    report.append(f"Total benchmark time {time.perf_counter() - t_start:.0f} s.")
+    print("\n".join(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
