@@ -1,0 +1,93 @@
+"""Scheduling measurements: the calibrated prefill chunk size with its throughput curve, and the
+instance-flip time (decision -> serving in the new role, with and without the drain).
+
+    python tools/bench_scheduling.py [--model builtin:bench] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from tetri_server.engine.llm import EngineConfig, LLMEngine  # noqa: E402
+from tetri_server.engine.loader import resolve_model_path  # noqa: E402
+from tetri_server.messages import SamplingParams  # noqa: E402
+from tetri_server.policy import pick_chunk_size  # noqa: E402
+from tetri_server.workers.calibrate import SIZES, measure  # noqa: E402
+
+
+def calibration(model: str, threads: int) -> None:
+    torch.set_num_threads(threads)
+    eng = LLMEngine(EngineConfig(model, num_blocks=0, kv_memory_gb=1.0))
+    worker = SimpleNamespace(allocator=eng.allocator, block_size=eng.cfg.block_size,
+                             kv=eng.kv_manager, runner=eng.runner, model_spec=eng.spec,
+                             max_model_len=eng.max_model_len)
+    samples = measure(worker, SIZES)  # type: ignore[arg-type]
+    knee = pick_chunk_size(samples)
+    best = max(n / s for n, s in samples)
+    print(f"\n## Chunk-size calibration ({model}, {threads} thread(s))\n")
+    print("| tokens per pass | ms | tokens/s | of best |")
+    print("|---:|---:|---:|---:|")
+    for n, s in samples:
+        mark = " **knee**" if n == knee else ""
+        print(f"| {n}{mark} | {s * 1e3:.1f} | {n / s:.0f} | {n / s / best:.0%} |")
+    print(f"\ncalibrated chunk size: {knee}")
+
+
+async def flip_times(model: str) -> None:
+    from tetri_server.config import load_config
+    from tetri_server.control.cluster import Cluster
+
+    cfg = load_config(None, [
+        f"model.path={model}", "cluster.mode=disaggregated", "cluster.prefill_workers=1",
+        "cluster.decode_workers=2", "predictor.kind=none", "decode.policy=greedy",
+        "prefill.chunk_size=256", "kv.num_blocks=2048", "cluster.threads_per_worker=1"])
+    cluster = Cluster(cfg.resolve(cpu_count=len(os.sched_getaffinity(0))))
+    await cluster.start()
+    try:
+        params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+
+        async def one() -> None:
+            async for _ in cluster.submit(list(range(10, 138)), params):
+                pass
+
+        print("\n## Instance flip (worker 2)\n")
+        print("| flip | in-flight on the worker | decision -> serving | after drain |")
+        print("|---|---:|---:|---:|")
+        for role in ("prefill", "decode"):
+            idle = await cluster.flip(2, role)
+            print(f"| {idle.from_role}->{idle.to_role} idle | 0 | {idle.total_s * 1e3:.1f} ms | "
+                  f"{idle.switch_s * 1e3:.1f} ms |")
+        jobs = [asyncio.create_task(one()) for _ in range(8)]
+        await asyncio.sleep(1.0)
+        busy = sum(1 for r in cluster.requests.values() if r.owner == 2)
+        loaded = await cluster.flip(2, "prefill")
+        print(f"| decode->prefill under load | {busy} | {loaded.total_s * 1e3:.1f} ms | "
+              f"{loaded.switch_s * 1e3:.1f} ms |")
+        await asyncio.gather(*jobs)
+    finally:
+        await cluster.stop()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", default="builtin:bench")
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    model = str(resolve_model_path(args.model))
+    os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[-1]})
+    calibration(model, args.threads)
+    os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
+    asyncio.run(flip_times(model))
+
+
+if __name__ == "__main__":
+    main()
