@@ -1,8 +1,8 @@
 """Every type that crosses a process boundary. This file is the wire contract.
 
 Rules: msgspec Structs only (no pickle, no tensors); every message on a channel is a member of
-that channel's tagged union (members of one union must all be ``array_like``); fields are only ever appended, never reordered or removed; hot
-messages use ``array_like=True``. Send deltas (new tokens, new block ids), not state.
+that channel's tagged union (members of one union must all be ``array_like``); fields are only
+ever appended, never reordered or removed. Send deltas (new tokens, new block ids), not state.
 
 Channels (one SPSC ring per direction between control and each worker, see ``channel.py``):
     control -> worker   ``ToWorker``       AddRequest, Abort, Shutdown, DecodeView, PeerPools,

@@ -18,7 +18,8 @@ async def cluster_factory(model_path, metrics):
     cfg = load_config(None, [
         "cluster.mode=disaggregated", f"model.path={model_path}", "predictor.kind=none",
         "decode.policy=greedy", "prefill.chunk_size=64", "kv.num_blocks=400",
-        "server.request_timeout_s=60", "server.drain_timeout_s=5", "model.served_name=tiny-test", "model.max_model_len=256"])
+        "server.request_timeout_s=60", "server.drain_timeout_s=5", "model.served_name=tiny-test",
+        "model.max_model_len=256"])
     cluster = Cluster(cfg.resolve(cpu_count=os.cpu_count() or 1), metrics)
     await cluster.start()
 
@@ -37,8 +38,6 @@ def api(model_dir):
 
 # ---------------------------------------------------------------- the real cluster under abuse
 
-from tests.unit.test_api_badinput import *  # noqa: E402, F403 - the bad-input table, real cluster
-
 import asyncio  # noqa: E402
 import random  # noqa: E402
 import signal  # noqa: E402
@@ -46,6 +45,7 @@ import time  # noqa: E402
 
 import aiohttp  # noqa: E402
 
+from tests.unit.test_api_badinput import *  # noqa: E402, F403 - the bad-input table, real cluster
 from tests.unit.test_api_support import metric, wait_until  # noqa: E402
 
 BODY = {"model": "tiny-test", "prompt": "Tell me a story", "max_tokens": 60, "temperature": 0,
@@ -53,9 +53,9 @@ BODY = {"model": "tiny-test", "prompt": "Tell me a story", "max_tokens": 60, "te
 
 
 def _per_worker(url: str, name: str) -> dict[str, float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
     import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
 
     text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
     return {s.labels["worker"]: s.value for fam in text_string_to_metric_families(text)

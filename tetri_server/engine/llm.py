@@ -11,7 +11,7 @@ from tetri_server.engine.loader import load_model
 from tetri_server.engine.runner import ModelRunner
 from tetri_server.engine.sampling import make_generator
 from tetri_server.engine.scheduler import StepScheduler
-from tetri_server.engine.sequence import Sequence, SeqStatus
+from tetri_server.engine.sequence import SeqStatus, Sequence
 from tetri_server.engine.stops import append_token, emit
 from tetri_server.kv.blocks import BlockAllocator, blocks_for
 from tetri_server.kv.manager import KVCacheManager

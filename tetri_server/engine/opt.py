@@ -17,8 +17,10 @@ ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu}
 class _LayerNorm(nn.Module):
     def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(dim, dtype=dtype, device=device), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(dim, dtype=dtype, device=device), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(dim, dtype=dtype, device=device),
+                                   requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(dim, dtype=dtype, device=device),
+                                 requires_grad=False)
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

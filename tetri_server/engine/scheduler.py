@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import deque
 
 from tetri_server.engine.runner import ScheduledSeq, StepPlan
-from tetri_server.engine.sequence import Sequence, SeqStatus
+from tetri_server.engine.sequence import SeqStatus, Sequence
 from tetri_server.kv.manager import KVCacheManager
 
 

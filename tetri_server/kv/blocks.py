@@ -50,7 +50,8 @@ class BlockAllocator:
             return []
         best = max(self._runs.items(), key=lambda r: (r[1], -r[0]), default=None)
         if best is None or best[1] < num:
-            raise OutOfBlocks(f"need {num} consecutive blocks, largest free run {self.largest_free_run()}")
+            raise OutOfBlocks(f"need {num} consecutive blocks, largest free run "
+                              f"{self.largest_free_run()}")
         start, length = best
         # Middle of the largest run, but flush left at the pool start (nobody to the left).
         offset = 0 if start == 0 else (length - num) // 2

@@ -10,7 +10,6 @@ import torch
 from tetri_server.kv.transport import DTYPE_NAMES, PoolGeometry, copy_extent_runs
 from tetri_server.messages import PoolHandle
 
-
 SHM_DIR = "/dev/shm"
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from tetri_server.engine.runner import ScheduledSeq, StepPlan
 from tetri_server.engine.sampling import make_generator
-from tetri_server.engine.sequence import Sequence, SeqStatus
+from tetri_server.engine.sequence import SeqStatus, Sequence
 from tetri_server.engine.stops import append_token, emit
 from tetri_server.messages import (
     Handoff,
