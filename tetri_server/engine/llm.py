@@ -7,12 +7,10 @@ from dataclasses import dataclass
 
 import torch
 
+from tetri_server.engine.core import CoupledCore
 from tetri_server.engine.loader import load_model
 from tetri_server.engine.runner import ModelRunner
-from tetri_server.engine.sampling import make_generator
 from tetri_server.engine.scheduler import StepScheduler
-from tetri_server.engine.sequence import SeqStatus, Sequence
-from tetri_server.engine.stops import append_token, emit
 from tetri_server.kv.blocks import BlockAllocator, blocks_for
 from tetri_server.kv.manager import KVCacheManager
 from tetri_server.messages import SamplingParams, TokenDelta
@@ -64,11 +62,12 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, s, self.kv, cfg.block_size, self.device)
         self.scheduler = StepScheduler(self.kv_manager, cfg.mode, cfg.chunk_size, cfg.max_batch,
                                        pad_chunks=cfg.pad_chunks)
-        self.seqs: dict[int, Sequence] = {}
+        self.core = CoupledCore(self.runner, self.kv_manager, s.eos_token_ids,
+                                self.max_model_len, self.scheduler, self.device)
+        self.seqs = self.core.seqs
 
     def add_request(self, req_id: int, prompt_ids: list[int],
                     params: SamplingParams | None = None) -> None:
-        params = params or SamplingParams()
         if not prompt_ids:
             raise ValueError("prompt is empty")
         if len(prompt_ids) >= self.max_model_len:
@@ -76,42 +75,16 @@ class LLMEngine:
                              f"{self.max_model_len}")
         if req_id in self.seqs:
             raise ValueError(f"duplicate request id {req_id}")
-        seq = Sequence(req_id, list(prompt_ids), len(prompt_ids), params,
-                       arrival_s=time.monotonic(),
-                       generator=make_generator(params.seed, self.device))
-        self.seqs[req_id] = seq
-        self.scheduler.add(seq)
+        self.core.add(req_id, prompt_ids, params or SamplingParams(), time.monotonic())
 
     def abort(self, req_id: int) -> None:
-        seq = self.seqs.pop(req_id, None)
-        if seq is not None:
-            seq.status = SeqStatus.FINISHED
-            self.scheduler.remove(seq)
+        self.core.abort(req_id)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.core.has_work()
 
     def step(self) -> list[TokenDelta]:
-        plan = self.scheduler.schedule()
-        if not plan.items:
-            if self.scheduler.waiting and not self.scheduler.running:
-                raise RuntimeError("no request fits in the KV pool")
-            return []
-        result = self.runner.execute(plan)
-        deltas: list[TokenDelta] = []
-        for item, tok, lp in zip(plan.items, result.sampled, result.logprobs, strict=True):
-            if tok is None:
-                continue
-            seq = item.seq
-            reason = append_token(seq, tok, lp, self.spec.eos_token_ids, self.max_model_len)
-            deltas.append(emit(seq, reason))
-            if reason is not None:
-                seq.status = SeqStatus.FINISHED
-                seq.finish_reason = reason
-                self.scheduler.remove(seq)
-                del self.seqs[seq.req_id]
-        self.scheduler.on_step_done(plan)
-        return deltas
+        return self.core.step()
 
     def generate(self, prompts: list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[list[int]]:
