@@ -22,7 +22,10 @@ def _map(name: str, num_bytes: int, create: bool) -> torch.Tensor:
     try:
         if create:
             os.ftruncate(fd, num_bytes)
-        mm = mmap.mmap(fd, num_bytes)
+        # A peer's pool is populated at map time, so the first hand-offs out of it do not
+        # pay page faults inside the decode loop; our own pool is pre-touched by zero_().
+        flags = mmap.MAP_SHARED | (0 if create else mmap.MAP_POPULATE)
+        mm = mmap.mmap(fd, num_bytes, flags=flags)
     finally:
         os.close(fd)
     return torch.frombuffer(mm, dtype=torch.uint8, count=num_bytes)

@@ -60,6 +60,14 @@ class Worker:
         torch.set_num_threads(max(1, spec.num_threads))
         self.inbox = Channel.attach(spec.inbox, ToWorker)
         self.outbox = Channel.attach(spec.outbox, FromWorker)
+        try:
+            self._start(spec)
+        except BaseException:
+            self.inbox.close()  # so the real error is the last thing printed
+            self.outbox.close()
+            raise
+
+    def _start(self, spec: WorkerSpec) -> None:
         self.device = torch.device(spec.device)
         mcfg = self.cfg.model
         self.model, self.model_spec = load_model(mcfg.path, mcfg.dtype, self.device)
