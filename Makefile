@@ -9,7 +9,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# torch first, pinned: pip takes the local CPU wheel here (an unpinned torch pulls a CUDA build).
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[dev,bench]'
 	touch $(STAMP)
 
 .PHONY: venv serve test lint bench
