@@ -55,7 +55,7 @@ class WorkerSpec(msgspec.Struct, frozen=True):
     role: str  # prefill | decode | coupled
     generation: int  # restarts of this worker id so far (segment names differ per generation)
     run_id: str
-    config: dict[str, dict[str, object]]  # Config.to_dict(redact=False), already resolved
+    config: dict[str, dict[str, object]]  # Config.to_dict() (API key redacted), resolved
     inbox: ChannelSpec  # control -> worker
     outbox: ChannelSpec  # worker -> control
     cpus: list[int]  # CPU cores to pin to (empty = no pinning)

@@ -103,7 +103,8 @@ class Cluster:
         device = "cpu"
         if self.cfg.cluster.device == "cuda":
             device = f"cuda:{worker_id % max(1, _num_cuda_devices())}"
-        h = spawn_worker(worker_id, role, gen, self.run_id, self.cfg.to_dict(redact=False),
+        # Workers never need the API key, and argv is visible to every user of the machine.
+        h = spawn_worker(worker_id, role, gen, self.run_id, self.cfg.to_dict(redact=True),
                          cpus, threads, device, self._on_message, self._on_exit)
         self.workers[worker_id] = h
         return h
