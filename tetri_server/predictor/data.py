@@ -11,7 +11,7 @@ from __future__ import annotations
 import csv
 import gzip
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,11 +61,13 @@ def load_arena(
     response_files: Sequence[str | Path],
     counter: TokenCounter,
     max_tokens: int | None = None,
+    prompt_ids: Collection[str] | None = None,
 ) -> list[Sample]:
     """Join responses to their prompts and count each response in tokens of ``counter``.
 
     ``max_tokens`` clips lengths (a generation cap: a longer response would have been cut
-    there). Responses whose prompt is missing from ``prompts_file`` are an error.
+    there); ``prompt_ids`` keeps only those prompts. Responses whose prompt is missing from
+    ``prompts_file`` are an error.
     """
     prompts = {str(r["prompt_id"]): str(r["prompt"]) for r in read_jsonl(prompts_file)}
     rows: list[tuple[str, str, str]] = []
@@ -74,6 +76,8 @@ def load_arena(
             pid = str(r["prompt_id"])
             if pid not in prompts:
                 raise ValueError(f"{path}: response for unknown prompt_id {pid!r}")
+            if prompt_ids is not None and pid not in prompt_ids:
+                continue
             rows.append((pid, str(r.get("model", "")), str(r["response"])))
     lengths = counter.count([text for _, _, text in rows])
     return [

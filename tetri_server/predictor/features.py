@@ -15,6 +15,7 @@ import re
 import zlib
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import numpy as np
 
@@ -38,19 +39,19 @@ class FeatureSpec:
     def width(self) -> int:
         return self.dim + NUM_DENSE
 
-    def to_json(self) -> dict[str, object]:
+    def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["char_ngrams"], d["word_ngrams"] = list(self.char_ngrams), list(self.word_ngrams)
         return d
 
     @classmethod
-    def from_json(cls, d: dict[str, object]) -> FeatureSpec:
+    def from_json(cls, d: dict[str, Any]) -> FeatureSpec:
         return cls(
-            dim=int(d["dim"]),  # type: ignore[call-overload]
-            char_ngrams=tuple(int(n) for n in d["char_ngrams"]),  # type: ignore[attr-defined]
-            word_ngrams=tuple(int(n) for n in d["word_ngrams"]),  # type: ignore[attr-defined]
-            head_chars=int(d["head_chars"]),  # type: ignore[call-overload]
-            tail_chars=int(d["tail_chars"]),  # type: ignore[call-overload]
+            dim=int(d["dim"]),
+            char_ngrams=tuple(int(n) for n in d["char_ngrams"]),
+            word_ngrams=tuple(int(n) for n in d["word_ngrams"]),
+            head_chars=int(d["head_chars"]),
+            tail_chars=int(d["tail_chars"]),
         )
 
 
@@ -78,8 +79,10 @@ class SparseRows:
         """``X.T @ g`` for ``g`` of shape [n, k] -> [width, k]."""
         rows = np.repeat(np.arange(self.num_rows), np.diff(self.indptr))
         weighted = g[rows] * self.values[:, None]  # [nnz, k]
-        cols = [np.bincount(self.indices, weights=weighted[:, c], minlength=self.width)
-                for c in range(g.shape[1])]
+        cols = [
+            np.bincount(self.indices, weights=weighted[:, c], minlength=self.width)
+            for c in range(g.shape[1])
+        ]
         return np.stack(cols, axis=1)
 
     def to_dense(self) -> np.ndarray:
@@ -139,7 +142,9 @@ def featurize(prompts: Sequence[str], spec: FeatureSpec) -> SparseRows:
     """Feature rows of a batch of prompts."""
     indptr, indices, values = [0], [], []
     for prompt in prompts:
-        ids, counts = np.unique(_hash_ids(_clip_text(prompt, spec).lower(), spec), return_counts=True)
+        ids, counts = np.unique(
+            _hash_ids(_clip_text(prompt, spec).lower(), spec), return_counts=True
+        )
         vals = np.log1p(counts.astype(np.float64))
         norm = float(np.sqrt(np.sum(vals * vals)))
         if norm > 0:
@@ -149,8 +154,9 @@ def featurize(prompts: Sequence[str], spec: FeatureSpec) -> SparseRows:
         values.append(np.concatenate([vals, dense]))
         indptr.append(indptr[-1] + len(ids) + NUM_DENSE)
     if not prompts:
-        return SparseRows(np.zeros(1, np.int64), np.zeros(0, np.int64), np.zeros(0, np.float32),
-                          spec.width)
+        return SparseRows(
+            np.zeros(1, np.int64), np.zeros(0, np.int64), np.zeros(0, np.float32), spec.width
+        )
     return SparseRows(
         np.array(indptr, dtype=np.int64),
         np.concatenate(indices).astype(np.int64),

@@ -19,7 +19,9 @@ def num_buckets_for(granularity: int, max_tokens: int) -> int:
     return max_tokens // granularity + 1
 
 
-def bucket_of(lengths: Sequence[int] | np.ndarray, granularity: int, num_buckets: int) -> np.ndarray:
+def bucket_of(
+    lengths: Sequence[int] | np.ndarray, granularity: int, num_buckets: int
+) -> np.ndarray:
     """Bucket ids of output lengths in tokens."""
     arr = np.asarray(lengths, dtype=np.int64)
     return np.minimum(np.maximum(arr, 0) // granularity, num_buckets - 1)

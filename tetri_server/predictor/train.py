@@ -9,7 +9,7 @@ held-out split is touched once, by ``evaluate``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -67,14 +67,21 @@ def softmax(z: np.ndarray) -> np.ndarray:
     return e / e.sum(axis=1, keepdims=True)
 
 
+def held_out_ids(prompt_ids: Iterable[str], test_frac: float, seed: int) -> set[str]:
+    """The held-out prompt ids: a seeded permutation of the sorted distinct ids."""
+    ids = sorted(set(prompt_ids))
+    order = np.random.default_rng(seed).permutation(len(ids))
+    return {ids[i] for i in order[: int(round(len(ids) * test_frac))]}
+
+
 def split_by_prompt(
     samples: Sequence[Sample], test_frac: float, seed: int
 ) -> tuple[list[Sample], list[Sample]]:
     """Split so that no prompt is in both parts; the same ids and seed give the same split."""
-    ids = sorted({s.prompt_id for s in samples})
-    order = np.random.default_rng(seed).permutation(len(ids))
-    test = {ids[i] for i in order[: int(round(len(ids) * test_frac))]}
-    return [s for s in samples if s.prompt_id not in test], [s for s in samples if s.prompt_id in test]
+    test = held_out_ids({s.prompt_id for s in samples}, test_frac, seed)
+    return [s for s in samples if s.prompt_id not in test], [
+        s for s in samples if s.prompt_id in test
+    ]
 
 
 def prompt_table(samples: Sequence[Sample], granularity: int, num_buckets: int) -> PromptTable:
@@ -110,7 +117,8 @@ def fit_head(
         logits = dense @ weight if dense is not None else x.matmul(weight)
         grad_logits = (softmax(logits + params[1]) - targets) * share[:, None]
         grad_w = (
-            dense.T @ grad_logits.astype(np.float32) if dense is not None
+            dense.T @ grad_logits.astype(np.float32)
+            if dense is not None
             else x.rmatmul(grad_logits)
         )
         grads = [grad_w + l2 * params[0], grad_logits.sum(axis=0)]
@@ -123,24 +131,24 @@ def fit_head(
     return Head(params[0].astype(np.float32), params[1].astype(np.float32))
 
 
-def cross_validate(
-    x: SparseRows, table: PromptTable, cfg: TrainConfig
-) -> dict[float, float]:
+def cross_validate(x: SparseRows, table: PromptTable, cfg: TrainConfig) -> dict[float, float]:
     """Mean held-out response-weighted accuracy of each L2 strength over k prompt folds."""
     n = len(table.prompts)
-    folds = np.array_split(np.random.default_rng(cfg.seed + 1).permutation(n), cfg.folds)
+    num_folds = min(cfg.folds, n)  # tiny label sets: leave-one-out at worst
+    folds = np.array_split(np.random.default_rng(cfg.seed + 1).permutation(n), num_folds)
     scores: dict[float, float] = {}
     for l2 in cfg.l2_grid:
         hits = total = 0.0
         for fold in folds:
             train = np.setdiff1d(np.arange(n), fold)
-            head = fit_head(x.take(train), table.targets[train], table.weights[train], l2,
-                            cfg.iters, cfg.lr)
+            head = fit_head(
+                x.take(train), table.targets[train], table.weights[train], l2, cfg.iters, cfg.lr
+            )
             pred = head.proba(x.take(fold)).argmax(axis=1)
             # share of the fold's responses whose bucket is the predicted one
             hits += float(np.sum(table.targets[fold, pred] * table.weights[fold]))
             total += float(np.sum(table.weights[fold]))
-        scores[l2] = hits / total
+        scores[l2] = hits / total if total else 0.0
     return scores
 
 
@@ -148,7 +156,8 @@ def train_head(samples: Sequence[Sample], cfg: TrainConfig) -> tuple[Head, dict[
     """Pick L2 by cross-validation on ``samples``, then fit on all of them."""
     table = prompt_table(samples, cfg.granularity, cfg.num_buckets)
     x = featurize(table.prompts, cfg.spec)
-    scores = cross_validate(x, table, cfg) if len(cfg.l2_grid) > 1 else {cfg.l2_grid[0]: 0.0}
+    cv = len(cfg.l2_grid) > 1 and len(table.prompts) >= 2
+    scores = cross_validate(x, table, cfg) if cv else {cfg.l2_grid[0]: 0.0}
     best = max(scores, key=lambda l2: (scores[l2], l2))
     head = fit_head(x, table.targets, table.weights, best, cfg.iters, cfg.lr)
     return head, scores

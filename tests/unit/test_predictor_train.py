@@ -1,0 +1,226 @@
+"""Predictor training: metrics, stable features, labelling CSV -> artifact, the label tool."""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import json
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+import pytest
+
+from tetri_server.predictor import load_predictor
+from tetri_server.predictor.data import load_label_csv, write_label_csv
+from tetri_server.predictor.features import FeatureSpec, featurize
+from tetri_server.predictor.metrics import bucket_of, kendall_tau_b, num_buckets_for
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _tool(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, REPO / "tools" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(REPO / "tools"))
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_buckets_follow_the_paper_with_a_catch_all() -> None:
+    assert num_buckets_for(200, 1024) == 6
+    assert bucket_of([0, 199, 200, 1023, 1024, 99999], 200, 6).tolist() == [0, 0, 1, 5, 5, 5]
+
+
+def test_kendall_tau_b_matches_brute_force() -> None:
+    rng = np.random.default_rng(0)
+    x, y = rng.integers(0, 5, 40), rng.integers(0, 7, 40)
+    c = d = tx = ty = 0
+    for i, j in itertools.combinations(range(40), 2):
+        s = np.sign(x[i] - x[j]) * np.sign(y[i] - y[j])
+        c, d = c + (s > 0), d + (s < 0)
+        tx += x[i] == x[j] and y[i] != y[j]
+        ty += y[i] == y[j] and x[i] != x[j]
+    assert kendall_tau_b(x, y) == pytest.approx((c - d) / np.sqrt((c + d + tx) * (c + d + ty)))
+    assert kendall_tau_b([1, 2, 3], [10, 20, 30]) == pytest.approx(1.0)
+
+
+def test_features_do_not_depend_on_the_python_hash_seed() -> None:
+    code = (
+        "from tetri_server.predictor.features import FeatureSpec, featurize;"
+        "x = featurize(['Write a sorting function in Rust, please.'], FeatureSpec());"
+        "print(x.indices.tolist(), x.values.round(6).tolist())"
+    )
+    outs = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**os.environ, "PYTHONHASHSEED": seed},
+            cwd=REPO,
+        ).stdout
+        for seed in ("1", "2")
+    }
+    assert len(outs) == 1
+    x = featurize(["abc", ""], FeatureSpec())
+    assert x.num_rows == 2 and np.allclose(
+        x.matmul(np.ones((x.width, 1))), x.to_dense().sum(1)[:, None]
+    )
+
+
+def _synthetic_rows(n: int) -> list[tuple[str, str, int]]:
+    """Prompts whose wording decides their length: 'briefly' ~50 tokens, 'essay' ~700."""
+    rng = np.random.default_rng(1)
+    topics = ["rain", "rust", "tax law", "chess", "bread", "jazz", "orbits", "graphs"]
+    rows = []
+    for i in range(n):
+        topic = topics[i % len(topics)] + f" #{i}"
+        if i % 2:
+            rows.append((f"p{i}", f"Answer briefly: what is {topic}?", int(rng.integers(20, 90))))
+        else:
+            rows.append(
+                (f"p{i}", f"Write a detailed essay on {topic}.", int(rng.integers(620, 800)))
+            )
+    return rows
+
+
+def test_label_csv_trains_an_artifact_that_loads(tmp_path: Path) -> None:
+    csv = tmp_path / "served.csv"
+    write_label_csv(csv, _synthetic_rows(120))
+    assert len(load_label_csv(csv)) == 120
+    train_predictor = _tool("train_predictor")
+    rc = train_predictor.main(
+        [
+            "--labels",
+            str(csv),
+            "--granularity",
+            "200",
+            "--iters",
+            "60",
+            "--l2",
+            "1e-4",
+            "--name",
+            "served",
+            "--out-dir",
+            str(tmp_path),
+        ]
+    )
+    assert rc == 0
+    p = load_predictor("classifier", tmp_path / "served_g200.json")
+    assert p.predict(["Answer briefly: what is soup?", "Write a detailed essay on soup."]) == [0, 3]
+    meta = json.loads((tmp_path / "served_g200.json").read_text())
+    assert meta["heldout"]["accuracy"] >= 0.9 and meta["heldout"]["n"] == 24
+
+
+@pytest.fixture
+def fake_openai_server() -> Iterator[str]:
+    """An OpenAI-style /v1/completions endpoint whose output length is len(prompt) tokens."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            assert self.path == "/v1/completions" and body["max_tokens"] == 64
+            n = min(len(body["prompt"]), body["max_tokens"])
+            out = json.dumps(
+                {
+                    "id": "cmpl-1",
+                    "object": "text_completion",
+                    "created": 0,
+                    "model": body["model"],
+                    "choices": [
+                        {"index": 0, "text": "x" * n, "finish_reason": "length", "logprobs": None}
+                    ],
+                    "usage": {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": n + 3},
+                }
+            ).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(out)))
+            self.end_headers()
+            self.wfile.write(out)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    thread.join(timeout=5)
+
+
+def test_label_tool_records_served_lengths(fake_openai_server: str, tmp_path: Path) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(
+        "".join(
+            json.dumps({"prompt_id": f"q{i}", "prompt": "p" * (10 * i)}) + "\n" for i in range(1, 9)
+        )
+    )
+    label_lengths = _tool("label_lengths")
+    out = tmp_path / "labels.csv"
+    rc = label_lengths.main(
+        [
+            "--url",
+            fake_openai_server,
+            "--model",
+            "m",
+            "--prompts",
+            str(prompts),
+            "--limit",
+            "5",
+            "--max-tokens",
+            "64",
+            "--out",
+            str(out),
+            "--retrain",
+            "--granularity",
+            "100",
+        ]
+    )
+    assert rc == 0
+    assert [(s.prompt_id, s.output_tokens) for s in load_label_csv(out)] == [
+        ("q1", 10),
+        ("q2", 20),
+        ("q3", 30),
+        ("q4", 40),
+        ("q5", 50),
+    ]
+    assert load_predictor("classifier", tmp_path / "labels_g100").predict(["p" * 30]) == [0]
+
+
+def test_eval_command_prints_a_json_last_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tetri_server.predictor.command import main
+
+    prompts, responses = tmp_path / "p.jsonl", tmp_path / "r.jsonl"
+    prompts.write_text(
+        "".join(
+            json.dumps({"prompt_id": f"q{i}", "prompt": f"Question {i}?"}) + "\n" for i in range(6)
+        )
+    )
+    responses.write_text(
+        "".join(
+            json.dumps({"prompt_id": f"q{i}", "model": "m", "response": "word " * (150 * i)}) + "\n"
+            for i in range(6)
+        )
+    )
+    for kind, expect in (("oracle", 1.0), ("classifier", None)):
+        assert (
+            main(["eval", "--kind", kind, "--prompts", str(prompts), "--responses", str(responses)])
+            == 0
+        )
+        result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert result["n"] == 6 and result["prompts"] == 6
+        assert {"accuracy_100", "accuracy_200", "accuracy_400", "kendall_tau"} <= set(result)
+        if expect is not None:
+            assert result["accuracy_100"] == result["accuracy_200"] == expect
