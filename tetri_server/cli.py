@@ -53,10 +53,16 @@ def main(argv: list[str] | None = None) -> int:
         from tetri_server.bench.cli import main as bench_main
 
         return int(bench_main(argv[1:]) or 0)
+    if argv and argv[0] == "predictor":
+        from tetri_server.predictor.command import main as predictor_main
+
+        return int(predictor_main(argv[1:]) or 0)
     parser = argparse.ArgumentParser(prog="tetri-server")
     sub = parser.add_subparsers(dest="command")
     _serve_args(sub)
     sub.add_parser("bench", help="benchmark a server (see: tetri-server bench --help)")
+    sub.add_parser("predictor", help="evaluate or time the length predictor "
+                   "(see: tetri-server predictor --help)")
     args = parser.parse_args(argv or ["serve"])
     from tetri_server.config import ConfigError, load_config
 

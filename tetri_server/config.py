@@ -233,7 +233,7 @@ class PredictorConfig(_Section):
     kind: PredictorKind = "classifier"
     """classifier (trained model), oracle (true length from the benchmark) or none."""
     artifact: str = ""
-    """Folder of the trained classifier; "" = the one shipped in the package."""
+    """Classifier artifact: shipped name, NAME.json/.npz path or folder; "" = shipped g200."""
     heavy_decode_tokens: int = 128
     """A decode predicted to generate more tokens than this is heavy."""
 

@@ -12,6 +12,7 @@ import torch
 
 from tests.conftest import hf_greedy, random_prompts
 from tests.integration.conftest import make_cluster, segments
+from tetri_server.control.protocol import GenerationError
 from tetri_server.messages import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -142,3 +143,30 @@ async def test_stale_segments_of_a_crashed_control_process_are_removed(tiny_llam
 
 def test_torch_is_cpu_here():
     assert not torch.cuda.is_available() or os.environ.get("TETRI_GPU")
+
+
+async def test_oracle_predictor_and_reserve_admission(tiny_llama):
+    """The oracle predictor takes the true length from the request; a request without one
+    is a clear error for that request only (the worker keeps serving)."""
+    cluster = make_cluster(tiny_llama, "disaggregated", "predictor.kind=oracle",
+                           "decode.policy=reserve-dynamic")
+    await cluster.start()
+    prompt = random_prompts(1, 8000, (20, 20), seed=14)[0]
+    try:
+        out: list[int] = []
+        async for d in cluster.submit(prompt, GREEDY, true_output_len=GREEDY.max_tokens):
+            out.extend(d.token_ids)
+        assert out == hf_greedy(tiny_llama, [prompt], GREEDY.max_tokens)[0]
+        with pytest.raises(GenerationError, match="length predictor"):
+            async for _ in cluster.submit(prompt, GREEDY):
+                pass
+        assert await collect_with_len(cluster, prompt) == out
+    finally:
+        await cluster.stop()
+
+
+async def collect_with_len(cluster, prompt) -> list[int]:
+    out: list[int] = []
+    async for d in cluster.submit(prompt, GREEDY, true_output_len=5):
+        out.extend(d.token_ids)
+    return out

@@ -24,8 +24,6 @@ from tetri_server.messages import (
 from tetri_server.policy import DecodeAdmission
 from tetri_server.workers.base import Role, Worker
 
-DEFAULT_GRANULARITY = 200
-
 
 class DecodeRole(Role):
     name = "decode"
@@ -34,7 +32,7 @@ class DecodeRole(Role):
         super().__init__(w)
         self.admission = DecodeAdmission(
             self.w.cfg.decode.policy, block_size=self.w.block_size,
-            num_total_blocks=self.w.allocator.num_blocks, granularity=DEFAULT_GRANULARITY,
+            num_total_blocks=self.w.allocator.num_blocks, granularity=w.predictor().granularity,
             max_batch=self.w.cfg.decode.max_batch,
             heavy_threshold=self.w.cfg.predictor.heavy_decode_tokens)
         self.seqs: dict[int, Sequence] = {}

@@ -23,10 +23,12 @@ from tetri_server.messages import (
     HandoffRejected,
     KVPulled,
     LoadReport,
+    RequestFailed,
     StepOutput,
 )
 from tetri_server.policy import Chunker, PrefillQueue, RoundRobinDispatcher, TetriDispatcher
 from tetri_server.policy.dispatch import Dispatcher
+from tetri_server.predictor import PredictorError
 from tetri_server.workers.base import Role, Worker
 from tetri_server.workers.calibrate import resolve_chunk_size
 
@@ -107,12 +109,30 @@ class PrefillRole(Role):
         if not self.unpredicted:
             return
         batch, self.unpredicted = self.unpredicted, []
-        buckets = self.predictor.predict([m.prompt_text for _, m in batch],
-                                         [m.true_output_len for _, m in batch])
+        try:
+            buckets = self.predictor.predict([m.prompt_text for _, m in batch],
+                                             [m.true_output_len for _, m in batch])
+        except PredictorError:
+            batch, buckets = self._predict_one_by_one(batch)
         for (seq, msg), bucket in zip(batch, buckets, strict=True):
             seq.predicted_bucket = bucket
             seq.predicted_len = self.predictor.lower_bound(bucket)
             self.queue.add(seq.req_id, seq.num_prompt, msg.arrival_s)
+
+    def _predict_one_by_one(
+            self, batch: list[tuple[Sequence, AddRequest]]
+    ) -> tuple[list[tuple[Sequence, AddRequest]], list[int]]:
+        """A batch the predictor refused (e.g. ``oracle`` without a true length): fail the
+        requests it cannot answer, keep the others."""
+        kept, buckets = [], []
+        for seq, msg in batch:
+            try:
+                buckets += self.predictor.predict([msg.prompt_text], [msg.true_output_len])
+                kept.append((seq, msg))
+            except PredictorError as e:
+                del self.seqs[seq.req_id]
+                self.w.send(RequestFailed(seq.req_id, f"length predictor: {e}"))
+        return kept, buckets
 
     def step(self) -> None:
         self.predict_new()
