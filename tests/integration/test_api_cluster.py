@@ -128,3 +128,25 @@ def test_sigkill_of_a_worker_under_load_every_request_ends_within_10s(api):
             return await one(session)
 
     assert asyncio.run(after()) == "done"
+
+
+def test_admin_workers_and_flip_refusal(api):
+    import json
+    import urllib.error
+    import urllib.request
+
+    with urllib.request.urlopen(api.base_url + "/admin/workers", timeout=10) as r:
+        workers = json.loads(r.read())["workers"]
+    assert [(w["id"], w["role"], w["state"]) for w in workers] == [
+        (0, "prefill", "ready"), (1, "decode", "ready")]
+    assert workers[1]["load"]["kv_blocks_total"] > 0
+    req = urllib.request.Request(api.base_url + "/admin/flip", method="POST",
+                                 data=json.dumps({"worker": 0, "role": "decode"}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        urllib.request.urlopen(req, timeout=10)
+    except urllib.error.HTTPError as e:
+        assert e.code == 409
+        assert "last prefill worker" in json.loads(e.read())["error"]["message"]
+    else:
+        raise AssertionError("flipping the last prefill worker must be refused")
