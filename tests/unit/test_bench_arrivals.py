@@ -68,3 +68,11 @@ def test_azure_stamps_are_parsed_to_seconds() -> None:
 def test_window_out_of_range_is_an_error() -> None:
     with pytest.raises(ValueError):
         arrivals.trace_window([0.0, 1.0], 3)
+
+
+def test_constant_arrivals_are_evenly_spaced() -> None:
+    assert arrivals.constant_arrivals(4, 2.0) == [0.0, 0.5, 1.0, 1.5]
+    assert arrivals.constant_arrivals(2, math.inf) == [0.0, 0.0]
+    assert arrivals.constant_arrivals(0, 1.0) == []
+    with pytest.raises(ValueError):
+        arrivals.constant_arrivals(3, 0.0)

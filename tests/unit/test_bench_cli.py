@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -11,7 +12,14 @@ from pathlib import Path
 import pytest
 
 from tetri_server.bench import cli
-from tetri_server.bench.compare import ServerSpec, free_port, running_server
+from tetri_server.bench.compare import (
+    ServerSpec,
+    cpu_delta,
+    free_port,
+    machine_busy_cpu_s,
+    running_server,
+    session_cpu_s,
+)
 
 # argv: mode port [health_status] [pid_file]. Tokens come TOKEN_GAP_S[mode] apart; every
 # request adds busy seconds to two workers, so perf/$ and resource usage are measurable.
@@ -186,3 +194,43 @@ def test_compare_runs_every_mode_and_prints_ratios(
     assert lens[0] == lens[1] == lens[2]
     for mode in ("disaggregated", "coupled", "coupled-chunked"):
         assert (out / f"{mode}.log").exists()
+
+
+def test_session_cpu_seconds_of_a_started_server(tmp_path: Path) -> None:
+    spec = fake_spec("coupled", "200", str(tmp_path / "child.pid"))
+    with running_server(spec, tmp_path / "log") as proc:
+        snap = session_cpu_s(proc.pid)
+        # the server and its child, nothing else (this test process is in another session)
+        assert len(snap) == 2 and all(v >= 0.0 for v in snap.values())
+        assert f"[{proc.pid}]" in " ".join(snap) and f"[{os.getpid()}]" not in " ".join(snap)
+    assert cpu_delta({"a[1]": 1.0}, {"a[1]": 1.5, "b[2]": 0.25}) == {"a[1]": 0.5, "b[2]": 0.25}
+
+
+def test_session_cpu_seconds_parses_proc_stat(tmp_path: Path) -> None:
+    tick = os.sysconf("SC_CLK_TCK")
+    for pid, sid, name in ((7, 7, "VLLM::Worker"), (8, 7, "a (b) c"), (9, 3, "other")):
+        (tmp_path / str(pid)).mkdir()
+        rest = ["S", "1", str(sid), str(sid)] + ["0"] * 7 + [str(2 * tick), str(tick)]
+        (tmp_path / str(pid) / "stat").write_text(f"{pid} ({name}) " + " ".join(rest) + " 0 0\n")
+    (tmp_path / "self").mkdir()
+    assert session_cpu_s(7, tmp_path) == {"VLLM::Worker[7]": 3.0, "a (b) c[8]": 3.0}
+
+
+def test_machine_busy_cpu_seconds_leave_out_idle_iowait_and_guest(tmp_path: Path) -> None:
+    tick = os.sysconf("SC_CLK_TCK")
+    # user nice system idle iowait irq softirq steal guest guest_nice
+    ticks = [10, 1, 5, 1000, 50, 1, 2, 3, 4, 0]
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  " + " ".join(str(t * tick) for t in ticks) + "\ncpu0 1 2 3\n")
+    assert machine_busy_cpu_s(stat) == pytest.approx(22.0)
+    assert machine_busy_cpu_s() > 0.0
+
+
+def test_compare_with_no_modes_starts_no_tetri_server(
+    tmp_path: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    started: list[str] = []
+    monkeypatch.setattr(cli, "tetri_spec", lambda mode, *a: started.append(mode) or fake_spec(mode))
+    argv = ["compare", "--modes", "", "--no-vllm", "--model", str(model_dir), "--workload", "LPLD"]
+    argv += ["--num-requests", "2", "--rate", "20", "--out", str(tmp_path / "o"), "--no-progress"]
+    assert cli.main([*argv, "--no-plots"]) == 0 and started == []

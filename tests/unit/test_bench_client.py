@@ -175,3 +175,15 @@ def test_terminal_chunk_without_text_is_not_a_token() -> None:
     assert (rec.num_output_tokens, rec.num_prompt_tokens, rec.error) == (2, 3, None)
     _on_event(SSEEvent("[1, 2]"), rec, 10.0)
     assert rec.error is not None and rec.error.startswith("unexpected chunk")
+
+
+async def test_true_output_len_is_sent_only_when_asked(
+    server: tuple[str, dict[str, object]],
+) -> None:
+    url, state = server
+    plain = ClientConfig(url, "m", progress=False)
+    oracle = ClientConfig(url, "m", progress=False, send_true_output_len=True)
+    await run_benchmark([_req(0, "ok", 3)], plain, False)
+    await run_benchmark([_req(1, "ok", 2)], oracle, False)
+    first, second = state["bodies"]  # type: ignore[misc]
+    assert "true_output_len" not in first and second["true_output_len"] == 2

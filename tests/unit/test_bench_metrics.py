@@ -160,11 +160,35 @@ def test_tables_report_ratios_against_coupled() -> None:
 
     results = [result("coupled", 1.0), result("disaggregated", 0.5)]
     table = markdown_table(results)
-    assert "| LPLD | coupled | 3/4 | 1.000 / 1.970 |" in table
+    assert "| LPLD | coupled | 3/4 | 1.000 / 1.700 / 1.970 |" in table
+    assert "| 1.417 / 1.850 / 1.985 |" in table  # JCT over [1.0, 1.25, 2.0]
     ratios = ratio_table(results)
-    # half the latency and the same busy seconds in half the time: perf/$ doubles
+    # half the latency and the same busy seconds in half the time: perf/$ doubles; no server
+    # CPU numbers (those come from compare only)
     assert (
-        "| LPLD | disaggregated | 0.50× (-50%) | 0.50× (-50%) | 1.00× (+0%) | 2.00× (+100%) "
-        "| -44% / -40% |" in ratios
+        "| LPLD | disaggregated | 0.50× (-50%) | 0.50× (-50%) | 1.00× (+0%) | n/a "
+        "| 2.00× (+100%) | -44% / -40% |" in ratios
     )
     assert "| LPLD | coupled |" not in ratios
+
+
+def test_ratio_table_against_another_baseline_and_server_cpu() -> None:
+    def result(mode: str, cpu: float) -> BenchResult:
+        run = _run()
+        run.server_cpu_s = {"python[10]": cpu / 2, "python[11]": cpu / 2}
+        run.client_cpu_s, run.machine_cpu_s = 1.0, cpu + 3.5
+        return BenchResult(mode, WorkloadSpec("Mixed"), summarize(run, SLO()), run)
+
+    results = [result("vllm-cpu", 4.0), result("disaggregated", 6.0), result("coupled", 5.0)]
+    assert results[1].summary.server_cpu_s_total == 6.0
+    assert results[1].summary.other_cpu_s == 2.5  # 9.5 machine - 6 server - 1 client
+    # busy, server CPU, other CPU, held, perf/$
+    assert "| 5.0 | 6.0 | 2.5 | 10.0 | 0.3000 |" in markdown_table(results)
+    ratios = ratio_table(results, "vllm-cpu")
+    assert "vs vllm-cpu" in ratios and "| Mixed | vllm-cpu |" not in ratios
+    # same latencies, 1.5x the CPU seconds; the paper's deltas beside disaggregated only
+    assert (
+        "| Mixed | disaggregated | 1.00× (+0%) | 1.00× (+0%) | 1.00× (+0%) | 1.50× (+50%) "
+        "| 1.00× (+0%) | -85% / -50% |" in ratios
+    )
+    assert "| Mixed | coupled | 1.00× (+0%) | 1.00× (+0%) | 1.00× (+0%) | 1.25× (+25%) " in ratios

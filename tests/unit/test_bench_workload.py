@@ -178,3 +178,28 @@ def test_arena_workload_has_real_response_lengths(folder: Path) -> None:
         assert pid_model == f"{resp.prompt_id}/{resp.model}"
         assert r.output_len == len(resp.text)
         assert r.prompt_len == len(r.prompt) + 1 and r.prompt_len + r.output_len <= 8000
+
+
+def test_fixed_workload_has_one_length_and_needs_it(folder: Path) -> None:
+    spec = WorkloadSpec("Fixed", num_requests=5, rate_rps=2.0, fixed_lens=(256, 64))
+    reqs = build_workload(spec, folder, vocab=VOCAB)
+    assert {(r.prompt_len, r.output_len, r.kind) for r in reqs} == {(256, 64, "LPLD")}
+    assert all(len(r.prompt) == 256 for r in reqs)
+    assert reqs == build_workload(spec, folder, vocab=VOCAB)  # same seed, same requests
+    with pytest.raises(ValueError, match="fixed_lens"):
+        WorkloadSpec("Fixed", rate_rps=1.0)
+    with pytest.raises(ValueError, match="fixed_lens"):
+        WorkloadSpec("LPLD", rate_rps=1.0, fixed_lens=(10, 10))
+    with pytest.raises(ValueError, match="fit"):
+        WorkloadSpec("Fixed", rate_rps=1.0, max_model_len=300, fixed_lens=(256, 64))
+
+
+def test_constant_arrival_keeps_the_lengths_of_poisson(folder: Path) -> None:
+    poisson = build_workload(WorkloadSpec("Mixed", 8, rate_rps=2.0), folder, vocab=VOCAB)
+    const = build_workload(
+        WorkloadSpec("Mixed", 8, rate_rps=2.0, arrival="constant"), folder, vocab=VOCAB
+    )
+    assert [r.arrival_s for r in const] == [i / 2.0 for i in range(8)]
+    assert [(r.prompt, r.output_len) for r in const] == [(r.prompt, r.output_len) for r in poisson]
+    with pytest.raises(ValueError, match="rate_rps"):
+        WorkloadSpec("Mixed", arrival="constant", rate_rps=None)

@@ -1,4 +1,5 @@
-"""Arrival times (seconds from the start of a run): Poisson at a rate, or a real trace replayed.
+"""Arrival times (seconds from the start of a run): Poisson at a rate, evenly spaced at a rate
+(``constant``: what ``vllm bench serve --burstiness inf`` sends), or a real trace replayed.
 
 Trace replay keeps the trace's order and relative gaps and multiplies every gap by one factor:
 the scaled span is the original span times ``time_scale`` (factor < 1 compresses, i.e. a higher
@@ -24,6 +25,15 @@ def poisson_arrivals(num_requests: int, rate_rps: float, rng: np.random.Generato
         return [0.0] * num_requests
     gaps = rng.exponential(1.0 / rate_rps, size=num_requests - 1)
     return [0.0, *(float(t) for t in np.cumsum(gaps))]
+
+
+def constant_arrivals(num_requests: int, rate_rps: float) -> list[float]:
+    """Evenly spaced, ``1 / rate_rps`` apart; the first request arrives at 0. ``inf`` = all at 0."""
+    if rate_rps <= 0:
+        raise ValueError("rate must be > 0 (use inf for a burst)")
+    if math.isinf(rate_rps):
+        return [0.0] * num_requests
+    return [i / rate_rps for i in range(num_requests)]
 
 
 def trace_window(times_s: Sequence[float], num_requests: int, start_index: int = 0) -> list[float]:

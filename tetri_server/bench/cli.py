@@ -35,6 +35,7 @@ from tetri_server.bench.metrics import SLO, summarize
 from tetri_server.bench.prompts import PromptTokenizer, load_tokenizer, model_max_len, model_vocab
 from tetri_server.bench.workload import (
     CLASSES,
+    RATE_ARRIVALS,
     WORKLOADS,
     BenchRequest,
     WorkloadSpec,
@@ -64,7 +65,11 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
         "default 1); NAME=RATE sets one workload's rate; for a trace: the target "
         "mean rate (default: the trace's own timing)",
     )
-    g.add_argument("--arrival", default="poisson", help=f"poisson or {', '.join(data.TRACE_FILES)}")
+    g.add_argument(
+        "--arrival",
+        default="poisson",
+        help=f"poisson, constant (evenly spaced) or {', '.join(data.TRACE_FILES)}",
+    )
     g.add_argument("--time-scale", type=float, help="trace: multiply the trace's gaps by this")
     g.add_argument("--trace-start", type=int, default=0, help="trace: first row used")
     g.add_argument("--prompt-mode", choices=("ids", "text"), default="ids")
@@ -74,6 +79,8 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--vocab-size", type=int, help="for id prompts without --model")
     g.add_argument("--max-model-len", type=int, help="default: the model's, else 4096")
     g.add_argument("--arena-model", help="Arena: only this model's responses")
+    g.add_argument("--input-len", type=int, help="Fixed: prompt tokens of every request")
+    g.add_argument("--output-len", type=int, help="Fixed: output tokens of every request")
     g.add_argument("--data-dir", help="default $TETRI_DATA_DIR or ../shared/data")
     c = p.add_argument_group("client and metrics")
     c.add_argument("--max-concurrency", type=int)
@@ -83,6 +90,12 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
     c.add_argument("--out", type=Path, help="default bench_results/<time>")
     c.add_argument("--no-progress", action="store_true")
     c.add_argument("--no-plots", action="store_true")
+    c.add_argument(
+        "--send-true-output-len",
+        action="store_true",
+        help="send each request's output length as true_output_len (tetri_server's field for "
+        "predictor.kind=oracle; compare never sends it to vLLM)",
+    )
 
 
 def _parse_rates(items: Sequence[str]) -> tuple[float | None, dict[str, float]]:
@@ -96,6 +109,12 @@ def _parse_rates(items: Sequence[str]) -> tuple[float | None, dict[str, float]]:
             else:
                 default = float(val)
     return default, per
+
+
+def _fixed_lens(args: argparse.Namespace) -> tuple[int, int]:
+    if args.input_len is None or args.output_len is None:
+        raise SystemExit("the Fixed workload needs --input-len and --output-len")
+    return args.input_len, args.output_len
 
 
 def build_requests(args: argparse.Namespace) -> _Built:
@@ -114,7 +133,7 @@ def build_requests(args: argparse.Namespace) -> _Built:
     tok: PromptTokenizer | None = None
     if args.model and (args.prompt_mode == "text" or "Arena" in names):
         tok = load_tokenizer(args.model)
-    if rate is None and args.arrival == "poisson":
+    if rate is None and args.arrival in RATE_ARRIVALS:
         rate = DEFAULT_RATE_RPS
     built: _Built = []
     for name in names:
@@ -129,16 +148,22 @@ def build_requests(args: argparse.Namespace) -> _Built:
             time_scale=args.time_scale,
             trace_start=args.trace_start,
             arena_model=args.arena_model,
+            fixed_lens=_fixed_lens(args) if name == "Fixed" else None,
         )
         built.append((spec, build_workload(spec, folder, vocab=vocab, tokenizer=tok)))
     return built
 
 
-def write_outputs(results: list[report.BenchResult], out: Path, plots: bool) -> None:
+def write_outputs(
+    results: list[report.BenchResult],
+    out: Path,
+    plots: bool,
+    baseline: str = report.BASELINE_MODE,
+) -> None:
     report.write_json(results, out / "results.json")
     text = report.markdown_table(results)
-    if any(r.mode == report.BASELINE_MODE for r in results) and len({r.mode for r in results}) > 1:
-        text += "\n" + report.ratio_table(results)
+    if any(r.mode == baseline for r in results) and len({r.mode for r in results}) > 1:
+        text += "\n" + report.ratio_table(results, baseline)
     (out / "table.md").write_text(text)
     print(text)
     if plots:
@@ -176,6 +201,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             api_key=args.api_key,
             progress=not args.no_progress,
             label=f"{args.label}/{spec.name}",
+            send_true_output_len=args.send_true_output_len,
         )
         run = asyncio.run(run_benchmark(requests, cfg))
         summary = summarize(run, slo, args.num_workers)
@@ -193,11 +219,13 @@ def cmd_compare(args: argparse.Namespace) -> int:
         args.max_concurrency,
         args.request_timeout_s,
         not args.no_progress,
+        args.send_true_output_len,
     )
     max_len = built[0][0].max_model_len
     specs = [
         tetri_spec(mode, args.model, free_port(), max_len, args.set)
         for mode in args.modes.split(",")
+        if mode  # --modes "" runs vLLM alone
     ]
     vllm_cmd = None if args.no_vllm else find_vllm(args.vllm_bin)
     if vllm_cmd is not None:
@@ -207,7 +235,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     results: list[report.BenchResult] = []
     for spec in specs:
         results += run_against(replace(spec, ready_timeout_s=args.ready_timeout_s), built, opts)
-    write_outputs(results, args.out, not args.no_plots)
+    write_outputs(results, args.out, not args.no_plots, args.baseline)
     return 0 if all(r.summary.num_errors == 0 for r in results) else 1
 
 
@@ -238,6 +266,11 @@ def parser() -> argparse.ArgumentParser:
     cmp.add_argument("--no-vllm", action="store_true")
     cmp.add_argument("--vllm-workers", type=int, default=1, help="workers vLLM counts as (perf/$)")
     cmp.add_argument("--ready-timeout-s", type=float, default=300.0)
+    cmp.add_argument(
+        "--baseline",
+        default=report.BASELINE_MODE,
+        help=f"mode the ratio table divides by (default {report.BASELINE_MODE}; e.g. vllm-cpu)",
+    )
     _add_workload_args(cmp)
     return p
 

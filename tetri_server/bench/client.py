@@ -39,6 +39,9 @@ class ClientConfig:
     api_key: str | None = None
     progress: bool = True
     label: str = ""  # shown before the progress bar
+    # send each request's true output length as ``true_output_len`` (tetri_server's extension
+    # for predictor.kind = oracle; other servers may reject or ignore the field)
+    send_true_output_len: bool = False
 
 
 @dataclass
@@ -71,6 +74,11 @@ class RunResult:
     started_unix_s: float
     busy_before: dict[str, float] | None = None  # "worker:role" -> busy seconds
     busy_after: dict[str, float] | None = None
+    # CPU seconds the server's processes used during the run, per process ("name[pid]"); set
+    # by ``compare`` (it knows the server's process session), None for ``run``
+    server_cpu_s: dict[str, float] | None = None
+    client_cpu_s: float | None = None  # this process (the load generator), compare only
+    machine_cpu_s: float | None = None  # every core's busy time, any process (compare only)
 
 
 def request_body(req: BenchRequest, cfg: ClientConfig) -> dict[str, Any]:
@@ -83,6 +91,8 @@ def request_body(req: BenchRequest, cfg: ClientConfig) -> dict[str, Any]:
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if cfg.send_true_output_len:
+        body["true_output_len"] = req.output_len
     body.update(cfg.extra_body)
     return body
 

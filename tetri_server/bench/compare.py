@@ -108,6 +108,48 @@ def vllm_spec(
     return ServerSpec(VLLM_LABEL, argv, port, dict(VLLM_ENV), num_workers=num_workers)
 
 
+def session_cpu_s(session_id: int, proc_root: Path = Path("/proc")) -> dict[str, float]:
+    """CPU seconds (user + system, all threads) used so far by each live process of a session,
+    keyed ``"name[pid]"``. A server started with ``start_new_session`` is session ``proc.pid``."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for entry in proc_root.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:  # exited meanwhile
+            continue
+        name = stat[stat.find("(") + 1 : stat.rfind(")")]
+        fields = stat[stat.rfind(")") + 2 :].split()
+        # fields[0] is field 3 (state) of proc(5): session is field 6, utime 14, stime 15
+        if int(fields[3]) == session_id:
+            out[f"{name}[{entry.name}]"] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def machine_busy_cpu_s(stat_path: Path = Path("/proc/stat")) -> float:
+    """CPU seconds all cores have spent busy since boot (everything but idle and iowait)."""
+    first = stat_path.read_text().splitlines()[0].split()
+    assert first[0] == "cpu"
+    ticks = [int(x) for x in first[1:]]
+    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)
+    guest = sum(ticks[8:10])  # guest time is already counted in user / nice
+    return (sum(ticks) - idle - guest) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_s() -> float:
+    """CPU seconds this process (the benchmark client) has used so far."""
+    t = os.times()
+    return t.user + t.system
+
+
+def cpu_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """CPU seconds spent between two ``session_cpu_s`` snapshots (a process that appeared in
+    between counts from 0; one that exited in between is lost, its time unknown)."""
+    return {k: v - before.get(k, 0.0) for k, v in sorted(after.items())}
+
+
 def _http_status(url: str) -> int | None:
     try:
         with urllib.request.urlopen(url, timeout=2.0) as resp:
@@ -181,6 +223,7 @@ class CompareOptions:
     max_concurrency: int | None = None
     request_timeout_s: float = 600.0
     progress: bool = True
+    send_true_output_len: bool = False  # to tetri_server only (predictor.kind = oracle)
 
 
 def run_against(
@@ -190,7 +233,7 @@ def run_against(
 ) -> list[BenchResult]:
     """Start one server, run every workload against it in order, stop it."""
     results: list[BenchResult] = []
-    with running_server(spec, opts.out_dir / f"{spec.label}.log"):
+    with running_server(spec, opts.out_dir / f"{spec.label}.log") as proc:
         model = asyncio.run(fetch_model_name(spec.base_url))
         cfg = ClientConfig(
             spec.base_url,
@@ -198,11 +241,17 @@ def run_against(
             opts.max_concurrency,
             opts.request_timeout_s,
             progress=opts.progress,
+            send_true_output_len=opts.send_true_output_len and spec.label != VLLM_LABEL,
         )
         server_config = {**spec.config(), "served_model": model}
         for wspec, requests in workloads:
             cfg = replace(cfg, label=f"{spec.label}/{wspec.name}")
+            cpu_before = session_cpu_s(proc.pid)
+            machine_before, client_before = machine_busy_cpu_s(), own_cpu_s()
             run = asyncio.run(run_benchmark(requests, cfg))
+            run.server_cpu_s = cpu_delta(cpu_before, session_cpu_s(proc.pid))
+            run.client_cpu_s = own_cpu_s() - client_before
+            run.machine_cpu_s = machine_busy_cpu_s() - machine_before
             summary = summarize(run, opts.slo, spec.num_workers)
             results.append(BenchResult(spec.label, wspec, summary, run, server_config))
     return results

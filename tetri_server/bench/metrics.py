@@ -9,7 +9,11 @@ Throughput divides by ``duration_s`` (run start to the last end). Goodput counts
 requests with TTFT <= slo.ttft_s and TPOT <= slo.tpot_s (a one-token request has no TPOT and
 meets it). Resource usage: worker busy seconds between the two /metrics scrapes. Held
 worker-seconds = num_workers x duration_s (a worker is paid for while it exists, busy or not);
-perf/$ = completed requests per held worker-second; utilization = busy / held.
+perf/$ = completed requests per held worker-second; utilization = busy / held. Server CPU
+seconds (``compare`` only): CPU time of all the server's processes during the run, a resource
+measure that also exists for servers without a busy metric (vLLM). Other CPU seconds: what
+every other process on the machine used meanwhile (machine busy - server - client), the noise
+of a shared machine.
 """
 
 from __future__ import annotations
@@ -102,6 +106,10 @@ class Summary:
     utilization: float | None
     perf_per_dollar: float | None  # completed requests per worker-second held
     top_errors: dict[str, int]
+    server_cpu_s: dict[str, float] | None = None  # per process, during the run (compare only)
+    server_cpu_s_total: float | None = None
+    client_cpu_s: float | None = None
+    other_cpu_s: float | None = None  # machine busy - server - client: other tenants' load
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -128,6 +136,10 @@ def summarize(run: RunResult, slo: SLO, num_workers: int | None = None) -> Summa
     busy_total = sum(busy.values()) if busy is not None else None
     waits = [r.send_s - r.arrival_s for r in run.records if r.send_s is not None]
     errors = Counter((r.error or "")[:120] for r in run.records if not r.ok)
+    server_cpu = None if run.server_cpu_s is None else sum(run.server_cpu_s.values())
+    other_cpu = None
+    if run.machine_cpu_s is not None and server_cpu is not None and run.client_cpu_s is not None:
+        other_cpu = run.machine_cpu_s - server_cpu - run.client_cpu_s
 
     def per_s(x: float) -> float:
         return x / dur_s if dur_s > 0 else 0.0
@@ -156,4 +168,8 @@ def summarize(run: RunResult, slo: SLO, num_workers: int | None = None) -> Summa
         utilization=busy_total / held_s if busy_total is not None and held_s else None,
         perf_per_dollar=len(done) / held_s if held_s else None,
         top_errors=dict(errors.most_common(5)),
+        server_cpu_s=run.server_cpu_s,
+        server_cpu_s_total=server_cpu,
+        client_cpu_s=run.client_cpu_s,
+        other_cpu_s=other_cpu,
     )

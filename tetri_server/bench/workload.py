@@ -4,7 +4,9 @@ Length classes (TetriInfer §5): a prefill is heavy when the prompt has > 512 to
 heavy when it generates > 128 tokens. LPLD / LPHD / HPLD / HPHD draw (prompt, output) pairs
 uniformly from the ShareGPT rows of that class; Mixed draws an equal quarter from each class
 (remainder to the first classes) and shuffles them. ``Trace`` takes the lengths of the arrival
-trace's own rows; ``Arena`` sends a real Arena prompt with one real response's length.
+trace's own rows; ``Arena`` sends a real Arena prompt with one real response's length;
+``Fixed`` sends every request with the same ``fixed_lens`` (prompt, output), like
+``vllm bench serve --dataset-name random`` with no range (for checking one client against another).
 
 Context rule (``fit_to_context``): a pair with prompt + output > max_model_len is scaled by one
 factor f = max_model_len / (prompt + output), rounded down, so both keep their proportion; a
@@ -30,8 +32,9 @@ from tetri_server.bench.prompts import PromptTokenizer, RandomIdPrompts, TextPro
 HEAVY_PROMPT_TOKENS = 512  # prompt_len > this: heavy prefill
 HEAVY_OUTPUT_TOKENS = 128  # output_len > this: heavy decode
 CLASSES = ("LPLD", "LPHD", "HPLD", "HPHD")
-WORKLOADS = (*CLASSES, "Mixed", "Trace", "Arena")
+WORKLOADS = (*CLASSES, "Mixed", "Trace", "Arena", "Fixed")
 PROMPT_MODES = ("ids", "text")
+RATE_ARRIVALS = ("poisson", "constant")  # arrival processes driven by rate_rps
 _LENGTHS, _ARRIVALS, _PROMPTS = 1, 2, 3  # generator streams
 
 
@@ -84,27 +87,34 @@ class WorkloadSpec:
     seed: int = 0
     max_model_len: int = 4096
     prompt_mode: str = "ids"  # "ids": random token ids; "text": real Arena text
-    arrival: str = "poisson"  # "poisson" or a trace name (data.TRACE_FILES)
+    arrival: str = "poisson"  # "poisson", "constant" or a trace name (data.TRACE_FILES)
     rate_rps: float | None = 1.0  # Poisson rate; for a trace, the target mean rate
     time_scale: float | None = None  # trace only: multiply the trace's gaps (overrides rate)
     trace_start: int = 0  # trace only: first row of the window
     arena_model: str | None = None  # Arena only: use only this model's responses
+    fixed_lens: tuple[int, int] | None = None  # Fixed only: (prompt_len, output_len)
 
     def __post_init__(self) -> None:
         if self.name not in WORKLOADS:
             raise ValueError(f"workload {self.name!r} not in {WORKLOADS}")
         if self.prompt_mode not in PROMPT_MODES:
             raise ValueError(f"prompt_mode {self.prompt_mode!r} not in {PROMPT_MODES}")
-        if self.arrival != "poisson" and self.arrival not in data.TRACE_FILES:
+        if self.arrival not in RATE_ARRIVALS and self.arrival not in data.TRACE_FILES:
             raise ValueError(
-                f"arrival {self.arrival!r}: 'poisson' or one of {list(data.TRACE_FILES)}"
+                f"arrival {self.arrival!r}: one of {[*RATE_ARRIVALS, *data.TRACE_FILES]}"
             )
         if self.num_requests <= 0:
             raise ValueError("num_requests must be > 0")
-        if self.arrival == "poisson" and self.rate_rps is None:
-            raise ValueError("poisson arrivals need rate_rps")
-        if self.name == "Trace" and self.arrival == "poisson":
+        if self.arrival in RATE_ARRIVALS and self.rate_rps is None:
+            raise ValueError(f"{self.arrival} arrivals need rate_rps")
+        if self.name == "Trace" and self.arrival in RATE_ARRIVALS:
             raise ValueError("the Trace workload takes its lengths from a trace arrival")
+        if (self.name == "Fixed") != (self.fixed_lens is not None):
+            raise ValueError("fixed_lens (prompt, output) is given exactly for the Fixed workload")
+        if self.fixed_lens is not None:
+            p, o = self.fixed_lens
+            if p < 1 or o < 1 or p + o > self.max_model_len:
+                raise ValueError(f"fixed lengths {p} + {o} must be >= 1 and fit max_model_len")
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -136,6 +146,9 @@ def _arrival_times(spec: WorkloadSpec, folder: Path, rng: np.random.Generator) -
     if spec.arrival == "poisson":
         assert spec.rate_rps is not None
         return arrivals.poisson_arrivals(spec.num_requests, spec.rate_rps, rng)
+    if spec.arrival == "constant":
+        assert spec.rate_rps is not None
+        return arrivals.constant_arrivals(spec.num_requests, spec.rate_rps)
     rows = data.load_trace(folder, spec.arrival)
     window = arrivals.trace_window([r.time_s for r in rows], spec.num_requests, spec.trace_start)
     if spec.time_scale is not None:
@@ -203,6 +216,8 @@ def build_workload(
         ]
     if spec.name == "Trace":
         pairs = _trace_pairs(spec, folder)
+    elif spec.fixed_lens is not None:
+        pairs = [(*spec.fixed_lens, "fixed")] * spec.num_requests
     else:
         pairs = _class_pairs(spec, data.load_sharegpt_lengths(folder), rng_len)
     maker: RandomIdPrompts | TextPrompts

@@ -33,8 +33,8 @@ def cache_file() -> Path:
 
 
 def cache_key(worker: Worker) -> str:
-    model = worker.cfg.model.path
-    folder = Path(model)
+    folder = Path(worker.cfg.model.path).resolve()  # one entry however the path was typed
+    model = str(folder)
     stamp = ""
     if (folder / "config.json").is_file():
         stamp = hashlib.sha256((folder / "config.json").read_bytes()).hexdigest()[:16]
