@@ -25,6 +25,7 @@ from tetri_server.predictor.metrics import (
     sampling_ceiling,
 )
 from tetri_server.predictor.tokens import TokenCounter
+from tetri_server.predictor.train import unique_prompts
 
 
 def json_safe(obj: Any) -> Any:
@@ -38,20 +39,9 @@ def json_safe(obj: Any) -> Any:
     return obj
 
 
-def _unique_prompts(samples: Sequence[Sample]) -> tuple[list[str], np.ndarray]:
-    """The distinct prompts in first-seen order, and each sample's row among them."""
-    index: dict[str, int] = {}
-    texts: list[str] = []
-    for s in samples:
-        if s.prompt_id not in index:
-            index[s.prompt_id] = len(texts)
-            texts.append(s.prompt)
-    return texts, np.array([index[s.prompt_id] for s in samples], dtype=np.int64)
-
-
 def score(predictor: LengthPredictor, samples: Sequence[Sample]) -> dict[str, Any]:
     """Accuracy and Kendall tau-b of ``predictor`` on ``samples`` (each prompt predicted once)."""
-    texts, rows = _unique_prompts(samples)
+    texts, rows = unique_prompts(samples)
     lengths = np.array([s.output_tokens for s in samples], dtype=np.int64)
     true = bucket_of(lengths, predictor.granularity, predictor.num_buckets)
     pred = np.array(predictor.predict(texts, _first_lengths(samples, len(texts), rows)))[rows]
@@ -89,7 +79,7 @@ def baselines(
     """Majority bucket of ``train``, and a log-log regression on prompt length in tokens."""
 
     def arrays(ss: Sequence[Sample]) -> tuple[np.ndarray, np.ndarray]:
-        texts, rows = _unique_prompts(ss)
+        texts, rows = unique_prompts(ss)
         prompt_tokens = np.array(counter.count(texts), dtype=np.float64)[rows]
         return prompt_tokens, np.array([s.output_tokens for s in ss], dtype=np.int64)
 
@@ -120,7 +110,7 @@ def ceiling(samples: Sequence[Sample], granularity: int, num_buckets: int) -> di
         granularity,
         num_buckets,
     )
-    _, rows = _unique_prompts(samples)
+    _, rows = unique_prompts(samples)
     buckets = bucket_of([s.output_tokens for s in samples], granularity, num_buckets)
     counts = np.zeros((int(rows.max()) + 1 if len(rows) else 0, num_buckets))
     np.add.at(counts, (rows, buckets), 1.0)

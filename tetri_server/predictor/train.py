@@ -84,19 +84,25 @@ def split_by_prompt(
     ]
 
 
-def prompt_table(samples: Sequence[Sample], granularity: int, num_buckets: int) -> PromptTable:
+def unique_prompts(samples: Sequence[Sample]) -> tuple[list[str], np.ndarray]:
+    """The distinct prompts in first-seen order, and each sample's row among them."""
     index: dict[str, int] = {}
     texts: list[str] = []
     for s in samples:
         if s.prompt_id not in index:
             index[s.prompt_id] = len(texts)
             texts.append(s.prompt)
+    return texts, np.array([index[s.prompt_id] for s in samples], dtype=np.int64)
+
+
+def prompt_table(samples: Sequence[Sample], granularity: int, num_buckets: int) -> PromptTable:
+    texts, rows = unique_prompts(samples)
     counts = np.zeros((len(texts), num_buckets))
-    rows = np.array([index[s.prompt_id] for s in samples], dtype=np.int64)
     buckets = bucket_of([s.output_tokens for s in samples], granularity, num_buckets)
     np.add.at(counts, (rows, buckets), 1.0)
     weights = counts.sum(axis=1)
-    return PromptTable(list(index), texts, counts / weights[:, None], weights)
+    ids = list(dict.fromkeys(s.prompt_id for s in samples))  # first-seen order, as texts
+    return PromptTable(ids, texts, counts / weights[:, None], weights)
 
 
 def fit_head(
