@@ -107,6 +107,14 @@ class Metrics:
             ["kind"],
             registry=r,
         )
+        self.phase = Histogram(
+            "tetri_request_phase_seconds",
+            "Disaggregated phases per request: prefill (arrival to the Handoff: queue, chunks, "
+            "dispatch hold) and handoff (Handoff forwarded to KVPulled: the KV copy).",
+            ["phase"],
+            buckets=TTFT_BUCKETS_S,
+            registry=r,
+        )
         self._workers: dict[str, _WorkerTotals] = {}
 
     # ------------------------------------------------------------------ backend side
@@ -135,6 +143,10 @@ class Metrics:
         self.worker_busy.labels(key, role).inc(_increment(last.busy_s, busy_s))
         self.preemptions.inc(_increment(last.preemptions, num_preemptions))
         last.busy_s, last.preemptions = busy_s, num_preemptions
+
+    def observe_phase(self, phase: str, seconds: float) -> None:
+        """One request's time in ``phase`` (``prefill`` or ``handoff``)."""
+        self.phase.labels(phase).observe(seconds)
 
     def set_chunk_size(self, worker: int | str, chunk_size: int) -> None:
         """A prefill worker's chunk size (from its ``Ready``; after calibration)."""

@@ -150,3 +150,17 @@ def test_admin_workers_and_flip_refusal(api):
         assert "last prefill worker" in json.loads(e.read())["error"]["message"]
     else:
         raise AssertionError("flipping the last prefill worker must be refused")
+
+
+def test_phase_metrics_count_prefill_and_handoff(api):
+    import json
+    import urllib.request
+
+    before = metric(api.base_url, "tetri_request_phase_seconds_count", phase="handoff")
+    body = {"model": "tiny-test", "prompt": "phases", "max_tokens": 4, "ignore_eos": True}
+    req = urllib.request.Request(api.base_url + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        assert json.loads(r.read())["usage"]["completion_tokens"] == 4
+    assert metric(api.base_url, "tetri_request_phase_seconds_count", phase="handoff") == before + 1
+    assert metric(api.base_url, "tetri_request_phase_seconds_count", phase="prefill") >= 1

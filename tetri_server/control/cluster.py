@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import time
 from typing import Any
 
 import msgspec
@@ -258,6 +259,8 @@ class Cluster:
             if req is not None and req.src in self.workers:
                 self.workers[req.src].post(msg)
                 req.src, req.state = -1, ReqState.DECODE
+                if self.metrics is not None:
+                    self.metrics.observe_phase("handoff", time.monotonic() - req.handoff_s)
         elif isinstance(msg, HandoffRejected):
             req = self.requests.get(msg.req_id)
             if req is not None and req.src in self.workers:
@@ -300,6 +303,9 @@ class Cluster:
             src.post(HandoffRejected(msg.req_id, f"decode worker {msg.dst_worker} is down"))
             return
         req.owner, req.src, req.state = dst.worker_id, src.worker_id, ReqState.HANDOFF
+        req.handoff_s = time.monotonic()
+        if self.metrics is not None:
+            self.metrics.observe_phase("prefill", req.handoff_s - req.arrival_s)
         dst.post(msg)
 
     # ------------------------------------------------------------------ monitor

@@ -44,6 +44,7 @@ class Request:
     state: ReqState = ReqState.PREFILL
     output_ids: list[int] = field(default_factory=list)
     num_reruns: int = 0
+    handoff_s: float = 0.0  # monotonic time the Handoff was forwarded
     queue: asyncio.Queue[TokenDelta | GenerationError] = field(default_factory=asyncio.Queue)
 
 
