@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One prepared device check for a lent GPU machine (see the device tool's README): installs the
 # two packages its image lacks from wheels carried in shared/wheels (msgspec, pytest-asyncio for
-# Python 3.12), runs the GPU tests, then a short engine benchmark on the GPU.
+# Python 3.12), then runs the GPU tests. Prepare the wheels here first (the device has no network):
+#   pip download --only-binary :all: --python-version 3.12 --platform manylinux2014_x86_64 \
+#       --no-deps -d shared/wheels msgspec pytest-asyncio pytest-timeout
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-check}
