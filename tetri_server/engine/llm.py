@@ -15,8 +15,6 @@ from tetri_server.kv.blocks import BlockAllocator, blocks_for
 from tetri_server.kv.manager import KVCacheManager
 from tetri_server.messages import SamplingParams, TokenDelta
 
-DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
-
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -33,11 +31,6 @@ class EngineConfig:
     pad_chunks: bool = False
 
 
-def num_blocks_for_memory(kv_elems_per_token: int, dtype: torch.dtype, block_size: int,
-                          memory_gb: float) -> int:
-    return int(memory_gb * 2**30) // (kv_elems_per_token * DTYPE_BYTES[dtype] * block_size)
-
-
 class LLMEngine:
     """Single-process engine. ``step()`` = schedule -> execute -> update."""
 
@@ -50,8 +43,8 @@ class LLMEngine:
         limit = s.max_position_embeddings if s.sliding_window is None else min(
             s.max_position_embeddings, s.sliding_window)
         self.max_model_len = min(cfg.max_model_len or limit, limit)
-        num_blocks = cfg.num_blocks or num_blocks_for_memory(
-            s.kv_bytes_per_token, dtype, cfg.block_size, cfg.kv_memory_gb)
+        num_blocks = cfg.num_blocks or s.blocks_in_budget(
+            cfg.kv_memory_gb * 2**30, dtype.itemsize, cfg.block_size)
         if num_blocks < blocks_for(self.max_model_len, cfg.block_size):
             raise ValueError(f"KV pool of {num_blocks} blocks cannot hold one sequence of "
                              f"max_model_len={self.max_model_len}")

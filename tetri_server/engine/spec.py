@@ -35,9 +35,13 @@ class ModelSpec:
     remove_final_layer_norm: bool = False
 
     @property
-    def kv_bytes_per_token(self) -> int:
-        """Elements (not bytes) of K+V per token over all layers; times dtype size for bytes."""
+    def kv_elems_per_token(self) -> int:
+        """Elements of K+V per token over all layers (times the dtype's size for bytes)."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+    def blocks_in_budget(self, budget_bytes: float, element_size: int, block_size: int) -> int:
+        """KV blocks of ``block_size`` tokens that fit in ``budget_bytes``."""
+        return int(budget_bytes // (self.kv_elems_per_token * element_size * block_size))
 
 
 def _eos_ids(hf: Any) -> tuple[int, ...]:

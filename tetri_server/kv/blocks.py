@@ -40,10 +40,6 @@ class BlockAllocator:
     def can_allocate(self, num: int) -> bool:
         return num == 0 or self.largest_free_run() >= num
 
-    def free_after(self, block: int) -> int:
-        """Length of the free run that starts right after ``block``."""
-        return self._runs.get(block + 1, 0)
-
     def allocate(self, num: int) -> list[int]:
         """A new extent of ``num`` consecutive blocks (refcount 1). Raises OutOfBlocks."""
         if num <= 0:

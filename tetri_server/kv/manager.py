@@ -30,19 +30,6 @@ class KVCacheManager:
         self.num_compactions = 0
         self._holders: dict[int, HasBlocks] = {}  # id(seq) -> seq, for every seq with blocks
 
-    @property
-    def num_free_blocks(self) -> int:
-        return self.allocator.num_free
-
-    def can_reserve(self, seq: HasBlocks, num_tokens: int) -> bool:
-        need = blocks_for(num_tokens, self.block_size) - len(seq.blocks)
-        if need <= 0:
-            return True
-        if not seq.blocks:
-            return self.allocator.can_allocate(need)
-        return (self.allocator.free_after(seq.blocks[-1]) >= need
-                or self.allocator.can_allocate(len(seq.blocks) + need))
-
     def reserve(self, seq: HasBlocks, num_tokens: int) -> bool:
         """Grow ``seq.blocks`` to hold ``num_tokens`` tokens. False (nothing changed) if the pool
         has no room."""
@@ -65,12 +52,6 @@ class KVCacheManager:
             self.allocator.free(seq.blocks)
             seq.blocks = []
         self._holders.pop(id(seq), None)
-
-    def adopt(self, seq: HasBlocks, num_tokens: int) -> bool:
-        """Give a sequence without blocks a fresh extent for ``num_tokens`` tokens (e.g. to
-        receive pulled KV). False if the pool has no room."""
-        assert not seq.blocks
-        return self.reserve(seq, num_tokens)
 
     def compact(self, last: HasBlocks | None = None) -> None:
         """Slide every extent to the left, in address order (``last`` moved to the end), so

@@ -32,7 +32,6 @@ from tetri_server.messages import (
 )
 
 log = logging.getLogger("tetri.worker")
-DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 SEND_TIMEOUT_S = 30.0
 
 
@@ -96,7 +95,6 @@ class Worker:
 
     def _blocks_from_memory(self, dtype: torch.dtype) -> int:
         kv = self.cfg.kv
-        per_block = self.model_spec.kv_bytes_per_token * DTYPE_BYTES[dtype] * kv.block_size
         if kv.memory_gb > 0:
             budget = kv.memory_gb * 2**30
         elif self.device.type == "cuda":
@@ -108,7 +106,8 @@ class Worker:
         # More than max_batch full-length sequences (x2: a prefill worker also holds requests
         # waiting for dispatch) cannot be used; a bigger pool only costs start-up page faults.
         useful = 2 * self.cfg.decode.max_batch * blocks_for(self.max_model_len, kv.block_size)
-        return max(1, min(useful, int(budget // per_block)))
+        fits = self.model_spec.blocks_in_budget(budget, dtype.itemsize, kv.block_size)
+        return max(1, min(useful, fits))
 
     def predictor(self) -> Any:
         """The length predictor, loaded once per process (kept across role flips)."""
