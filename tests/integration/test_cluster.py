@@ -8,7 +8,6 @@ import os
 import signal
 
 import pytest
-import torch
 
 from tests.conftest import hf_greedy, random_prompts
 from tests.integration.conftest import make_cluster, segments
@@ -139,10 +138,6 @@ async def test_stale_segments_of_a_crashed_control_process_are_removed(tiny_llam
         assert segments(run_id) == []
     finally:
         await cluster.stop()
-
-
-def test_torch_is_cpu_here():
-    assert not torch.cuda.is_available() or os.environ.get("TETRI_GPU")
 
 
 async def test_oracle_predictor_and_reserve_admission(tiny_llama):
