@@ -8,7 +8,7 @@ Channels (one SPSC ring per direction between control and each worker, see ``cha
     control -> worker   ``ToWorker``       AddRequest, Abort, Shutdown, DecodeView, PeerPools,
                                            SetRole, Handoff, KVPulled, HandoffRejected
     worker  -> control  ``FromWorker``     Ready, StepOutput, LoadReport, RequestFailed,
-                                           Dispatched, Handoff, KVPulled, HandoffRejected
+                                           Handoff, KVPulled, HandoffRejected
 Prefill<->decode messages (Handoff, KVPulled, HandoffRejected) travel through the control process,
 which forwards them: a star keeps worker restarts and role flips local to one worker's channels,
 and lets the request table always know a request's owner. KV bytes never travel in messages.
@@ -181,14 +181,6 @@ class RequestFailed(msgspec.Struct, tag=True, array_like=True):
     error: str
 
 
-class Dispatched(msgspec.Struct, tag=True, array_like=True):
-    """A prefill worker handed a request to a decode worker (for the request table)."""
-
-    req_id: int
-    decode_worker: int
-    predicted_bucket: int
-
-
 class LoadReport(msgspec.Struct, tag=True, array_like=True):
     """Sent every ``monitor.interval_ms`` by every worker to the cluster monitor."""
 
@@ -241,5 +233,4 @@ class HandoffRejected(msgspec.Struct, tag=True, array_like=True):
 
 ToWorker = (AddRequest | Abort | Shutdown | PeerPools | DecodeView | SetRole | Handoff | KVPulled
             | HandoffRejected)
-FromWorker = (Ready | StepOutput | RequestFailed | Dispatched | LoadReport | Handoff | KVPulled
-              | HandoffRejected)
+FromWorker = Ready | StepOutput | RequestFailed | LoadReport | Handoff | KVPulled | HandoffRejected
