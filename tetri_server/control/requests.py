@@ -63,9 +63,9 @@ class Stream:
             try:
                 item = await asyncio.wait_for(self._req.queue.get(), self._timeout_s)
             except TimeoutError:
+                # fail() also aborts the request on every worker that holds state for it
                 self._cluster.fail(self._req, "no token within "
                                    f"{self._timeout_s:.0f} s (server overloaded or stalled)")
-                await self.abort()
                 raise GenerationError(f"request {self.req_id} timed out") from None
             if isinstance(item, GenerationError):
                 raise item
