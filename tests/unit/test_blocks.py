@@ -135,3 +135,125 @@ def test_a_growing_sequence_gets_blocks_whenever_enough_are_free():
     assert len(a.blocks) == 7 and a.blocks == list(range(a.blocks[0], a.blocks[0] + 7))
     start = a.blocks[0] * bs
     assert torch.all(kv[:, :, :, start:start + 6 * bs] == 7.0)
+
+
+class _Seq:
+    def __init__(self) -> None:
+        self.blocks: list[int] = []
+        self.num_computed = 0
+
+
+def _filled(m, kv, n_blocks: int, value: float):
+    s = _Seq()
+    assert m.reserve(s, n_blocks * m.block_size)
+    s.num_computed = n_blocks * m.block_size
+    start = s.blocks[0] * m.block_size
+    kv[:, :, :, start:start + s.num_computed] = value
+    return s
+
+
+def _holds(kv, s, value: float, bs: int) -> bool:
+    start = s.blocks[0] * bs
+    return bool((kv[:, :, :, start:start + s.num_computed] == value).all())
+
+
+def test_compaction_never_moves_a_pinned_extent():
+    """Regression (wrong answers with HTTP 200): a prefill worker compacted its pool while a
+    hand-off named block ids a decode worker was about to copy; the copy read another
+    request's KV. Pinned extents must keep their ids and their contents."""
+    import torch
+
+    from tetri_server.kv.manager import KVCacheManager
+
+    bs = 2
+    kv = torch.zeros(1, 2, 1, 20 * bs, 1)
+    m = KVCacheManager(BlockAllocator(20), kv, bs)
+    seqs = [_filled(m, kv, 2, float(i + 1)) for i in range(8)]  # 16 of 20 blocks used
+    for i in (1, 3, 5):
+        m.free(seqs[i])
+    pinned = [seqs[2], seqs[6]]
+    for s in pinned:
+        m.pin(s)
+    before = {id(s): list(s.blocks) for s in pinned}
+    big = _Seq()
+    assert m.reserve(big, 6 * bs)  # 10 free blocks, no run of 6: compaction
+    assert m.num_compactions == 1
+    for s in pinned:
+        assert s.blocks == before[id(s)]
+    for i in (0, 2, 4, 6, 7):
+        assert _holds(kv, seqs[i], float(i + 1), bs), i
+    assert len(set(big.blocks)) == 6
+    used = [b for s in (*[seqs[i] for i in (0, 2, 4, 6, 7)], big) for b in s.blocks]
+    assert len(used) == len(set(used))  # no two sequences share a block
+
+
+def test_a_reservation_that_only_fits_by_moving_pinned_extents_fails_cleanly():
+    import torch
+
+    from tetri_server.kv.manager import KVCacheManager
+
+    bs = 2
+    kv = torch.zeros(1, 2, 1, 10 * bs, 1)
+    m = KVCacheManager(BlockAllocator(10), kv, bs)
+    seqs = [_filled(m, kv, 2, float(i + 1)) for i in range(5)]  # the pool is full
+    by_address = sorted(seqs, key=lambda s: s.blocks[0])
+    m.free(by_address[2])
+    m.free(by_address[4])  # two free runs of 2, with a pinned extent between them
+    for s in (by_address[0], by_address[1], by_address[3]):
+        m.pin(s)
+    snapshot = [list(s.blocks) for s in seqs]
+    big = _Seq()
+    assert not m.reserve(big, 4 * bs)
+    assert big.blocks == [] and [list(s.blocks) for s in seqs] == snapshot
+    assert m.allocator.num_free == 4
+    m.unpin(by_address[3])
+    assert m.reserve(big, 4 * bs)  # now it may slide left and leave one run of 4
+    for s in (by_address[0], by_address[1], by_address[3]):
+        assert _holds(kv, s, float(seqs.index(s) + 1), bs)
+
+
+def test_random_pins_and_compactions_keep_every_extent_intact():
+    """Statistical: many sequences of varied length on a small pool, random pins, growth
+    and frees; every live sequence always holds its own values."""
+    import random
+
+    import torch
+
+    from tetri_server.kv.manager import KVCacheManager
+
+    rng = random.Random(7)
+    bs = 4
+    nb = 64
+    kv = torch.zeros(1, 2, 1, nb * bs, 1)
+    m = KVCacheManager(BlockAllocator(nb), kv, bs)
+    live: dict[int, _Seq] = {}
+    for step in range(3000):
+        op = rng.random()
+        if op < 0.45:
+            s = live.get(rng.randrange(40)) if live else None
+            if s is None:
+                s = _Seq()
+                key = rng.randrange(40)
+                if key in live:
+                    continue
+            else:
+                key = next(k for k, v in live.items() if v is s)
+            if m.is_pinned(s):
+                continue
+            want = s.num_computed + rng.randint(1, 3 * bs)
+            if m.reserve(s, want):
+                start = s.blocks[0] * bs
+                kv[:, :, :, start + s.num_computed:start + want] = float(key + 1)
+                s.num_computed = want
+                live[key] = s
+        elif op < 0.7 and live:
+            key = rng.choice(list(live))
+            m.free(live.pop(key))
+        elif live:
+            s = live[rng.choice(list(live))]
+            (m.unpin if m.is_pinned(s) else m.pin)(s)
+        for key, s in live.items():
+            assert _holds(kv, s, float(key + 1), bs), (step, key)
+        held = [b for s in live.values() for b in s.blocks]
+        assert len(held) == len(set(held)) and m.allocator.num_used == len(held)
+    assert m.num_compactions > 0

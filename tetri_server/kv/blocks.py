@@ -54,6 +54,19 @@ class BlockAllocator:
         self._take(start + offset, num)
         return list(range(start + offset, start + offset + num))
 
+    def first_fit(self, num: int) -> int | None:
+        """The lowest start of a free run of at least ``num`` blocks, or None."""
+        fits = [s for s, n in self._runs.items() if n >= num]
+        return min(fits) if fits else None
+
+    def copy(self) -> BlockAllocator:
+        """An independent copy (to plan moves on without touching this one)."""
+        other = BlockAllocator.__new__(BlockAllocator)
+        other.num_blocks, other.num_free = self.num_blocks, self.num_free
+        other.refcount = list(self.refcount)
+        other._runs, other._run_ends = dict(self._runs), dict(self._run_ends)
+        return other
+
     def allocate_at(self, start: int, num: int) -> list[int]:
         """The extent [start, start+num), which must be free (used by compaction)."""
         if num <= 0:

@@ -26,7 +26,13 @@ from tetri_server.messages import (
     RequestFailed,
     StepOutput,
 )
-from tetri_server.policy import Chunker, PrefillQueue, RoundRobinDispatcher, TetriDispatcher
+from tetri_server.policy import (
+    Chunker,
+    ChunkPlan,
+    PrefillQueue,
+    RoundRobinDispatcher,
+    TetriDispatcher,
+)
 from tetri_server.policy.dispatch import Dispatcher
 from tetri_server.predictor import PredictorError
 from tetri_server.workers.base import Role, Worker
@@ -56,7 +62,8 @@ class PrefillRole(Role):
         self.seqs: dict[int, Sequence] = {}  # queued or prefilling
         self.unpredicted: list[tuple[Sequence, AddRequest]] = []
         self.undispatched: list[Sequence] = []  # prefilled, waiting for room on a decode worker
-        self.handed_off: dict[int, Sequence] = {}  # Handoff sent, blocks held until KVPulled
+        self.handed_off: dict[int, Sequence] = {}  # Handoff sent, blocks pinned until KVPulled
+        self.blocked = False  # the last step could start nothing; set until the next message
 
     def chunk_size(self) -> int:
         return self._chunk_size
@@ -64,6 +71,7 @@ class PrefillRole(Role):
     # ------------------------------------------------------------------ messages
 
     def handle(self, msg: object) -> None:
+        self.blocked = False  # any message may free blocks or bring work: plan again
         if isinstance(msg, AddRequest):
             seq = Sequence(msg.req_id, list(msg.prompt_ids), len(msg.prompt_ids), msg.sampling,
                            arrival_s=msg.arrival_s,
@@ -81,11 +89,13 @@ class PrefillRole(Role):
             seq = self.handed_off.pop(msg.req_id, None)
             if seq is not None:
                 log.info("request %d rejected by decode: %s", msg.req_id, msg.reason)
+                self.w.kv.unpin(seq)  # nobody reads its blocks now; a new Handoff names them anew
                 self.undispatched.append(seq)
         else:
             super().handle(msg)
 
     def abort(self, req_id: int) -> None:
+        self.blocked = False
         seq = self.seqs.pop(req_id, None) or self.handed_off.pop(req_id, None)
         if seq is None:
             seq = next((s for s in self.undispatched if s.req_id == req_id), None)
@@ -99,7 +109,7 @@ class PrefillRole(Role):
     # ------------------------------------------------------------------ the step
 
     def has_work(self) -> bool:
-        return bool(self.unpredicted or len(self.queue))
+        return bool(self.unpredicted or (len(self.queue) and not self.blocked))
 
     def is_drained(self) -> bool:
         return not (self.has_work() or self.undispatched or self.handed_off)
@@ -139,13 +149,10 @@ class PrefillRole(Role):
         chunk = self.chunker.plan(self.queue, self.w.allocator.num_free)
         if chunk is None:
             return
-        items = []
-        for piece in chunk.slices:
-            seq = self.seqs[piece.req_id]
-            if piece.is_first and not self.w.kv.reserve(seq, seq.num_prompt):
-                raise RuntimeError(f"no blocks for request {seq.req_id} after the chunker "
-                                   "checked them")
-            items.append(ScheduledSeq(seq, piece.num_tokens))
+        chunk, items = self._reserve(chunk)
+        if not items:
+            self.blocked = True  # free blocks exist, but only around pinned extents: wait
+            return
         # Padding is bookkeeping only: on CPU, computing pad tokens is pure waste.
         result = self.w.runner.execute(StepPlan(items))
         done = set(self.chunker.on_done(self.queue, chunk))
@@ -166,6 +173,20 @@ class PrefillRole(Role):
             self.w.send(StepOutput(self.w.worker_id, deltas))
         self.dispatch_held()
 
+    def _reserve(self, chunk: ChunkPlan) -> tuple[ChunkPlan, list[ScheduledSeq]]:
+        """Blocks for every request the chunk starts. The chunker counted free blocks, but
+        extents pinned by un-acked hand-offs can split them into runs too short: the chunk then
+        stops before the first request that does not fit (no overtaking) and it waits."""
+        items = []
+        for i, piece in enumerate(chunk.slices):
+            seq = self.seqs[piece.req_id]
+            if piece.is_first and not self.w.kv.reserve(seq, seq.num_prompt):
+                kept = chunk.slices[:i]
+                num_real = sum(p.num_tokens for p in kept)
+                return ChunkPlan(kept, chunk.chunk_size - num_real, chunk.chunk_size), items
+            items.append(ScheduledSeq(seq, piece.num_tokens))
+        return chunk, items
+
     def dispatch_held(self) -> None:
         still: list[Sequence] = []
         for seq in self.undispatched:
@@ -174,6 +195,7 @@ class PrefillRole(Role):
                 still.append(seq)
                 continue
             self.handed_off[seq.req_id] = seq
+            self.w.kv.pin(seq)  # the decode worker reads these block ids until KVPulled
             self.w.send(Handoff(seq.req_id, self.w.worker_id, list(seq.blocks), list(seq.token_ids),
                               seq.num_prompt, seq.params, seq.predicted_bucket,
                               seq.predicted_len, seq.arrival_s, dst_worker=plan.decode_worker))
