@@ -84,7 +84,7 @@ class KVCacheManager:
                           if id(s) not in self._pinned and s.blocks and s is not last),
                          key=lambda s: s.blocks[0])
         moving_last = last is not None and bool(last.blocks) and id(last) not in self._pinned
-        order = movable + ([last] if moving_last else [])
+        order: list[HasBlocks] = movable + ([last] if last is not None and moving_last else [])
         targets = self._plan_compaction(order, last, room)
         if targets is None:
             return False
