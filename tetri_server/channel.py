@@ -24,6 +24,7 @@ ordering; an ARM port needs fences here.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import re
 import select
@@ -39,6 +40,7 @@ import msgspec
 from tetri_server.messages import ChannelSpec
 
 T = TypeVar("T")
+log = logging.getLogger("tetri.channel")
 
 SHM_DIR = "/dev/shm"
 DEFAULT_SEND_TIMEOUT_S = 10.0
@@ -52,6 +54,19 @@ class MessageTooLarge(ValueError):
     """One encoded message needs more bytes than the whole ring holds."""
 
 
+def reserve_shm(fd: int, num_bytes: int, what: str) -> None:
+    """Give a /dev/shm file its pages now: a full tmpfs fails here with a clear error instead of
+    a SIGBUS at the first write that finds no page."""
+    try:
+        os.posix_fallocate(fd, 0, num_bytes)
+    except OSError as e:
+        st = os.statvfs(SHM_DIR)
+        free_mib = st.f_bavail * st.f_frsize / 2**20
+        raise OSError(e.errno, f"{SHM_DIR} has no room for the {what} ({num_bytes / 2**20:.0f} "
+                      f"MiB; {free_mib:.0f} MiB free): enlarge {SHM_DIR} (docker: --shm-size) "
+                      "or lower kv.num_blocks / kv.memory_gb") from e
+
+
 def new_run_id() -> str:
     """``tetri-<pid>-<8 hex>``: the prefix of every segment of this run, so that
     ``cleanup_stale_segments`` can tell whether the run that made a segment is still alive."""
@@ -63,7 +78,12 @@ def cleanup_stale_segments(shm_dir: str = SHM_DIR) -> list[str]:
     names. Called once by the control process at start-up, so a crashed run leaves nothing
     behind. Hazard: pids are only meaningful within one pid namespace sharing ``/dev/shm``."""
     removed = []
-    for entry in sorted(os.listdir(shm_dir)):
+    try:
+        entries = sorted(os.listdir(shm_dir))
+    except OSError as e:
+        log.warning("cannot list %s: %s", shm_dir, e)
+        return removed
+    for entry in entries:
         match = _SEGMENT_RE.match(entry)
         if match is None or _pid_alive(int(match.group(1))):
             continue
@@ -71,6 +91,9 @@ def cleanup_stale_segments(shm_dir: str = SHM_DIR) -> list[str]:
             os.unlink(os.path.join(shm_dir, entry))
         except FileNotFoundError:
             continue  # another process cleaned it up first
+        except OSError as e:  # not ours to delete (another user's, a directory): leave it
+            log.warning("cannot remove stale shared-memory entry %s: %s", entry, e)
+            continue
         removed.append(entry)
     return removed
 
@@ -140,6 +163,7 @@ class Channel(Generic[T]):
         shm: SharedMemory | None = None
         try:
             shm = SharedMemory(name=name, create=True, size=_DATA + capacity)
+            reserve_shm(shm._fd, _DATA + capacity, f"message ring {name}")
             channel: Channel[Any] = cls(shm, ChannelSpec(name, capacity, *fds), msg_type, True)
         except BaseException:
             if shm is not None:
@@ -385,6 +409,10 @@ class AsyncReceiver(Generic[T]):
                 self._callback(msg)
             except Exception as exc:  # reported, not swallowed; later messages still delivered
                 self._report(exc)
+
+    def flush(self) -> None:
+        """Deliver every frame present now (the producer died: its last frames still count)."""
+        self._on_readable()
 
     def _report(self, exc: Exception) -> None:
         self._loop.call_exception_handler(

@@ -24,7 +24,9 @@ async def serve(cfg) -> int:  # noqa: ANN001 - Config
     from tetri_server.api.server import drain, start_site
     from tetri_server.control.cluster import Cluster
     from tetri_server.metrics import Metrics
+    from tetri_server.sdnotify import Notifier
 
+    notifier = Notifier.from_env()  # before any worker is spawned: they must not inherit it
     metrics = Metrics()
     cluster = Cluster(cfg.resolve(cpu_count=len(os.sched_getaffinity(0))), metrics)
     loop = asyncio.get_running_loop()
@@ -39,11 +41,16 @@ async def serve(cfg) -> int:  # noqa: ANN001 - Config
           f"  try: curl {url}/v1/completions -H 'Content-Type: application/json' "
           f"-d '{{\"model\": \"{cluster.model_name}\", \"prompt\": \"Hello\", "
           f"\"max_tokens\": 16}}'", flush=True)
+    notifier.ready(f"serving {cluster.model_name} at {url}")  # workers ready, socket bound
+    watchdog = notifier.start_watchdog()  # fed through the drain too, until the workers are gone
     await stop.wait()
     log.info("shutting down: draining for up to %.0f s", cfg.server.drain_timeout_s)
+    notifier.stopping("draining")
     await drain(app, cfg.server.drain_timeout_s)
     await runner.cleanup()
     await cluster.stop(drain_timeout_s=0)
+    if watchdog is not None:
+        watchdog.cancel()
     return 0
 
 

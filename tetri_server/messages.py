@@ -181,6 +181,16 @@ class RequestFailed(msgspec.Struct, tag=True, array_like=True):
     error: str
 
 
+class StepFailed(msgspec.Struct, tag=True, array_like=True):
+    """A step raised: the worker sends this, then exits (its state, and on CUDA its context, may
+    be broken). ``req_ids`` were in that step; the control process suspects them: a request
+    that is in two failed steps fails alone instead of killing a third worker."""
+
+    worker_id: int
+    req_ids: list[int]
+    error: str
+
+
 class LoadReport(msgspec.Struct, tag=True, array_like=True):
     """Sent every ``monitor.interval_ms`` by every worker to the cluster monitor."""
 
@@ -233,4 +243,5 @@ class HandoffRejected(msgspec.Struct, tag=True, array_like=True):
 
 ToWorker = (AddRequest | Abort | Shutdown | PeerPools | DecodeView | SetRole | Handoff | KVPulled
             | HandoffRejected)
-FromWorker = Ready | StepOutput | RequestFailed | LoadReport | Handoff | KVPulled | HandoffRejected
+FromWorker = (Ready | StepOutput | RequestFailed | LoadReport | Handoff | KVPulled | HandoffRejected
+              | StepFailed)

@@ -65,6 +65,15 @@ class Metrics:
         self.worker_restarts = Counter(
             "tetri_worker_restarts", "Worker processes restarted after dying.", registry=r
         )
+        self.worker_stalls = Counter(
+            "tetri_worker_stalls",
+            "Workers killed because they sent nothing for monitor.stall_timeout_s.",
+            registry=r,
+        )
+        self.workers_up = Gauge(
+            "tetri_worker_up", "1 while the worker is ready and serving, else 0.", ["worker"],
+            registry=r,
+        )
         self.preemptions = Counter(
             "tetri_preemptions", "Requests preempted (KV dropped, recomputed later).", registry=r
         )
@@ -157,6 +166,12 @@ class Metrics:
         self.worker_restarts.inc()
         if worker is not None:
             self._workers.pop(str(worker), None)
+
+    def inc_stalls(self) -> None:
+        self.worker_stalls.inc()
+
+    def set_up(self, worker: int | str, up: bool) -> None:
+        self.workers_up.labels(str(worker)).set(1 if up else 0)
 
     def remove_worker(self, worker: int | str) -> None:
         """Drop a worker's gauges (it is gone for good); its counters keep their totals."""

@@ -66,13 +66,26 @@ class FlipController:
             raise FlipRefused(f"worker {worker_id} is already {role}")
         if self._pending:
             raise FlipRefused("another flip is in progress")
-        same = [w for w, x in c.workers.items() if x.role == h.role and w not in c.draining]
-        if len(same) <= 1:
-            raise FlipRefused(f"worker {worker_id} is the last {h.role} worker")
+        same = [w for w, x in c.workers.items()
+                if x.role == h.role and x.is_ready and w not in c.draining]
+        reason = self.policy.refusal(h.role, len(same), time.monotonic())
+        if reason is not None:
+            raise FlipRefused(f"worker {worker_id} cannot flip: {reason}")
         return h.role
 
     async def flip(self, worker_id: int, role: str) -> FlipResult:
+        """A manual flip (the policy's own go through ``_auto``)."""
         from_role = self.check(worker_id, role)
+        plan = FlipPlan(worker_id, from_role, role, 0.0)
+        self.policy.begin(plan)
+        try:
+            return await self._run(worker_id, from_role, role)
+        finally:
+            self.policy.on_done(plan, time.monotonic())
+
+    async def _run(self, worker_id: int, from_role: str, role: str) -> FlipResult:
+        """Drain, switch, resume. On a timeout the worker is told to cancel (``SetRole`` of its
+        current role), so it never switches later behind control's back."""
         c = self.cluster
         t0 = time.monotonic()
         fut: asyncio.Future[float] = asyncio.get_running_loop().create_future()
@@ -82,6 +95,13 @@ class FlipController:
         log.info("flip: worker %d %s -> %s: draining", worker_id, from_role, role)
         try:
             switch_s = await asyncio.wait_for(fut, self.timeout_s)
+        except TimeoutError:
+            h = c.workers.get(worker_id)
+            if h is not None:
+                h.post(SetRole(from_role))
+            log.error("flip: worker %d did not drain within %.0f s; cancelled", worker_id,
+                      self.timeout_s)
+            raise
         finally:
             self._pending.pop(worker_id, None)
             c.draining.discard(worker_id)
@@ -115,7 +135,10 @@ class FlipController:
 
     async def _auto(self, plan: FlipPlan) -> None:
         try:
-            await self.flip(plan.worker_id, plan.to_role)
+            h = self.cluster.workers.get(plan.worker_id)
+            if h is None or not h.is_ready or h.role != plan.from_role:
+                raise FlipRefused(f"worker {plan.worker_id} is not serving as {plan.from_role}")
+            await self._run(plan.worker_id, plan.from_role, plan.to_role)
         except (FlipRefused, TimeoutError) as e:
             log.warning("flip of worker %d abandoned: %s", plan.worker_id, e)
         finally:

@@ -18,6 +18,15 @@ class GenerationError(Exception):
     failure). The client gets an error (SSE error event or 5xx), never an empty 200."""
 
 
+class WorkerUnavailableError(GenerationError):
+    """No worker could take the request within the bound (all of its role restarting, server
+    starting or stopping). Retryable: the client gets 503 with ``Retry-After``."""
+
+    def __init__(self, message: str, retry_after_s: float = 5.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class QueueFullError(Exception):
     """Admission limit reached: the client gets 429 with ``Retry-After``."""
 
@@ -44,6 +53,7 @@ class Backend(Protocol):
     max_model_len: int
     tokenizer: Any  # a transformers tokenizer loaded from the model folder
     eos_token_ids: tuple[int, ...]
+    vocab_size: int  # token ids must be < vocab_size (a tokenizer may be longer)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, *, prompt_text: str = "",
                true_output_len: int | None = None) -> RequestStream:

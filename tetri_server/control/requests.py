@@ -45,6 +45,10 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     num_reruns: int = 0
     handoff_s: float = 0.0  # monotonic time the Handoff was forwarded
+    # Waiting for a worker of a role that has none live (restarting): fail with 503 at this
+    # monotonic time unless it got past that role by then. None: not waiting.
+    wait_deadline_s: float | None = None
+    suspect: bool = False  # was in a step that crashed a worker (StepFailed)
     queue: asyncio.Queue[TokenDelta | GenerationError] = field(default_factory=asyncio.Queue)
 
 

@@ -11,8 +11,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import secrets
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -45,12 +47,15 @@ class WorkerHandle:
     ready: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop()
                                         .create_future())
     alive: bool = True
+    last_heard_s: float = field(default_factory=time.monotonic)  # any message (load reports)
+    stalled: bool = False  # silent past monitor.stall_timeout_s: killed, not to be used
     _outgoing: asyncio.Queue[ToWorker] = field(default_factory=asyncio.Queue)
     _writer: asyncio.Task[None] | None = None
 
     @property
     def is_ready(self) -> bool:
-        return self.alive and self.ready.done() and not self.ready.exception()
+        return (self.alive and not self.stalled and self.ready.done()
+                and not self.ready.exception())
 
     def post(self, msg: ToWorker) -> None:
         """Queue a message for the worker; a writer task sends them in order (back-pressure
@@ -75,7 +80,8 @@ def spawn_worker(worker_id: int, role: str, generation: int, run_id: str,
                  device: str, on_message: Callable[[WorkerHandle, FromWorker], None],
                  on_exit: Callable[[WorkerHandle], None]) -> WorkerHandle:
     loop = asyncio.get_running_loop()
-    prefix = f"{run_id}-w{worker_id}g{generation}"
+    # A fresh random part per generation: names no other local user can guess or pre-create.
+    prefix = f"{run_id}-w{worker_id}g{generation}-{secrets.token_hex(4)}"
     inbox: Channel[ToWorker] = Channel.create(f"{prefix}-in", RING_BYTES, ToWorker)
     outbox: Channel[FromWorker] = Channel.create(f"{prefix}-out", RING_BYTES, FromWorker)
     spec = WorkerSpec(worker_id, role, generation, run_id, config, inbox.spec, outbox.spec, cpus,
@@ -97,8 +103,12 @@ def spawn_worker(worker_id: int, role: str, generation: int, run_id: str,
 
 
 def reap(handle: WorkerHandle) -> int | None:
-    """After the worker exited (or to clean up): stop watching, unlink its segments."""
+    """After the worker exited (or to clean up): deliver what it sent before it died (a
+    StepFailed naming the requests that crashed it, tokens, hand-offs), stop watching, unlink
+    its segments."""
     loop = asyncio.get_running_loop()
+    if handle.receiver is not None and handle.alive:
+        handle.receiver.flush()
     handle.alive = False
     loop.remove_reader(handle.pidfd)
     os.close(handle.pidfd)

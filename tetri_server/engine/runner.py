@@ -46,6 +46,7 @@ class ModelRunner:
 
     def __init__(self, model: CausalLM, spec: ModelSpec, kv: torch.Tensor, block_size: int,
                  device: torch.device) -> None:
+        self.last_plan: StepPlan | None = None
         self.model = model
         self.spec = spec
         self.kv = kv
@@ -87,6 +88,7 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> StepResult:
         """Run the forward, advance ``num_computed`` of every item, sample where a sequence's
         tokens are all computed. The caller appends the sampled tokens."""
+        self.last_plan = plan  # a worker whose step raises names these requests (StepFailed)
         ids, meta, rows, items = self._build(plan)
         rows_t = torch.tensor(rows, dtype=torch.long, device=self.device)
         logits = self.model(ids, meta, self.kv, rows_t)

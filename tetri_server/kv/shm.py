@@ -7,6 +7,7 @@ import os
 
 import torch
 
+from tetri_server.channel import reserve_shm
 from tetri_server.kv.transport import DTYPE_NAMES, PoolGeometry, copy_extent_runs
 from tetri_server.messages import PoolHandle
 
@@ -22,6 +23,7 @@ def _map(name: str, num_bytes: int, create: bool) -> torch.Tensor:
     try:
         if create:
             os.ftruncate(fd, num_bytes)
+            reserve_shm(fd, num_bytes, f"KV pool {name}")
         # A peer's pool is populated at map time, so the first hand-offs out of it do not
         # pay page faults inside the decode loop; our own pool is pre-touched by zero_().
         flags = mmap.MAP_SHARED | (0 if create else mmap.MAP_POPULATE)

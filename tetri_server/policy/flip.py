@@ -75,12 +75,29 @@ class FlipPolicy:
         self._in_flight: FlipPlan | None = None
         self._last_flip_end_s: float | None = None
 
+    def refusal(self, role: str, num_of_role: int, now_s: float) -> str | None:
+        """Why a worker of ``role`` (one of ``num_of_role`` serving in it) may not start a flip
+        now, or None. The one rule for automatic and manual (``POST /admin/flip``) flips: one
+        flip at a time, none within ``cooldown_s`` of the last one's end, and one worker of
+        each role always remains."""
+        if self._in_flight is not None:
+            return f"another flip is in progress (worker {self._in_flight.worker_id})"
+        if self._last_flip_end_s is not None and now_s - self._last_flip_end_s < self.cooldown_s:
+            wait = self.cooldown_s - (now_s - self._last_flip_end_s)
+            return f"the last flip ended less than {self.cooldown_s:g} s ago; retry in {wait:.0f} s"
+        if num_of_role <= 1:
+            return f"it is the last {role} worker"
+        return None
+
+    def begin(self, plan: FlipPlan) -> None:
+        """A flip decided outside ``plan`` (by hand) starts: no other until ``on_done``."""
+        self._in_flight = plan
+        self._history.pop(plan.worker_id, None)
+
     def plan(self, reports: Sequence[LoadReport], now_s: float) -> FlipPlan | None:
         """Record ``reports`` (taken at ``now_s``) and decide whether a worker flips now."""
         self._observe(reports, now_s)
-        if self._in_flight is not None:
-            return None
-        if self._last_flip_end_s is not None and now_s - self._last_flip_end_s < self.cooldown_s:
+        if self.refusal("", 2, now_s) is not None:
             return None
         stats = {wid: self._stats(wid, now_s) for wid in self._history}
         by_role = {role: [w for w, s in stats.items() if s.role == role] for role in ROLES}
@@ -89,7 +106,7 @@ class FlipPolicy:
             (s.utilisation, wid)
             for wid, s in stats.items()
             if (s.idle or (s.complete and s.utilisation < self.low_util))
-            and len(by_role[s.role]) >= 2
+            and self.refusal(s.role, len(by_role[s.role]), now_s) is None
             and overloaded[_other(s.role)]
         ]
         if not candidates:

@@ -21,12 +21,19 @@ from tetri_server.kv.manager import KVCacheManager
 from tetri_server.kv.transport import PoolGeometry, make_transport
 from tetri_server.messages import (
     Abort,
+    AddRequest,
+    DecodeView,
     FromWorker,
+    Handoff,
+    HandoffRejected,
+    KVPulled,
     LoadReport,
     PeerPools,
     Ready,
+    RequestFailed,
     SetRole,
     Shutdown,
+    StepFailed,
     ToWorker,
     WorkerSpec,
 )
@@ -103,6 +110,13 @@ class Worker:
         else:
             pages = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
             budget = pages * kv.memory_fraction / max(1, self.cfg.cluster.num_workers)
+            st = os.statvfs("/dev/shm")  # the CPU pool lives there: a small tmpfs caps it
+            shm_share = 0.9 * st.f_bavail * st.f_frsize / max(1, self.cfg.cluster.num_workers)
+            if shm_share < budget:
+                log.warning("worker %d: /dev/shm is small (%.0f MiB free): KV pool sized to "
+                            "%.0f MiB", self.worker_id, st.f_bavail * st.f_frsize / 2**20,
+                            shm_share / 2**20)
+                budget = shm_share
         # More than max_batch full-length sequences (x2: a prefill worker also holds requests
         # waiting for dispatch) cannot be used; a bigger pool only costs start-up page faults.
         useful = 2 * self.cfg.decode.max_batch * blocks_for(self.max_model_len, kv.block_size)
@@ -136,7 +150,7 @@ class Worker:
                     break
                 if self.role.has_work():
                     t0 = time.monotonic()
-                    self.role.step()
+                    self.step()
                     self.busy_s += time.monotonic() - t0
                 elif self.pending_role is not None and self.role.is_drained():
                     self.switch_role(self.pending_role)
@@ -153,6 +167,20 @@ class Worker:
             self.transport.close()
             self.inbox.close()
             self.outbox.close()
+
+    def step(self) -> None:
+        """One step of the role. If it raises, the requests of the forward pass it ran are
+        named to the control process (``StepFailed``) before the worker dies: a request that
+        crashes workers must fail alone, not be re-run until every worker is dead."""
+        self.runner.last_plan = None
+        try:
+            self.role.step()
+        except Exception as e:
+            plan = self.runner.last_plan
+            req_ids = [] if plan is None else [item.seq.req_id for item in plan.items]
+            log.exception("worker %d: step failed with requests %s", self.worker_id, req_ids)
+            self.send(StepFailed(self.worker_id, req_ids, f"{type(e).__name__}: {e}"[:500]))
+            raise
 
     def switch_role(self, role: str) -> None:
         """Instance flip, after the drain: a new role object over the same model and pool."""
@@ -175,7 +203,8 @@ class Worker:
         elif isinstance(msg, Abort):
             self.role.abort(msg.req_id)
         elif isinstance(msg, SetRole):
-            self.pending_role = msg.role
+            # SetRole to the current role cancels a pending flip (control gave up waiting).
+            self.pending_role = None if msg.role == self.role.name else msg.role
         else:
             self.role.handle(msg)
 
@@ -198,7 +227,19 @@ class Role:
         return 0
 
     def handle(self, msg: object) -> None:
-        raise TypeError(f"{self.name} worker got {type(msg).__name__}")
+        """Messages meant for another role can arrive just after a flip (sent before control
+        learnt of it): a Handoff is refused so the prefill worker re-dispatches it, the rest
+        (a DecodeView, a KVPulled for KV this role never held) is dropped."""
+        if isinstance(msg, Handoff):
+            self.w.send(HandoffRejected(msg.req_id, f"worker {self.w.worker_id} is now "
+                                        f"a {self.name} worker"))
+        elif isinstance(msg, AddRequest):  # control never routes to a draining worker
+            self.w.send(RequestFailed(msg.req_id, f"routed to a {self.name} worker"))
+        elif isinstance(msg, DecodeView | KVPulled | HandoffRejected):
+            log.info("%s worker %d dropped a stray %s", self.name, self.w.worker_id,
+                     type(msg).__name__)
+        else:
+            raise TypeError(f"{self.name} worker got {type(msg).__name__}")
 
     def abort(self, req_id: int) -> None:
         raise NotImplementedError

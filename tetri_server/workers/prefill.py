@@ -64,6 +64,7 @@ class PrefillRole(Role):
         self.undispatched: list[Sequence] = []  # prefilled, waiting for room on a decode worker
         self.handed_off: dict[int, Sequence] = {}  # Handoff sent, blocks pinned until KVPulled
         self.blocked = False  # the last step could start nothing; set until the next message
+        self.await_view = False  # a hand-off was refused: dispatch again on the next view
 
     def chunk_size(self) -> int:
         return self._chunk_size
@@ -79,6 +80,7 @@ class PrefillRole(Role):
             self.seqs[seq.req_id] = seq
             self.unpredicted.append((seq, msg))
         elif isinstance(msg, DecodeView):
+            self.await_view = False
             if self.dispatcher.on_view(msg):
                 self.dispatch_held()
         elif isinstance(msg, KVPulled):
@@ -91,6 +93,7 @@ class PrefillRole(Role):
                 log.info("request %d rejected by decode: %s", msg.req_id, msg.reason)
                 self.w.kv.unpin(seq)  # nobody reads its blocks now; a new Handoff names them anew
                 self.undispatched.append(seq)
+                self.await_view = True  # the view that chose that worker is stale
         else:
             super().handle(msg)
 
@@ -188,6 +191,8 @@ class PrefillRole(Role):
         return chunk, items
 
     def dispatch_held(self) -> None:
+        if self.await_view:
+            return
         still: list[Sequence] = []
         for seq in self.undispatched:
             plan = self.dispatcher.plan(seq.req_id, seq.num_prompt, seq.predicted_bucket)
