@@ -77,7 +77,7 @@ def cleanup_stale_segments(shm_dir: str = SHM_DIR) -> list[str]:
     """Unlink every ``tetri-<pid>-*`` entry of ``shm_dir`` whose pid is not alive; return their
     names. Called once by the control process at start-up, so a crashed run leaves nothing
     behind. Hazard: pids are only meaningful within one pid namespace sharing ``/dev/shm``."""
-    removed = []
+    removed: list[str] = []
     try:
         entries = sorted(os.listdir(shm_dir))
     except OSError as e:
@@ -163,7 +163,7 @@ class Channel(Generic[T]):
         shm: SharedMemory | None = None
         try:
             shm = SharedMemory(name=name, create=True, size=_DATA + capacity)
-            reserve_shm(shm._fd, _DATA + capacity, f"message ring {name}")
+            reserve_shm(shm._fd, _DATA + capacity, f"message ring {name}")  # type: ignore[attr-defined]
             channel: Channel[Any] = cls(shm, ChannelSpec(name, capacity, *fds), msg_type, True)
         except BaseException:
             if shm is not None:

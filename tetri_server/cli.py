@@ -22,6 +22,7 @@ def _serve_args(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
 async def serve(cfg) -> int:  # noqa: ANN001 - Config
     from tetri_server.api.app import build_app
     from tetri_server.api.server import drain, start_site
+    from tetri_server.config import ConfigError
     from tetri_server.control.cluster import Cluster
     from tetri_server.metrics import Metrics
     from tetri_server.sdnotify import Notifier
@@ -33,8 +34,12 @@ async def serve(cfg) -> int:  # noqa: ANN001 - Config
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    try:
+        app = build_app(cluster, cluster.cfg.server, metrics)  # reads server.api_key_file
+    except ConfigError as e:
+        print(f"tetri-server: {e}", file=sys.stderr)
+        return 2
     await cluster.start()
-    app = build_app(cluster, cluster.cfg.server, metrics)
     runner, port = await start_site(app, cfg.server.host, cfg.server.port)
     url = f"http://{cfg.server.host}:{port}"
     print(f"tetri-server: serving {cluster.model_name!r} ({cfg.cluster.mode}) at {url}/v1\n"
@@ -43,7 +48,14 @@ async def serve(cfg) -> int:  # noqa: ANN001 - Config
           f"\"max_tokens\": 16}}'", flush=True)
     notifier.ready(f"serving {cluster.model_name} at {url}")  # workers ready, socket bound
     watchdog = notifier.start_watchdog()  # fed through the drain too, until the workers are gone
-    await stop.wait()
+    assert cluster.fatal is not None
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([stopping, cluster.fatal], return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    code = 0
+    if cluster.fatal.done():  # a worker keeps dying: exit non-zero so that systemd acts
+        log.critical("%s; shutting down", cluster.fatal.result())
+        code = 1
     log.info("shutting down: draining for up to %.0f s", cfg.server.drain_timeout_s)
     notifier.stopping("draining")
     await drain(app, cfg.server.drain_timeout_s)
@@ -51,7 +63,7 @@ async def serve(cfg) -> int:  # noqa: ANN001 - Config
     await cluster.stop(drain_timeout_s=0)
     if watchdog is not None:
         watchdog.cancel()
-    return 0
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:

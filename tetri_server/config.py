@@ -3,7 +3,7 @@
 Each ``[section]`` of ``config.toml`` maps one-to-one onto a frozen dataclass below and each key
 onto one field with the same name. ``__post_init__`` only validates (single fields in the
 section classes, cross-field rules in ``Config.__post_init__``); nothing here does I/O except
-``load_config`` reading the file it is given.
+``load_config`` reading the file it is given and the secrets in the environment.
 
 ``Config.resolve(cpu_count=...)`` returns a new ``Config`` with every ``auto``/0 value that can
 be decided from the config alone made concrete:
@@ -22,8 +22,11 @@ Values that need the model or the device stay as they are for the runtime to res
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
+import os
 import tomllib
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePath
 from typing import Any, ClassVar, Literal, get_args, get_origin
@@ -82,7 +85,20 @@ class ServerConfig(_Section):
     port: int = 8000
     """TCP port to bind; 0 picks a free port."""
     api_key: str = ""
-    """Bearer token required on /v1/* and /admin/* routes; "" = no auth."""
+    """Bearer token required on /v1/* and /admin/* routes; "" = no auth. Env TETRI_API_KEY
+    overrides the config file (``--set`` overrides both); prefer it or api_key_file to argv."""
+    api_key_file: str = ""
+    """File holding the api key (read at start-up, whitespace stripped); "" = none. Keep it
+    mode 600: a group- or world-readable file is warned about. Exclusive with api_key."""
+    admin_api_key: str = ""
+    """Bearer token for /admin/* instead of api_key; "" = /admin/* takes api_key. Env
+    TETRI_ADMIN_API_KEY overrides the config file."""
+    allowed_hosts: tuple[str, ...] = ()
+    """Host header names accepted (any port). On a loopback bind the loopback names are always
+    accepted and others refused (DNS rebinding); elsewhere, empty = any Host."""
+    allowed_origins: tuple[str, ...] = ()
+    """Browser origins (scheme://host[:port], or "*") accepted in an Origin header. On a loopback
+    bind localhost origins are always accepted and others refused; elsewhere, empty = any."""
     max_body_bytes: int = 4 * 1024 * 1024
     """Largest accepted request body in bytes; larger bodies get 413."""
     max_queued_requests: int = 1024
@@ -91,8 +107,31 @@ class ServerConfig(_Section):
     """Server-side bound on one request, arrival to last token; then it fails with an error."""
     drain_timeout_s: float = 30.0
     """On SIGTERM, wait at most this long for in-flight requests before exiting."""
+    body_timeout_s: float = 30.0
+    """A request body must arrive within this many seconds, else 408."""
+    keepalive_timeout_s: float = 15.0
+    """Close a connection that is idle, or still sending its request head, this long."""
+    max_connections: int = 2048
+    """Open client connections at most; more are answered 503 + Retry-After and closed."""
     log_level: LogLevel = "info"
     """Log verbosity."""
+
+    SECRETS: ClassVar[tuple[str, ...]] = ("api_key", "admin_api_key")
+    # environment variable -> key; applied by load_config between the file and --set
+    ENV_KEYS: ClassVar[dict[str, str]] = {
+        "TETRI_API_KEY": "api_key",
+        "TETRI_ADMIN_API_KEY": "admin_api_key",
+    }
+
+    @property
+    def is_loopback(self) -> bool:
+        """Bound to a loopback address only: Host and Origin are then checked by default."""
+        if self.host.lower() in ("localhost", "localhost."):
+            return True
+        try:
+            return ipaddress.ip_address(self.host.strip("[]")).is_loopback
+        except ValueError:
+            return False
 
     def _validate(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -101,6 +140,20 @@ class ServerConfig(_Section):
         self._positive("max_queued_requests")
         self._positive("request_timeout_s")
         self._positive("drain_timeout_s")
+        self._positive("body_timeout_s")
+        self._positive("keepalive_timeout_s")
+        self._positive("max_connections")
+        if self.api_key and self.api_key_file:
+            raise ConfigError(
+                "server.api_key (or TETRI_API_KEY) and server.api_key_file are both set; keep one"
+            )
+        if not all(self.allowed_hosts):
+            raise ConfigError("server.allowed_hosts must not hold empty names")
+        for origin in self.allowed_origins:
+            if origin != "*" and not origin.startswith(("http://", "https://")):
+                raise ConfigError(
+                    f'server.allowed_origins: {origin!r} must be scheme://host[:port] or "*"'
+                )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -146,6 +199,18 @@ class ClusterConfig(_Section):
     """Bound on a worker loading its model and reporting ready."""
     restart_workers: bool = True
     """Restart a worker that dies (its requests are re-run elsewhere either way)."""
+    restart_backoff_s: float = 1.0
+    """Delay before restarting a worker that died; doubles with each death in a row."""
+    restart_backoff_max_s: float = 30.0
+    """Largest delay between restarts of one worker."""
+    max_restarts: int = 5
+    """Deaths in a row of one worker (each within restart_reset_s of its start) after which the
+    server exits non-zero, so that systemd (or the operator) acts."""
+    restart_reset_s: float = 60.0
+    """A worker that stays up this long after becoming ready starts a fresh count of deaths."""
+    worker_wait_s: float = 30.0
+    """A request whose role has no live worker (all restarting) waits this long for one, then
+    fails with 503 and Retry-After."""
 
     @property
     def num_workers(self) -> int:
@@ -160,6 +225,11 @@ class ClusterConfig(_Section):
         self._at_least("workers", 1)
         self._at_least("threads_per_worker", 0)
         self._positive("worker_start_timeout_s")
+        self._at_least("restart_backoff_s", 0)
+        self._at_least("restart_backoff_max_s", 0)
+        self._at_least("max_restarts", 0)
+        self._positive("restart_reset_s")
+        self._positive("worker_wait_s")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -261,9 +331,17 @@ class MonitorConfig(_Section):
 
     interval_ms: int = 100
     """Period of worker load reports and of the decode-view broadcast to prefill workers."""
+    stall_timeout_s: float = 5.0
+    """A ready worker that sends nothing (no load report, no tokens) for this long is stalled
+    (stopped, stuck kernel, endless loop): it gets no new work, is killed and restarted, and its
+    requests are re-run elsewhere."""
 
     def _validate(self) -> None:
         self._at_least("interval_ms", 1)
+        self._positive("stall_timeout_s")
+        if self.stall_timeout_s * 1000 < 3 * self.interval_ms:
+            raise ConfigError(f"monitor.stall_timeout_s = {self.stall_timeout_s} must cover at "
+                              f"least 3 load reports (interval_ms = {self.interval_ms})")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -357,11 +435,13 @@ class Config:
     def to_dict(self, *, redact: bool = True) -> dict[str, dict[str, Any]]:
         """``{section: {key: value}}``, the shape of config.toml; JSON- and TOML-safe.
 
-        ``redact`` replaces a set ``server.api_key`` with ``"<redacted>"`` (for result files).
+        ``redact`` replaces each set secret (``ServerConfig.SECRETS``: the api keys) with
+        ``"<redacted>"`` (for result files).
         """
         data = dataclasses.asdict(self)
-        if redact and self.server.api_key:
-            data["server"]["api_key"] = "<redacted>"
+        for key in ServerConfig.SECRETS if redact else ():
+            if data["server"][key]:
+                data["server"][key] = "<redacted>"
         return data
 
     @classmethod
@@ -380,7 +460,7 @@ class Config:
             for key, value in values.items():
                 _check_key(section_cls, name, key, source)
                 _check_type(f"{name}.{key}", value, hints[key], source)
-            kwargs = {k: float(v) if hints[k] is float else v for k, v in values.items()}
+            kwargs = {k: _coerce(v, hints[k]) for k, v in values.items()}
             try:
                 sections[name] = section_cls(**kwargs)
             except ConfigError as e:
@@ -391,8 +471,14 @@ class Config:
             raise ConfigError(f"{source}: {e}") from None
 
 
-def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
-    """Read ``path`` (None = built-in defaults, equal to the shipped config.toml), apply
+def load_config(
+    path: str | Path | None,
+    overrides: list[str] | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+) -> Config:
+    """Read ``path`` (None = built-in defaults, equal to the shipped config.toml), apply the
+    secrets set in ``environ`` (None = ``os.environ``; ``ServerConfig.ENV_KEYS``), then the
     ``--set section.key=value`` overrides in order, validate, and return the (unresolved) Config.
 
     An override's value is parsed as a TOML literal when it parses (``8001``, ``true``,
@@ -409,13 +495,21 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
             raise ConfigError(f"config file not found: {path}") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path}: invalid TOML: {e}") from None
+    env = os.environ if environ is None else environ
+    for var, key in ServerConfig.ENV_KEYS.items():
+        if env.get(var):
+            _table(data, "server", source)[key] = env[var]
     for item in overrides or []:
         section, key, value = _parse_override(item)
-        table = data.setdefault(section, {})
-        if not isinstance(table, dict):
-            raise ConfigError(f"{source}: [{section}] must be a table of keys")
-        table[key] = value
+        _table(data, section, source)[key] = value
     return Config.from_dict(data, source=source)
+
+
+def _table(data: dict[str, Any], section: str, source: str) -> dict[str, Any]:
+    table = data.setdefault(section, {})
+    if not isinstance(table, dict):
+        raise ConfigError(f"{source}: [{section}] must be a table of keys")
+    return table
 
 
 def _parse_override(item: str) -> tuple[str, str, Any]:
@@ -437,7 +531,7 @@ def _parse_override(item: str) -> tuple[str, str, Any]:
         value = text
     _check_type(f"{section}.{key}", value, hint, source)
     try:  # per-field rules now, so the error names the --set; cross-field rules run at the end
-        section_cls(**{key: float(value) if hint is float else value})
+        section_cls(**{key: _coerce(value, hint)})
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}") from None
     return section, key, value
@@ -478,6 +572,9 @@ def _check_type(key: str, value: Any, hint: Any, source: str) -> None:
     elif hint is int:
         expected = "an integer"
         ok = isinstance(value, int) and not isinstance(value, bool)
+    elif hint == tuple[str, ...]:
+        expected = "a list of strings"
+        ok = isinstance(value, list | tuple) and all(isinstance(v, str) for v in value)
     else:
         expected = {str: "a string", bool: "true or false"}[hint]
         ok = isinstance(value, hint)
@@ -485,6 +582,15 @@ def _check_type(key: str, value: Any, hint: Any, source: str) -> None:
         raise ConfigError(
             f"{source}: {key} = {value!r} ({type(value).__name__}) is invalid; expected {expected}"
         )
+
+
+def _coerce(value: Any, hint: Any) -> Any:
+    """A checked TOML value as the field stores it (an int for a float key, a list as tuple)."""
+    if hint is float:
+        return float(value)
+    if hint == tuple[str, ...]:
+        return tuple(value)
+    return value
 
 
 def _default_served_name(path: str) -> str:

@@ -1,0 +1,272 @@
+"""Faults against the real multi-process cluster (tiny Llama, CPU): a hand-off whose KV the
+prefill worker would have moved, a request that crashes its worker, flips under load, a stopped
+(SIGSTOP) worker, killed prefill and decode workers, a restart loop. Every output is compared
+with transformers; every bound is generous (a busy 2-core machine)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+
+from tests.conftest import hf_greedy, random_prompts
+from tests.integration.conftest import make_cluster
+from tetri_server.control.protocol import GenerationError, WorkerUnavailableError
+from tetri_server.messages import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+
+async def collect(cluster, prompt, params=GREEDY) -> list[int]:
+    out: list[int] = []
+    async for d in cluster.submit(prompt, params):
+        out.extend(d.token_ids)
+    return out
+
+
+async def until(check, timeout_s: float, what: str) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not check():
+        if loop.time() > deadline:
+            raise AssertionError(f"not within {timeout_s} s: {what}")
+        await asyncio.sleep(0.01)
+
+
+def kill(cluster, worker_id: int, sig: int = signal.SIGKILL) -> None:
+    os.kill(cluster.workers[worker_id].proc.pid, sig)
+
+
+async def test_compaction_under_waiting_handoffs_keeps_every_output_right(tiny_llama):
+    """Regression (wrong text, HTTP 200): with the decode worker stopped, four hand-offs wait
+    while requests that finish at the prefill worker fragment its pool; a long prompt then
+    needs a run of blocks that only a compaction can make. The decode worker, resumed, must
+    copy each request's own KV: every output equals transformers."""
+    # round-robin: dispatch on the (stale) view's free blocks alone, so all four go out
+    cluster = make_cluster(tiny_llama, "disaggregated", "model.max_model_len=512",
+                           "kv.num_blocks=48", "monitor.stall_timeout_s=120",
+                           "dispatch.policy=round-robin")
+    waiting = random_prompts(4, 8000, (50, 60), seed=31)
+    fillers = random_prompts(4, 8000, (50, 60), seed=32)
+    big = random_prompts(1, 8000, (330, 330), seed=33)[0]
+    ref = hf_greedy(tiny_llama, waiting + [big], GREEDY.max_tokens)
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    await cluster.start()
+    try:
+        await asyncio.sleep(1.0)  # the prefill worker has a view of the decode worker
+        kill(cluster, 1, signal.SIGSTOP)
+        first: list[asyncio.Event] = [asyncio.Event() for _ in waiting]
+
+        async def run(i: int, prompt: list[int]) -> list[int]:
+            out: list[int] = []
+            async for d in cluster.submit(prompt, GREEDY):
+                out.extend(d.token_ids)
+                first[i].set()
+            return out
+
+        jobs = []
+        for i, (w, f) in enumerate(zip(waiting, fillers, strict=True)):
+            jobs.append(asyncio.create_task(run(i, w)))
+            await asyncio.wait_for(first[i].wait(), 60)  # prefilled, handed off, waiting
+            assert await asyncio.wait_for(collect(cluster, f, one), 60)  # leaves a hole
+        big_job = asyncio.create_task(collect(cluster, big))
+        await asyncio.sleep(2.0)  # the prefill worker tries to place the long prompt
+        kill(cluster, 1, signal.SIGCONT)
+        got = await asyncio.wait_for(asyncio.gather(*jobs, big_job), 120)
+        assert got == ref
+        assert cluster.num_restarts == 0
+    finally:
+        await cluster.stop()
+
+
+async def test_many_concurrent_varied_requests_on_a_small_pool_are_all_right(tiny_llama):
+    """Statistical companion: 60 concurrent prompts of 1-300 tokens on a pool that keeps the
+    prefill worker compacting around in-flight hand-offs."""
+    cluster = make_cluster(tiny_llama, "disaggregated", "model.max_model_len=512",
+                           "kv.num_blocks=48")
+    prompts = random_prompts(60, 8000, (1, 300), seed=34)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    ref = hf_greedy(tiny_llama, prompts, params.max_tokens)
+    await cluster.start()
+    try:
+        got = await asyncio.wait_for(
+            asyncio.gather(*(collect(cluster, p, params) for p in prompts)), 240)
+        assert got == ref
+    finally:
+        await cluster.stop()
+
+
+async def test_a_request_that_crashes_its_worker_fails_alone(tiny_llama):
+    """A token id past the embedding (sent straight to the backend, as a buggy client of the
+    Python API could) raises inside the worker's step. That request fails with a clear error
+    after one crash; it is not re-run onto the restarted worker; others are served."""
+    cluster = make_cluster(tiny_llama, "disaggregated", "cluster.restart_backoff_s=0.1")
+    prompt = random_prompts(1, 8000, (20, 20), seed=35)[0]
+    ref = hf_greedy(tiny_llama, [prompt], GREEDY.max_tokens)[0]
+    await cluster.start()
+    try:
+        with pytest.raises(GenerationError, match="crashed a worker"):
+            await asyncio.wait_for(collect(cluster, [5, 6, cluster.vocab_size + 7]), 60)
+        await until(lambda: cluster.num_restarts == 1, 30, "the crashed worker is restarted")
+        assert await asyncio.wait_for(collect(cluster, prompt), 120) == ref
+        assert cluster.num_restarts == 1
+    finally:
+        await cluster.stop()
+
+
+async def test_manual_flips_under_load_never_kill_a_worker(tiny_llama):
+    """Regression: a DecodeView (or a Handoff) that reached a worker just after it switched
+    roles raised TypeError and killed it. 10 flips back and forth while requests flow."""
+    cluster = make_cluster(tiny_llama, "disaggregated", "cluster.decode_workers=2",
+                           "cluster.threads_per_worker=1", "flip.min_interval_s=0",
+                           "monitor.interval_ms=20")
+    prompts = random_prompts(6, 8000, (5, 120), seed=36)
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    ref = hf_greedy(tiny_llama, prompts, params.max_tokens)
+    await cluster.start()
+    try:
+        stop = asyncio.Event()
+
+        async def load() -> list[list[int]]:
+            outs = []
+            while not stop.is_set():
+                outs += await asyncio.gather(*(collect(cluster, p, params) for p in prompts))
+            return outs
+
+        job = asyncio.create_task(load())
+        role = "prefill"
+        for _ in range(10):
+            await asyncio.wait_for(cluster.flip(2, role), 60)
+            role = "decode" if role == "prefill" else "prefill"
+        stop.set()
+        outs = await asyncio.wait_for(job, 120)
+        assert outs and all(o == ref[i % len(prompts)] for i, o in enumerate(outs))
+        assert cluster.num_restarts == 0
+        assert len(cluster.flipper.history) == 10
+    finally:
+        await cluster.stop()
+
+
+async def test_manual_flips_obey_the_cooldown(tiny_llama):
+    cluster = make_cluster(tiny_llama, "disaggregated", "cluster.decode_workers=2",
+                           "flip.min_interval_s=600")
+    await cluster.start()
+    try:
+        from tetri_server.control.flip import FlipRefused
+
+        await asyncio.wait_for(cluster.flip(2, "prefill"), 60)
+        with pytest.raises(FlipRefused, match="less than 600 s ago"):
+            await cluster.flip(2, "decode")
+    finally:
+        await cluster.stop()
+
+
+async def test_a_stopped_decode_worker_is_noticed_and_its_streams_move(tiny_llama):
+    """SIGSTOP of one of two decode workers under 12 streams: within seconds it is declared
+    stalled (no new work, /health not ready), killed and restarted; its streams are re-run on
+    the other and every output equals transformers."""
+    cluster = make_cluster(tiny_llama, "disaggregated", "cluster.decode_workers=2",
+                           "monitor.stall_timeout_s=2", "cluster.restart_backoff_s=0.1")
+    prompts = random_prompts(12, 8000, (10, 100), seed=37)
+    params = SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True)
+    ref = hf_greedy(tiny_llama, prompts, params.max_tokens)
+    await cluster.start()
+    try:
+        jobs = [asyncio.create_task(collect(cluster, p, params)) for p in prompts]
+        await until(lambda: any(r.state.value == "decode" and r.output_ids
+                                for r in cluster.requests.values()), 60, "a request decodes")
+        victim = next(r.owner for r in cluster.requests.values() if r.state.value == "decode")
+        t0 = asyncio.get_running_loop().time()
+        kill(cluster, victim, signal.SIGSTOP)
+        await until(lambda: cluster.workers[victim].stalled or cluster.num_restarts, 20,
+                    "the stopped worker is declared stalled")
+        assert asyncio.get_running_loop().time() - t0 < 15
+        assert not cluster.is_ready()
+        got = await asyncio.wait_for(asyncio.gather(*jobs), 120)
+        assert got == ref
+        assert cluster.num_restarts == 1
+        await until(cluster.is_ready, 60, "the stalled worker is back")
+    finally:
+        await cluster.stop()
+
+
+async def test_killing_one_of_two_prefill_workers_loses_nothing(tiny_llama):
+    cluster = make_cluster(tiny_llama, "disaggregated", "cluster.prefill_workers=2",
+                           "cluster.restart_backoff_s=0.1")
+    prompts = random_prompts(16, 8000, (100, 300), seed=38)
+    ref = hf_greedy(tiny_llama, prompts, GREEDY.max_tokens)
+    await cluster.start()
+    try:
+        jobs = [asyncio.create_task(collect(cluster, p)) for p in prompts[:8]]
+        await until(lambda: any(r.owner == 0 and r.state.value == "prefill"
+                                for r in cluster.requests.values()), 30, "worker 0 prefills")
+        kill(cluster, 0)
+        await asyncio.sleep(0.05)
+        jobs += [asyncio.create_task(collect(cluster, p)) for p in prompts[8:]]  # meanwhile
+        got = await asyncio.wait_for(asyncio.gather(*jobs), 120)
+        assert got == ref
+    finally:
+        await cluster.stop()
+
+
+async def test_the_only_decode_worker_dying_is_not_an_outage(tiny_llama):
+    """SIGKILL of the only decode worker: in-flight and new requests wait for its restart and
+    are re-run from prompt + streamed tokens; every output equals transformers."""
+    cluster = make_cluster(tiny_llama, "disaggregated", "cluster.restart_backoff_s=0.1",
+                           "cluster.worker_wait_s=120")
+    prompts = random_prompts(10, 8000, (10, 150), seed=39)
+    params = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
+    ref = hf_greedy(tiny_llama, prompts, params.max_tokens)
+    await cluster.start()
+    try:
+        jobs = [asyncio.create_task(collect(cluster, p, params)) for p in prompts[:6]]
+        await until(lambda: any(r.state.value == "decode" and r.output_ids
+                                for r in cluster.requests.values()), 60, "a request decodes")
+        kill(cluster, 1)
+        await asyncio.sleep(0.05)
+        jobs += [asyncio.create_task(collect(cluster, p, params)) for p in prompts[6:]]
+        got = await asyncio.wait_for(asyncio.gather(*jobs), 180)
+        assert got == ref
+        assert cluster.num_restarts == 1
+    finally:
+        await cluster.stop()
+
+
+async def test_without_a_restart_requests_get_a_retryable_error_in_bounded_time(tiny_llama):
+    cluster = make_cluster(tiny_llama, "disaggregated", "cluster.restart_workers=false",
+                           "cluster.worker_wait_s=2")
+    prompt = random_prompts(1, 8000, (20, 20), seed=40)[0]
+    await cluster.start()
+    try:
+        kill(cluster, 1)
+        await until(lambda: not cluster.workers[1].alive, 10, "the kill is seen")
+        t0 = asyncio.get_running_loop().time()
+        with pytest.raises(WorkerUnavailableError) as e:
+            await asyncio.wait_for(collect(cluster, prompt), 60)
+        assert asyncio.get_running_loop().time() - t0 < 20
+        assert e.value.retry_after_s >= 1
+        assert cluster.requests == {}  # nothing left behind
+    finally:
+        await cluster.stop()
+
+
+async def test_a_worker_that_keeps_dying_makes_the_server_give_up(tiny_llama):
+    """Restart hygiene: back-off between restarts, and after cluster.max_restarts deaths in a
+    row the cluster reports a fatal error (the CLI exits non-zero: systemd acts)."""
+    cluster = make_cluster(tiny_llama, "disaggregated", "cluster.max_restarts=1",
+                           "cluster.restart_backoff_s=0.1")
+    await cluster.start()
+    try:
+        seg = cluster.workers[1].kv_segment
+        kill(cluster, 1)
+        await until(lambda: cluster.workers[1].generation == 1 and cluster.workers[1].is_ready,
+                    60, "worker 1 restarted")
+        assert cluster.workers[1].kv_segment != seg.replace("g0", "g1")  # names not guessable
+        assert not cluster.fatal.done()
+        kill(cluster, 1)
+        await asyncio.wait_for(asyncio.shield(cluster.fatal), 30)
+        assert "died 2 times in a row" in cluster.fatal.result()
+    finally:
+        await cluster.stop()
