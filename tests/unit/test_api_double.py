@@ -67,6 +67,7 @@ class EngineBackend:
         self.model_name = MODEL_NAME
         self.max_model_len = self.engine.max_model_len
         self.eos_token_ids = tuple(self.engine.spec.eos_token_ids)
+        self.vocab_size = self.engine.spec.vocab_size
         self.metrics = metrics
         self.ready = True  # knob: is_ready()
         self.queue_full = False  # knob: submit raises QueueFullError

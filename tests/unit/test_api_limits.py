@@ -174,9 +174,12 @@ def test_metrics_page_parses_and_has_every_metric(api: ApiHarness) -> None:
 
 
 def test_a_body_that_never_arrives_times_out(api: ApiHarness) -> None:
-    url = api.serve(request_timeout_s=0.3)
+    url = api.serve(body_timeout_s=0.3)
     host, port = url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=10) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{"
+        )
         head = sock.recv(65536)
     assert head.startswith(b"HTTP/1.1 408") and b'"code": "timeout"' in head

@@ -57,12 +57,13 @@ class ApiHarness:
         """Run a coroutine on the server loop and return its result."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
 
-    def serve(self, **server: Any) -> str:
-        """Serve a new app over the shared backend; ``server`` overrides ServerConfig fields."""
+    def serve(self, backend: Any = None, **server: Any) -> str:
+        """Serve a new app over ``backend`` (default: the shared one); ``server`` overrides
+        ServerConfig fields."""
         cfg = dataclasses.replace(ServerConfig(port=0, request_timeout_s=60.0), **server)
 
         async def start() -> tuple[Any, Any, int]:
-            app = build_app(self.backend, cfg, self.metrics)
+            app = build_app(backend or self.backend, cfg, self.metrics)
             return (app, *await start_site(app, "127.0.0.1", 0))
 
         app, runner, port = self.run(start())

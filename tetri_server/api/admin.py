@@ -1,4 +1,4 @@
-"""Admin routes (behind the API key when one is set):
+"""Admin routes (behind ``server.admin_api_key``, else ``server.api_key``, when one is set):
 
 ``GET /admin/workers``  -> ``{"workers": [{"id", "role", "state", "load"}, ...]}``
 ``POST /admin/flip``    body ``{"worker": ID, "role": "prefill"|"decode"}`` -> 200 with the flip's
@@ -7,17 +7,20 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from aiohttp import web
 
+from tetri_server.api.body import parse_json_object, read_json_body
 from tetri_server.api.errors import APIError
-from tetri_server.api.fields import parse_json_object
+from tetri_server.config import ServerConfig
 
 
 class AdminRoutes:
-    def __init__(self, backend: Any) -> None:
+    def __init__(self, backend: Any, cfg: ServerConfig) -> None:
         self.backend = backend
+        self.cfg = cfg
 
     async def workers(self, request: web.Request) -> web.Response:
         return web.json_response({"workers": self.backend.workers_info()})
@@ -25,7 +28,10 @@ class AdminRoutes:
     async def flip(self, request: web.Request) -> web.Response:
         from tetri_server.control.flip import FlipRefused
 
-        body = parse_json_object(await request.read())
+        raw = await read_json_body(
+            request, max_bytes=self.cfg.max_body_bytes, timeout_s=self.cfg.body_timeout_s
+        )
+        body = await asyncio.to_thread(parse_json_object, raw)  # a hostile body takes a while
         worker, role = body.get("worker"), body.get("role")
         if not isinstance(worker, int) or isinstance(worker, bool):
             raise APIError("'worker' must be an integer worker id", param="worker")
@@ -43,9 +49,9 @@ class AdminRoutes:
                                   "switch_s": result.switch_s})
 
 
-def add_admin_routes(app: web.Application, backend: Any) -> None:
+def add_admin_routes(app: web.Application, backend: Any, cfg: ServerConfig) -> None:
     if not hasattr(backend, "flip"):
         return  # a backend without roles (tests' in-process double)
-    admin = AdminRoutes(backend)
+    admin = AdminRoutes(backend, cfg)
     app.router.add_get("/admin/workers", admin.workers)
     app.router.add_post("/admin/flip", admin.flip)

@@ -2,13 +2,13 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{model}],
 GET /health (200 only while ``backend.is_ready()``), GET /metrics (Prometheus text).
-Middlewares: every error is an OpenAI-style JSON body; an optional bearer key guards /v1/*
-and /admin/* (health and metrics stay open for probes and scrapers).
+Middlewares, outermost first: every error is an OpenAI-style JSON body; Host and Origin checks
+(on a loopback bind, or as configured); optional bearer keys on /v1/* and /admin/* (see
+``guard.py``).
 """
 
 from __future__ import annotations
 
-import hmac
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -17,6 +17,7 @@ from aiohttp import web
 
 from tetri_server.api.admin import add_admin_routes
 from tetri_server.api.errors import APIError, error_body, error_response
+from tetri_server.api.guard import HostGuard, auth_middleware, host_middleware, load_keys
 from tetri_server.api.handlers import ApiState, GenerateHandlers
 from tetri_server.config import ServerConfig
 from tetri_server.control.protocol import Backend
@@ -26,7 +27,7 @@ log = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 STATE = web.AppKey("tetri_api_state", ApiState)
-PROTECTED_PREFIXES = ("/v1/", "/admin/")
+CONFIG = web.AppKey("tetri_server_config", ServerConfig)  # start_site reads its limits
 
 
 def _error_middleware(metrics: Metrics) -> Callable[..., Awaitable[web.StreamResponse]]:
@@ -55,25 +56,6 @@ def _error_middleware(metrics: Metrics) -> Callable[..., Awaitable[web.StreamRes
             return web.json_response(body, status=500)
 
     return errors
-
-
-def _auth_middleware(api_key: str) -> Callable[..., Awaitable[web.StreamResponse]]:
-    expected = f"Bearer {api_key}".encode()
-
-    @web.middleware
-    async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path.startswith(PROTECTED_PREFIXES):
-            given = request.headers.get("Authorization", "").encode()
-            if not hmac.compare_digest(given, expected):
-                raise APIError(
-                    "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                    status=401,
-                    code="invalid_api_key",
-                    headers={"WWW-Authenticate": "Bearer"},
-                )
-        return await handler(request)
-
-    return auth
 
 
 class _InfoRoutes:
@@ -128,13 +110,19 @@ class _InfoRoutes:
 
 def build_app(backend: Backend, cfg: ServerConfig, metrics: Metrics) -> web.Application:
     """The API application. Serve it with ``tetri_server.api.server.start_site`` (which turns
-    on handler cancellation, so a client that disconnects aborts its request at once)."""
+    on handler cancellation, so a client that disconnects aborts its request at once, and
+    applies the connection limits). Reads ``server.api_key_file`` if set."""
     middlewares = [_error_middleware(metrics)]
-    if cfg.api_key:
-        middlewares.append(_auth_middleware(cfg.api_key))
+    guard = HostGuard(cfg)
+    if guard.active:
+        middlewares.append(host_middleware(guard))
+    keys = load_keys(cfg)
+    if keys.v1 or keys.admin:
+        middlewares.append(auth_middleware(keys))
     app = web.Application(client_max_size=cfg.max_body_bytes, middlewares=middlewares)
     state = ApiState()
     app[STATE] = state
+    app[CONFIG] = cfg
     gen = GenerateHandlers(backend, cfg, metrics, state)
     info = _InfoRoutes(backend, metrics, state)
     app.router.add_post("/v1/completions", gen.completions)
@@ -143,5 +131,5 @@ def build_app(backend: Backend, cfg: ServerConfig, metrics: Metrics) -> web.Appl
     app.router.add_get("/v1/models/{model}", info.model)
     app.router.add_get("/health", info.health)
     app.router.add_get("/metrics", info.prometheus)
-    add_admin_routes(app, backend)
+    add_admin_routes(app, backend, cfg)
     return app

@@ -15,12 +15,14 @@ from aiohttp import web
 _TYPES = {
     400: "invalid_request_error",
     401: "invalid_request_error",
+    403: "invalid_request_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
     408: "invalid_request_error",
     413: "invalid_request_error",
-    415: "invalid_request_error",
     409: "invalid_request_error",
+    415: "invalid_request_error",
+    421: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
     503: "server_error",
@@ -89,6 +91,12 @@ def timeout_error(timeout_s: float) -> APIError:
         status=504,
         code="timeout",
     )
+
+
+def worker_unavailable(reason: str, retry_after_s: float) -> APIError:
+    """No worker could take the request in time (restarting): retrying later may work."""
+    return APIError(f"service unavailable: {reason}", status=503, code="service_unavailable",
+                    headers={"Retry-After": str(max(1, math.ceil(retry_after_s)))})
 
 
 def generation_failed(reason: str) -> APIError:

@@ -14,13 +14,14 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 from tetri_server.api.detokenizer import IncrementalDetokenizer, StopMatcher
-from tetri_server.api.errors import generation_failed, queue_full
+from tetri_server.api.errors import generation_failed, queue_full, worker_unavailable
 from tetri_server.api.params import GenRequest
 from tetri_server.control.protocol import (
     Backend,
     GenerationError,
     QueueFullError,
     RequestStream,
+    WorkerUnavailableError,
 )
 from tetri_server.metrics import Metrics
 
@@ -70,6 +71,8 @@ class Generation:
             )
         except QueueFullError as e:
             raise queue_full(e.retry_after_s) from None
+        except WorkerUnavailableError as e:
+            raise worker_unavailable(str(e), e.retry_after_s) from None
         except GenerationError as e:
             raise generation_failed(str(e)) from None
 
@@ -84,6 +87,8 @@ class Generation:
                 yield piece
                 if piece.finish_reason is not None:
                     return
+        except WorkerUnavailableError as e:
+            raise worker_unavailable(str(e), e.retry_after_s) from None
         except GenerationError as e:
             raise generation_failed(str(e)) from None
         raise generation_failed("the backend ended the request's stream without finishing it")

@@ -10,15 +10,16 @@ from __future__ import annotations
 import asyncio
 import time
 from contextlib import aclosing
-from typing import Any, Literal
+from typing import Literal
 
 from aiohttp import web
 
+from tetri_server.api.body import parse_json_object, read_json_body
 from tetri_server.api.errors import APIError, queue_full, timeout_error
-from tetri_server.api.fields import Fields, parse_json_object
+from tetri_server.api.fields import Fields
 from tetri_server.api.generation import Generation, Piece
 from tetri_server.api.params import GenRequest, check_model, parse_request
-from tetri_server.api.prompts import chat_prompt, completion_prompt, end_of_turn_ids, vocab_size
+from tetri_server.api.prompts import PromptLimits, chat_prompt, completion_prompt, end_of_turn_ids
 from tetri_server.api.responses import ResponseBuilder
 from tetri_server.api.sse import EventStream
 from tetri_server.config import ServerConfig
@@ -47,24 +48,6 @@ class ApiState:
             self.idle.set()
 
 
-async def read_body(request: web.Request, max_bytes: int, timeout_s: float) -> bytes:
-    """The raw body; 413 beyond ``max_bytes`` (the app's ``client_max_size``), 408 if the
-    client takes longer than ``timeout_s`` to send it."""
-    try:
-        async with asyncio.timeout(timeout_s):
-            return await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise APIError(
-            f"the request body is larger than the server's limit of {max_bytes} bytes",
-            status=413,
-            code="request_too_large",
-        ) from None
-    except TimeoutError:
-        raise APIError(
-            f"the request body did not arrive within {timeout_s:g} s", status=408, code="timeout"
-        ) from None
-
-
 class GenerateHandlers:
     """The two generation routes of one app."""
 
@@ -75,7 +58,9 @@ class GenerateHandlers:
         self.cfg = cfg
         self.metrics = metrics
         self.state = state
-        self._vocab = vocab_size(backend.tokenizer)
+        self._limits = PromptLimits.of(
+            backend.tokenizer, vocab_size=backend.vocab_size, max_model_len=backend.max_model_len
+        )
         self._end_of_turn = end_of_turn_ids(backend.tokenizer)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -84,23 +69,25 @@ class GenerateHandlers:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, "chat")
 
-    def _parse(self, body: dict[str, Any], kind: Kind) -> GenRequest:
-        f = Fields(body)
+    def _parse(self, raw: bytes, kind: Kind) -> GenRequest:
+        """Body bytes -> validated request. Runs in a worker thread: decoding, the chat template
+        and tokenizing a large prompt take long enough to stall every other stream."""
+        f = Fields(parse_json_object(raw))
         b = self.backend
         model = check_model(f, b.model_name)
         if kind == "chat":
-            prompt = chat_prompt(f, b.tokenizer)
+            prompt = chat_prompt(f, b.tokenizer, self._limits)
             extra_stops = self._end_of_turn
         else:
-            prompt = completion_prompt(f, b.tokenizer)
+            prompt = completion_prompt(f, b.tokenizer, self._limits)
             extra_stops = ()
         return parse_request(
             f,
             kind,
             prompt,
             model=model,
-            max_model_len=b.max_model_len,
-            vocab_size=self._vocab,
+            max_model_len=self._limits.max_model_len,
+            vocab_size=self._limits.vocab_size,
             extra_stop_ids=extra_stops,
         )
 
@@ -108,8 +95,12 @@ class GenerateHandlers:
         arrival_s = time.monotonic()
         if self.state.draining:
             raise APIError("the server is shutting down", status=503, code="shutting_down")
-        raw = await read_body(request, self.cfg.max_body_bytes, self.cfg.request_timeout_s)
-        req = self._parse(parse_json_object(raw), kind)
+        raw = await read_json_body(
+            request,
+            max_bytes=self.cfg.max_body_bytes,
+            timeout_s=min(self.cfg.body_timeout_s, self._remaining(arrival_s)),
+        )
+        req = await asyncio.to_thread(self._parse, raw, kind)
         if self.state.in_flight >= self.cfg.max_queued_requests:
             raise queue_full(1.0)
         gen = Generation(self.backend, req, self.metrics, arrival_s)

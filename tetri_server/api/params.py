@@ -16,6 +16,7 @@ from tetri_server.messages import SamplingParams
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 512
+MAX_STOP_TOKEN_IDS = 1024
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 
 
@@ -93,15 +94,19 @@ def _logprobs(f: Fields, kind: str) -> bool:
     return wanted
 
 
+def context_exceeded(num_tokens: int, max_model_len: int, param: str) -> APIError:
+    return APIError(
+        f"the prompt has {num_tokens} tokens but the context is {max_model_len} tokens "
+        "(max_model_len), leaving no room for output; shorten the prompt",
+        param=param,
+        code="context_length_exceeded",
+    )
+
+
 def _max_tokens(f: Fields, kind: str, prompt: Prompt, max_model_len: int) -> int:
     room = max_model_len - len(prompt.ids)
     if room <= 0:
-        raise APIError(
-            f"the prompt has {len(prompt.ids)} tokens but the context is {max_model_len} tokens "
-            "(max_model_len), leaving no room for output; shorten the prompt",
-            param=prompt.param,
-            code="context_length_exceeded",
-        )
+        raise context_exceeded(len(prompt.ids), max_model_len, prompt.param)
     name = "max_tokens"
     if kind == "chat" and f.has("max_completion_tokens"):
         name = "max_completion_tokens"
@@ -142,7 +147,7 @@ def parse_request(
     max_tokens = _max_tokens(f, kind, prompt, max_model_len)
     top_k = f.integer("top_k", 0, low=-1)
     ignore_eos = f.boolean("ignore_eos", False)
-    stop_ids = f.int_list("stop_token_ids", low=0, high=vocab_size)
+    stop_ids = f.token_ids("stop_token_ids", vocab_size=vocab_size, max_items=MAX_STOP_TOKEN_IDS)
     if not ignore_eos:
         stop_ids += [i for i in extra_stop_ids if i not in stop_ids]
     params = SamplingParams(

@@ -7,19 +7,36 @@ and then encoded without adding special tokens again.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from tetri_server.api.errors import APIError, bad_param
 from tetri_server.api.fields import Fields, is_int
-from tetri_server.api.params import Prompt
+from tetri_server.api.params import Prompt, context_exceeded
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # End-of-turn markers of common chat templates: a chat reply stops there unless ignore_eos.
 END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
+MAX_MESSAGES = 4096
+MAX_CONTENT_PARTS = 1024  # per message
+# A token covers at most its own length in characters, times this: a normalizer (NFC) may
+# compose several input characters into one.
+CHARS_PER_TOKEN_CHAR = 4
 
 
-def vocab_size(tokenizer: Any) -> int:
-    return len(tokenizer)
+@dataclass(frozen=True)
+class PromptLimits:
+    """What a prompt must fit; checked before tokenizing (length) and after (ids)."""
+
+    vocab_size: int  # token ids must be below this: rows of the model's embedding
+    max_model_len: int  # context in tokens
+    max_chars: int  # text longer than this cannot fit in max_model_len tokens
+
+    @classmethod
+    def of(cls, tokenizer: Any, *, vocab_size: int, max_model_len: int) -> PromptLimits:
+        longest = max(map(len, tokenizer.get_vocab()), default=1)
+        max_chars = max_model_len * longest * CHARS_PER_TOKEN_CHAR
+        return cls(vocab_size=vocab_size, max_model_len=max_model_len, max_chars=max_chars)
 
 
 def end_of_turn_ids(tokenizer: Any) -> tuple[int, ...]:
@@ -27,9 +44,12 @@ def end_of_turn_ids(tokenizer: Any) -> tuple[int, ...]:
     return tuple(vocab[t] for t in END_OF_TURN if t in vocab)
 
 
-def _check_ids(ids: list[Any], param: str, vocab: int) -> list[int]:
+def _check_ids(ids: list[Any], param: str, limits: PromptLimits) -> list[int]:
     if not ids:
         raise bad_param(param, "the prompt is empty")
+    if len(ids) >= limits.max_model_len:
+        raise context_exceeded(len(ids), limits.max_model_len, param)
+    vocab = limits.vocab_size
     for i, tok in enumerate(ids):
         if not is_int(tok):
             raise bad_param(param, f"token {i} is not an integer")
@@ -38,7 +58,29 @@ def _check_ids(ids: list[Any], param: str, vocab: int) -> list[int]:
     return ids
 
 
-def completion_prompt(f: Fields, tokenizer: Any) -> Prompt:
+def _check_length(num_chars: int, param: str, limits: PromptLimits) -> None:
+    if num_chars > limits.max_chars:
+        raise APIError(
+            f"the prompt has {num_chars} characters, more than can fit in the context of "
+            f"{limits.max_model_len} tokens (max_model_len); shorten the prompt",
+            param=param,
+            code="context_length_exceeded",
+        )
+
+
+def _check_encoded(ids: list[int], param: str, limits: PromptLimits) -> list[int]:
+    """The tokenizer may know more tokens than the model has embeddings for."""
+    top = max(ids, default=0)
+    if top >= limits.vocab_size:
+        raise bad_param(
+            param,
+            f"the text encodes to token id {top}, outside the model's vocabulary "
+            f"[0, {limits.vocab_size}) (the tokenizer is larger than the model)",
+        )
+    return ids
+
+
+def completion_prompt(f: Fields, tokenizer: Any, limits: PromptLimits) -> Prompt:
     """``prompt``: a string, a list of token ids, or a list holding one of those."""
     value = f.raw("prompt")
     if value is None:
@@ -52,12 +94,13 @@ def completion_prompt(f: Fields, tokenizer: Any) -> Prompt:
             )
         value = value[0]
     if isinstance(value, str):
+        _check_length(len(value), "prompt", limits)
         ids = tokenizer.encode(value, add_special_tokens=True)
         if not ids:
             raise bad_param("prompt", "the prompt is empty")
-        return Prompt(ids, value, "prompt")
+        return Prompt(_check_encoded(ids, "prompt", limits), value, "prompt")
     if isinstance(value, list):
-        ids = _check_ids(value, "prompt", vocab_size(tokenizer))
+        ids = _check_ids(value, "prompt", limits)
         return Prompt(ids, tokenizer.decode(ids, skip_special_tokens=True), "prompt")
     raise bad_param("prompt", "expected a string, a list of token ids, or a list of one of those")
 
@@ -73,6 +116,8 @@ def _content(msg: dict[str, Any], i: int) -> str:
         return content
     if not isinstance(content, list):
         raise bad_param(param, "expected a string or a list of content parts")
+    if len(content) > MAX_CONTENT_PARTS:
+        raise bad_param(param, f"at most {MAX_CONTENT_PARTS} content parts, got {len(content)}")
     texts = []
     for j, part in enumerate(content):
         if not isinstance(part, dict) or part.get("type") != "text":
@@ -90,6 +135,8 @@ def _messages(f: Fields) -> list[dict[str, str]]:
         raise bad_param("messages", "this field is required")
     if not isinstance(value, list) or not value:
         raise bad_param("messages", "expected a non-empty list of messages")
+    if len(value) > MAX_MESSAGES:
+        raise bad_param("messages", f"at most {MAX_MESSAGES} messages, got {len(value)}")
     out = []
     for i, msg in enumerate(value):
         if not isinstance(msg, dict):
@@ -101,15 +148,16 @@ def _messages(f: Fields) -> list[dict[str, str]]:
     return out
 
 
-def chat_prompt(f: Fields, tokenizer: Any) -> Prompt:
+def chat_prompt(f: Fields, tokenizer: Any, limits: PromptLimits) -> Prompt:
     """Render ``messages`` with the model's chat template and tokenize."""
     messages = _messages(f)
+    _check_length(sum(len(m["content"]) for m in messages), "messages", limits)
     if not getattr(tokenizer, "chat_template", None):
         raise APIError("this model has no chat template; use /v1/completions", param="messages")
     try:
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     except Exception as e:  # a template may reject a message order (jinja raise_exception)
         raise bad_param("messages", f"the chat template rejected these messages: {e}") from None
-    ids = tokenizer.encode(text, add_special_tokens=False)
+    ids = _check_encoded(tokenizer.encode(text, add_special_tokens=False), "messages", limits)
     user_text = "\n".join(m["content"] for m in messages if m["role"] == "user")
     return Prompt(ids, user_text, "messages")

@@ -1,0 +1,408 @@
+"""Hostile input and a workstation's browser: deep JSON, huge lists, token ids the model does
+not have, slow tokenizing, idle and surplus connections, DNS rebinding, cross-site requests,
+non-JSON bodies, and where the keys come from. Each answer is a clear 4xx/503 (or a closed
+connection) with nothing logged as a crash."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.unit.test_api_support import ApiHarness, raw_request, wait_until
+from tetri_server.config import Config, ConfigError, load_config
+
+pytest_plugins = ["tests.unit.test_api_support"]
+
+C, CHAT, FLIP = "/v1/completions", "/v1/chat/completions", "/admin/flip"
+OK: dict[str, Any] = {"prompt": "hi", "max_tokens": 2}
+MSG: list[dict[str, Any]] = [{"role": "user", "content": "hi"}]
+
+
+class _View:
+    """The shared backend seen through some overridden attributes (``vocab_size``, a
+    ``tokenizer``, admin methods); everything else is the backend's own."""
+
+    def __init__(self, backend: Any, **overrides: Any) -> None:
+        self._backend = backend
+        self.__dict__.update(overrides)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._backend, name)
+
+
+async def _flip(worker: int, role: str) -> Any:
+    raise AssertionError("never reached: the body is refused first")
+
+
+def _with_admin(api: ApiHarness) -> _View:
+    return _View(api.backend, flip=_flip, workers_info=lambda: [{"id": 0, "role": "coupled"}])
+
+
+@pytest.fixture
+def no_crash_logged(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
+    """Fails the test if the server logged a traceback or an error while it ran."""
+    caplog.set_level(logging.WARNING)
+    yield
+    crashes = [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
+    assert not crashes, "\n".join(r.getMessage() for r in crashes)
+
+
+def _error(reply: Any, status: int) -> dict[str, Any]:
+    assert reply.status == status, reply.body[:300]
+    err = reply.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    return err
+
+
+def _compact(body: dict[str, Any]) -> bytes:
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+# --- 7. bad and hostile input ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", [C, CHAT, FLIP])
+@pytest.mark.parametrize("body", [b"[" * 100_000, b'{"a":' * 100_000], ids=["array", "object"])
+def test_deeply_nested_json_is_a_400_not_a_crash(
+    api: ApiHarness, no_crash_logged: None, path: str, body: bytes
+) -> None:
+    url = api.serve(backend=_with_admin(api))
+    err = _error(raw_request(url, "POST", path, body), 400)
+    assert err["code"] == "invalid_json" and "nests arrays/objects" in err["message"]
+    assert raw_request(url, "POST", C, OK).status == 200
+
+
+def test_nesting_a_real_client_sends_is_accepted(api: ApiHarness) -> None:
+    parts = [{"type": "text", "text": "[[{{ not brackets }}]]"}]
+    body = {"messages": [{"role": "user", "content": parts}], "max_tokens": 2}
+    assert raw_request(api.base_url, "POST", CHAT, body).status == 200
+
+
+# (case id, path, body, error.param, text in the message)
+TOO_LONG: list[tuple[str, str, dict[str, Any], str, str]] = [
+    ("stop-token-ids", C, {**OK, "stop_token_ids": [0] * 2_000_000}, "stop_token_ids", "at most"),
+    ("stop", C, {**OK, "stop": ["x"] * 17}, "stop", "at most 16"),
+    ("messages", CHAT, {"messages": MSG * 4097}, "messages", "at most 4096 messages"),
+    (
+        "content-parts",
+        CHAT,
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}] * 1025}]},
+        "messages[0].content",
+        "at most 1024 content parts",
+    ),
+    ("prompt-ids", C, {**OK, "prompt": [7] * 2_000_000}, "prompt", "context"),
+]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param", "text"), [c[1:] for c in TOO_LONG], ids=[c[0] for c in TOO_LONG]
+)
+def test_every_list_field_has_a_length_cap(
+    api: ApiHarness, no_crash_logged: None, path: str, body: dict[str, Any], param: str, text: str
+) -> None:
+    err = _error(raw_request(api.base_url, "POST", path, _compact(body)), 400)
+    assert err["param"] == param and text in err["message"], err
+
+
+def test_token_ids_beyond_the_model_vocabulary_are_refused(api: ApiHarness) -> None:
+    """The tokenizer here knows more ids than the model has embeddings (vocab_size): an id the
+    model lacks would crash a worker, whether sent or produced by tokenizing text."""
+    tok = api.backend.tokenizer
+    high = len(tok) - 1
+    word = tok.decode([high])
+    assert tok.encode(word, add_special_tokens=False) == [high]
+    vocab = high - 10
+    url = api.serve(backend=_View(api.backend, vocab_size=vocab))
+    cases = [
+        (C, {**OK, "prompt": [5, high]}, "prompt", f"outside the vocabulary [0, {vocab})"),
+        (C, {**OK, "stop_token_ids": [high]}, "stop_token_ids", "outside the vocabulary"),
+        (C, {**OK, "prompt": f"say{word}"}, "prompt", "outside the model's vocabulary"),
+        (
+            CHAT,
+            {"messages": [{"role": "user", "content": word}], "max_tokens": 2},
+            "messages",
+            "outside the model's vocabulary",
+        ),
+    ]
+    for path, body, param, text in cases:
+        err = _error(raw_request(url, "POST", path, body), 400)
+        assert err["param"] == param and text in err["message"], err
+    assert raw_request(url, "POST", C, {**OK, "prompt": [5, vocab - 1]}).status == 200
+
+
+class _GatedTokenizer:
+    """The backend's tokenizer, with ``encode`` and ``apply_chat_template`` held at a gate."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tok = tokenizer
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+        self.calls = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tok, name)
+
+    def __len__(self) -> int:
+        return len(self._tok)
+
+    def _hold(self) -> None:
+        self.calls += 1
+        self.entered.set()
+        self.gate.wait(30)  # bounded: with tokenizing on the event loop the test fails, not hangs
+
+    def encode(self, *args: Any, **kwargs: Any) -> Any:
+        self._hold()
+        return self._tok.encode(*args, **kwargs)
+
+    def apply_chat_template(self, *args: Any, **kwargs: Any) -> Any:
+        self._hold()
+        return self._tok.apply_chat_template(*args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("path", "body"), [(C, OK), (CHAT, {"messages": MSG, "max_tokens": 2})], ids=["text", "chat"]
+)
+def test_tokenizing_does_not_stall_the_server(
+    api: ApiHarness, path: str, body: dict[str, Any]
+) -> None:
+    tok = _GatedTokenizer(api.backend.tokenizer)
+    url = api.serve(backend=_View(api.backend, tokenizer=tok))
+    replies: list[Any] = []
+    client = threading.Thread(target=lambda: replies.append(raw_request(url, "POST", path, body)))
+    client.start()
+    try:
+        assert tok.entered.wait(20), "the request never reached the tokenizer"
+        assert raw_request(url, "GET", "/health", timeout_s=10).status == 200
+        assert raw_request(api.base_url, "POST", C, OK, timeout_s=20).status == 200
+    finally:
+        tok.gate.set()
+        client.join(60)
+    assert replies and replies[0].status == 200, replies
+
+
+def test_a_prompt_too_long_for_the_context_is_refused_before_tokenizing(api: ApiHarness) -> None:
+    tok = _GatedTokenizer(api.backend.tokenizer)
+    tok.gate.set()
+    url = api.serve(backend=_View(api.backend, tokenizer=tok))
+    longest = max(map(len, tok.get_vocab()))
+    text = "a" * (api.backend.max_model_len * longest * 4 + 1)
+    for path, body, param in [
+        (C, {**OK, "prompt": text}, "prompt"),
+        (CHAT, {"messages": [{"role": "user", "content": text}]}, "messages"),
+    ]:
+        err = _error(raw_request(url, "POST", path, body), 400)
+        assert err["code"] == "context_length_exceeded" and err["param"] == param
+        assert "characters" in err["message"]
+    assert tok.calls == 0
+
+
+# --- 7. connections --------------------------------------------------------------------------
+
+
+def _connect(url: str) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    return socket.create_connection((host, int(port)), timeout=20)
+
+
+@pytest.mark.parametrize(
+    "sent", [b"", b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n"], ids=["idle", "slow-head"]
+)
+def test_idle_and_slow_connections_are_closed(api: ApiHarness, sent: bytes) -> None:
+    url = api.serve(keepalive_timeout_s=0.5)
+    with _connect(url) as sock:
+        sock.sendall(sent)
+        assert sock.recv(65536) == b""  # closed by the server (a timeout here raises)
+
+
+def test_connections_beyond_the_cap_get_503_with_retry_after(api: ApiHarness) -> None:
+    url = api.serve(max_connections=2)
+    host, port = url.removeprefix("http://").split(":")
+    held = [http.client.HTTPConnection(host, int(port), timeout=20) for _ in range(2)]
+    for conn in held:  # a full request each: both are open and counted
+        conn.request("GET", "/health")
+        assert conn.getresponse().read() and conn.sock is not None
+    reply = raw_request(url, "GET", "/health")
+    err = _error(reply, 503)
+    assert err["code"] == "too_many_connections" and reply.headers["retry-after"] == "1"
+    held[0].close()
+    assert wait_until(lambda: raw_request(url, "GET", "/health").status == 200)
+    held[1].close()
+
+
+# --- 8. a workstation's browser ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("host", "status"),
+    [
+        ("evil.example", 421),
+        ("evil.example:8000", 421),
+        ("127.0.0.1.evil.example", 421),
+        ("localhost:1234", 200),
+        ("LOCALHOST", 200),
+        ("127.0.0.1", 200),
+        ("[::1]:8000", 200),
+    ],
+)
+def test_loopback_server_answers_only_to_loopback_host_names(
+    api: ApiHarness, host: str, status: int
+) -> None:
+    for path in ("/v1/models", "/metrics"):
+        reply = raw_request(api.base_url, "GET", path, headers={"Host": host})
+        assert reply.status == status, reply.body
+    if status == 421:
+        err = reply.json()["error"]
+        assert err["code"] == "host_not_allowed" and repr(host) in err["message"]
+
+
+def test_allowed_hosts_and_non_loopback_binds(api: ApiHarness) -> None:
+    url = api.serve(allowed_hosts=("box.lan",))
+    assert raw_request(url, "GET", "/v1/models", headers={"Host": "box.lan:8000"}).status == 200
+    assert raw_request(url, "GET", "/v1/models", headers={"Host": "evil.example"}).status == 421
+    url = api.serve(host="0.0.0.0")  # not loopback: no Host check unless configured
+    assert raw_request(url, "GET", "/v1/models", headers={"Host": "box.lan"}).status == 200
+    url = api.serve(host="0.0.0.0", allowed_hosts=("box.lan",))
+    assert raw_request(url, "GET", "/v1/models", headers={"Host": "other.lan"}).status == 421
+
+
+@pytest.mark.parametrize(
+    ("origin", "status"),
+    [
+        ("https://evil.example", 403),
+        ("http://localhost.evil.example", 403),
+        ("null", 403),
+        ("http://localhost:3000", 200),
+        ("http://127.0.0.1:8000", 200),
+        ("http://[::1]", 200),
+    ],
+)
+def test_loopback_server_refuses_cross_site_browser_requests(
+    api: ApiHarness, origin: str, status: int
+) -> None:
+    reply = raw_request(api.base_url, "POST", C, OK, headers={"Origin": origin})
+    assert reply.status == status, reply.body
+    if status == 403:
+        err = reply.json()["error"]
+        assert err["code"] == "origin_not_allowed" and repr(origin) in err["message"]
+
+
+def test_allowed_origins(api: ApiHarness) -> None:
+    url = api.serve(allowed_origins=("https://ui.example",))
+    assert raw_request(url, "POST", C, OK, headers={"Origin": "https://ui.example"}).status == 200
+    assert raw_request(url, "POST", C, OK, headers={"Origin": "https://evil.example"}).status == 403
+    url = api.serve(host="0.0.0.0")
+    assert raw_request(url, "POST", C, OK, headers={"Origin": "https://evil.example"}).status == 200
+
+
+def _post(url: str, path: str, body: bytes, headers: dict[str, str]) -> tuple[int, Any]:
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    try:
+        conn.request("POST", path, body=body, headers=headers)
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read())
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("path", [C, CHAT, FLIP])
+@pytest.mark.parametrize(
+    "headers",
+    [{}, {"Content-Type": "text/plain"}, {"Content-Type": "application/x-www-form-urlencoded"}],
+    ids=["missing", "text-plain", "form"],
+)
+def test_post_bodies_must_be_declared_json(
+    api: ApiHarness, path: str, headers: dict[str, str]
+) -> None:
+    url = api.serve(backend=_with_admin(api))
+    status, body = _post(url, path, _compact(OK), headers)
+    assert status == 415 and body["error"]["code"] == "unsupported_media_type", body
+    assert "application/json" in body["error"]["message"]
+
+
+def test_json_with_a_charset_is_json(api: ApiHarness) -> None:
+    headers = {"Content-Type": "application/json; charset=utf-8"}
+    assert _post(api.base_url, C, _compact(OK), headers)[0] == 200
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="needs curl")
+def test_the_readme_curl_command_works(api: ApiHarness) -> None:
+    def curl(*args: str) -> str:
+        cmd = ["curl", "-s", "--max-time", "60", *args, "-d", json.dumps(OK), api.base_url + C]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=90).stdout
+
+    assert json.loads(curl("-H", "Content-Type: application/json"))["usage"]["total_tokens"] > 0
+    assert json.loads(curl())["error"]["code"] == "unsupported_media_type"  # form-encoded
+
+
+def test_admin_routes_take_their_own_key(api: ApiHarness) -> None:
+    url = api.serve(backend=_with_admin(api), api_key="user", admin_api_key="root")
+
+    def status(path: str, key: str) -> int:
+        return raw_request(url, "GET", path, headers={"Authorization": f"Bearer {key}"}).status
+
+    assert (status("/admin/workers", "root"), status("/admin/workers", "user")) == (200, 401)
+    assert (status("/v1/models", "user"), status("/v1/models", "root")) == (200, 401)
+    url = api.serve(backend=_with_admin(api), admin_api_key="root")  # /v1 stays open
+    assert raw_request(url, "GET", "/v1/models").status == 200
+    reply = raw_request(url, "GET", "/admin/workers")
+    assert reply.status == 401 and "admin API key" in reply.json()["error"]["message"]
+
+
+# --- 8. where the keys come from ----------------------------------------------------------------
+
+
+def test_api_key_precedence_file_then_env_then_set(tmp_path: Path) -> None:
+    path = tmp_path / "config.toml"
+    path.write_text('[server]\napi_key = "from-file"\n')
+    assert load_config(path, environ={}).server.api_key == "from-file"
+    env = {"TETRI_API_KEY": "from-env", "TETRI_ADMIN_API_KEY": "admin-env"}
+    cfg = load_config(path, environ=env).server
+    assert (cfg.api_key, cfg.admin_api_key) == ("from-env", "admin-env")
+    assert load_config(path, ["server.api_key=from-set"], environ=env).server.api_key == "from-set"
+
+
+def test_every_secret_is_redacted() -> None:
+    cfg = load_config(None, ["server.api_key=a", "server.admin_api_key=b"], environ={})
+    server = cfg.to_dict()["server"]
+    assert (server["api_key"], server["admin_api_key"]) == ("<redacted>", "<redacted>")
+    assert Config.from_dict(cfg.to_dict(redact=False)) == cfg
+    assert "<redacted>" not in json.dumps(Config().to_dict())
+
+
+def test_api_key_file_is_read_at_start_up(
+    api: ApiHarness, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    key_file = tmp_path / "key"
+    key_file.write_text("  s3cret\n")
+    os.chmod(key_file, 0o600)
+    caplog.set_level(logging.WARNING)
+    url = api.serve(api_key_file=str(key_file))
+    assert raw_request(url, "GET", "/v1/models").status == 401
+    ok = raw_request(url, "GET", "/v1/models", headers={"Authorization": "Bearer s3cret"})
+    assert ok.status == 200
+    assert "api_key_file" not in caplog.text
+    os.chmod(key_file, 0o644)
+    api.serve(api_key_file=str(key_file))
+    assert "can be read by other users" in caplog.text
+
+
+def test_api_key_file_errors_name_the_key(api: ApiHarness, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="api_key_file.*cannot read"):
+        api.serve(api_key_file=str(tmp_path / "missing"))
+    (tmp_path / "empty").write_text(" \n")
+    with pytest.raises(ConfigError, match="api_key_file.*empty"):
+        api.serve(api_key_file=str(tmp_path / "empty"))
+    with pytest.raises(ConfigError, match="both set"):
+        load_config(None, ["server.api_key_file=/k"], environ={"TETRI_API_KEY": "x"})
