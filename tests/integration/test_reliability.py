@@ -270,3 +270,20 @@ async def test_a_worker_that_keeps_dying_makes_the_server_give_up(tiny_llama):
         assert "died 2 times in a row" in cluster.fatal.result()
     finally:
         await cluster.stop()
+
+
+async def test_a_prompt_text_larger_than_a_ring_does_not_kill_the_channel(tiny_llama):
+    """Regression: an AddRequest carrying a 5 MiB prompt text (for the predictor) did not fit
+    the 4 MiB ring; the writer task died and the worker never heard from control again."""
+    cluster = make_cluster(tiny_llama, "disaggregated")
+    prompt = random_prompts(1, 8000, (20, 20), seed=41)[0]
+    ref = hf_greedy(tiny_llama, [prompt], GREEDY.max_tokens)[0]
+    await cluster.start()
+    try:
+        out: list[int] = []
+        async for d in cluster.submit(prompt, GREEDY, prompt_text="x" * (5 << 20)):
+            out.extend(d.token_ids)
+        assert out == ref
+        assert await asyncio.wait_for(collect(cluster, prompt), 60) == ref
+    finally:
+        await cluster.stop()

@@ -45,6 +45,7 @@ from tetri_server.policy import LeastLoadedPicker
 
 log = logging.getLogger("tetri.control")
 MAX_RERUNS = 3
+MAX_PROMPT_TEXT_CHARS = 64 * 1024
 
 
 class Cluster:
@@ -116,6 +117,7 @@ class Cluster:
         # Workers never need the API key, and argv is visible to every user of the machine.
         h = spawn_worker(worker_id, role, gen, self.run_id, self.cfg.to_dict(redact=True),
                          cpus, threads, device, self._on_message, self._on_exit)
+        h.on_undeliverable = self._undeliverable
         self.workers[worker_id] = h
         return h
 
@@ -180,7 +182,9 @@ class Cluster:
             raise QueueFullError(retry_after_s=1.0)
         if self._stopping or not self._started:
             raise WorkerUnavailableError("server is not ready (starting or shutting down)")
-        req = Request(self._next_id, list(prompt_ids), params, prompt_text, true_output_len)
+        # The text only feeds the length predictor; bounded, so an AddRequest always fits a ring.
+        text = prompt_text[:MAX_PROMPT_TEXT_CHARS]
+        req = Request(self._next_id, list(prompt_ids), params, text, true_output_len)
         self._next_id += 1
         self.requests[req.req_id] = req
         self._route(req)
@@ -351,6 +355,11 @@ class Cluster:
             elif h.generation > 0:
                 self._broadcast_pools()  # a restarted worker: peers map its new pool
             self._unpark()
+
+    def _undeliverable(self, msg: object, error: str) -> None:
+        req = self.requests.get(getattr(msg, "req_id", -1))
+        if req is not None:
+            self.fail(req, f"request too large for the worker channel ({error})")
 
     def _on_step_failed(self, h: WorkerHandle, msg: StepFailed) -> None:
         """A step raised on ``h`` (it exits next). Requests of a step of one, or of a second

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from tetri_server.channel import AsyncReceiver, Channel
+from tetri_server.channel import AsyncReceiver, Channel, MessageTooLarge
 from tetri_server.kv.shm import unlink_segment
 from tetri_server.messages import FromWorker, PoolHandle, ToWorker, WorkerSpec
 
@@ -49,6 +49,8 @@ class WorkerHandle:
     alive: bool = True
     last_heard_s: float = field(default_factory=time.monotonic)  # any message (load reports)
     stalled: bool = False  # silent past monitor.stall_timeout_s: killed, not to be used
+    # called with a message that can never fit the worker's ring (the rest keep flowing)
+    on_undeliverable: Callable[[ToWorker, str], None] | None = None
     _outgoing: asyncio.Queue[ToWorker] = field(default_factory=asyncio.Queue)
     _writer: asyncio.Task[None] | None = None
 
@@ -68,6 +70,11 @@ class WorkerHandle:
             msg = await self._outgoing.get()
             try:
                 await self.inbox.send_async(msg, timeout_s=SEND_TIMEOUT_S)
+            except MessageTooLarge as e:
+                log.error("worker %d: %s does not fit its ring: %s", self.worker_id,
+                          type(msg).__name__, e)
+                if self.on_undeliverable is not None:
+                    self.on_undeliverable(msg, str(e))
             except TimeoutError:
                 log.error("worker %d inbox stayed full for %.0f s; killing it", self.worker_id,
                           SEND_TIMEOUT_S)

@@ -1,0 +1,74 @@
+"""Restart hygiene: back-off, the give-up limit, survival of foreign /dev/shm entries, and a
+clear error (not SIGBUS) when /dev/shm is too small for a pool."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tetri_server.channel import cleanup_stale_segments
+from tetri_server.control.restarts import RestartPolicy
+
+
+def test_back_off_doubles_up_to_the_cap_then_the_server_gives_up():
+    p = RestartPolicy(backoff_s=1.0, backoff_max_s=5.0, max_restarts=4, reset_s=60.0)
+    assert [p.on_death(0, t) for t in (0.0, 1.0, 2.0, 3.0)] == [1.0, 2.0, 4.0, 5.0]
+    assert p.on_death(0, 4.0) is None  # fifth death in a row: exit non-zero
+    assert p.on_death(1, 4.0) == 1.0  # counted per worker
+
+
+def test_a_worker_that_stayed_up_starts_a_fresh_count():
+    p = RestartPolicy(backoff_s=1.0, backoff_max_s=30.0, max_restarts=2, reset_s=60.0)
+    assert p.on_death(0, 0.0) == 1.0
+    p.on_ready(0, 5.0)
+    assert p.on_death(0, 10.0) == 2.0  # up only 5 s: still in a row
+    p.on_ready(0, 20.0)
+    assert p.on_death(0, 100.0) == 1.0  # up 80 s: a new first death
+    assert p.deaths_in_a_row(0) == 1
+
+
+def test_stale_segment_cleanup_survives_entries_it_cannot_remove(tmp_path):
+    """Regression: a directory (or any entry unlink refuses) named like a dead run's segment
+    made start-up fail; it is now warned about and skipped."""
+    dead_pid = 2**22 + 12345  # above pid_max's default: never alive
+    (tmp_path / f"tetri-{dead_pid}-ab-dir").mkdir()
+    (tmp_path / f"tetri-{dead_pid}-ab-seg").write_bytes(b"x")
+    (tmp_path / "someone-elses").write_bytes(b"x")
+    removed = cleanup_stale_segments(str(tmp_path))
+    assert removed == [f"tetri-{dead_pid}-ab-seg"]
+    assert (tmp_path / f"tetri-{dead_pid}-ab-dir").is_dir()
+    assert (tmp_path / "someone-elses").exists()
+    assert cleanup_stale_segments(str(tmp_path / "missing")) == []
+
+
+def test_a_pool_larger_than_dev_shm_is_a_clear_error_not_sigbus(tmp_path):
+    """Regression: a KV pool sized past the free /dev/shm space was created with ftruncate and
+    died of SIGBUS when pre-touched. Run in a child on a 1 MiB tmpfs (needs mount rights)."""
+    mnt = tmp_path / "shm"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M", "tmpfs", str(mnt)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here")
+    try:
+        script = textwrap.dedent(f"""
+            import torch
+            import tetri_server.channel as channel, tetri_server.kv.shm as shm
+            channel.SHM_DIR = shm.SHM_DIR = {str(mnt)!r}
+            from tetri_server.kv.transport import PoolGeometry
+            g = PoolGeometry(2, 256, 16, 2, 64, torch.float32)  # 8 MiB
+            try:
+                shm.ShmTransport(0, g, "tetri-test-kv")
+            except OSError as e:
+                print("ERROR", e)
+        """)
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                             timeout=120, cwd=os.getcwd())
+        assert out.returncode == 0, (out.returncode, out.stderr[-2000:])  # -7 was SIGBUS
+        assert "ERROR" in out.stdout and "has no room for the KV pool" in out.stdout
+        assert "kv.num_blocks" in out.stdout
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
