@@ -165,3 +165,21 @@ async def collect_with_len(cluster, prompt) -> list[int]:
     async for d in cluster.submit(prompt, GREEDY, true_output_len=5):
         out.extend(d.token_ids)
     return out
+
+
+@pytest.mark.parametrize("mode", ["disaggregated", "coupled-chunked"])
+async def test_a_sliding_window_model_is_served_right_past_its_window(model_dir, mode):
+    """Regression: the workers served a Mistral whose sliding_window (64) is shorter than the
+    prompt with full attention: other greedy text than transformers."""
+    path = model_dir("mistral", sliding_window=64)
+    prompts = random_prompts(6, 8000, (100, 300), seed=15)
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    ref = hf_greedy(path, prompts, params.max_tokens)
+    cluster = make_cluster(path, mode)
+    await cluster.start()
+    try:
+        got = await asyncio.wait_for(
+            asyncio.gather(*(collect(cluster, p, params) for p in prompts)), 120)
+        assert got == ref
+    finally:
+        await cluster.stop()

@@ -128,3 +128,21 @@ def test_bad_requests_are_clear_errors(model_dir):
         eng.add_request(1, [], GREEDY)
     with pytest.raises(ValueError, match="max_model_len"):
         eng.add_request(2, list(range(5, 70)), GREEDY)
+
+
+@pytest.mark.parametrize("family,overrides", [
+    ("mistral", {"sliding_window": 64}),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 48, "max_window_layers": 1}),
+])
+@pytest.mark.parametrize(("mode", "chunk"), [("coupled", 2048), ("chunked", 97), ("chunked", 7)])
+def test_sliding_window_models_equal_transformers_past_the_window(model_dir, family, overrides,
+                                                                  mode, chunk):
+    """Regression: a checkpoint whose sliding_window is shorter than the prompt was served with
+    full attention (different greedy text from transformers). Prompts up to 5x the window,
+    outputs that cross it too."""
+    path = model_dir(family, **overrides)
+    prompts = random_prompts(8, 8000, (30, 300), seed=9)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    eng = LLMEngine(EngineConfig(str(path), mode=mode, chunk_size=chunk, num_blocks=400))
+    assert eng.spec.sliding_window == overrides["sliding_window"]
+    assert eng.generate(prompts, params) == hf_greedy(path, prompts, params.max_tokens)

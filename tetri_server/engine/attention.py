@@ -34,17 +34,23 @@ class BatchMetadata:
     slot_mapping: torch.Tensor
     positions: torch.Tensor
     num_real: int
-    _masks: dict[tuple[int, int], torch.Tensor] | None = None
+    _masks: dict[tuple[int, int, int, int], torch.Tensor] | None = None
 
-    def mask(self, q_len: int, ctx_len: int, device: torch.device) -> torch.Tensor:
-        """Bool mask [q_len, ctx_len]: query i (at context position ctx-q+i) sees keys <= it."""
+    def mask(self, q_len: int, ctx_len: int, device: torch.device, first_key: int = 0,
+             window: int = 0) -> torch.Tensor:
+        """Bool mask [q_len, ctx_len - first_key] over keys ``first_key..ctx_len-1``: query i
+        (at context position ctx-q+i) sees keys <= it, and with a sliding ``window`` only the
+        last ``window`` of those (transformers: key > query - window)."""
         if self._masks is None:
             self._masks = {}
-        key = (q_len, ctx_len)
+        key = (q_len, ctx_len, first_key, window)
         m = self._masks.get(key)
         if m is None:
             q_pos = torch.arange(ctx_len - q_len, ctx_len, device=device)[:, None]
-            m = torch.arange(ctx_len, device=device)[None, :] <= q_pos
+            k_pos = torch.arange(first_key, ctx_len, device=device)[None, :]
+            m = k_pos <= q_pos
+            if window:
+                m &= k_pos > q_pos - window
             self._masks[key] = m
         return m
 
@@ -61,24 +67,33 @@ def write_kv(pool_k: torch.Tensor, pool_v: torch.Tensor, k: torch.Tensor, v: tor
 
 
 def paged_attention(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor,
-                    meta: BatchMetadata, scale: float | None = None) -> torch.Tensor:
-    """q: [T, heads, D] -> out [T, heads, D]. Padding rows are left zero.
+                    meta: BatchMetadata, scale: float | None = None,
+                    window: int = 0) -> torch.Tensor:
+    """q: [T, heads, D] -> out [T, heads, D]. Padding rows are left zero. ``window`` > 0: a
+    sliding-window layer (Mistral, Qwen2): each query sees only its last ``window`` keys.
 
     One SDPA call per sequence over a view of its extent (GQA handled by SDPA)."""
     out = torch.zeros_like(q)
     gqa = q.shape[1] != pool_k.shape[0]
     for qs, ql, ctx, ks in zip(meta.q_starts, meta.q_lens, meta.ctx_lens, meta.kv_starts,
                                strict=True):
+        # keys before the first query's window are seen by no query of this step
+        lo = max(0, ctx - ql - window + 1) if window else 0
         qi = q[qs:qs + ql].transpose(0, 1).unsqueeze(0)  # [1, heads, ql, D]
-        ki = pool_k[:, ks:ks + ctx].unsqueeze(0)  # [1, kv_heads, ctx, D] (a view)
-        vi = pool_v[:, ks:ks + ctx].unsqueeze(0)
+        ki = pool_k[:, ks + lo:ks + ctx].unsqueeze(0)  # [1, kv_heads, ctx - lo, D] (a view)
+        vi = pool_v[:, ks + lo:ks + ctx].unsqueeze(0)
         if ql == 1:
             o = F.scaled_dot_product_attention(qi, ki, vi, scale=scale, enable_gqa=gqa)
-        elif ql == ctx:
+        elif window and window < ctx - lo:  # some query's window excludes some key
+            o = F.scaled_dot_product_attention(
+                qi, ki, vi, attn_mask=meta.mask(ql, ctx, q.device, lo, window), scale=scale,
+                enable_gqa=gqa)
+        elif ql == ctx - lo:
             o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale,
                                                enable_gqa=gqa)
         else:
-            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=meta.mask(ql, ctx, q.device),
+            o = F.scaled_dot_product_attention(qi, ki, vi,
+                                               attn_mask=meta.mask(ql, ctx, q.device, lo),
                                                scale=scale, enable_gqa=gqa)
         out[qs:qs + ql] = o[0].transpose(0, 1)
     return out

@@ -39,9 +39,11 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 class LlamaLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
+                 window: int = 0) -> None:
         super().__init__()
         s = spec
+        self.window = window  # sliding-window attention over the last ``window`` keys; 0: full
         qkv_out = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
 
         def p(*shape: int) -> nn.Parameter:
@@ -69,7 +71,7 @@ class LlamaLayer(nn.Module):
         v = qkv[:, nq + nkv:].view(t, s.num_kv_heads, s.head_dim)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         write_kv(pool_k, pool_v, k, v, meta)
-        attn = paged_attention(q, pool_k, pool_v, meta)
+        attn = paged_attention(q, pool_k, pool_v, meta, window=self.window)
         x = x + F.linear(attn.reshape(t, nq), self.o)
         h = rms_norm(x, self.post_norm, s.eps)
         gate, up = F.linear(h, self.gate_up).chunk(2, dim=-1)
@@ -85,8 +87,8 @@ class LlamaModel(nn.Module):
         self.spec = spec
         self.embed = nn.Parameter(torch.empty(spec.vocab_size, spec.hidden_size, dtype=dtype,
                                               device=device), requires_grad=False)
-        self.layers = nn.ModuleList(LlamaLayer(spec, dtype, device)
-                                    for _ in range(spec.num_layers))
+        self.layers = nn.ModuleList(LlamaLayer(spec, dtype, device, spec.layer_window(i))
+                                    for i in range(spec.num_layers))
         self.norm = nn.Parameter(torch.empty(spec.hidden_size, dtype=dtype, device=device),
                                  requires_grad=False)
         self.lm_head = self.embed if spec.tie_word_embeddings else nn.Parameter(

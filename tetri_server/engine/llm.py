@@ -40,8 +40,7 @@ class LLMEngine:
         self.model, self.spec = load_model(cfg.model_path, cfg.dtype, self.device)
         dtype = next(self.model.parameters()).dtype
         s = self.spec
-        limit = s.max_position_embeddings if s.sliding_window is None else min(
-            s.max_position_embeddings, s.sliding_window)
+        limit = s.max_position_embeddings  # sliding windows are applied in attention
         self.max_model_len = min(cfg.max_model_len or limit, limit)
         num_blocks = cfg.num_blocks or s.blocks_in_budget(
             cfg.kv_memory_gb * 2**30, dtype.itemsize, cfg.block_size)

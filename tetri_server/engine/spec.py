@@ -28,11 +28,21 @@ class ModelSpec:
     attention_bias: bool = False
     rope: dict[str, Any] = field(default_factory=dict)
     sliding_window: int | None = None
+    # per layer: True = sliding-window attention (transformers' layer_types); () = every layer
+    sliding_layers: tuple[bool, ...] = ()
     # opt
     do_layer_norm_before: bool = True
     word_embed_proj_dim: int = 0
     activation: str = "silu"
     remove_final_layer_norm: bool = False
+
+    def layer_window(self, layer: int) -> int:
+        """Keys a query of ``layer`` attends to at most (its last ones); 0 = all of them."""
+        if not self.sliding_window:
+            return 0
+        if self.sliding_layers and not self.sliding_layers[layer]:
+            return 0
+        return self.sliding_window
 
     @property
     def kv_elems_per_token(self) -> int:
@@ -89,6 +99,13 @@ def spec_from_hf_config(hf: Any) -> ModelSpec:
     window = getattr(hf, "sliding_window", None)
     if family == "qwen2" and not getattr(hf, "use_sliding_window", False):
         window = None
+    sliding_layers: tuple[bool, ...] = ()
+    layer_types = getattr(hf, "layer_types", None)
+    if window and layer_types:
+        sliding_layers = tuple(t == "sliding_attention" for t in layer_types)
+    elif window and family == "qwen2":  # transformers 4.x: layers from max_window_layers on
+        first = getattr(hf, "max_window_layers", 0)
+        sliding_layers = tuple(i >= first for i in range(hf.num_hidden_layers))
     return ModelSpec(
         family=family, vocab_size=hf.vocab_size, hidden_size=hf.hidden_size,
         num_layers=hf.num_hidden_layers, num_heads=heads,
@@ -98,5 +115,6 @@ def spec_from_hf_config(hf: Any) -> ModelSpec:
         tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
         eos_token_ids=_eos_ids(hf), bos_token_id=getattr(hf, "bos_token_id", None),
         attention_bias=bias, rope=_rope_params(hf), sliding_window=window,
+        sliding_layers=sliding_layers,
         activation=getattr(hf, "hidden_act", "silu"),
     )
