@@ -287,3 +287,30 @@ async def test_a_prompt_text_larger_than_a_ring_does_not_kill_the_channel(tiny_l
         assert await asyncio.wait_for(collect(cluster, prompt), 60) == ref
     finally:
         await cluster.stop()
+
+
+async def test_a_prefill_worker_whose_pool_is_full_of_held_kv_waits_instead_of_spinning(
+        tiny_llama):
+    """Regression (issue: the step loop was not honest): with its pool full of KV waiting for
+    a stopped decode worker, the prefill worker spun and counted the spin as busy time, which
+    feeds the flip rule and the benchmark's busy column."""
+    cluster = make_cluster(tiny_llama, "disaggregated", "model.max_model_len=512",
+                           "kv.num_blocks=48", "monitor.stall_timeout_s=120",
+                           "dispatch.policy=round-robin")
+    prompts = random_prompts(4, 8000, (250, 260), seed=42)  # 16-17 blocks each: 2 fit
+    ref = hf_greedy(tiny_llama, prompts, GREEDY.max_tokens)
+    await cluster.start()
+    try:
+        await asyncio.sleep(1.0)  # the prefill worker has a view of the decode worker
+        kill(cluster, 1, signal.SIGSTOP)
+        jobs = [asyncio.create_task(collect(cluster, p)) for p in prompts]
+        await until(lambda: sum(r.state.value == "handoff" for r in cluster.requests.values())
+                    >= 2 and cluster.reports[0].num_waiting > 0, 60, "the prefill pool is full")
+        await asyncio.sleep(0.5)
+        busy0 = cluster.reports[0].busy_s
+        await asyncio.sleep(3.0)
+        assert cluster.reports[0].busy_s - busy0 < 0.5  # it waited; it did not spin
+        kill(cluster, 1, signal.SIGCONT)
+        assert await asyncio.wait_for(asyncio.gather(*jobs), 120) == ref
+    finally:
+        await cluster.stop()

@@ -175,3 +175,15 @@ def test_bad_arguments_are_refused() -> None:
     adm = DecodeAdmission("greedy", block_size=16, num_total_blocks=10)
     with pytest.raises(ValueError):
         adm.add(1, 10, 10, 0, 16)  # the first output token must be counted
+
+
+def test_an_empty_batch_admits_a_request_that_fits_below_the_watermark():
+    """Regression: with nothing running, a request needing more than free - watermark blocks
+    (but no more than the free blocks) was never admitted: the decode worker stalled."""
+    from tetri_server.policy import DecodeAdmission
+
+    adm = DecodeAdmission("greedy", block_size=16, num_total_blocks=100, granularity=200,
+                          max_batch=8, watermark=0.05)
+    adm.add(1, 16 * 99, 16 * 99 + 1, 0, 10)  # 99 full blocks + 1 token: 100 blocks, watermark 5
+    plan = adm.plan(num_free_blocks=100)
+    assert plan.run_ids == (1,)

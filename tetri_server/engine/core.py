@@ -26,6 +26,7 @@ class CoupledCore:
         self.scheduler = scheduler
         self.device = device
         self.seqs: dict[int, Sequence] = {}
+        self.last_step_ran = False  # the last step() ran a forward
 
     def add(self, req_id: int, prompt_ids: list[int], params: SamplingParams,
             arrival_s: float) -> None:
@@ -45,6 +46,7 @@ class CoupledCore:
 
     def step(self) -> list[TokenDelta]:
         plan = self.scheduler.schedule()
+        self.last_step_ran = bool(plan.items)
         if not plan.items:
             if self.scheduler.waiting and not self.scheduler.running:
                 raise RuntimeError("no request fits in the KV pool")

@@ -179,7 +179,10 @@ class DecodeAdmission:
             if len(running) + len(admitted) >= self.max_batch:
                 break
             step = seq.num_step_blocks(self.block_size)
-            if step > free - self.num_watermark_blocks:
+            # The watermark keeps room for a running batch's growth; an empty batch has none
+            # to keep, so a request that fits the free blocks always starts (no stall).
+            watermark = self.num_watermark_blocks if running or admitted else 0
+            if step > free - watermark:
                 break
             batch = running + admitted
             if self.policy != "greedy" and batch:

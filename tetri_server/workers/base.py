@@ -148,13 +148,16 @@ class Worker:
                 if os.getppid() != self.spec.parent_pid:
                     log.warning("control process is gone; worker %d exits", self.worker_id)
                     break
+                ran = False
                 if self.role.has_work():
                     t0 = time.monotonic()
-                    self.step()
-                    self.busy_s += time.monotonic() - t0
+                    ran = self.step()
+                    if ran:  # busy_s feeds the flip rule: only forwards count
+                        self.busy_s += time.monotonic() - t0
                 elif self.pending_role is not None and self.role.is_drained():
                     self.switch_role(self.pending_role)
-                else:
+                    ran = True
+                if not ran:  # idle, or blocked (e.g. no blocks): wait for a message, bounded
                     wait = max(0.0, next_report - time.monotonic())
                     msg = self.inbox.recv(timeout_s=min(wait, 0.5))
                     if msg is not None:
@@ -168,13 +171,14 @@ class Worker:
             self.inbox.close()
             self.outbox.close()
 
-    def step(self) -> None:
-        """One step of the role. If it raises, the requests of the forward pass it ran are
-        named to the control process (``StepFailed``) before the worker dies: a request that
-        crashes workers must fail alone, not be re-run until every worker is dead."""
+    def step(self) -> bool:
+        """One step of the role; True if it ran a forward. If it raises, the requests of the
+        forward pass it ran are named to the control process (``StepFailed``) before the worker
+        dies: a request that crashes workers must fail alone, not be re-run until every worker
+        is dead."""
         self.runner.last_plan = None
         try:
-            self.role.step()
+            return self.role.step()
         except Exception as e:
             plan = self.runner.last_plan
             req_ids = [] if plan is None else [item.seq.req_id for item in plan.items]
@@ -245,14 +249,16 @@ class Role:
         raise NotImplementedError
 
     def has_work(self) -> bool:
-        """A step would do something now."""
+        """Requests are queued or running here (a step may still find nothing it can run)."""
         raise NotImplementedError
 
     def is_drained(self) -> bool:
         """Nothing in flight any more (no queued, running or handed-off request)."""
         return not self.has_work()
 
-    def step(self) -> None:
+    def step(self) -> bool:
+        """Plan, execute, update. True if a forward ran; False if nothing could run now (the
+        worker then waits for a message, bounded by the report interval, instead of spinning)."""
         raise NotImplementedError
 
     def load_report(self) -> LoadReport:

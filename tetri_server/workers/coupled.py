@@ -38,10 +38,11 @@ class CoupledRole(Role):
     def has_work(self) -> bool:
         return self.core.has_work()
 
-    def step(self) -> None:
+    def step(self) -> bool:
         deltas = self.core.step()
         if deltas:
             self.w.send(StepOutput(self.w.worker_id, deltas))
+        return self.core.last_step_ran
 
     def load_report(self) -> LoadReport:
         s = self.core.scheduler

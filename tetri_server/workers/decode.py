@@ -76,7 +76,7 @@ class DecodeRole(Role):
     def has_work(self) -> bool:
         return bool(self.seqs)
 
-    def step(self) -> None:
+    def step(self) -> bool:
         plan = self.admission.plan(self.w.allocator.num_free)
         for req_id in plan.preempt.req_ids:
             seq = self.seqs[req_id]
@@ -111,6 +111,7 @@ class DecodeRole(Role):
         self.admission.on_done(plan, finished)
         if deltas:
             self.w.send(StepOutput(self.w.worker_id, deltas))
+        return bool(items)
 
     def load_report(self) -> LoadReport:
         load = self.admission.load()

@@ -63,7 +63,6 @@ class PrefillRole(Role):
         self.unpredicted: list[tuple[Sequence, AddRequest]] = []
         self.undispatched: list[Sequence] = []  # prefilled, waiting for room on a decode worker
         self.handed_off: dict[int, Sequence] = {}  # Handoff sent, blocks pinned until KVPulled
-        self.blocked = False  # the last step could start nothing; set until the next message
         self.await_view = False  # a hand-off was refused: dispatch again on the next view
 
     def chunk_size(self) -> int:
@@ -72,7 +71,6 @@ class PrefillRole(Role):
     # ------------------------------------------------------------------ messages
 
     def handle(self, msg: object) -> None:
-        self.blocked = False  # any message may free blocks or bring work: plan again
         if isinstance(msg, AddRequest):
             seq = Sequence(msg.req_id, list(msg.prompt_ids), len(msg.prompt_ids), msg.sampling,
                            arrival_s=msg.arrival_s,
@@ -98,7 +96,6 @@ class PrefillRole(Role):
             super().handle(msg)
 
     def abort(self, req_id: int) -> None:
-        self.blocked = False
         seq = self.seqs.pop(req_id, None) or self.handed_off.pop(req_id, None)
         if seq is None:
             seq = next((s for s in self.undispatched if s.req_id == req_id), None)
@@ -112,7 +109,7 @@ class PrefillRole(Role):
     # ------------------------------------------------------------------ the step
 
     def has_work(self) -> bool:
-        return bool(self.unpredicted or (len(self.queue) and not self.blocked))
+        return bool(self.unpredicted or len(self.queue))
 
     def is_drained(self) -> bool:
         return not (self.has_work() or self.undispatched or self.handed_off)
@@ -147,15 +144,14 @@ class PrefillRole(Role):
                 self.w.send(RequestFailed(seq.req_id, f"length predictor: {e}"))
         return kept, buckets
 
-    def step(self) -> None:
+    def step(self) -> bool:
         self.predict_new()
         chunk = self.chunker.plan(self.queue, self.w.allocator.num_free)
         if chunk is None:
-            return
+            return False  # no blocks for the head request: wait for an ack or an abort
         chunk, items = self._reserve(chunk)
         if not items:
-            self.blocked = True  # free blocks exist, but only around pinned extents: wait
-            return
+            return False  # free blocks exist, but only around pinned extents: wait
         # Padding is bookkeeping only: on CPU, computing pad tokens is pure waste.
         result = self.w.runner.execute(StepPlan(items))
         done = set(self.chunker.on_done(self.queue, chunk))
@@ -175,6 +171,7 @@ class PrefillRole(Role):
         if deltas:
             self.w.send(StepOutput(self.w.worker_id, deltas))
         self.dispatch_held()
+        return True
 
     def _reserve(self, chunk: ChunkPlan) -> tuple[ChunkPlan, list[ScheduledSeq]]:
         """Blocks for every request the chunk starts. The chunker counted free blocks, but
