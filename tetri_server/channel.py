@@ -67,6 +67,16 @@ def reserve_shm(fd: int, num_bytes: int, what: str) -> None:
                       "or lower kv.num_blocks / kv.memory_gb") from e
 
 
+def unlink_segment(name: str) -> bool:
+    """Remove a segment of ``SHM_DIR`` (a KV pool); False if it was already gone. Mappings stay
+    valid."""
+    try:
+        os.unlink(os.path.join(SHM_DIR, name))
+    except FileNotFoundError:
+        return False
+    return True
+
+
 def new_run_id() -> str:
     """``tetri-<pid>-<8 hex>``: the prefix of every segment of this run, so that
     ``cleanup_stale_segments`` can tell whether the run that made a segment is still alive."""

@@ -13,14 +13,24 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from tetri_server.messages import SetRole
+from tetri_server.config import Config
+from tetri_server.control.supervisor import WorkerHandle
+from tetri_server.messages import LoadReport, SetRole
 from tetri_server.policy import FlipPlan, FlipPolicy
 
-if TYPE_CHECKING:
-    from tetri_server.control.cluster import Cluster
+
+class FlipHost(Protocol):
+    """What the flip procedure sees of the cluster."""
+
+    cfg: Config
+    disaggregated: bool
+    workers: Mapping[int, WorkerHandle]
+    draining: set[int]  # the controller adds a flipping worker, and removes it when done
+    reports: Mapping[int, LoadReport]
 
 log = logging.getLogger("tetri.flip")
 ROLES = ("prefill", "decode")
@@ -40,7 +50,7 @@ class FlipResult:
 
 
 class FlipController:
-    def __init__(self, cluster: Cluster) -> None:
+    def __init__(self, cluster: FlipHost) -> None:
         f = cluster.cfg.flip
         self.cluster = cluster
         self.enabled = f.enabled

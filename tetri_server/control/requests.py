@@ -7,13 +7,10 @@ import enum
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from tetri_server.control.protocol import GenerationError
 from tetri_server.messages import SamplingParams, TokenDelta
-
-if TYPE_CHECKING:
-    from tetri_server.control.cluster import Cluster
 
 
 class ReqState(enum.Enum):
@@ -52,11 +49,16 @@ class Request:
     queue: asyncio.Queue[TokenDelta | GenerationError] = field(default_factory=asyncio.Queue)
 
 
+class StreamOwner(Protocol):
+    def fail(self, req: Request, error: str, retry_after_s: float | None = None) -> None: ...
+    def abort(self, req_id: int) -> None: ...
+
+
 class Stream:
     """The ``RequestStream`` the HTTP layer iterates. Each wait is bounded by
     ``token_timeout_s`` (a stalled request becomes a GenerationError, never a hang)."""
 
-    def __init__(self, cluster: Cluster, req: Request, token_timeout_s: float) -> None:
+    def __init__(self, cluster: StreamOwner, req: Request, token_timeout_s: float) -> None:
         self.req_id = req.req_id
         self._cluster = cluster
         self._req = req

@@ -17,12 +17,14 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 
-from tetri_server.channel import AsyncReceiver, Channel, MessageTooLarge
-from tetri_server.kv.shm import unlink_segment
-from tetri_server.messages import FromWorker, PoolHandle, ToWorker, WorkerSpec
+from tetri_server.channel import AsyncReceiver, Channel, MessageTooLarge, unlink_segment
+from tetri_server.config import Config
+from tetri_server.control.restarts import RestartPolicy
+from tetri_server.messages import FromWorker, PoolHandle, Shutdown, ToWorker, WorkerSpec
 
 log = logging.getLogger("tetri.supervisor")
 RING_BYTES = 4 << 20
@@ -132,3 +134,124 @@ def reap(handle: WorkerHandle) -> int | None:
             f"worker {handle.worker_id} ({handle.role}) exited with code "
             f"{handle.proc.poll()} before it was ready"))
     return handle.proc.wait()
+
+
+class Supervisor:
+    """Owns the worker processes of one run: spawns them (pinned cores, device), notices their
+    exit (pidfd), restarts them with back-off and gives up after too many deaths in a row
+    (``fatal``: the server exits non-zero). What a death means for requests is the caller's
+    ``on_death``; messages go to ``on_message``."""
+
+    def __init__(self, cfg: Config, on_message: Callable[[WorkerHandle, FromWorker], None],
+                 on_death: Callable[[WorkerHandle, int | None], None],
+                 on_undeliverable: Callable[[ToWorker, str], None], metrics: Any) -> None:
+        c = cfg.cluster
+        self.cfg = cfg
+        self.workers: dict[int, WorkerHandle] = {}
+        self.generations: dict[int, int] = {}
+        self.restarts = RestartPolicy(c.restart_backoff_s, c.restart_backoff_max_s,
+                                      c.max_restarts, c.restart_reset_s)
+        self.num_restarts = 0
+        self.run_id = ""
+        self.fatal: asyncio.Future[str] | None = None  # set: the server must exit non-zero
+        self.stopping = False
+        self.started = False
+        self._on_message = on_message
+        self._on_death = on_death
+        self._on_undeliverable = on_undeliverable
+        self._num_cuda: int | None = None
+        self.metrics = metrics
+
+    def begin(self, run_id: str) -> None:
+        self.run_id = run_id
+        self.fatal = asyncio.get_running_loop().create_future()
+
+    def _cpus(self, worker_id: int) -> tuple[list[int], int]:
+        cores = sorted(os.sched_getaffinity(0))
+        n = max(1, self.cfg.cluster.threads_per_worker)
+        if self.cfg.cluster.device != "cpu":
+            return [], n
+        first = (worker_id * n) % len(cores)
+        return [cores[(first + k) % len(cores)] for k in range(min(n, len(cores)))], n
+
+    def _device(self, worker_id: int) -> str:
+        if self.cfg.cluster.device != "cuda":
+            return "cpu"
+        if self._num_cuda is None:
+            self._num_cuda = _num_cuda_devices()
+        return f"cuda:{worker_id % max(1, self._num_cuda)}"
+
+    def spawn(self, worker_id: int, role: str,
+              config: dict[str, dict[str, object]]) -> WorkerHandle:
+        gen = self.generations.get(worker_id, -1) + 1
+        self.generations[worker_id] = gen
+        cpus, threads = self._cpus(worker_id)
+        h = spawn_worker(worker_id, role, gen, self.run_id, config, cpus, threads,
+                         self._device(worker_id), self._on_message, self._on_exit)
+        h.on_undeliverable = self._on_undeliverable
+        self.workers[worker_id] = h
+        return h
+
+    def on_ready(self, h: WorkerHandle) -> None:
+        self.restarts.on_ready(h.worker_id, time.monotonic())
+
+    def _on_exit(self, h: WorkerHandle) -> None:
+        code = reap(h)
+        if self.stopping or not self.started:
+            return  # start() reports a worker that dies before it is ready
+        log.error("worker %d (%s) exited with code %s", h.worker_id, h.role, code)
+        self._on_death(h, code)
+        if not self.cfg.cluster.restart_workers:
+            return
+        delay = self.restarts.on_death(h.worker_id, time.monotonic())
+        if delay is None:
+            n = self.restarts.deaths_in_a_row(h.worker_id)
+            msg = f"worker {h.worker_id} died {n} times in a row; giving up"
+            log.critical("%s: the server exits", msg)
+            if self.fatal is not None and not self.fatal.done():
+                self.fatal.set_result(msg)
+            return
+        log.warning("restarting worker %d (%s) in %.1f s", h.worker_id, h.role, delay)
+        self.num_restarts += 1
+        self.metrics.inc_restarts(h.worker_id)
+        asyncio.get_running_loop().call_later(delay, self._restart, h.worker_id, h.role)
+
+    def _restart(self, worker_id: int, role: str) -> None:
+        if self.stopping:
+            return
+        new = self.spawn(worker_id, role, self.cfg.to_dict(redact=True))
+        new.ready.add_done_callback(_log_ready_failure)
+        asyncio.get_running_loop().call_later(self.cfg.cluster.worker_start_timeout_s,
+                                              self._start_timed_out, new)
+
+    def _start_timed_out(self, h: WorkerHandle) -> None:
+        if h.alive and not h.ready.done():
+            log.error("restarted worker %d not ready after %.0f s; killing it", h.worker_id,
+                      self.cfg.cluster.worker_start_timeout_s)
+            h.proc.kill()  # its exit counts as one more death in a row
+
+    async def shutdown(self) -> None:
+        """Shutdown to every worker, then wait (10 s each at most) and reap them."""
+        self.stopping = True
+        for h in self.workers.values():
+            h.post(Shutdown())
+        for h in list(self.workers.values()):
+            if not h.alive:
+                continue
+            try:
+                await asyncio.wait_for(asyncio.to_thread(h.proc.wait), 10.0)
+            except TimeoutError:
+                h.proc.kill()
+            if h.alive:
+                reap(h)
+
+
+def _log_ready_failure(fut: asyncio.Future[None]) -> None:
+    if not fut.cancelled() and fut.exception() is not None:
+        log.error("restarted worker failed: %s", fut.exception())
+
+
+def _num_cuda_devices() -> int:
+    import torch  # only with cluster.device = cuda: the control process stays torch-free
+
+    return torch.cuda.device_count()

@@ -40,8 +40,7 @@ class LLMEngine:
         self.model, self.spec = load_model(cfg.model_path, cfg.dtype, self.device)
         dtype = next(self.model.parameters()).dtype
         s = self.spec
-        limit = s.max_position_embeddings  # sliding windows are applied in attention
-        self.max_model_len = min(cfg.max_model_len or limit, limit)
+        self.max_model_len = s.max_model_len(cfg.max_model_len)
         num_blocks = cfg.num_blocks or s.blocks_in_budget(
             cfg.kv_memory_gb * 2**30, dtype.itemsize, cfg.block_size)
         if num_blocks < blocks_for(self.max_model_len, cfg.block_size):

@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from tetri_server.channel import reserve_shm
+from tetri_server.channel import reserve_shm, unlink_segment  # noqa: F401 - re-exported
 from tetri_server.kv.transport import DTYPE_NAMES, PoolGeometry, copy_extent_runs
 from tetri_server.messages import PoolHandle
 
@@ -31,15 +31,6 @@ def _map(name: str, num_bytes: int, create: bool) -> torch.Tensor:
     finally:
         os.close(fd)
     return torch.frombuffer(mm, dtype=torch.uint8, count=num_bytes)
-
-
-def unlink_segment(name: str) -> bool:
-    """Remove a pool segment; False if it was already gone. Mappings stay valid."""
-    try:
-        os.unlink(os.path.join(SHM_DIR, name))
-    except FileNotFoundError:
-        return False
-    return True
 
 
 def _view(flat: torch.Tensor, geometry: PoolGeometry) -> torch.Tensor:

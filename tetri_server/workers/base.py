@@ -78,8 +78,7 @@ class Worker:
         mcfg = self.cfg.model
         self.model, self.model_spec = load_model(mcfg.path, mcfg.dtype, self.device)
         s = self.model_spec
-        self.max_model_len = min(mcfg.max_model_len or s.max_position_embeddings,
-                                 s.max_position_embeddings)
+        self.max_model_len = s.max_model_len(mcfg.max_model_len)
         dtype = next(self.model.parameters()).dtype
         bs = self.cfg.kv.block_size
         num_blocks = self.cfg.kv.num_blocks or self._blocks_from_memory(dtype)

@@ -1,0 +1,129 @@
+"""The cluster monitor: load reports in, the decode view out, stalled workers noticed, the
+gauges kept. Runs on the control loop; the cluster calls ``tick`` every monitor.interval_ms."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from tetri_server.config import Config
+from tetri_server.control.supervisor import WorkerHandle
+from tetri_server.messages import DecodeInstanceView, DecodeView, LoadReport, Ready
+from tetri_server.policy import LeastLoadedPicker
+
+log = logging.getLogger("tetri.monitor")
+
+
+class NullMetrics:
+    """What the control process reports when nobody collects metrics (tests, tools)."""
+
+    def set_worker(self, *args: Any, **kwargs: Any) -> None: ...
+    def set_requests(self, *args: Any, **kwargs: Any) -> None: ...
+    def set_chunk_size(self, *args: Any, **kwargs: Any) -> None: ...
+    def set_up(self, *args: Any, **kwargs: Any) -> None: ...
+    def observe_phase(self, *args: Any, **kwargs: Any) -> None: ...
+    def inc_restarts(self, *args: Any, **kwargs: Any) -> None: ...
+    def inc_stalls(self, *args: Any, **kwargs: Any) -> None: ...
+
+
+class Monitor:
+    """Owns the latest ``LoadReport`` of each worker and the global picker fed by them."""
+
+    def __init__(self, cfg: Config, workers: Mapping[int, WorkerHandle], draining: set[int],
+                 metrics: Any) -> None:
+        self.cfg = cfg
+        self.workers = workers
+        self.draining = draining
+        self.metrics = metrics
+        self.reports: dict[int, LoadReport] = {}
+        self.picker = LeastLoadedPicker(coupled=cfg.cluster.mode != "disaggregated")
+        self._view_seq = 0
+        self._last_tick_s = 0.0
+
+    def start(self, now_s: float) -> None:
+        self._last_tick_s = now_s
+        for h in self.workers.values():
+            h.last_heard_s = now_s
+
+    def on_report(self, h: WorkerHandle, msg: LoadReport) -> None:
+        self.reports[h.worker_id] = msg
+        self.picker.on_report(msg)
+        self.metrics.set_worker(
+            h.worker_id, h.role, blocks_used=msg.num_total_blocks - msg.num_free_blocks,
+            blocks_total=msg.num_total_blocks, busy_s=msg.busy_s,
+            num_preemptions=msg.num_preemptions)
+
+    def on_ready(self, h: WorkerHandle, msg: Ready) -> None:
+        """A worker (re)started or flipped: an empty report in its role until its first one."""
+        n = msg.pool.num_blocks
+        empty = LoadReport(worker_id=h.worker_id, role=msg.role, num_waiting=0, num_running=0,
+                           num_queued_prompt_tokens=0, num_free_blocks=n, num_total_blocks=n,
+                           num_heavy=0, num_light=0, predicted_demand_blocks=0, busy_s=0.0)
+        self.reports[h.worker_id] = empty
+        self.picker.on_report(empty)
+        self.metrics.set_up(h.worker_id, True)
+        if msg.chunk_size:
+            self.metrics.set_chunk_size(h.worker_id, msg.chunk_size)
+
+    def remove(self, worker_id: int) -> None:
+        self.picker.remove_worker(worker_id)
+        self.reports.pop(worker_id, None)
+        self.metrics.set_up(worker_id, False)
+
+    def pick(self, num_prompt_tokens: int) -> int | None:
+        """The least-loaded serving entry worker (prefill, or coupled), or None."""
+        down = [w for w, h in self.workers.items() if not h.is_ready or w in self.draining]
+        return self.picker.pick(num_prompt_tokens, exclude=down)
+
+    def decode_view(self) -> DecodeView:
+        """The decode workers that may receive hand-offs, from their latest reports."""
+        self._view_seq += 1
+        decodes = [DecodeInstanceView(wid, r.num_free_blocks, r.num_total_blocks, r.num_heavy,
+                                      r.num_light, r.predicted_demand_blocks)
+                   for wid, r in sorted(self.reports.items())
+                   if r.role == "decode" and wid in self.workers
+                   and self.workers[wid].is_ready and wid not in self.draining]
+        return DecodeView(self._view_seq, decodes)
+
+    def count_requests(self, num_requests: int) -> None:
+        waiting = sum(r.num_waiting for r in self.reports.values())
+        self.metrics.set_requests(running=num_requests - waiting, waiting=waiting)
+
+    def check_stalls(self, now_s: float) -> None:
+        """A ready worker silent for monitor.stall_timeout_s (SIGSTOP, a stuck kernel, an
+        endless loop) gets no new work and is killed: its exit re-runs its requests and
+        restarts it. If this loop itself was blocked, nobody was listening: no verdicts."""
+        bound = self.cfg.monitor.stall_timeout_s
+        late = now_s - self._last_tick_s - self.cfg.monitor.interval_ms / 1000
+        self._last_tick_s = now_s
+        if late > bound / 2:
+            log.warning("control loop was blocked for %.1f s; stall checks restart", late)
+            for h in self.workers.values():
+                h.last_heard_s = now_s
+            return
+        for h in self.workers.values():
+            silent = now_s - h.last_heard_s
+            if h.is_ready and silent > bound:
+                log.error("worker %d (%s) sent nothing for %.1f s: stalled; killing it",
+                          h.worker_id, h.role, silent)
+                h.stalled = True
+                self.metrics.inc_stalls()
+                self.metrics.set_up(h.worker_id, False)
+                h.proc.kill()
+
+    def workers_info(self) -> list[dict[str, Any]]:
+        """``GET /admin/workers``: each worker's role, state and latest load."""
+        out = []
+        for wid, h in sorted(self.workers.items()):
+            r = self.reports.get(wid)
+            state = ("stalled" if h.stalled and h.alive else "draining" if wid in self.draining
+                     else "ready" if h.is_ready else "starting" if h.alive else "dead")
+            load = None if r is None else {
+                "waiting": r.num_waiting, "running": r.num_running,
+                "queued_prompt_tokens": r.num_queued_prompt_tokens,
+                "kv_blocks_used": r.num_total_blocks - r.num_free_blocks,
+                "kv_blocks_total": r.num_total_blocks, "busy_s": round(r.busy_s, 3)}
+            out.append({"id": wid, "role": h.role, "state": state, "pid": h.proc.pid,
+                        "generation": h.generation, "chunk_size": h.chunk_size, "load": load})
+        return out
