@@ -168,8 +168,9 @@ class EngineBackend:
         self._report()
 
     def _report(self) -> None:
-        sched = self.engine.scheduler
-        self.metrics.set_requests(running=len(sched.running), waiting=len(sched.waiting))
+        load = self.engine.loop.admission.load()
+        self.metrics.set_requests(running=load.num_running,
+                                  waiting=len(self.engine.loop.queue) + load.num_waiting)
         alloc = self.engine.allocator
         self.metrics.set_worker(
             0,

@@ -41,8 +41,8 @@ def test_packed_fixed_size_chunks_with_padding_match(model_dir):
                                  pad_chunks=True))
     for i, p in enumerate(prompts):
         eng.add_request(i, p, GREEDY)
-    plan = eng.scheduler.schedule()
-    assert plan.num_tokens == 64 and len(plan.items) > 1  # several prompts packed in one chunk
+    plan = eng.loop.plan()
+    assert plan.num_tokens == 64 and len(plan.slices) > 1  # several prompts packed in one chunk
     got: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
     while eng.has_unfinished():
         for d in eng.step():
@@ -75,7 +75,7 @@ def test_preemption_under_memory_pressure_still_matches(model_dir):
     eng = LLMEngine(EngineConfig(str(path), mode="chunked", chunk_size=64, block_size=16,
                                  num_blocks=20, max_model_len=256))
     got = eng.generate(prompts, params)
-    assert eng.scheduler.num_preemptions > 0
+    assert eng.loop.num_preemptions > 0
     assert got == hf_greedy(path, prompts, 40)
     assert eng.allocator.num_free == 20
 

@@ -1,4 +1,5 @@
-"""In-process engine: add requests, step, get tokens. Workers wrap the same pieces."""
+"""In-process engine: add requests, step, get tokens. It runs the coupled worker's
+``CoupledLoop`` (the same policies) over a plain tensor pool, without processes or channels."""
 
 from __future__ import annotations
 
@@ -7,10 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tetri_server.engine.core import CoupledCore
 from tetri_server.engine.loader import load_model
 from tetri_server.engine.runner import ModelRunner
-from tetri_server.engine.scheduler import StepScheduler
 from tetri_server.kv.blocks import BlockAllocator, blocks_for
 from tetri_server.kv.manager import KVCacheManager
 from tetri_server.messages import SamplingParams, TokenDelta
@@ -51,11 +50,14 @@ class LLMEngine:
         self.allocator = BlockAllocator(num_blocks)
         self.kv_manager = KVCacheManager(self.allocator, self.kv, cfg.block_size)
         self.runner = ModelRunner(self.model, s, self.kv, cfg.block_size, self.device)
-        self.scheduler = StepScheduler(self.kv_manager, cfg.mode, cfg.chunk_size, cfg.max_batch,
-                                       pad_chunks=cfg.pad_chunks)
-        self.core = CoupledCore(self.runner, self.kv_manager, s.eos_token_ids,
-                                self.max_model_len, self.scheduler, self.device)
-        self.seqs = self.core.seqs
+        from tetri_server.workers.coupled import CoupledLoop
+
+        self.loop = CoupledLoop(self.runner, self.kv_manager, s.eos_token_ids, self.max_model_len,
+                                self.device, chunked=cfg.mode == "chunked",
+                                token_budget=cfg.chunk_size, max_batch=cfg.max_batch,
+                                max_prefill_tokens=max(self.max_model_len, cfg.chunk_size),
+                                pad_chunks=cfg.pad_chunks)
+        self.seqs = self.loop.seqs
 
     def add_request(self, req_id: int, prompt_ids: list[int],
                     params: SamplingParams | None = None) -> None:
@@ -66,16 +68,22 @@ class LLMEngine:
                              f"{self.max_model_len}")
         if req_id in self.seqs:
             raise ValueError(f"duplicate request id {req_id}")
-        self.core.add(req_id, prompt_ids, params or SamplingParams(), time.monotonic())
+        self.loop.add(req_id, prompt_ids, params or SamplingParams(), time.monotonic())
 
     def abort(self, req_id: int) -> None:
-        self.core.abort(req_id)
+        self.loop.abort(req_id)
 
     def has_unfinished(self) -> bool:
-        return self.core.has_work()
+        return self.loop.has_work()
 
     def step(self) -> list[TokenDelta]:
-        return self.core.step()
+        deltas = self.loop.step()
+        if self.loop.failed:
+            failed, self.loop.failed = self.loop.failed, []
+            raise RuntimeError("; ".join(f"request {f.req_id}: {f.error}" for f in failed))
+        if not self.loop.last_step_ran and self.loop.has_work():
+            raise RuntimeError("no request fits in the KV pool")
+        return deltas
 
     def generate(self, prompts: list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[list[int]]:

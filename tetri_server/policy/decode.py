@@ -142,6 +142,10 @@ class DecodeAdmission:
                 return True
         return False
 
+    def __len__(self) -> int:
+        """Requests known here: running and waiting for admission."""
+        return len(self._running) + len(self._waiting)
+
     def __contains__(self, req_id: object) -> bool:
         return req_id in self._running or any(s.req_id == req_id for s in self._waiting)
 

@@ -1,16 +1,204 @@
-"""Coupled worker (the baselines): prefills and decodes in one step loop.
+"""Coupled worker (the baselines): prefills and decodes in one step loop, planned by the same
+pure policies as the disaggregated roles.
 
-``coupled``          vLLM-like: waiting prompts run whole before decode steps (prefill-first).
+``coupled``          vLLM-like: waiting prompts run whole before decode steps (prefill-first,
+                     ``policy.prefill_first_plan``).
 ``coupled-chunked``  Sarathi-like: prompt chunks ride along with every decode step under
-                     ``prefill.token_budget`` tokens.
+                     ``prefill.token_budget`` tokens (``policy.coupled_chunked_plan``).
+
+Prompts wait in a ``PrefillQueue``; a request whose prompt is done joins a greedy
+``DecodeAdmission``, which decides the batch and its preemptions (the newest first; recomputed
+when re-admitted). ``CoupledLoop`` is channel-free: the coupled worker and the in-process
+``LLMEngine`` both run it.
 """
 
 from __future__ import annotations
 
-from tetri_server.engine.core import CoupledCore
-from tetri_server.engine.scheduler import StepScheduler
-from tetri_server.messages import AddRequest, LoadReport, StepOutput
+from dataclasses import dataclass
+
+import torch
+
+from tetri_server.engine.runner import ModelRunner, ScheduledSeq, StepPlan
+from tetri_server.engine.sampling import make_generator
+from tetri_server.engine.sequence import SeqStatus, Sequence
+from tetri_server.engine.stops import append_token, emit
+from tetri_server.kv.blocks import blocks_for
+from tetri_server.kv.manager import KVCacheManager
+from tetri_server.messages import (
+    AddRequest,
+    LoadReport,
+    RequestFailed,
+    SamplingParams,
+    StepOutput,
+    TokenDelta,
+)
+from tetri_server.policy import (
+    ChunkSlice,
+    DecodeAdmission,
+    DecodeStepPlan,
+    PrefillQueue,
+    coupled_chunked_plan,
+    prefill_first_plan,
+)
 from tetri_server.workers.base import Role, Worker
+
+
+@dataclass(frozen=True)
+class CoupledStepPlan:
+    """One coupled step: the decode batch (None in a prefill-only step) and prompt slices."""
+
+    decode: DecodeStepPlan | None
+    slices: tuple[ChunkSlice, ...]
+    num_pad: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        num_decode = 0 if self.decode is None else len(self.decode.run_ids)
+        return num_decode + sum(p.num_tokens for p in self.slices) + self.num_pad
+
+
+class CoupledLoop:
+    """plan -> execute -> update over one runner and one KV pool."""
+
+    def __init__(self, runner: ModelRunner, kv: KVCacheManager, eos_token_ids: tuple[int, ...],
+                 max_model_len: int, device: torch.device, *, chunked: bool, token_budget: int,
+                 max_batch: int, max_prefill_tokens: int, pad_chunks: bool = False) -> None:
+        self.runner, self.kv = runner, kv
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.device = device
+        self.chunked = chunked
+        self.token_budget = token_budget
+        self.max_batch = max_batch
+        self.max_prefill_tokens = max(max_prefill_tokens, token_budget)
+        self.pad_chunks = pad_chunks
+        self.block_size = kv.block_size
+        self.queue = PrefillQueue("fcfs")
+        self.admission = DecodeAdmission("greedy", block_size=kv.block_size,
+                                         num_total_blocks=kv.allocator.num_blocks,
+                                         max_batch=max_batch)
+        self.seqs: dict[int, Sequence] = {}
+        self.failed: list[RequestFailed] = []  # for the caller to report, then clear
+        self.last_step_ran = False
+
+    def add(self, req_id: int, prompt_ids: list[int], params: SamplingParams,
+            arrival_s: float) -> None:
+        seq = Sequence(req_id, list(prompt_ids), len(prompt_ids), params, arrival_s=arrival_s,
+                       generator=make_generator(params.seed, self.device))
+        self.seqs[req_id] = seq
+        self.queue.add(req_id, seq.num_prompt, arrival_s)
+
+    def abort(self, req_id: int) -> None:
+        seq = self.seqs.pop(req_id, None)
+        self.queue.remove(req_id)
+        self.admission.remove(req_id)
+        if seq is not None:
+            seq.status = SeqStatus.FINISHED
+            self.kv.free(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.seqs)
+
+    # ------------------------------------------------------------------ the step
+
+    def plan(self) -> CoupledStepPlan:
+        """This step's decisions, from the policies. Pure: nothing is reserved or changed."""
+        free = self.kv.allocator.num_free
+        room = max(0, self.max_batch - len(self.admission))
+        bs = self.block_size
+        if not self.chunked:
+            slices = prefill_first_plan(self.queue, (), self.max_prefill_tokens, max_seqs=room,
+                                        num_free_blocks=free, block_size=bs).slices
+            return CoupledStepPlan(None if slices else self.admission.plan(free), slices)
+        decode = self.admission.plan(free)
+        step_blocks = sum(blocks_for(self.seqs[r].num_tokens, bs) - len(self.seqs[r].blocks)
+                          for r in decode.run_ids if r not in decode.preempt.req_ids)
+        freed = sum(len(self.seqs[r].blocks) for r in decode.preempt.req_ids)
+        slices = coupled_chunked_plan(self.queue, decode.run_ids, self.token_budget,
+                                      max_seqs=room + len(decode.run_ids),
+                                      num_free_blocks=free + freed - step_blocks,
+                                      block_size=bs).slices
+        num_pad = 0
+        if self.pad_chunks and slices and not decode.run_ids:
+            num_pad = self.token_budget - sum(p.num_tokens for p in slices)
+        return CoupledStepPlan(decode, slices, max(0, num_pad))
+
+    def step(self) -> list[TokenDelta]:
+        plan = self.plan()
+        items = self._decode_items(plan.decode)
+        num_decode = len(items)
+        slices = []
+        for piece in plan.slices:
+            seq = self.seqs[piece.req_id]
+            if piece.is_first and not self.kv.reserve(seq, seq.num_prompt):
+                break  # blocks are one extent per sequence: later prompts wait (no overtaking)
+            items.append(ScheduledSeq(seq, piece.num_tokens))
+            slices.append(piece)
+        self.last_step_ran = bool(items)
+        if not items:
+            if plan.decode is not None:
+                self.admission.on_done(plan.decode, set())
+            return []
+        result = self.runner.execute(StepPlan(items, plan.num_pad if slices else 0))
+        deltas: list[TokenDelta] = []
+        finished: set[int] = set()
+        for item, tok, lp in zip(items[:num_decode], result.sampled, result.logprobs,
+                                 strict=False):
+            assert tok is not None
+            if self._append(item.seq, tok, lp, deltas):
+                finished.add(item.seq.req_id)
+        if plan.decode is not None:
+            self.admission.on_done(plan.decode, finished)
+        done = set(self.queue.advance(slices))
+        for item, tok, lp in zip(items[num_decode:], result.sampled[num_decode:],
+                                 result.logprobs[num_decode:], strict=True):
+            seq = item.seq
+            if tok is None or seq.req_id not in done:
+                continue
+            if not self._append(seq, tok, lp, deltas):
+                seq.status = SeqStatus.RUNNING
+                self.admission.add(seq.req_id, seq.num_prompt, seq.num_tokens, 0,
+                                   seq.params.max_tokens)
+        return deltas
+
+    def _decode_items(self, decode: DecodeStepPlan | None) -> list[ScheduledSeq]:
+        """Carry out the admission plan: preempt (drop KV; recomputed on re-admission), fail
+        what can never fit, reserve the batch's blocks."""
+        if decode is None:
+            return []
+        for req_id in decode.preempt.req_ids:
+            seq = self.seqs[req_id]
+            self.kv.free(seq)
+            seq.num_computed = 0
+        for req_id in decode.fail_ids:
+            self.kv.free(self.seqs.pop(req_id))
+            self.failed.append(RequestFailed(req_id, "request no longer fits the KV pool"))
+        recompute = set(decode.admit.recompute_ids)
+        items = []
+        for req_id in decode.run_ids:
+            seq = self.seqs[req_id]
+            if not self.kv.reserve(seq, seq.num_tokens):
+                raise RuntimeError(f"admission planned request {req_id} but its blocks do not "
+                                   "fit: allocator and policy disagree")
+            items.append(ScheduledSeq(seq, seq.num_uncomputed if req_id in recompute else 1))
+        return items
+
+    def _append(self, seq: Sequence, tok: int, lp: float | None,
+                deltas: list[TokenDelta]) -> bool:
+        """Append a sampled token; True (and freed) if the request finished."""
+        reason = append_token(seq, tok, lp, self.eos_token_ids, self.max_model_len)
+        deltas.append(emit(seq, reason))
+        if reason is None:
+            return False
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        self.kv.free(seq)
+        del self.seqs[seq.req_id]
+        return True
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.admission.load().num_preemptions
 
 
 class CoupledRole(Role):
@@ -19,34 +207,39 @@ class CoupledRole(Role):
     def __init__(self, w: Worker) -> None:
         super().__init__(w)
         cfg = w.cfg
-        chunked = cfg.cluster.mode == "coupled-chunked"
-        scheduler = StepScheduler(
-            w.kv, "chunked" if chunked else "coupled", chunk_size=cfg.prefill.token_budget,
+        self.loop = CoupledLoop(
+            w.runner, w.kv, w.model_spec.eos_token_ids, w.max_model_len, w.device,
+            chunked=cfg.cluster.mode == "coupled-chunked", token_budget=cfg.prefill.token_budget,
             max_batch=cfg.decode.max_batch,
             max_prefill_tokens=max(w.max_model_len, cfg.prefill.token_budget))
-        self.core = CoupledCore(w.runner, w.kv, w.model_spec.eos_token_ids, w.max_model_len,
-                                scheduler, w.device)
 
     def handle(self, msg: object) -> None:
         if not isinstance(msg, AddRequest):
             return super().handle(msg)
-        self.core.add(msg.req_id, msg.prompt_ids, msg.sampling, msg.arrival_s)
+        self.loop.add(msg.req_id, msg.prompt_ids, msg.sampling, msg.arrival_s)
 
     def abort(self, req_id: int) -> None:
-        self.core.abort(req_id)
+        self.loop.abort(req_id)
 
     def has_work(self) -> bool:
-        return self.core.has_work()
+        return self.loop.has_work()
 
     def step(self) -> bool:
-        deltas = self.core.step()
+        deltas = self.loop.step()
+        for failure in self.loop.failed:
+            self.w.send(failure)
+        self.loop.failed.clear()
         if deltas:
             self.w.send(StepOutput(self.w.worker_id, deltas))
-        return self.core.last_step_ran
+        return self.loop.last_step_ran
 
     def load_report(self) -> LoadReport:
-        s = self.core.scheduler
-        queued = sum(q.num_uncomputed for q in s.waiting)
+        load = self.loop.admission.load()
         a = self.w.allocator
-        return LoadReport(self.w.worker_id, self.name, len(s.waiting), len(s.running), queued,
-                          a.num_free, a.num_blocks, 0, 0, 0, self.w.busy_s, s.num_preemptions)
+        return LoadReport(worker_id=self.w.worker_id, role=self.name,
+                          num_waiting=len(self.loop.queue) + load.num_waiting,
+                          num_running=load.num_running,
+                          num_queued_prompt_tokens=self.loop.queue.num_queued_tokens,
+                          num_free_blocks=a.num_free, num_total_blocks=a.num_blocks,
+                          num_heavy=0, num_light=0, predicted_demand_blocks=0,
+                          busy_s=self.w.busy_s, num_preemptions=self.loop.num_preemptions)
