@@ -314,3 +314,28 @@ async def test_a_prefill_worker_whose_pool_is_full_of_held_kv_waits_instead_of_s
         assert await asyncio.wait_for(asyncio.gather(*jobs), 120) == ref
     finally:
         await cluster.stop()
+
+
+async def test_a_flip_that_times_out_is_cancelled_on_the_worker(tiny_llama):
+    """Regression: a flip whose drain outlasted control's bound was abandoned by control but
+    the worker still switched roles later, silently. Now control tells it to cancel."""
+    cluster = make_cluster(tiny_llama, "disaggregated", "cluster.decode_workers=2",
+                           "flip.min_interval_s=0")
+    prompt = random_prompts(1, 8000, (10, 10), seed=43)[0]
+    long = SamplingParams(max_tokens=1500, temperature=0.0, ignore_eos=True)
+    await cluster.start()
+    try:
+        job = asyncio.create_task(collect(cluster, prompt, long))
+        await until(lambda: any(r.state.value == "decode" and r.output_ids
+                                for r in cluster.requests.values()), 60, "the request decodes")
+        busy = next(r.owner for r in cluster.requests.values())
+        cluster.flipper.timeout_s = 0.3  # far shorter than the drain (the long decode)
+        with pytest.raises(TimeoutError):
+            await cluster.flip(busy, "prefill")
+        out = await asyncio.wait_for(job, 120)
+        assert len(out) == long.max_tokens
+        await asyncio.sleep(1.0)  # a switch after the drain would have been reported by now
+        assert cluster.workers[busy].role == "decode"
+        assert busy not in cluster.draining and cluster.num_restarts == 0
+    finally:
+        await cluster.stop()
