@@ -20,19 +20,16 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import msgspec
-
 from tetri_server.channel import cleanup_stale_segments, new_run_id
 from tetri_server.config import Config
 from tetri_server.control.flip import FlipController
 from tetri_server.control.monitor import Monitor, NullMetrics
 from tetri_server.control.protocol import WorkerUnavailableError
-from tetri_server.control.requests import DONE, ReqState, Request, Stream
+from tetri_server.control.requests import DONE, Request, Stream
+from tetri_server.control.routing import Router
 from tetri_server.control.supervisor import Supervisor, WorkerHandle
 from tetri_server.control.table import RequestTable
 from tetri_server.messages import (
-    Abort,
-    AddRequest,
     DecodeView,
     FromWorker,
     Handoff,
@@ -48,7 +45,6 @@ from tetri_server.messages import (
 )
 
 log = logging.getLogger("tetri.control")
-MAX_RERUNS = 3
 
 
 class Cluster:
@@ -77,11 +73,13 @@ class Cluster:
         self.requests = self.table.requests
         self.monitor = Monitor(self.cfg, self.workers, self.draining, self.metrics)
         self.reports = self.monitor.reports
+        self.router = Router(self.cfg, self.workers, self.draining, self.table, self.monitor,
+                             self.metrics)
         self.flipper = FlipController(self)
         self._tick: asyncio.TimerHandle | None = None
         self._handlers: dict[type, Callable[[WorkerHandle, Any], None]] = {
-            StepOutput: self._on_step_output, Handoff: self._forward_handoff,
-            KVPulled: self._on_kv_pulled, HandoffRejected: self._on_handoff_rejected,
+            StepOutput: self._on_step_output, Handoff: self.router.forward_handoff,
+            KVPulled: self.router.on_kv_pulled, HandoffRejected: self.router.on_handoff_rejected,
             StepFailed: self._on_step_failed, LoadReport: self.monitor.on_report,
             RequestFailed: self._on_request_failed, Ready: self._on_ready,
         }
@@ -154,7 +152,7 @@ class Cluster:
         if self.supervisor.stopping or not self.supervisor.started:
             raise WorkerUnavailableError("server is not ready (starting or shutting down)")
         req = self.table.add(prompt_ids, params, prompt_text, true_output_len)
-        self._route(req)
+        self.router.route(req)
         return Stream(self, req, self.cfg.server.request_timeout_s)
 
     def abort(self, req_id: int) -> None:
@@ -162,46 +160,6 @@ class Cluster:
 
     def fail(self, req: Request, error: str, retry_after_s: float | None = None) -> None:
         self.table.fail(req, error, retry_after_s)
-
-    def _route(self, req: Request) -> None:
-        """Send to the least-loaded prefill (or coupled) worker; the prompt of a re-run
-        includes the tokens already streamed, so the stream continues where it stopped. With
-        no live worker to take it, it waits (bounded) for one."""
-        prompt = req.prompt_ids + req.output_ids
-        wid = self.monitor.pick(len(prompt))
-        if wid is None:
-            self.table.park(req, self._deadline())
-            return
-        done = len(req.output_ids)
-        p = req.params
-        params = p if done == 0 else msgspec.structs.replace(
-            p, max_tokens=p.max_tokens - done, min_tokens=max(0, p.min_tokens - done))
-        req.owner, req.src, req.state = wid, -1, ReqState.PREFILL
-        req.wait_deadline_s = None if self._has_live("decode") else self._deadline()
-        self.workers[wid].post(AddRequest(req.req_id, prompt, params, req.arrival_s,
-                                          req.true_output_len, req.prompt_text))
-
-    def _rerun(self, req: Request) -> None:
-        """Re-run a request whose worker died, from its prompt plus what was streamed."""
-        src = self.workers.get(req.src)
-        if src is not None and src.alive:
-            src.post(Abort(req.req_id))  # free the KV it holds for the hand-off
-        req.src = -1
-        req.num_reruns += 1
-        if req.num_reruns > MAX_RERUNS:
-            self.fail(req, "worker failed repeatedly while running this request")
-            return
-        self._route(req)
-
-    def _has_live(self, role: str) -> bool:
-        """A worker of ``role`` is serving (always True for decode in the coupled modes)."""
-        if role == "decode" and not self.disaggregated:
-            return True
-        return any(h.is_ready and h.role == role and w not in self.draining
-                   for w, h in self.workers.items())
-
-    def _deadline(self) -> float:
-        return time.monotonic() + self.cfg.cluster.worker_wait_s
 
     # ------------------------------------------------------------------ admin
 
@@ -229,39 +187,6 @@ class Cluster:
             req.queue.put_nowait(d)
             if d.finish_reason is not None:
                 self.table.finish(req)
-
-    def _forward_handoff(self, src: WorkerHandle, msg: Handoff) -> None:
-        req = self.table.get(msg.req_id)
-        if req is None:
-            return  # aborted meanwhile: the prefill worker freed its blocks on Abort
-        dst = self.workers.get(msg.dst_worker)
-        if (dst is None or not dst.is_ready or dst.worker_id in self.draining
-                or dst.role != "decode"):
-            src.post(HandoffRejected(msg.req_id, f"decode worker {msg.dst_worker} is down"))
-            return
-        req.owner, req.src, req.state = dst.worker_id, src.worker_id, ReqState.HANDOFF
-        req.handoff_s = time.monotonic()
-        req.wait_deadline_s = None
-        self.metrics.observe_phase("prefill", req.handoff_s - req.arrival_s)
-        dst.post(msg)
-
-    def _on_kv_pulled(self, h: WorkerHandle, msg: KVPulled) -> None:
-        req = self.table.get(msg.req_id)
-        if req is not None and req.src in self.workers:
-            self.workers[req.src].post(msg)
-            req.src, req.state = -1, ReqState.DECODE
-            self.metrics.observe_phase("handoff", time.monotonic() - req.handoff_s)
-
-    def _on_handoff_rejected(self, h: WorkerHandle, msg: HandoffRejected) -> None:
-        req = self.table.get(msg.req_id)
-        if req is None:
-            return
-        src = self.workers.get(req.src)
-        if src is not None and src.alive:
-            src.post(msg)  # it keeps the KV and dispatches again
-            req.owner, req.src, req.state = req.src, -1, ReqState.PREFILL
-        else:  # the prefill worker died meanwhile: nobody holds its KV any more
-            self._rerun(req)
 
     def _on_request_failed(self, h: WorkerHandle, msg: RequestFailed) -> None:
         req = self.table.get(msg.req_id)
@@ -294,7 +219,7 @@ class Cluster:
             self._broadcast_pools()  # a restarted worker: peers map its new pool
         for req in self.table.take_parked():
             req.wait_deadline_s = None
-            self._route(req)
+            self.router.route(req)
 
     def _undeliverable(self, msg: object, error: str) -> None:
         req = self.table.get(getattr(msg, "req_id", -1))
@@ -313,7 +238,7 @@ class Cluster:
             if req.src == h.worker_id:
                 req.src = -1  # the decode worker's mapping of the dead pool stays valid
             if req.owner == h.worker_id and req.state not in DONE:
-                self._rerun(req)
+                self.router.rerun(req)
         self._broadcast_pools()
 
     # ------------------------------------------------------------------ the monitor tick

@@ -1,0 +1,107 @@
+"""Where requests go: the global pick of an entry worker (least loaded), re-runs after a
+worker's death, and the prefill -> decode hand-off that control forwards (the topology is a
+star: a restart or flip only touches that worker's rings, and the request table always knows
+who holds a request)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+
+from tetri_server.config import Config
+from tetri_server.control.monitor import Monitor
+from tetri_server.control.requests import ReqState, Request
+from tetri_server.control.supervisor import WorkerHandle
+from tetri_server.control.table import RequestTable
+from tetri_server.messages import Abort, AddRequest, Handoff, HandoffRejected, KVPulled
+
+MAX_RERUNS = 3
+
+
+class Router:
+    def __init__(self, cfg: Config, workers: Mapping[int, WorkerHandle], draining: set[int],
+                 table: RequestTable, monitor: Monitor, metrics: Any) -> None:
+        self.cfg = cfg
+        self.disaggregated = cfg.cluster.mode == "disaggregated"
+        self.workers = workers
+        self.draining = draining
+        self.table = table
+        self.monitor = monitor
+        self.metrics = metrics
+
+    def route(self, req: Request) -> None:
+        """Send to the least-loaded prefill (or coupled) worker; the prompt of a re-run
+        includes the tokens already streamed, so the stream continues where it stopped. With
+        no live worker to take it, it waits (bounded) for one."""
+        prompt = req.prompt_ids + req.output_ids
+        wid = self.monitor.pick(len(prompt))
+        if wid is None:
+            self.table.park(req, self.deadline())
+            return
+        done = len(req.output_ids)
+        p = req.params
+        params = p if done == 0 else msgspec.structs.replace(
+            p, max_tokens=p.max_tokens - done, min_tokens=max(0, p.min_tokens - done))
+        req.owner, req.src, req.state = wid, -1, ReqState.PREFILL
+        req.wait_deadline_s = None if self.has_live("decode") else self.deadline()
+        self.workers[wid].post(AddRequest(req.req_id, prompt, params, req.arrival_s,
+                                          req.true_output_len, req.prompt_text))
+
+    def rerun(self, req: Request) -> None:
+        """Re-run a request whose worker died, from its prompt plus what was streamed."""
+        src = self.workers.get(req.src)
+        if src is not None and src.alive:
+            src.post(Abort(req.req_id))  # free the KV it holds for the hand-off
+        req.src = -1
+        req.num_reruns += 1
+        if req.num_reruns > MAX_RERUNS:
+            self.table.fail(req, "worker failed repeatedly while running this request")
+            return
+        self.route(req)
+
+    def has_live(self, role: str) -> bool:
+        """A worker of ``role`` is serving (always True for decode in the coupled modes)."""
+        if role == "decode" and not self.disaggregated:
+            return True
+        return any(h.is_ready and h.role == role and w not in self.draining
+                   for w, h in self.workers.items())
+
+    def deadline(self) -> float:
+        return time.monotonic() + self.cfg.cluster.worker_wait_s
+
+    def forward_handoff(self, src: WorkerHandle, msg: Handoff) -> None:
+        req = self.table.get(msg.req_id)
+        if req is None:
+            return  # aborted meanwhile: the prefill worker freed its blocks on Abort
+        dst = self.workers.get(msg.dst_worker)
+        if (dst is None or not dst.is_ready or dst.worker_id in self.draining
+                or dst.role != "decode"):
+            src.post(HandoffRejected(msg.req_id, f"decode worker {msg.dst_worker} is down"))
+            return
+        req.owner, req.src, req.state = dst.worker_id, src.worker_id, ReqState.HANDOFF
+        req.handoff_s = time.monotonic()
+        req.wait_deadline_s = None
+        self.metrics.observe_phase("prefill", req.handoff_s - req.arrival_s)
+        dst.post(msg)
+
+    def on_kv_pulled(self, h: WorkerHandle, msg: KVPulled) -> None:
+        req = self.table.get(msg.req_id)
+        if req is not None and req.src in self.workers:
+            self.workers[req.src].post(msg)
+            req.src, req.state = -1, ReqState.DECODE
+            self.metrics.observe_phase("handoff", time.monotonic() - req.handoff_s)
+
+    def on_handoff_rejected(self, h: WorkerHandle, msg: HandoffRejected) -> None:
+        req = self.table.get(msg.req_id)
+        if req is None:
+            return
+        src = self.workers.get(req.src)
+        if src is not None and src.alive:
+            src.post(msg)  # it keeps the KV and dispatches again
+            req.owner, req.src, req.state = req.src, -1, ReqState.PREFILL
+        else:  # the prefill worker died meanwhile: nobody holds its KV any more
+            self.rerun(req)
+
