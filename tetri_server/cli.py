@@ -4,38 +4,157 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
+import re
 import signal
 import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from tetri_server.config import BUILTIN_PREFIX, Config, ConfigError, ModelConfig, load_config
 
 log = logging.getLogger("tetri")
 
 
+# --flag -> (section, key): vLLM-style aliases of config keys. Precedence, lowest first:
+# config file < environment (TETRI_API_KEY) < these flags < --set.
+FLAG_KEYS = {
+    "host": ("server", "host"),
+    "port": ("server", "port"),
+    "api_key": ("server", "api_key"),
+    "max_model_len": ("model", "max_model_len"),
+    "dtype": ("model", "dtype"),
+    "prefill_workers": ("cluster", "prefill_workers"),
+    "decode_workers": ("cluster", "decode_workers"),
+    "mode": ("cluster", "mode"),
+    "tool_call_parser": ("model", "tool_call_parser"),
+}
+
+
 def _serve_args(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("serve", help="serve the OpenAI-compatible API")
+    p.add_argument("model", nargs="?", metavar="MODEL",
+                   help="model.path: a checkpoint folder, builtin:NAME, or a Hugging Face id "
+                        "in the local HF cache; served as MODEL unless --served-model-name")
     p.add_argument("--config", help="config.toml to read (default: built-in defaults)")
     p.add_argument("--set", dest="overrides", action="append", default=[],
-                   metavar="SECTION.KEY=VALUE", help="override one config key (repeatable)")
+                   metavar="SECTION.KEY=VALUE", help="override one config key (repeatable; "
+                                                     "wins over every other source)")
+    p.add_argument("--host", help="server.host")
+    p.add_argument("--port", type=int, help="server.port")
+    p.add_argument("--api-key", help="server.api_key (prefer TETRI_API_KEY: argv is public)")
+    p.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                   help="model.served_name, then model.served_aliases")
+    p.add_argument("--max-model-len", type=int, help="model.max_model_len")
+    p.add_argument("--dtype", help="model.dtype")
+    p.add_argument("--prefill-workers", type=int, help="cluster.prefill_workers")
+    p.add_argument("--decode-workers", type=int, help="cluster.decode_workers")
+    p.add_argument("--mode", help="cluster.mode")
+    p.add_argument("--tool-call-parser", help="model.tool_call_parser (hermes)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted for vLLM's command lines; auto is on with a parser")
+    p.add_argument("--allowed-origins", nargs="+", metavar="ORIGIN",
+                   help="server.allowed_origins (turns on CORS for them)")
+    p.add_argument("--generation-config", choices=("auto", "vllm"),
+                   help="auto: sampling defaults from generation_config.json; vllm: OpenAI's "
+                        "(model.use_generation_config)")
 
 
-async def serve(cfg) -> int:  # noqa: ANN001 - Config
+def flag_values(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """The named serve options that were given, as ``{section: {key: value}}``."""
+    flags: dict[str, dict[str, Any]] = {}
+    for attr, (section, key) in FLAG_KEYS.items():
+        value = getattr(args, attr)
+        if value is not None:
+            flags.setdefault(section, {})[key] = value
+    if args.model is not None:
+        flags.setdefault("model", {})["path"] = args.model
+    if args.allowed_origins:
+        flags.setdefault("server", {})["allowed_origins"] = args.allowed_origins
+    if args.generation_config is not None:
+        flags.setdefault("model", {})["use_generation_config"] = args.generation_config == "auto"
+    if args.served_model_name:
+        first, *rest = args.served_model_name
+        flags.setdefault("model", {}).update(served_name=first, served_aliases=rest)
+    return flags
+
+
+def build_config(
+    args: argparse.Namespace, environ: Mapping[str, str] | None = None
+) -> tuple[Config, str]:
+    """``serve`` arguments -> (Config, unresolved; model.path as the user gave it). MODEL is
+    the default served name; a Hugging Face id is replaced by its folder in the local cache.
+    Raises ``ConfigError``."""
+    env = os.environ if environ is None else environ
+    cfg = load_config(args.config, args.overrides, environ=env, flags=flag_values(args))
+    model = cfg.model
+    if args.model is not None and model.path == args.model and not model.served_name:
+        model = dataclasses.replace(model, served_name=args.model)  # vLLM: served as given
+    return dataclasses.replace(cfg, model=resolve_hub_model(model, env)), model.path
+
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
+
+
+def hub_cache_dir(environ: Mapping[str, str]) -> Path:
+    """The Hugging Face hub cache, by huggingface_hub's rules, read from ``environ`` now."""
+    if environ.get("HF_HUB_CACHE"):
+        return Path(environ["HF_HUB_CACHE"]).expanduser()
+    home = environ.get("HF_HOME") or str(
+        Path(environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "huggingface")
+    return Path(home).expanduser() / "hub"
+
+
+def resolve_hub_model(model: ModelConfig, environ: Mapping[str, str]) -> ModelConfig:
+    """``model.path`` a Hugging Face id (not a folder here) -> its snapshot folder in the local
+    cache, served under the id unless a served name is set. Never downloads (offline always,
+    so HF_HUB_OFFLINE holds); a missing model is a ``ConfigError`` saying how to get it."""
+    path = model.path
+    if path.startswith(BUILTIN_PREFIX) or Path(path).expanduser().is_dir():
+        return model
+    if not _HUB_ID.fullmatch(path) or ".." in path:
+        raise ConfigError(f"model.path {path!r} is not a folder, builtin:NAME or a Hugging "
+                          "Face id")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    cache = hub_cache_dir(environ)
+    try:
+        folder = snapshot_download(path, cache_dir=cache, local_files_only=True)
+    except (LocalEntryNotFoundError, HfHubHTTPError, ValueError) as e:
+        raise ConfigError(
+            f"model.path {path!r} is not a folder and not in the local Hugging Face cache "
+            f"({cache}; set HF_HOME or HF_HUB_CACHE to another); models are never downloaded "
+            f"here: fetch it with `hf download {path}` ({type(e).__name__})") from None
+    return dataclasses.replace(model, path=folder, served_name=model.served_name or path)
+
+
+async def serve(cfg: Config, given_path: str | None = None) -> int:
+    """Run the server until SIGTERM/SIGINT (drain, exit 0) or a fatal worker failure (1).
+    ``given_path``: model.path as the user wrote it (accepted as a model name)."""
     from tetri_server.api.app import build_app
+    from tetri_server.api.models import ServedModel
     from tetri_server.api.server import drain, start_site
-    from tetri_server.config import ConfigError
     from tetri_server.control.cluster import Cluster
     from tetri_server.metrics import Metrics
     from tetri_server.sdnotify import Notifier
 
     notifier = Notifier.from_env()  # before any worker is spawned: they must not inherit it
-    metrics = Metrics()
-    cluster = Cluster(cfg.resolve(cpu_count=len(os.sched_getaffinity(0))), metrics)
+    resolved = cfg.resolve(cpu_count=len(os.sched_getaffinity(0)))
+    metrics = Metrics(model_name=resolved.model.served_name,
+                      vllm_aliases=cfg.server.vllm_metric_names)
+    cluster = Cluster(resolved, metrics)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
-        app = build_app(cluster, cluster.cfg.server, metrics)  # reads server.api_key_file
+        served = ServedModel.from_config(cfg.model, cluster.model_name,
+                                         root=cluster.cfg.model.path, given_path=given_path)
+        app = build_app(cluster, cluster.cfg.server, metrics, served)  # reads api_key_file
     except ConfigError as e:
         print(f"tetri-server: {e}", file=sys.stderr)
         return 2
@@ -83,10 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("predictor", help="evaluate or time the length predictor "
                    "(see: tetri-server predictor --help)")
     args = parser.parse_args(argv or ["serve"])
-    from tetri_server.config import ConfigError, load_config
-
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg, given_path = build_config(args)
     except ConfigError as e:
         print(f"tetri-server: {e}", file=sys.stderr)
         return 2
@@ -94,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     import uvloop
 
-    return uvloop.run(serve(cfg))
+    return uvloop.run(serve(cfg, given_path))
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ PrefillPolicyName = Literal["fcfs", "sjf", "ljf"]
 DecodePolicyName = Literal["greedy", "reserve-static", "reserve-dynamic"]
 PredictorKind = Literal["classifier", "oracle", "none"]
 DispatchPolicyName = Literal["power-of-two", "round-robin"]
+ToolCallParser = Literal["none", "hermes"]
 
 BUILTIN_PREFIX = "builtin:"
 
@@ -98,7 +99,8 @@ class ServerConfig(_Section):
     accepted and others refused (DNS rebinding); elsewhere, empty = any Host."""
     allowed_origins: tuple[str, ...] = ()
     """Browser origins (scheme://host[:port], or "*") accepted in an Origin header. On a loopback
-    bind localhost origins are always accepted and others refused; elsewhere, empty = any."""
+    bind localhost origins are always accepted and others refused; elsewhere, empty = any.
+    Non-empty also turns on CORS for these origins (vLLM's --allowed-origins)."""
     max_body_bytes: int = 4 * 1024 * 1024
     """Largest accepted request body in bytes; larger bodies get 413."""
     max_queued_requests: int = 1024
@@ -115,6 +117,8 @@ class ServerConfig(_Section):
     """Open client connections at most; more are answered 503 + Retry-After and closed."""
     log_level: LogLevel = "info"
     """Log verbosity."""
+    vllm_metric_names: bool = False
+    """Also export the vLLM-shaped metrics as vllm:NAME (tools that hard-code vLLM's names)."""
 
     SECRETS: ClassVar[tuple[str, ...]] = ("api_key", "admin_api_key")
     # environment variable -> key; applied by load_config between the file and --set
@@ -170,11 +174,28 @@ class ModelConfig(_Section):
     """Longest prompt + output in tokens; 0 = from the model's config.json."""
     served_name: str = ""
     """Model name clients send and /v1/models lists; "" = folder name of model.path."""
+    served_aliases: tuple[str, ...] = ()
+    """More names clients may send, listed in /v1/models after served_name. The path given
+    and its folder name are accepted too, unlisted."""
+    use_generation_config: bool = True
+    """Take default sampling (temperature, top_p, top_k, min_p, repetition_penalty) from the
+    model's generation_config.json when a request omits them; false = OpenAI's defaults."""
+
+    tool_call_parser: ToolCallParser = "none"
+    """How replies are parsed for tool calls under tool_choice=auto (vLLM's --tool-call-parser):
+    hermes (Hermes, Qwen2.5, Qwen3: <tool_call>{json}</tool_call>); none = tools only with
+    tool_choice=none."""
+
+    MAX_ALIASES: ClassVar[int] = 16
 
     def _validate(self) -> None:
         if not self.path:
             raise ConfigError("model.path must not be empty")
         self._at_least("max_model_len", 0)
+        if len(self.served_aliases) > self.MAX_ALIASES:
+            raise ConfigError(f"model.served_aliases: at most {self.MAX_ALIASES} names")
+        if not all(self.served_aliases):
+            raise ConfigError("model.served_aliases must not hold empty names")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -476,10 +497,13 @@ def load_config(
     overrides: list[str] | None = None,
     *,
     environ: Mapping[str, str] | None = None,
+    flags: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> Config:
     """Read ``path`` (None = built-in defaults, equal to the shipped config.toml), apply the
-    secrets set in ``environ`` (None = ``os.environ``; ``ServerConfig.ENV_KEYS``), then the
-    ``--set section.key=value`` overrides in order, validate, and return the (unresolved) Config.
+    secrets set in ``environ`` (None = ``os.environ``; ``ServerConfig.ENV_KEYS``), then
+    ``flags`` (``{section: {key: value}}``: the CLI's named options such as ``--port``), then
+    the ``--set section.key=value`` overrides in order, validate, and return the (unresolved)
+    Config. Precedence, lowest first: file < environment < flags < ``--set``.
 
     An override's value is parsed as a TOML literal when it parses (``8001``, ``true``,
     ``0.5``, ``"x"``), else taken as a string; string and choice keys take the text as is
@@ -499,6 +523,9 @@ def load_config(
     for var, key in ServerConfig.ENV_KEYS.items():
         if env.get(var):
             _table(data, "server", source)[key] = env[var]
+    for section, values in (flags or {}).items():
+        _section_class(section, "flags")
+        _table(data, section, source).update(values)
     for item in overrides or []:
         section, key, value = _parse_override(item)
         _table(data, section, source)[key] = value

@@ -32,6 +32,19 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True, gc=False):
     ignore_eos: bool = False
     logprobs: bool = False
     min_tokens: int = 0
+    # appended for the OpenAI/vLLM sampling fields; neutral defaults change nothing
+    presence_penalty: float = 0.0  # subtracted once from every token already in the output
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
+    repetition_penalty: float = 1.0  # divides (>0) / multiplies (<0) logits of prompt+output tokens
+    min_p: float = 0.0  # drop tokens with probability < min_p * the top probability
+    logit_bias: dict[int, float] = {}  # token id -> added to its logit (API: ids < vocab, capped)
+    top_logprobs: int = 0  # alternatives reported per token (API caps at 20)
+
+    @property
+    def penalized(self) -> bool:
+        """Logits need adjusting before sampling (also before greedy argmax)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias
+                    or self.repetition_penalty != 1.0)
 
 
 class ChannelSpec(msgspec.Struct, frozen=True):
@@ -165,6 +178,8 @@ class TokenDelta(msgspec.Struct, array_like=True, gc=False):
     token_ids: list[int]
     logprobs: list[float] | None = None
     finish_reason: str | None = None
+    # per token of token_ids, when sampling.top_logprobs > 0: [(token id, logprob), ...] best first
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 class StepOutput(msgspec.Struct, tag=True, array_like=True, gc=False):

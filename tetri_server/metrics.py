@@ -1,9 +1,18 @@
 """Prometheus metrics of one server, in a registry the ``Metrics`` object owns (no globals).
 
+Every metric carries a ``model_name`` label (the served name), so dashboards built for vLLM
+(which filter on ``{model_name="$model_name"}``) work with the ``vllm:`` prefix changed to
+``tetri_``: token counters, prompt/generation length histograms, TTFT, inter-token latency,
+per-request TPOT, e2e latency, success by ``finished_reason``, running/waiting requests and
+``kv_cache_usage_perc``; the standard ``process_*``/``python_*`` collectors are registered too.
+Older tetri names (``tetri_requests_total{finish_reason}``, ``tetri_requests_running``,
+``tetri_time_per_output_token_seconds``, ...) are kept beside their vLLM-shaped twins.
+
 Who writes what:
     backend (control process)  ``set_requests``, ``set_worker``, ``set_chunk_size``,
                                ``inc_restarts``, ``remove_worker``
-    API layer                  ``observe_first_token``, ``observe_finished``, ``inc_error``
+    API layer                  ``observe_first_token``, ``observe_tokens``, ``observe_finished``,
+                               ``inc_error``
     GET /metrics               ``render``
 
 Workers report *cumulative* busy seconds and preemptions (``LoadReport``); ``set_worker`` turns
@@ -14,6 +23,7 @@ role it reports now).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from prometheus_client import (
@@ -21,13 +31,48 @@ from prometheus_client import (
     CollectorRegistry,
     Counter,
     Gauge,
+    GCCollector,
     Histogram,
+    PlatformCollector,
+    ProcessCollector,
     generate_latest,
 )
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1, 2.5)
 E2E_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+# tokens per request, 1-2-5 steps as vLLM's, up to 1M
+LENGTH_BUCKETS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5))
+FINISHED_REASONS = ("stop", "length", "abort")
+MODEL = "model_name"
+# exported again as vllm:<suffix> when asked (server.vllm_metric_names)
+VLLM_ALIASED = (
+    "tetri_num_requests_running", "tetri_num_requests_waiting", "tetri_kv_cache_usage_perc",
+    "tetri_prompt_tokens", "tetri_generation_tokens", "tetri_request_prompt_tokens",
+    "tetri_request_generation_tokens", "tetri_time_to_first_token_seconds",
+    "tetri_inter_token_latency_seconds", "tetri_request_time_per_output_token_seconds",
+    "tetri_e2e_request_latency_seconds", "tetri_request_success",
+)
+
+
+class _VllmAliases(Collector):
+    """The ``VLLM_ALIASED`` families of ``source``, renamed ``tetri_`` -> ``vllm:``."""
+
+    def __init__(self, source: CollectorRegistry) -> None:
+        self.source = source
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.source.collect():
+            if family.name not in VLLM_ALIASED:
+                continue
+            alias = Metric("vllm:" + family.name.removeprefix("tetri_"), family.documentation,
+                           family.type)
+            alias.samples = [s._replace(name="vllm:" + s.name.removeprefix("tetri_"))
+                             for s in family.samples]
+            yield alias
 
 
 @dataclass
@@ -44,94 +89,110 @@ def _increment(last: float, now: float) -> float:
 
 
 class Metrics:
-    """Every ``tetri_*`` metric of one server."""
+    """Every ``tetri_*`` metric of one server; ``model_name`` is the label value on all."""
 
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "", *, vllm_aliases: bool = False) -> None:
+        """``vllm_aliases``: also export the vLLM-shaped metrics under vLLM's own ``vllm:``
+        names, for tools that hard-code them (off by default: vLLM renames its metrics between
+        releases and reserves colon names for recording rules)."""
+        self.model_name = model_name
         r = self.registry = CollectorRegistry()
-        self.requests_running = Gauge(
-            "tetri_requests_running", "Requests being prefilled or decoded.", registry=r
-        )
-        self.requests_waiting = Gauge(
-            "tetri_requests_waiting", "Requests queued, not yet running.", registry=r
-        )
-        self.kv_blocks_used = Gauge(
-            "tetri_kv_blocks_used", "KV blocks in use.", ["worker"], registry=r
-        )
-        self.kv_blocks_total = Gauge(
-            "tetri_kv_blocks_total", "KV blocks in the pool.", ["worker"], registry=r
-        )
-        self.worker_restarts = Counter(
-            "tetri_worker_restarts", "Worker processes restarted after dying.", registry=r
-        )
-        self.worker_stalls = Counter(
+        self._aliases: CollectorRegistry | None = None
+        if vllm_aliases:
+            self._aliases = CollectorRegistry()
+            self._aliases.register(_VllmAliases(r))
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        GCCollector(registry=r)
+        m = model_name
+
+        def gauge(name: str, doc: str, *labels: str) -> Gauge:
+            return Gauge(name, doc, [MODEL, *labels], registry=r)
+
+        def counter(name: str, doc: str, *labels: str) -> Counter:
+            return Counter(name, doc, [MODEL, *labels], registry=r)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...], *labels: str) -> Histogram:
+            return Histogram(name, doc, [MODEL, *labels], buckets=buckets, registry=r)
+
+        running_doc, waiting_doc = "Requests being prefilled or decoded.", "Requests queued."
+        self._running = [gauge("tetri_requests_running", running_doc).labels(m),
+                         gauge("tetri_num_requests_running", running_doc).labels(m)]
+        self._waiting = [gauge("tetri_requests_waiting", waiting_doc).labels(m),
+                         gauge("tetri_num_requests_waiting", waiting_doc).labels(m)]
+        self.kv_blocks_used = gauge("tetri_kv_blocks_used", "KV blocks in use.", "worker")
+        self.kv_blocks_total = gauge("tetri_kv_blocks_total", "KV blocks in the pool.", "worker")
+        self.kv_usage = gauge("tetri_kv_cache_usage_perc",
+                              "KV cache usage of each worker, 0 to 1 (1 = full).", "worker")
+        self.worker_restarts = counter(
+            "tetri_worker_restarts", "Worker processes restarted after dying.").labels(m)
+        self.worker_stalls = counter(
             "tetri_worker_stalls",
-            "Workers killed because they sent nothing for monitor.stall_timeout_s.",
-            registry=r,
-        )
-        self.workers_up = Gauge(
-            "tetri_worker_up", "1 while the worker is ready and serving, else 0.", ["worker"],
-            registry=r,
-        )
-        self.preemptions = Counter(
-            "tetri_preemptions", "Requests preempted (KV dropped, recomputed later).", registry=r
-        )
-        self.worker_busy = Counter(
+            "Workers killed because they sent nothing for monitor.stall_timeout_s.").labels(m)
+        self.workers_up = gauge("tetri_worker_up",
+                                "1 while the worker is ready and serving, else 0.", "worker")
+        self.preemptions = counter(
+            "tetri_preemptions", "Requests preempted (KV dropped, recomputed later).").labels(m)
+        self.worker_busy = counter(
             "tetri_worker_busy_seconds",
             "Seconds each worker spent executing model steps, by the role it had.",
-            ["worker", "role"],
-            registry=r,
-        )
-        self.prefill_chunk_size = Gauge(
+            "worker", "role")
+        self.prefill_chunk_size = gauge(
             "tetri_prefill_chunk_size",
             "Tokens per prefill forward pass (the calibrated knee) of each prefill worker.",
-            ["worker"],
-            registry=r,
-        )
-        self.ttft = Histogram(
-            "tetri_time_to_first_token_seconds",
-            "Arrival to the first generated token.",
-            buckets=TTFT_BUCKETS_S,
-            registry=r,
-        )
-        self.tpot = Histogram(
-            "tetri_time_per_output_token_seconds",
-            "Per request: (last token - first token) / (output tokens - 1).",
-            buckets=TPOT_BUCKETS_S,
-            registry=r,
-        )
-        self.e2e = Histogram(
+            "worker")
+        self.ttft = histogram("tetri_time_to_first_token_seconds",
+                              "Arrival to the first generated token.", TTFT_BUCKETS_S).labels(m)
+        tpot_doc = "Per request: (last token - first token) / (output tokens - 1)."
+        self._tpot = [
+            histogram("tetri_time_per_output_token_seconds", tpot_doc, TPOT_BUCKETS_S).labels(m),
+            histogram("tetri_request_time_per_output_token_seconds", tpot_doc,
+                      TPOT_BUCKETS_S).labels(m),
+        ]
+        self.itl = histogram("tetri_inter_token_latency_seconds",
+                             "Time between consecutive output tokens (a delta of k tokens "
+                             "counts k gaps of 1/k its wait).", ITL_BUCKETS_S).labels(m)
+        self.e2e = histogram(
             "tetri_e2e_request_latency_seconds",
             "Arrival to the last token of requests that finished (stop or length).",
-            buckets=E2E_BUCKETS_S,
-            registry=r,
-        )
-        self.requests = Counter(
-            "tetri_requests", "Requests ended, by finish reason.", ["finish_reason"], registry=r
-        )
-        self.request_errors = Counter(
-            "tetri_request_errors",
-            "Requests answered with an error, by kind.",
-            ["kind"],
-            registry=r,
-        )
-        self.phase = Histogram(
+            E2E_BUCKETS_S).labels(m)
+        self.prompt_tokens = counter("tetri_prompt_tokens",
+                                     "Prompt tokens prefilled (counted at the first token).")
+        self.generation_tokens = counter("tetri_generation_tokens", "Output tokens generated.")
+        self.request_prompt_tokens = histogram(
+            "tetri_request_prompt_tokens", "Prompt length of finished requests.",
+            LENGTH_BUCKETS).labels(m)
+        self.request_generation_tokens = histogram(
+            "tetri_request_generation_tokens", "Output length of finished requests.",
+            LENGTH_BUCKETS).labels(m)
+        self.requests = counter("tetri_requests", "Requests ended, by finish reason.",
+                                "finish_reason")
+        self.request_success = counter(
+            "tetri_request_success", "Requests ended, by finished_reason (vLLM's name).",
+            "finished_reason")
+        for reason in FINISHED_REASONS:  # present at 0, so rate() works from the first scrape
+            self.request_success.labels(m, reason)
+        self.prompt_tokens.labels(m)
+        self.generation_tokens.labels(m)
+        self.request_errors = counter("tetri_request_errors",
+                                      "Requests answered with an error, by kind.", "kind")
+        self.phase = histogram(
             "tetri_request_phase_seconds",
             "Disaggregated phases per request: prefill (arrival to the Handoff: queue, chunks, "
             "dispatch hold) and handoff (Handoff forwarded to KVPulled: the KV copy).",
-            ["phase"],
-            buckets=TTFT_BUCKETS_S,
-            registry=r,
-        )
+            TTFT_BUCKETS_S, "phase")
         self._workers: dict[str, _WorkerTotals] = {}
 
     # ------------------------------------------------------------------ backend side
 
     def set_requests(self, *, running: int, waiting: int) -> None:
         """Current requests running (in a worker batch) and waiting (queued anywhere)."""
-        self.requests_running.set(running)
-        self.requests_waiting.set(waiting)
+        for g in self._running:
+            g.set(running)
+        for g in self._waiting:
+            g.set(waiting)
 
     def set_worker(
         self,
@@ -145,21 +206,22 @@ class Metrics:
     ) -> None:
         """One worker's load report: KV usage now, and its *cumulative* busy seconds and
         preemptions since it started (as in ``LoadReport``)."""
-        key = str(worker)
-        self.kv_blocks_used.labels(key).set(blocks_used)
-        self.kv_blocks_total.labels(key).set(blocks_total)
+        key, m = str(worker), self.model_name
+        self.kv_blocks_used.labels(m, key).set(blocks_used)
+        self.kv_blocks_total.labels(m, key).set(blocks_total)
+        self.kv_usage.labels(m, key).set(blocks_used / blocks_total if blocks_total else 0.0)
         last = self._workers.setdefault(key, _WorkerTotals())
-        self.worker_busy.labels(key, role).inc(_increment(last.busy_s, busy_s))
+        self.worker_busy.labels(m, key, role).inc(_increment(last.busy_s, busy_s))
         self.preemptions.inc(_increment(last.preemptions, num_preemptions))
         last.busy_s, last.preemptions = busy_s, num_preemptions
 
     def observe_phase(self, phase: str, seconds: float) -> None:
         """One request's time in ``phase`` (``prefill`` or ``handoff``)."""
-        self.phase.labels(phase).observe(seconds)
+        self.phase.labels(self.model_name, phase).observe(seconds)
 
     def set_chunk_size(self, worker: int | str, chunk_size: int) -> None:
         """A prefill worker's chunk size (from its ``Ready``; after calibration)."""
-        self.prefill_chunk_size.labels(str(worker)).set(chunk_size)
+        self.prefill_chunk_size.labels(self.model_name, str(worker)).set(chunk_size)
 
     def inc_restarts(self, worker: int | str | None = None) -> None:
         """A dead worker was replaced; its next report starts its cumulative totals from 0."""
@@ -171,37 +233,63 @@ class Metrics:
         self.worker_stalls.inc()
 
     def set_up(self, worker: int | str, up: bool) -> None:
-        self.workers_up.labels(str(worker)).set(1 if up else 0)
+        self.workers_up.labels(self.model_name, str(worker)).set(1 if up else 0)
 
     def remove_worker(self, worker: int | str) -> None:
         """Drop a worker's gauges (it is gone for good); its counters keep their totals."""
         key = str(worker)
-        for gauge in (self.kv_blocks_used, self.kv_blocks_total, self.prefill_chunk_size):
+        for gauge in (self.kv_blocks_used, self.kv_blocks_total, self.kv_usage,
+                      self.prefill_chunk_size):
             try:
-                gauge.remove(key)
+                gauge.remove(self.model_name, key)
             except KeyError:  # the worker never reported this gauge
                 continue
         self._workers.pop(key, None)
 
     # ------------------------------------------------------------------ API side
 
-    def observe_first_token(self, ttft_s: float) -> None:
+    def observe_first_token(self, ttft_s: float, num_prompt_tokens: int = 0) -> None:
+        """The first output token arrived: the prompt is prefilled."""
         self.ttft.observe(ttft_s)
+        if num_prompt_tokens:
+            self.prompt_tokens.labels(self.model_name).inc(num_prompt_tokens)
+
+    def observe_tokens(self, num_tokens: int, gap_s: float | None) -> None:
+        """``num_tokens`` output tokens arrived ``gap_s`` after the previous ones (None: they
+        include the first token, whose wait is the TTFT)."""
+        self.generation_tokens.labels(self.model_name).inc(num_tokens)
+        if gap_s is not None and num_tokens > 0:
+            for _ in range(num_tokens):
+                self.itl.observe(gap_s / num_tokens)
 
     def observe_finished(
-        self, finish_reason: str, *, e2e_s: float | None = None, tpot_s: float | None = None
+        self,
+        finish_reason: str,
+        *,
+        e2e_s: float | None = None,
+        tpot_s: float | None = None,
+        num_prompt_tokens: int | None = None,
+        num_output_tokens: int | None = None,
     ) -> None:
-        """A request ended: ``stop``/``length`` (with latencies) or ``abort`` (client left)."""
-        self.requests.labels(finish_reason).inc()
+        """A request ended: ``stop``/``length`` (with latencies and lengths) or ``abort``."""
+        m = self.model_name
+        self.requests.labels(m, finish_reason).inc()
+        self.request_success.labels(m, finish_reason).inc()
         if e2e_s is not None:
             self.e2e.observe(e2e_s)
         if tpot_s is not None:
-            self.tpot.observe(tpot_s)
+            for h in self._tpot:
+                h.observe(tpot_s)
+        if num_prompt_tokens is not None:
+            self.request_prompt_tokens.observe(num_prompt_tokens)
+        if num_output_tokens is not None:
+            self.request_generation_tokens.observe(num_output_tokens)
 
     def inc_error(self, kind: str) -> None:
         """A request answered with an error (``invalid_parameter``, ``timeout``, ...)."""
-        self.request_errors.labels(kind).inc()
+        self.request_errors.labels(self.model_name, kind).inc()
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
-        return generate_latest(self.registry)
+        text = generate_latest(self.registry)
+        return text if self._aliases is None else text + generate_latest(self._aliases)

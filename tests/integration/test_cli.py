@@ -13,11 +13,13 @@ import threading
 import time
 
 import openai
+import pytest
 
 
-def _start(tmp_path, *overrides: str) -> tuple[subprocess.Popen[str], str]:
-    env = dict(os.environ, TETRI_CACHE_DIR=str(tmp_path / "cache"))
-    args = [sys.executable, "-m", "tetri_server", "serve", "--set", "server.port=0"]
+def _start(tmp_path, *overrides: str, argv: tuple[str, ...] = (),
+           env: dict[str, str] | None = None) -> tuple[subprocess.Popen[str], str]:
+    env = dict(os.environ, TETRI_CACHE_DIR=str(tmp_path / "cache"), **(env or {}))
+    args = [sys.executable, "-m", "tetri_server", "serve", *argv, "--set", "server.port=0"]
     for o in overrides:
         args += ["--set", o]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -65,3 +67,44 @@ def test_bad_config_is_a_clear_error(tmp_path):
                           "cluster.mode=tetris"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
     assert "cluster.mode" in out.stderr and "disaggregated" in out.stderr
+
+
+def test_serve_a_hub_id_from_the_local_cache_vllm_style(tmp_path, model_dir):
+    """`tetri-server serve org/name --served-model-name a b --mode coupled` with HF_HOME holding
+    the model as huggingface_hub lays it out: listed as a and b with root = the snapshot
+    folder, and the id, the aliases and the folder path all accepted as the model."""
+    from tests.unit.test_api_serve_args import fake_hub
+
+    snap = fake_hub(tmp_path / "hf", "org/tiny", model_dir("llama", "tiny"))
+    proc, url = _start(tmp_path, "cluster.workers=1", "predictor.kind=none",
+                       "decode.policy=greedy", "prefill.chunk_size=64", "kv.num_blocks=64",
+                       argv=("org/tiny", "--served-model-name", "a", "b", "--mode", "coupled",
+                             "--max-model-len", "128", "--host", "127.0.0.1"),
+                       env={"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"})
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        models = client.models.list().data
+        assert [m.id for m in models] == ["a", "b"]
+        assert {m.model_extra["root"] for m in models} == {str(snap)}
+        assert models[0].model_extra["max_model_len"] == 128
+        for name in ("a", "b", "org/tiny", str(snap)):
+            out = client.completions.create(model=name, prompt="Hi", temperature=0)
+            assert out.model == "a" and out.usage.completion_tokens == 16  # OpenAI's default
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="other", prompt="Hi", max_tokens=1)
+        assert client.models.retrieve("org/tiny").id == "a"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+
+
+def test_unknown_hub_id_is_a_clear_error(tmp_path):
+    env = dict(os.environ, HF_HOME=str(tmp_path / "empty"), HF_HUB_OFFLINE="1")
+    out = subprocess.run([sys.executable, "-m", "tetri_server", "serve", "org/absent"],
+                         capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 2
+    assert "org/absent" in out.stderr and "Hugging Face cache" in out.stderr

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from tests.unit.test_api_double import MAX_MODEL_LEN
-from tests.unit.test_api_support import ApiHarness, raw_request
+from tests.unit.test_api_support import ApiHarness, metric, raw_request
 
 pytest_plugins = ["tests.unit.test_api_support"]
 
@@ -25,6 +25,8 @@ def chat(**kw: Any) -> dict[str, Any]:
     return {"messages": MSG, "max_tokens": 2, **kw}
 
 
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
 # (case id, path, body, status, the field named in error.param (None: none), text in message)
 CASES: list[tuple[str, str, Any, int, str | None, str]] = [
     ("invalid-json", C, b'{"prompt": ', 400, None, "not valid JSON"),
@@ -35,7 +37,9 @@ CASES: list[tuple[str, str, Any, int, str | None, str]] = [
     ("missing-prompt", C, {"max_tokens": 2}, 400, "prompt", "required"),
     ("prompt-number", C, c(prompt=123), 400, "prompt", "expected a string"),
     ("prompt-empty-list", C, c(prompt=[]), 400, "prompt", "the prompt is empty"),
-    ("prompt-batch", C, c(prompt=["a", "b"]), 400, "prompt", "batches of prompts"),
+    ("prompt-batch-too-large", C, c(prompt=["a"] * 65), 400, "prompt", "at most 64 prompts"),
+    ("prompt-batch-bad-member", C, c(prompt=["a", 5]), 400, "prompt[1]", "expected a string"),
+    ("prompt-batch-times-n", C, c(prompt=["a"] * 40, n=2), 400, "n", "more than 64 choices"),
     ("prompt-id-out-of-vocab", C, c(prompt=[5, 999999]), 400, "prompt", "outside the vocab"),
     ("prompt-id-not-int", C, c(prompt=[[5, "x"]]), 400, "prompt", "not an integer"),
     ("prompt-too-long", C, c(prompt=[7] * (MAX_MODEL_LEN + 5)), 400, "prompt", "context"),
@@ -49,9 +53,11 @@ CASES: list[tuple[str, str, Any, int, str | None, str]] = [
     ("top-p-zero", C, c(top_p=0), 400, "top_p", "> 0"),
     ("top-p-above-one", C, c(top_p=1.5), 400, "top_p", "<= 1"),
     ("top-k-negative", C, c(top_k=-2), 400, "top_k", ">= -1"),
-    ("n-two", C, c(n=2), 400, "n", "n > 1 is not supported"),
-    ("echo-true", C, c(echo=True), 400, "echo", "not supported"),
-    ("logprobs-five", C, c(logprobs=5), 400, "logprobs", "0 or 1"),
+    ("n-above-cap", C, c(n=17), 400, "n", "<= 16"),
+    ("n-zero", C, c(n=0), 400, "n", ">= 1"),
+    ("best-of-not-n", C, c(n=2, best_of=3), 400, "best_of", "best_of = n"),
+    ("echo-logprobs", C, c(echo=True, logprobs=1), 400, "echo", "not supported"),
+    ("logprobs-above-cap", C, c(logprobs=21), 400, "logprobs", "<= 20"),
     ("logprobs-bool", C, c(logprobs=True), 400, "logprobs", "integer"),
     ("stop-empty-string", C, c(stop=[""]), 400, "stop", "must not be empty"),
     ("stop-number", C, c(stop=123), 400, "stop", "list of strings"),
@@ -68,7 +74,23 @@ CASES: list[tuple[str, str, Any, int, str | None, str]] = [
     ("seed-string", C, c(seed="abc"), 400, "seed", "integer"),
     ("min-tokens-above-max", C, c(min_tokens=5), 400, "min_tokens", "<= 2"),
     ("ignore-eos-string", C, c(ignore_eos="true"), 400, "ignore_eos", "true or false"),
-    ("frequency-penalty", C, c(frequency_penalty=0.5), 400, "frequency_penalty", "not supported"),
+    ("frequency-penalty-range", C, c(frequency_penalty=2.5), 400, "frequency_penalty", "<= 2"),
+    ("presence-penalty-string", C, c(presence_penalty="x"), 400, "presence_penalty", "number"),
+    ("repetition-penalty-zero", C, c(repetition_penalty=0), 400, "repetition_penalty", "> 0"),
+    ("min-p-above-one", C, c(min_p=1.5), 400, "min_p", "<= 1"),
+    ("logit-bias-out-of-vocab", C, c(logit_bias={"999999": 5}), 400, "logit_bias", "outside"),
+    ("logit-bias-not-id", C, c(logit_bias={"abc": 5}), 400, "logit_bias", "not a token id"),
+    ("logit-bias-range", C, c(logit_bias={"5": 101}), 400, "logit_bias.5", "[-100, 100]"),
+    (
+        "logit-bias-too-many",
+        C,
+        c(logit_bias={str(i): 1 for i in range(1025)}),
+        400,
+        "logit_bias",
+        "at most 1024",
+    ),
+    ("guided-json", C, c(guided_json={"type": "object"}), 400, "guided_json", "not supported"),
+    ("skip-special-string", C, c(skip_special_tokens="no"), 400, "skip_special_tokens", "true"),
     ("stop-token-id-negative", C, c(stop_token_ids=[-1]), 400, "stop_token_ids", "outside"),
     ("chat-missing-messages", CHAT, {"max_tokens": 2}, 400, "messages", "required"),
     ("chat-empty-messages", CHAT, chat(messages=[]), 400, "messages", "non-empty"),
@@ -97,7 +119,18 @@ CASES: list[tuple[str, str, Any, int, str | None, str]] = [
         "messages[0].content[0]",
         "only parts of type 'text'",
     ),
-    ("chat-top-logprobs", CHAT, chat(logprobs=True, top_logprobs=3), 400, "top_logprobs", "use 0"),
+    ("chat-top-logprobs-cap", CHAT, chat(logprobs=True, top_logprobs=21), 400, "top_logprobs",
+     "<= 20"),
+    ("chat-top-logprobs-alone", CHAT, chat(top_logprobs=2), 400, "top_logprobs", "logprobs=true"),
+    ("chat-tool-choice", CHAT, chat(tool_choice="required"), 400, "tool_choice", "not supported"),
+    (
+        "chat-template-kwargs-reserved",
+        CHAT,
+        chat(chat_template_kwargs={"chat_template": "{{ 'x' }}"}),
+        400,
+        "chat_template_kwargs.chat_template",
+        "set by the server",
+    ),
     (
         "chat-max-completion-zero",
         CHAT,
@@ -115,7 +148,12 @@ CASES: list[tuple[str, str, Any, int, str | None, str]] = [
         "required",
     ),
     ("chat-unknown-model", CHAT, chat(model="nope"), 404, "model", "does not exist"),
-    ("chat-tools", CHAT, chat(tools=[{"type": "function"}]), 400, "tools", "not supported"),
+    ("chat-tools-malformed", CHAT, chat(tools=[{"type": "function"}]), 400, "tools[0]",
+     "expected"),
+    ("chat-tools-too-many", CHAT, chat(tools=[TOOL] * 129), 400, "tools", "at most 128"),
+    ("chat-tools-auto-no-parser", CHAT, chat(tools=[TOOL]), 400, "tool_choice", "parser"),
+    ("chat-tools-required", CHAT, chat(tools=[TOOL], tool_choice="required"), 400, "tool_choice",
+     "structured output"),
 ]
 
 
@@ -161,5 +199,4 @@ def test_still_serving_after_bad_input(api: ApiHarness) -> None:
         chat(messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}]}]),
     )
     assert reply.status == 200, reply.body
-    metrics = raw_request(api.base_url, "GET", "/metrics").body.decode()
-    assert 'tetri_request_errors_total{kind="invalid_parameter"}' in metrics
+    assert metric(api.base_url, "tetri_request_errors_total", kind="invalid_parameter") >= 1

@@ -3,7 +3,8 @@
 ``EngineBackend``: one in-process ``LLMEngine`` stepped in a worker thread, so the real model
 produces the tokens without the multi-process cluster. It reports KV usage and busy time to
 ``Metrics`` as the real backend does, and has fault knobs for tests that need them:
-``ready``, ``queue_full``, ``fail_after`` and ``step_delay_s``.
+``ready``, ``queue_full``, ``fail_after``, ``step_delay_s`` and ``script`` (every request
+answers these token ids instead of the model's, a few per delta, then ``stop``).
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ class EngineBackend:
         self.queue_full = False  # knob: submit raises QueueFullError
         self.fail_after: int | None = None  # knob: new requests fail after this many tokens
         self.step_delay_s = 0.0  # knob: extra seconds per engine step (slow generation)
+        self.script: list[int] | None = None  # knob: the reply of every request, as token ids
         self.aborted: list[int] = []  # request ids abort() was called for
         self._streams: dict[int, _Stream] = {}
         self._fail_at: dict[int, int] = {}
@@ -97,6 +99,12 @@ class EngineBackend:
         if self.queue_full:
             raise QueueFullError(retry_after_s=2.0)
         stream = _Stream(self, next(self._ids))
+        if self.script is not None:
+            for i in range(0, len(self.script), 3):
+                reason = "stop" if i + 3 >= len(self.script) else None
+                stream.queue.put_nowait(TokenDelta(stream.req_id, self.script[i : i + 3], None,
+                                                   reason))
+            return stream
         self._streams[stream.req_id] = stream
         if self.fail_after is not None:
             self._fail_at[stream.req_id] = self.fail_after

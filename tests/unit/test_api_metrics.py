@@ -9,12 +9,17 @@ from tetri_server.metrics import Metrics
 
 
 def _samples(m: Metrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample by (name, labels without model_name); each tetri_ sample must carry
+    ``model_name`` = the Metrics' model name."""
     text = m.render().decode()
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for fam in text_string_to_metric_families(text)
-        for s in fam.samples
-    }
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            labels = dict(s.labels)
+            if s.name.startswith("tetri_"):
+                assert labels.pop("model_name") == m.model_name, s
+            out[(s.name, tuple(sorted(labels.items())))] = s.value
+    return out
 
 
 def test_two_servers_do_not_share_metrics() -> None:
@@ -68,3 +73,19 @@ def test_request_latencies_and_outcomes() -> None:
     assert s[("tetri_request_errors_total", (("kind", "timeout"),))] == 1
     assert ("tetri_prefill_chunk_size", (("worker", "0"),)) not in s
     assert m.content_type.startswith("text/plain")
+
+
+def test_vllm_names_only_when_asked() -> None:
+    on, off = Metrics("m", vllm_aliases=True), Metrics("m")
+    for m in (on, off):
+        m.observe_first_token(0.1, num_prompt_tokens=12)
+        m.observe_finished("stop", e2e_s=0.5, num_prompt_tokens=12, num_output_tokens=3)
+        m.set_worker(0, "decode", blocks_used=1, blocks_total=4, busy_s=0.0)
+    s = {(x.name, tuple(sorted(x.labels.items()))): x.value
+         for fam in text_string_to_metric_families(on.render().decode()) for x in fam.samples}
+    label = (("model_name", "m"),)
+    assert s[("vllm:prompt_tokens_total", label)] == 12 == s[("tetri_prompt_tokens_total", label)]
+    assert s[("vllm:request_success_total", (("finished_reason", "stop"), *label))] == 1
+    assert s[("vllm:kv_cache_usage_perc", (("model_name", "m"), ("worker", "0")))] == 0.25
+    assert s[("vllm:e2e_request_latency_seconds_count", label)] == 1
+    assert "vllm:" not in off.render().decode()

@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from tests.unit.test_api_double import Close, EngineBackend, make_engine_backend
+from tests.unit.test_api_double import MODEL_NAME, Close, EngineBackend, make_engine_backend
 from tetri_server.api import build_app, start_site
 from tetri_server.config import ServerConfig
 from tetri_server.metrics import Metrics
@@ -47,7 +47,7 @@ class ApiHarness:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
-        self.metrics = Metrics()
+        self.metrics = Metrics(model_name=MODEL_NAME)
         self.backend, self._close_backend = self.run(factory(model_path, self.metrics), 300)
         self._runners: list[Any] = []
         self.apps: dict[str, Any] = {}  # base_url -> aiohttp Application
@@ -57,13 +57,13 @@ class ApiHarness:
         """Run a coroutine on the server loop and return its result."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
 
-    def serve(self, backend: Any = None, **server: Any) -> str:
-        """Serve a new app over ``backend`` (default: the shared one); ``server`` overrides
-        ServerConfig fields."""
+    def serve(self, backend: Any = None, served: Any = None, **server: Any) -> str:
+        """Serve a new app over ``backend`` (default: the shared one) and ``served`` (a
+        ``ServedModel``; default: the backend's); ``server`` overrides ServerConfig fields."""
         cfg = dataclasses.replace(ServerConfig(port=0, request_timeout_s=60.0), **server)
 
         async def start() -> tuple[Any, Any, int]:
-            app = build_app(backend or self.backend, cfg, self.metrics)
+            app = build_app(backend or self.backend, cfg, self.metrics, served)
             return (app, *await start_site(app, "127.0.0.1", 0))
 
         app, runner, port = self.run(start())

@@ -1,7 +1,8 @@
 """``build_app``: the aiohttp application of the OpenAI-compatible API.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{model}],
-GET /health (200 only while ``backend.is_ready()``), GET /metrics (Prometheus text).
+POST /tokenize, POST /detokenize, GET /version (``info.py``), GET /health (200 only while
+``backend.is_ready()``), GET /metrics (Prometheus text), /admin/* (``admin.py``).
 Middlewares, outermost first: every error is an OpenAI-style JSON body; Host and Origin checks
 (on a loopback bind, or as configured); optional bearer keys on /v1/* and /admin/* (see
 ``guard.py``).
@@ -10,16 +11,18 @@ Middlewares, outermost first: every error is an OpenAI-style JSON body; Host and
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
 from tetri_server.api.admin import add_admin_routes
 from tetri_server.api.errors import APIError, error_body, error_response
-from tetri_server.api.guard import HostGuard, auth_middleware, host_middleware, load_keys
+from tetri_server.api.guard import Cors, HostGuard, auth_middleware, host_middleware, load_keys
 from tetri_server.api.handlers import ApiState, GenerateHandlers
-from tetri_server.config import ServerConfig
+from tetri_server.api.info import InfoRoutes, add_info_routes
+from tetri_server.api.models import ServedModel
+from tetri_server.api.prompts import PromptLimits
+from tetri_server.config import ModelConfig, ServerConfig
 from tetri_server.control.protocol import Backend
 from tetri_server.metrics import Metrics
 
@@ -58,14 +61,13 @@ def _error_middleware(metrics: Metrics) -> Callable[..., Awaitable[web.StreamRes
     return errors
 
 
-class _InfoRoutes:
-    """The GET routes: health, models, metrics."""
+class _HealthRoutes:
+    """Health and metrics: open to probes and scrapers."""
 
     def __init__(self, backend: Backend, metrics: Metrics, state: ApiState) -> None:
         self.backend = backend
         self.metrics = metrics
         self.state = state
-        self.created = int(time.time())
 
     async def health(self, request: web.Request) -> web.Response:
         if self.state.draining:
@@ -78,40 +80,26 @@ class _InfoRoutes:
             )
         return web.json_response({"status": "ok"})
 
-    def _model_card(self) -> dict[str, object]:
-        return {
-            "id": self.backend.model_name,
-            "object": "model",
-            "created": self.created,
-            "owned_by": "tetri_server",
-            "root": self.backend.model_name,
-            "max_model_len": self.backend.max_model_len,
-        }
-
-    async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [self._model_card()]})
-
-    async def model(self, request: web.Request) -> web.Response:
-        name = request.match_info["model"]
-        if name != self.backend.model_name:
-            raise APIError(
-                f"the model '{name}' does not exist",
-                status=404,
-                param="model",
-                code="model_not_found",
-            )
-        return web.json_response(self._model_card())
-
     async def prometheus(self, request: web.Request) -> web.Response:
         return web.Response(
             body=self.metrics.render(), headers={"Content-Type": self.metrics.content_type}
         )
 
 
-def build_app(backend: Backend, cfg: ServerConfig, metrics: Metrics) -> web.Application:
+def default_served_model(backend: Backend) -> ServedModel:
+    """For a backend started without a ServedModel (tests): its name, its tokenizer's folder."""
+    root = str(getattr(backend.tokenizer, "name_or_path", "") or backend.model_name)
+    return ServedModel.from_config(ModelConfig(path=root), backend.model_name, root=root)
+
+
+def build_app(
+    backend: Backend, cfg: ServerConfig, metrics: Metrics, served: ServedModel | None = None
+) -> web.Application:
     """The API application. Serve it with ``tetri_server.api.server.start_site`` (which turns
     on handler cancellation, so a client that disconnects aborts its request at once, and
-    applies the connection limits). Reads ``server.api_key_file`` if set."""
+    applies the connection limits). Reads ``server.api_key_file`` if set. ``served``: the
+    model's names, folder and sampling defaults (``ServedModel.from_config``); None = the
+    backend's name and its tokenizer's folder."""
     middlewares = [_error_middleware(metrics)]
     guard = HostGuard(cfg)
     if guard.active:
@@ -119,17 +107,25 @@ def build_app(backend: Backend, cfg: ServerConfig, metrics: Metrics) -> web.Appl
     keys = load_keys(cfg)
     if keys.v1 or keys.admin:
         middlewares.append(auth_middleware(keys))
+    cors = Cors(cfg) if cfg.allowed_origins else None
+    if cors is not None:
+        middlewares.insert(0, cors.middleware())
     app = web.Application(client_max_size=cfg.max_body_bytes, middlewares=middlewares)
+    if cors is not None:
+        app.on_response_prepare.append(cors.on_prepare)
     state = ApiState()
     app[STATE] = state
     app[CONFIG] = cfg
-    gen = GenerateHandlers(backend, cfg, metrics, state)
-    info = _InfoRoutes(backend, metrics, state)
+    served = served or default_served_model(backend)
+    gen = GenerateHandlers(backend, cfg, metrics, state, served)
+    limits = PromptLimits.of(
+        backend.tokenizer, vocab_size=backend.vocab_size, max_model_len=backend.max_model_len
+    )
+    health = _HealthRoutes(backend, metrics, state)
     app.router.add_post("/v1/completions", gen.completions)
     app.router.add_post("/v1/chat/completions", gen.chat)
-    app.router.add_get("/v1/models", info.models)
-    app.router.add_get("/v1/models/{model}", info.model)
-    app.router.add_get("/health", info.health)
-    app.router.add_get("/metrics", info.prometheus)
+    add_info_routes(app, InfoRoutes(backend, served, cfg, limits))
+    app.router.add_get("/health", health.health)
+    app.router.add_get("/metrics", health.prometheus)
     add_admin_routes(app, backend, cfg)
     return app

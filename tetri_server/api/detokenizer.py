@@ -23,17 +23,20 @@ CONTEXT_TOKENS = 5
 
 class IncrementalDetokenizer:
     """Token ids in, text pieces out; the concatenated pieces equal decoding all ids at once
-    (for valid UTF-8). Special tokens are skipped."""
+    (for valid UTF-8). Special tokens are skipped unless ``skip_special_tokens`` is false."""
 
-    def __init__(self, tokenizer: Any, prompt_ids: list[int]) -> None:
+    def __init__(
+        self, tokenizer: Any, prompt_ids: list[int], *, skip_special_tokens: bool = True
+    ) -> None:
         self._tok = tokenizer
+        self._skip_special = skip_special_tokens
         self._ids: list[int] = list(prompt_ids[-CONTEXT_TOKENS:])
         self._prefix = 0  # ids[prefix:read] is decoded context whose text was already emitted
         self._read = len(self._ids)
         self._partial = 0  # characters beyond the decoded context already emitted (held tail)
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True)
+        return self._tok.decode(ids, skip_special_tokens=self._skip_special)
 
     def add(self, token_ids: list[int], *, final: bool = False) -> str:
         """Append tokens; return the text that is now safe to send (``final`` flushes all)."""
@@ -57,8 +60,9 @@ class IncrementalDetokenizer:
 class StopMatcher:
     """Cuts generated text before the first stop string; holds back possible stop prefixes."""
 
-    def __init__(self, stops: tuple[str, ...]) -> None:
+    def __init__(self, stops: tuple[str, ...], *, include: bool = False) -> None:
         self._stops = stops
+        self._include = include  # include_stop_str_in_output: the match ends the text
         self._hold = max((len(s) for s in stops), default=1) - 1
         self._pending = ""  # text not sent yet: it may be the start of a stop string
 
@@ -66,10 +70,11 @@ class StopMatcher:
         """Return (text to send now, whether a stop string matched). After a match the text
         sent so far is the whole output."""
         pending = self._pending + text
-        hits = [i for i in (pending.find(s) for s in self._stops) if i >= 0]
+        hits = [(i, i + len(s)) for i, s in ((pending.find(s), s) for s in self._stops) if i >= 0]
         if hits:
             self._pending = ""
-            return pending[: min(hits)], True
+            start, end = min(hits)
+            return pending[: end if self._include else start], True
         keep = 0 if final else min(len(pending), self._hold)
         self._pending = pending[len(pending) - keep :]
         return pending[: len(pending) - keep], False

@@ -37,23 +37,32 @@ class Piece:
     token_ids: list[int]
     logprobs: list[float] | None
     finish_reason: str | None
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per token, best first
+    index: int = 0  # the choice (n > 1)
 
 
 class Generation:
     """Drives one ``RequestStream``. Not reusable."""
 
     def __init__(
-        self, backend: Backend, req: GenRequest, metrics: Metrics, arrival_s: float
+        self, backend: Backend, req: GenRequest, metrics: Metrics, arrival_s: float,
+        index: int = 0,
+        *,
+        sample: int = 0,
     ) -> None:
         self.req = req
+        self.index = index  # the choice this generation answers
+        self.sample = sample  # which of the prompt's n samples (seed + sample)
         self._backend = backend
         self._metrics = metrics
         self._arrival_s = arrival_s  # time.monotonic() when the HTTP request arrived
         self._stream: RequestStream | None = None
-        self._detok = IncrementalDetokenizer(backend.tokenizer, req.prompt_ids)
-        self._stops = StopMatcher(req.stop)
+        self._detok = IncrementalDetokenizer(backend.tokenizer, req.prompt_ids,
+                                             skip_special_tokens=req.skip_special_tokens)
+        self._stops = StopMatcher(req.stop, include=req.include_stop_str)
         self.num_output_tokens = 0
         self.finish_reason: str | None = None
+        self._echo_pending = req.echo
         self._backend_done = False  # the backend sent its last delta: nothing to abort
         self._first_s: float | None = None
         self._last_s: float | None = None
@@ -67,7 +76,8 @@ class Generation:
         r = self.req
         try:
             self._stream = self._backend.submit(
-                r.prompt_ids, r.params, prompt_text=r.prompt_text, true_output_len=r.true_output_len
+                r.prompt_ids, r.choice_params(self.sample), prompt_text=r.prompt_text,
+                true_output_len=r.true_output_len,
             )
         except QueueFullError as e:
             raise queue_full(e.retry_after_s) from None
@@ -81,7 +91,8 @@ class Generation:
         assert self._stream is not None, "submit() first"
         try:
             async for delta in self._stream:
-                piece = self._on_delta(delta.token_ids, delta.logprobs, delta.finish_reason)
+                piece = self._on_delta(delta.token_ids, delta.logprobs, delta.finish_reason,
+                                       delta.top_logprobs)
                 if piece.finish_reason == "stop" and delta.finish_reason is None:
                     await self._abort()  # a stop string matched: the backend may stop now
                 yield piece
@@ -94,13 +105,16 @@ class Generation:
         raise generation_failed("the backend ended the request's stream without finishing it")
 
     def _on_delta(
-        self, token_ids: list[int], logprobs: list[float] | None, backend_reason: str | None
+        self, token_ids: list[int], logprobs: list[float] | None, backend_reason: str | None,
+        top_logprobs: list[list[tuple[int, float]]] | None = None,
     ) -> Piece:
         now = time.monotonic()
         if token_ids:
+            gap_s = None if self._last_s is None else now - self._last_s
             if self._first_s is None:
                 self._first_s = now
-                self._metrics.observe_first_token(now - self._arrival_s)
+                self._metrics.observe_first_token(now - self._arrival_s, self.num_prompt_tokens)
+            self._metrics.observe_tokens(len(token_ids), gap_s)
             self._last_s = now
             self.num_output_tokens += len(token_ids)
         final = self._backend_done = backend_reason is not None
@@ -108,17 +122,23 @@ class Generation:
             raise generation_failed("the request was aborted by the server")
         text = self._detok.add(token_ids, final=final)
         text, matched = self._stops.feed(text, final=final)
+        if self._echo_pending:  # echo: the prompt opens the first piece (never stop-matched)
+            text, self._echo_pending = self.req.prompt_text + text, False
         reason = "stop" if matched else backend_reason
         if reason is not None:
             self._finish(reason, now)
-        return Piece(text, list(token_ids), logprobs if self.req.logprobs else None, reason)
+        if not self.req.logprobs:
+            logprobs = top_logprobs = None
+        return Piece(text, list(token_ids), logprobs, reason, top_logprobs, self.index)
 
     def _finish(self, reason: str, now: float) -> None:
         self.finish_reason = reason
         tpot = None
         if self._first_s is not None and self._last_s is not None and self.num_output_tokens > 1:
             tpot = (self._last_s - self._first_s) / (self.num_output_tokens - 1)
-        self._metrics.observe_finished(reason, e2e_s=now - self._arrival_s, tpot_s=tpot)
+        self._metrics.observe_finished(
+            reason, e2e_s=now - self._arrival_s, tpot_s=tpot,
+            num_prompt_tokens=self.num_prompt_tokens, num_output_tokens=self.num_output_tokens)
 
     async def _abort(self) -> None:
         if self._stream is not None:

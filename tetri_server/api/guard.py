@@ -121,6 +121,46 @@ class HostGuard:
         return self.localhost_origins and _origin_host(origin.strip()) in LOOPBACK_NAMES
 
 
+class Cors:
+    """CORS for browser clients, only when ``server.allowed_origins`` is set (vLLM's
+    ``--allowed-origins``): an allowed ``Origin`` is echoed in ``Access-Control-Allow-Origin``
+    on every answer, errors included (``on_prepare``), and preflights are answered 204 before
+    the key check, which browsers cannot pass on a preflight (``middleware``, outermost)."""
+
+    METHODS = "GET, POST, OPTIONS"
+    HEADERS = "Authorization, Content-Type"
+    MAX_AGE_S = 600
+
+    def __init__(self, cfg: ServerConfig) -> None:
+        self.origins = frozenset(o.strip().lower().rstrip("/") for o in cfg.allowed_origins)
+
+    def allowed(self, origin: str | None) -> bool:
+        if origin is None:
+            return False
+        return "*" in self.origins or origin.strip().lower().rstrip("/") in self.origins
+
+    def middleware(self) -> Middleware:
+        @web.middleware
+        async def preflight(request: web.Request, handler: Handler) -> web.StreamResponse:
+            if (request.method == "OPTIONS" and self.allowed(request.headers.get("Origin"))
+                    and "Access-Control-Request-Method" in request.headers):
+                return web.Response(status=204, headers={
+                    "Access-Control-Allow-Methods": self.METHODS,
+                    "Access-Control-Allow-Headers": self.HEADERS,
+                    "Access-Control-Max-Age": str(self.MAX_AGE_S),
+                })
+            return await handler(request)
+
+        return preflight
+
+    async def on_prepare(self, request: web.Request, response: web.StreamResponse) -> None:
+        origin = request.headers.get("Origin")
+        if self.allowed(origin):
+            assert origin is not None
+            response.headers["Access-Control-Allow-Origin"] = origin
+            response.headers["Vary"] = "Origin"
+
+
 def host_middleware(guard: HostGuard) -> Middleware:
     @web.middleware
     async def hosts(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -131,11 +171,14 @@ def host_middleware(guard: HostGuard) -> Middleware:
 
 
 def auth_middleware(keys: ApiKeys) -> Middleware:
-    """Bearer keys on /v1/* and /admin/*; health and metrics stay open for probes and scrapers."""
+    """Bearer keys on /v1/*, /tokenize, /detokenize and /admin/*; health, version and metrics
+    stay open for probes and scrapers."""
     guarded = [
         (prefix, name, f"Bearer {key}".encode())
         for prefix, name, key in (
             ("/v1/", "API key", keys.v1),
+            ("/tokenize", "API key", keys.v1),
+            ("/detokenize", "API key", keys.v1),
             ("/admin/", "admin API key" if keys.admin != keys.v1 else "API key", keys.admin),
         )
         if key

@@ -1,8 +1,9 @@
 """OpenAI request bodies -> one validated ``GenRequest`` (prompt ids + SamplingParams + stops).
 
-Only what a client would notice is decided here: defaults (``max_tokens`` fills the context),
-limits against ``max_model_len``, and clear 400s for fields we cannot honour. Token-level
-stops go to the workers in ``SamplingParams``; stop strings stay in the API layer.
+Only what a client would notice is decided here: defaults (``max_tokens``: 16 on completions as
+OpenAI and vLLM, the rest of the context on chat; sampling from generation_config.json when the
+request omits it), limits against ``max_model_len``, and clear 400s for fields we cannot honour.
+Token-level stops go to the workers in ``SamplingParams``; stop strings stay in the API layer.
 """
 
 from __future__ import annotations
@@ -10,14 +11,28 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+import msgspec
+
 from tetri_server.api.errors import APIError, bad_param
 from tetri_server.api.fields import Fields
+from tetri_server.api.models import GenerationDefaults
 from tetri_server.messages import SamplingParams
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 512
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024  # entries
+MAX_LOGPROBS = 20  # alternatives per token (vLLM's default max_logprobs)
+MAX_N = 16  # choices per request; each is one backend request
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's and vLLM's /v1/completions default
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
+# vLLM request extras this server does not implement: a 400 naming them, never ignored
+UNSUPPORTED_EXTRAS = (
+    "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
+    "structured_outputs", "prompt_logprobs", "use_beam_search", "length_penalty",
+    "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "logits_processors",
+    "functions", "function_call",
+)
 
 
 @dataclass(frozen=True)
@@ -43,55 +58,76 @@ class GenRequest:
     include_usage: bool
     logprobs: bool
     true_output_len: int | None
+    n: int = 1  # choices; choice i samples with choice_params(i)
+    include_stop_str: bool = False  # include_stop_str_in_output
+    skip_special_tokens: bool = True
+    echo: bool = False  # completions: the prompt text opens each choice
+    tool_parser: str | None = None  # chat with tools and tool_choice=auto: parse replies
 
-
-def check_model(f: Fields, served_name: str) -> str:
-    """The model the client asked for; missing means the one we serve (as vLLM does)."""
-    model = f.string("model", served_name)
-    if model != served_name:
-        raise APIError(
-            f"the model '{model}' does not exist; this server serves '{served_name}'",
-            status=404,
-            param="model",
-            code="model_not_found",
-        )
-    return served_name
+    def choice_params(self, index: int) -> SamplingParams:
+        """Choice ``index``'s parameters: a seeded request derives seed + index (wrapping in
+        the seed range), so the n choices differ and each is reproducible."""
+        seed = self.params.seed
+        if index == 0 or seed is None:
+            return self.params
+        low, high = SEED_RANGE
+        return msgspec.structs.replace(self.params,
+                                       seed=(seed + index - low) % (high - low + 1) + low)
 
 
 def _reject_unsupported(f: Fields, kind: str) -> None:
-    n = f.integer("n", 1, low=1)
-    if n != 1:
-        raise bad_param("n", f"n > 1 is not supported (got {n}); send {n} separate requests")
-    f.require_absent("best_of", (1,), "best_of > 1")
-    f.require_absent("frequency_penalty", (0,), "a non-zero frequency_penalty")
-    f.require_absent("presence_penalty", (0,), "a non-zero presence_penalty")
-    f.require_absent("repetition_penalty", (1,), "a repetition_penalty other than 1")
-    f.require_absent("logit_bias", ({},), "logit_bias")
+    for name in UNSUPPORTED_EXTRAS:
+        if f.has(name):
+            raise bad_param(name, "is not supported by this server")
     if kind == "completion":
-        if f.boolean("echo", False):
-            raise bad_param("echo", "echo=true is not supported")
+        if f.boolean("echo", False) and f.has("logprobs"):
+            raise bad_param("echo", "echo with logprobs (prompt logprobs) is not supported")
         f.require_absent("suffix", ("",), "suffix")
-    else:
-        f.require_absent("tools", ([],), "tool calling")
+    else:  # tools / tool_choice: tools.parse_tools
         fmt = f.obj("response_format")
         if fmt is not None and fmt.get("type", "text") != "text":
             raise bad_param("response_format", "only {'type': 'text'} is supported")
 
 
-def _logprobs(f: Fields, kind: str) -> bool:
+def _n(f: Fields) -> int:
+    n = f.integer("n", 1, low=1, high=MAX_N) or 1
+    best_of = f.integer("best_of", None, low=1)
+    if best_of is not None and best_of != n:
+        raise bad_param("best_of", f"only best_of = n ({n}) is supported, got {best_of}")
+    return n
+
+
+def _logprobs(f: Fields, kind: str) -> tuple[bool, int]:
+    """(chosen-token logprobs wanted, alternatives per token)."""
     if kind == "completion":
-        n = f.integer("logprobs", None, low=0)
-        if n is not None and n > 1:
-            raise bad_param(
-                "logprobs",
-                "only the sampled token's logprob is available; use logprobs=0 or 1",
-            )
-        return n is not None
+        n = f.integer("logprobs", None, low=0, high=MAX_LOGPROBS)
+        return n is not None, n or 0
     wanted = f.boolean("logprobs", False)
-    top = f.integer("top_logprobs", 0, low=0)
-    if top:
-        raise bad_param("top_logprobs", "only the sampled token's logprob is available; use 0")
-    return wanted
+    top = f.integer("top_logprobs", 0, low=0, high=MAX_LOGPROBS) or 0
+    if top and not wanted:
+        raise bad_param("top_logprobs", "requires logprobs=true")
+    return wanted, top
+
+
+def _logit_bias(f: Fields, vocab_size: int) -> dict[int, float]:
+    value = f.obj("logit_bias")
+    if not value:
+        return {}
+    if len(value) > MAX_LOGIT_BIAS:
+        raise bad_param("logit_bias", f"at most {MAX_LOGIT_BIAS} entries, got {len(value)}")
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        try:
+            tok = int(key)
+        except ValueError:
+            raise bad_param("logit_bias", f"key {key!r} is not a token id") from None
+        if not 0 <= tok < vocab_size:
+            raise bad_param("logit_bias", f"token id {tok} is outside the vocabulary "
+                                          f"[0, {vocab_size})")
+        if isinstance(bias, bool) or not isinstance(bias, int | float) or not -100 <= bias <= 100:
+            raise bad_param(f"logit_bias.{key}", "expected a number in [-100, 100]")
+        out[tok] = float(bias)
+    return out
 
 
 def context_exceeded(num_tokens: int, max_model_len: int, param: str) -> APIError:
@@ -103,7 +139,9 @@ def context_exceeded(num_tokens: int, max_model_len: int, param: str) -> APIErro
     )
 
 
-def _max_tokens(f: Fields, kind: str, prompt: Prompt, max_model_len: int) -> int:
+def _max_tokens(
+    f: Fields, kind: str, prompt: Prompt, max_model_len: int, defaults: GenerationDefaults
+) -> int:
     room = max_model_len - len(prompt.ids)
     if room <= 0:
         raise context_exceeded(len(prompt.ids), max_model_len, prompt.param)
@@ -111,8 +149,9 @@ def _max_tokens(f: Fields, kind: str, prompt: Prompt, max_model_len: int) -> int
     if kind == "chat" and f.has("max_completion_tokens"):
         name = "max_completion_tokens"
     value = f.integer(name, None)
-    if value is None:
-        return room
+    if value is None:  # vLLM: completions 16, chat the rest; both capped by max_new_tokens
+        default = DEFAULT_COMPLETION_MAX_TOKENS if kind == "completion" else room
+        return min(default, room, defaults.max_tokens or room)
     if value < 1:
         raise bad_param(name, f"must be >= 1, got {value}")
     if value > room:
@@ -125,6 +164,37 @@ def _max_tokens(f: Fields, kind: str, prompt: Prompt, max_model_len: int) -> int
     return value
 
 
+def _sampling(
+    f: Fields, kind: str, max_tokens: int, vocab_size: int, defaults: GenerationDefaults,
+    stop_ids: list[int], ignore_eos: bool,
+) -> SamplingParams:
+    d = defaults
+    top_k = f.integer("top_k", d.top_k if d.top_k is not None else 0, low=-1)
+    logprobs, top_logprobs = _logprobs(f, kind)
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=f.number("temperature", _or(d.temperature, 1.0), low=0.0),
+        top_p=f.number("top_p", _or(d.top_p, 1.0), low=0.0, high=1.0, low_open=True),
+        top_k=max(0, top_k or 0),
+        seed=f.integer("seed", None, low=SEED_RANGE[0], high=SEED_RANGE[1]),
+        stop_token_ids=stop_ids,
+        ignore_eos=ignore_eos,
+        logprobs=logprobs,
+        min_tokens=f.integer("min_tokens", 0, low=0, high=max_tokens) or 0,
+        presence_penalty=f.number("presence_penalty", 0.0, low=-2.0, high=2.0),
+        frequency_penalty=f.number("frequency_penalty", 0.0, low=-2.0, high=2.0),
+        repetition_penalty=f.number("repetition_penalty", _or(d.repetition_penalty, 1.0),
+                                    low=0.0, low_open=True, high=100.0),
+        min_p=f.number("min_p", _or(d.min_p, 0.0), low=0.0, high=1.0),
+        logit_bias=_logit_bias(f, vocab_size),
+        top_logprobs=top_logprobs,
+    )
+
+
+def _or(value: float | None, default: float) -> float:
+    return default if value is None else value
+
+
 def parse_request(
     f: Fields,
     kind: Literal["completion", "chat"],
@@ -134,9 +204,13 @@ def parse_request(
     max_model_len: int,
     vocab_size: int,
     extra_stop_ids: tuple[int, ...] = (),
+    defaults: GenerationDefaults | None = None,
+    tool_parser: str | None = None,
 ) -> GenRequest:
     """Validate the sampling fields of ``f`` for an already tokenized ``prompt``."""
+    defaults = defaults or GenerationDefaults()
     _reject_unsupported(f, kind)
+    n = _n(f)
     stream = f.boolean("stream", False)
     options = f.obj("stream_options")
     if options is not None and not stream:
@@ -144,23 +218,12 @@ def parse_request(
     include_usage = (options or {}).get("include_usage") or False
     if not isinstance(include_usage, bool):
         raise bad_param("stream_options.include_usage", "expected true or false")
-    max_tokens = _max_tokens(f, kind, prompt, max_model_len)
-    top_k = f.integer("top_k", 0, low=-1)
+    max_tokens = _max_tokens(f, kind, prompt, max_model_len, defaults)
     ignore_eos = f.boolean("ignore_eos", False)
     stop_ids = f.token_ids("stop_token_ids", vocab_size=vocab_size, max_items=MAX_STOP_TOKEN_IDS)
     if not ignore_eos:
         stop_ids += [i for i in extra_stop_ids if i not in stop_ids]
-    params = SamplingParams(
-        max_tokens=max_tokens,
-        temperature=f.number("temperature", 1.0, low=0.0),
-        top_p=f.number("top_p", 1.0, low=0.0, high=1.0, low_open=True),
-        top_k=max(0, top_k or 0),
-        seed=f.integer("seed", None, low=SEED_RANGE[0], high=SEED_RANGE[1]),
-        stop_token_ids=stop_ids,
-        ignore_eos=ignore_eos,
-        logprobs=_logprobs(f, kind),
-        min_tokens=f.integer("min_tokens", 0, low=0, high=max_tokens) or 0,
-    )
+    params = _sampling(f, kind, max_tokens, vocab_size, defaults, stop_ids, ignore_eos)
     f.string("user", None)
     return GenRequest(
         kind=kind,
@@ -173,4 +236,9 @@ def parse_request(
         include_usage=include_usage,
         logprobs=params.logprobs,
         true_output_len=f.integer("true_output_len", None, low=0),
+        n=n,
+        include_stop_str=f.boolean("include_stop_str_in_output", False),
+        skip_special_tokens=f.boolean("skip_special_tokens", True),
+        echo=kind == "completion" and f.boolean("echo", False),
+        tool_parser=tool_parser,
     )

@@ -7,6 +7,7 @@ and then encoded without adding special tokens again.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +20,16 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
 MAX_MESSAGES = 4096
 MAX_CONTENT_PARTS = 1024  # per message
+MAX_TEMPLATE_KWARGS = 32
+MAX_TOOL_CALLS = 128  # per assistant message
+MAX_NAME_CHARS = 256  # name, tool_call_id
+MAX_BATCH_PROMPTS = 64  # prompts in one /v1/completions request (times n: backend requests)
+# apply_chat_template's own parameters: a request must not swap the template or its output
+RESERVED_TEMPLATE_KWARGS = frozenset((
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+    "tokenizer"))
 # A token covers at most its own length in characters, times this: a normalizer (NFC) may
 # compose several input characters into one.
 CHARS_PER_TOKEN_CHAR = 4
@@ -58,7 +69,7 @@ def _check_ids(ids: list[Any], param: str, limits: PromptLimits) -> list[int]:
     return ids
 
 
-def _check_length(num_chars: int, param: str, limits: PromptLimits) -> None:
+def check_text_length(num_chars: int, param: str, limits: PromptLimits) -> None:
     if num_chars > limits.max_chars:
         raise APIError(
             f"the prompt has {num_chars} characters, more than can fit in the context of "
@@ -80,29 +91,37 @@ def _check_encoded(ids: list[int], param: str, limits: PromptLimits) -> list[int
     return ids
 
 
-def completion_prompt(f: Fields, tokenizer: Any, limits: PromptLimits) -> Prompt:
-    """``prompt``: a string, a list of token ids, or a list holding one of those."""
+def _one_completion_prompt(
+    value: Any, param: str, tokenizer: Any, limits: PromptLimits
+) -> Prompt:
+    if isinstance(value, str):
+        check_text_length(len(value), param, limits)
+        ids = tokenizer.encode(value, add_special_tokens=True)
+        if not ids:
+            raise bad_param(param, "the prompt is empty")
+        return Prompt(_check_encoded(ids, param, limits), value, param)
+    if isinstance(value, list):
+        ids = _check_ids(value, param, limits)
+        return Prompt(ids, tokenizer.decode(ids, skip_special_tokens=True), param)
+    raise bad_param(param, "expected a string, a list of token ids, or a list of those")
+
+
+def completion_prompts(f: Fields, tokenizer: Any, limits: PromptLimits) -> list[Prompt]:
+    """``prompt``: a string, a list of token ids, or a batch (a list of strings or of token id
+    lists, at most ``MAX_BATCH_PROMPTS``); each is checked alone and named ``prompt[i]``."""
     value = f.raw("prompt")
     if value is None:
         raise bad_param("prompt", "this field is required")
     if isinstance(value, list) and value and isinstance(value[0], str | list):
-        if len(value) > 1:
-            raise bad_param(
-                "prompt",
-                f"batches of prompts are not supported (got {len(value)}); "
-                "send one prompt per request",
-            )
-        value = value[0]
-    if isinstance(value, str):
-        _check_length(len(value), "prompt", limits)
-        ids = tokenizer.encode(value, add_special_tokens=True)
-        if not ids:
-            raise bad_param("prompt", "the prompt is empty")
-        return Prompt(_check_encoded(ids, "prompt", limits), value, "prompt")
-    if isinstance(value, list):
-        ids = _check_ids(value, "prompt", limits)
-        return Prompt(ids, tokenizer.decode(ids, skip_special_tokens=True), "prompt")
-    raise bad_param("prompt", "expected a string, a list of token ids, or a list of one of those")
+        if len(value) > MAX_BATCH_PROMPTS:
+            raise bad_param("prompt", f"at most {MAX_BATCH_PROMPTS} prompts in a batch, "
+                                      f"got {len(value)}")
+        check_text_length(sum(len(v) for v in value if isinstance(v, str)), "prompt", limits)
+        if len(value) == 1:
+            return [_one_completion_prompt(value[0], "prompt", tokenizer, limits)]
+        return [_one_completion_prompt(v, f"prompt[{i}]", tokenizer, limits)
+                for i, v in enumerate(value)]
+    return [_one_completion_prompt(value, "prompt", tokenizer, limits)]
 
 
 def _content(msg: dict[str, Any], i: int) -> str:
@@ -144,18 +163,87 @@ def _messages(f: Fields) -> list[dict[str, str]]:
         role = msg.get("role")
         if role not in ROLES:
             raise bad_param(f"messages[{i}].role", f"{role!r} is not one of: " + ", ".join(ROLES))
-        out.append({"role": role, "content": _content(msg, i)})
+        out.append({"role": role, "content": _content(msg, i), **_tool_fields(msg, i)})
     return out
 
 
-def chat_prompt(f: Fields, tokenizer: Any, limits: PromptLimits) -> Prompt:
-    """Render ``messages`` with the model's chat template and tokenize."""
+def _short_string(msg: dict[str, Any], key: str, param: str) -> str | None:
+    value = msg.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, str) or len(value) > MAX_NAME_CHARS:
+        raise bad_param(param, f"expected a string of at most {MAX_NAME_CHARS} characters")
+    return value
+
+
+def _tool_fields(msg: dict[str, Any], i: int) -> dict[str, Any]:
+    """``name``, ``tool_call_id`` and assistant ``tool_calls`` kept for the chat template (as
+    vLLM: a call's JSON ``arguments`` string becomes an object, which templates expect)."""
+    out: dict[str, Any] = {}
+    for key in ("name", "tool_call_id"):
+        value = _short_string(msg, key, f"messages[{i}].{key}")
+        if value is not None:
+            out[key] = value
+    calls = msg.get("tool_calls")
+    if calls is None:
+        return out
+    param = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list):
+        raise bad_param(param, "expected a list")
+    if len(calls) > MAX_TOOL_CALLS:
+        raise bad_param(param, f"at most {MAX_TOOL_CALLS} calls, got {len(calls)}")
+    kept = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise bad_param(f"{param}[{j}]", "expected {'type': 'function', 'function': "
+                                             "{'name': ..., 'arguments': ...}}")
+        args = fn.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError:
+                pass  # not JSON: the template gets the text as sent
+        kept.append({"id": call.get("id"), "type": "function",
+                     "function": {"name": fn["name"], "arguments": args}})
+    out["tool_calls"] = kept
+    return out
+
+
+def _template_kwargs(f: Fields) -> dict[str, Any]:
+    """vLLM's chat extras: ``add_generation_prompt`` (default true), ``continue_final_message``
+    and ``chat_template_kwargs`` (variables for the template, e.g. ``enable_thinking``)."""
+    extra = f.obj("chat_template_kwargs") or {}
+    if len(extra) > MAX_TEMPLATE_KWARGS:
+        raise bad_param("chat_template_kwargs", f"at most {MAX_TEMPLATE_KWARGS} entries")
+    for key in extra:
+        if key in RESERVED_TEMPLATE_KWARGS:
+            raise bad_param(f"chat_template_kwargs.{key}", "is set by the server")
+    kwargs = dict(extra)
+    kwargs["continue_final_message"] = f.boolean("continue_final_message", False)
+    kwargs["add_generation_prompt"] = f.boolean(
+        "add_generation_prompt", not kwargs["continue_final_message"])
+    if kwargs["continue_final_message"] and kwargs["add_generation_prompt"]:
+        raise bad_param("continue_final_message",
+                        "cannot be combined with add_generation_prompt=true")
+    return kwargs
+
+
+def chat_prompt(
+    f: Fields, tokenizer: Any, limits: PromptLimits, tools: list[dict[str, Any]] | None = None
+) -> Prompt:
+    """Render ``messages`` (and ``tools``, checked by ``tools.parse_tools``) with the model's
+    chat template and tokenize."""
     messages = _messages(f)
-    _check_length(sum(len(m["content"]) for m in messages), "messages", limits)
+    num_chars = sum(len(m["content"]) + len(str(m.get("tool_calls", ""))) for m in messages)
+    check_text_length(num_chars, "messages", limits)
+    kwargs = _template_kwargs(f)
+    if tools:
+        kwargs["tools"] = tools
     if not getattr(tokenizer, "chat_template", None):
         raise APIError("this model has no chat template; use /v1/completions", param="messages")
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
     except Exception as e:  # a template may reject a message order (jinja raise_exception)
         raise bad_param("messages", f"the chat template rejected these messages: {e}") from None
     ids = _check_encoded(tokenizer.encode(text, add_special_tokens=False), "messages", limits)

@@ -13,6 +13,7 @@ from typing import Any
 from tetri_server.api.detokenizer import token_texts
 from tetri_server.api.generation import Piece
 from tetri_server.api.params import GenRequest
+from tetri_server.api.tools import HermesParser, ToolCall, make_parser
 
 
 def usage(num_prompt: int, num_output: int) -> dict[str, int]:
@@ -24,24 +25,47 @@ def usage(num_prompt: int, num_output: int) -> dict[str, int]:
 
 
 class ResponseBuilder:
-    """Builds the JSON objects of one request's response (``dict``s, encoded by the caller)."""
+    """Builds the JSON objects of one request's response (``dict``s, encoded by the caller);
+    ``num_choices`` choices (prompts x n), told apart by ``Piece.index``."""
 
-    def __init__(self, req: GenRequest, tokenizer: Any) -> None:
+    def __init__(self, req: GenRequest, tokenizer: Any, num_choices: int = 1) -> None:
         self.req = req
         self.chat = req.kind == "chat"
         prefix = "chatcmpl-" if self.chat else "cmpl-"
         self.id = prefix + uuid.uuid4().hex
         self.created = int(time.time())
         self._tok = tokenizer
-        self._text_offset = 0
+        self.num_choices = num_choices  # prompts x n
+        self._text_offset = [0] * num_choices  # per choice
+        # chat with tool_choice=auto: each choice's reply parsed for calls
+        self._parsers: list[HermesParser] | None = None
+        if self.chat and req.tool_parser:
+            self._parsers = [make_parser(req.tool_parser) for _ in range(num_choices)]
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.req.model}
 
-    def _logprobs(self, token_ids: list[int], logprobs: list[float] | None) -> Any:
+    def _logprobs(
+        self,
+        index: int,
+        token_ids: list[int],
+        logprobs: list[float] | None,
+        top: list[list[tuple[int, float]]] | None,
+    ) -> Any:
         if logprobs is None:
             return None
         texts = token_texts(self._tok, token_ids)
+        # alternatives per token; without them (a backend that does not report them) the chosen
+        # token alone, as before
+        alts: list[list[tuple[str, float]]] = []
+        for k, (t, lp) in enumerate(zip(texts, logprobs, strict=True)):
+            row = top[k] if top is not None and k < len(top) else []
+            if self.req.params.top_logprobs and row:
+                ids = [i for i, _ in row]
+                alts.append(list(zip(token_texts(self._tok, ids), [v for _, v in row],
+                                     strict=True)))
+            else:
+                alts.append([(t, lp)] if not self.chat else [])
         if self.chat:
             return {
                 "content": [
@@ -49,42 +73,60 @@ class ResponseBuilder:
                         "token": t,
                         "logprob": lp,
                         "bytes": list(t.encode("utf-8")),
-                        "top_logprobs": [],
+                        "top_logprobs": [
+                            {"token": a, "logprob": v, "bytes": list(a.encode("utf-8"))}
+                            for a, v in alt
+                        ],
                     }
-                    for t, lp in zip(texts, logprobs, strict=True)
+                    for t, lp, alt in zip(texts, logprobs, alts, strict=True)
                 ]
             }
         offsets = []
         for t in texts:
-            offsets.append(self._text_offset)
-            self._text_offset += len(t)
+            offsets.append(self._text_offset[index])
+            self._text_offset[index] += len(t)
+        top_dicts = []
+        for t, lp, alt in zip(texts, logprobs, alts, strict=True):
+            d = dict(alt)
+            d.setdefault(t, lp)  # OpenAI: the chosen token is always in its own top_logprobs
+            top_dicts.append(d)
         return {
             "tokens": texts,
             "token_logprobs": list(logprobs),
-            "top_logprobs": [{t: lp} for t, lp in zip(texts, logprobs, strict=True)],
+            "top_logprobs": top_dicts,
             "text_offset": offsets,
         }
 
     # ------------------------------------------------------------------ non-streaming
 
-    def full(
-        self, pieces: list[Piece], finish_reason: str, num_prompt: int, num_output: int
-    ) -> dict[str, Any]:
+    def choice(self, index: int, pieces: list[Piece], finish_reason: str) -> dict[str, Any]:
+        """One whole choice from its pieces."""
         text = "".join(p.text for p in pieces)
         logprobs = None
         if self.req.logprobs:
             ids = [t for p in pieces for t in p.token_ids]
             lps = [x for p in pieces for x in (p.logprobs or [])]
-            logprobs = self._logprobs(ids, lps[: len(ids)])
-        choice: dict[str, Any] = {"index": 0}
-        if self.chat:
+            tops = [x for p in pieces for x in (p.top_logprobs or [])]
+            logprobs = self._logprobs(index, ids, lps[: len(ids)], tops or None)
+        choice: dict[str, Any] = {"index": index}
+        if self._parsers is not None:
+            content, calls = self._parsers[index].feed(text, final=True)
+            choice["message"] = {"role": "assistant", "content": content or None,
+                                 "tool_calls": [c.as_dict() for c in calls]}
+            finish_reason = "tool_calls" if calls else finish_reason
+        elif self.chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
         choice["logprobs"] = logprobs
         choice["finish_reason"] = finish_reason
+        return choice
+
+    def full(
+        self, choices: list[dict[str, Any]], num_prompt: int, num_output: int
+    ) -> dict[str, Any]:
         obj = "chat.completion" if self.chat else "text_completion"
-        return {**self._head(obj), "choices": [choice], "usage": usage(num_prompt, num_output)}
+        return {**self._head(obj), "choices": choices, "usage": usage(num_prompt, num_output)}
 
     # ------------------------------------------------------------------ streaming
 
@@ -95,29 +137,52 @@ class ResponseBuilder:
             out["usage"] = None
         return out
 
-    def role_chunk(self) -> dict[str, Any] | None:
-        """Chat streams open with the assistant role (as OpenAI's do)."""
+    def role_chunks(self) -> list[dict[str, Any]]:
+        """Chat streams open with the assistant role of each choice (as OpenAI's do)."""
         if not self.chat:
-            return None
-        delta = {"role": "assistant", "content": ""}
-        return self._chunk({"index": 0, "delta": delta, "logprobs": None, "finish_reason": None})
+            return []
+        return [
+            self._chunk({"index": i, "delta": {"role": "assistant", "content": ""},
+                         "logprobs": None, "finish_reason": None})
+            for i in range(self.num_choices)
+        ]
 
     def chunk(self, piece: Piece) -> dict[str, Any] | None:
         """The SSE chunk for one piece, or None when it carries nothing a client would see."""
         has_logprobs = piece.logprobs is not None and bool(piece.token_ids)
         if not piece.text and not has_logprobs and piece.finish_reason is None:
             return None
-        logprobs = self._logprobs(piece.token_ids, piece.logprobs) if has_logprobs else None
-        choice: dict[str, Any] = {"index": 0}
-        if self.chat:
+        logprobs = None
+        if has_logprobs:
+            logprobs = self._logprobs(piece.index, piece.token_ids, piece.logprobs,
+                                      piece.top_logprobs)
+        choice: dict[str, Any] = {"index": piece.index}
+        reason = piece.finish_reason
+        if self._parsers is not None:
+            parser = self._parsers[piece.index]
+            before = len(parser.calls)
+            content, calls = parser.feed(piece.text, final=reason is not None)
+            choice["delta"] = {"content": content} if content else {}
+            if calls:
+                choice["delta"]["tool_calls"] = _call_deltas(calls, before)
+            if reason is not None and parser.calls:
+                reason = "tool_calls"
+            if not choice["delta"] and reason is None and logprobs is None:
+                return None  # held back: may be the start of a call
+        elif self.chat:
             choice["delta"] = {"content": piece.text} if piece.text else {}
         else:
             choice["text"] = piece.text
         choice["logprobs"] = logprobs
-        choice["finish_reason"] = piece.finish_reason
+        choice["finish_reason"] = reason
         return self._chunk(choice)
 
     def usage_chunk(self, num_prompt: int, num_output: int) -> dict[str, Any]:
         """The last chunk when ``stream_options.include_usage``: usage and no choices."""
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return {**self._head(obj), "choices": [], "usage": usage(num_prompt, num_output)}
+
+
+def _call_deltas(calls: list[ToolCall], first: int) -> list[dict[str, Any]]:
+    """Streamed ``tool_calls`` entries, OpenAI's shape: each call whole in one delta."""
+    return [{"index": first + k, **c.as_dict()} for k, c in enumerate(calls)]

@@ -28,10 +28,10 @@ HEADERS = {
 class EventStream:
     """One SSE response, opened (headers sent) just before its first event."""
 
-    def __init__(self, request: web.Request, first: dict[str, Any] | None = None) -> None:
+    def __init__(self, request: web.Request, first: list[dict[str, Any]] | None = None) -> None:
         self.response = web.StreamResponse(status=200, headers=HEADERS)
         self._request = request
-        self._first = first  # sent right after the headers (the chat role chunk)
+        self._first = first or []  # sent right after the headers (the chat role chunks)
         self._encoder = msgspec.json.Encoder()
 
     @property
@@ -44,8 +44,8 @@ class EventStream:
     async def _open(self) -> None:
         if not self.opened:
             await self.response.prepare(self._request)
-            if self._first is not None:
-                await self._write(self._first)
+            for obj in self._first:
+                await self._write(obj)
 
     async def send(self, obj: dict[str, Any]) -> None:
         await self._open()

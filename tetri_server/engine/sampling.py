@@ -1,4 +1,10 @@
-"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds, chosen-token logprobs.
+"""Token sampling: penalties and logit bias, greedy, temperature, min-p, top-k, top-p,
+per-request seeds, chosen-token logprobs and the top alternatives.
+
+Order per row (vLLM's): logit bias, repetition / frequency / presence penalties (counts from the
+``Sequence``'s own tokens, so every worker that samples applies them identically), then greedy
+or temperature -> min-p -> top-k -> top-p -> draw. Logprobs are of the raw model output (vLLM's
+default ``raw_logprobs``). Neutral parameters leave the logits untouched (no copy).
 
 ``sample`` is total: whatever the parameters and whatever the model produced (inf, NaN), every row
 yields a token id in ``[0, vocab)`` and nothing NaN reaches ``torch.multinomial`` (on CUDA a NaN
@@ -31,9 +37,38 @@ def _sanitize(logits: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(logits.float(), nan=_NEG_INF, posinf=_FLOAT32_MAX, neginf=_NEG_INF)
 
 
-def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+def penalize(row: torch.Tensor, seq: Sequence) -> torch.Tensor:
+    """row: [V] raw logits of ``seq``; returns a new row with its logit bias and penalties
+    applied. Counts: output tokens for presence/frequency, prompt + output for repetition."""
+    p = seq.params
+    row = row.float().clone()
+    vocab = row.shape[-1]
+    if p.logit_bias:
+        ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=row.device)
+        bias = torch.tensor(list(p.logit_bias.values()), dtype=row.dtype, device=row.device)
+        row.index_add_(0, ids.clamp(0, vocab - 1), bias)
+    if p.presence_penalty or p.frequency_penalty:
+        out = [t for t in seq.output_ids if 0 <= t < vocab]
+        if out:
+            counts = torch.bincount(torch.tensor(out, device=row.device), minlength=vocab)
+            row -= p.frequency_penalty * counts.to(row.dtype)
+            row -= p.presence_penalty * (counts > 0).to(row.dtype)
+    if p.repetition_penalty != 1.0 and p.repetition_penalty > 0:
+        seen = torch.tensor(sorted({t for t in seq.token_ids if 0 <= t < vocab}),
+                            dtype=torch.long, device=row.device)
+        vals = row[seen]
+        row[seen] = torch.where(vals > 0, vals / p.repetition_penalty,
+                                vals * p.repetition_penalty)
+    return row
+
+
+def _filter(logits: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
     """logits: [V] (already scaled by temperature); masked entries become -inf. The top entry is
-    never masked, so any top_k and top_p (0, negative, NaN, > 1) leave a row to sample from."""
+    never masked, so any top_k, top_p and min_p (0, negative, NaN, > 1) leave a row to sample
+    from."""
+    if 0 < min_p <= 1:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < min_p * probs.max(), _NEG_INF)
     if 0 < top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth, _NEG_INF)
@@ -46,22 +81,31 @@ def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     return logits
 
 
-def _probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+def _probs(
+    logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float = 0.0
+) -> torch.Tensor:
     """logits: [V] raw. Returns [V] float32 probabilities; NaN only if no entry is finite."""
     row = _sanitize(logits)
     row = row - row.max()  # the maximum becomes 0, so scaling cannot overflow to +inf
-    return _filter(row / min(temperature, _FLOAT32_MAX), top_k, top_p).softmax(-1)
+    return _filter(row / min(temperature, _FLOAT32_MAX), top_k, top_p, min_p).softmax(-1)
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[float] | None]:
     """logits: [S, vocab] float32, one row per sequence. Returns the chosen token of each row and,
-    if any sequence asked for them, the log-probability of each chosen token."""
+    if any sequence asked for them, the log-probability of each chosen token. Sequences that
+    ask for ``top_logprobs`` get them appended to their ``top_logprobs`` list, if it has one."""
+    raw = logits
+    if any(s.params.penalized for s in seqs):
+        logits = logits.clone()
+        for i, seq in enumerate(seqs):
+            if seq.params.penalized:
+                logits[i] = penalize(logits[i], seq)
     tokens = logits.argmax(dim=-1)  # greedy; a row with no finite entry falls back to this
     for i, seq in enumerate(seqs):
         p = seq.params
         if not p.temperature >= GREEDY_BELOW_TEMPERATURE or p.top_k == 1:  # NaN too
             continue
-        probs = _probs(logits[i], p.temperature, p.top_k, p.top_p)
+        probs = _probs(logits[i], p.temperature, p.top_k, p.top_p, p.min_p)
         ok = probs.isfinite().all() & (probs.sum() > 0)  # a tensor: no device sync per row
         greedy = torch.zeros_like(probs).scatter_(0, tokens[i:i + 1], 1.0)
         probs = torch.where(ok, probs, greedy)
@@ -69,5 +113,12 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[
     token_list = tokens.tolist()
     if not any(s.params.logprobs for s in seqs):
         return token_list, None
-    logp = torch.log_softmax(_sanitize(logits), dim=-1).gather(1, tokens[:, None])[:, 0]
+    all_logp = torch.log_softmax(_sanitize(raw), dim=-1)  # [S, V]
+    logp = all_logp.gather(1, tokens[:, None])[:, 0]
+    for i, seq in enumerate(seqs):
+        k = min(seq.params.top_logprobs, all_logp.shape[-1]) if seq.params.logprobs else 0
+        store = getattr(seq, "top_logprobs", None)
+        if k > 0 and store is not None:
+            top = torch.topk(all_logp[i], k)
+            store.append(list(zip(top.indices.tolist(), top.values.tolist(), strict=True)))
     return token_list, logp.tolist()

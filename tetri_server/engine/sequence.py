@@ -30,6 +30,9 @@ class Sequence:
     blocks: list[int] = field(default_factory=list)
     status: SeqStatus = SeqStatus.WAITING
     logprobs: list[float] = field(default_factory=list)
+    # per sampled token, its top-k alternatives (id, logprob), best first; filled by the
+    # sampler only when the request asked for top_logprobs
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: str | None = None
     generator: torch.Generator | None = None
     num_emitted: int = 0  # output tokens already reported to the caller

@@ -29,5 +29,7 @@ def emit(seq: Sequence, reason: str | None) -> TokenDelta:
     # The last len(new) logprobs belong to the new tokens (a decode worker only holds the
     # logprobs of the tokens it sampled itself).
     lps = seq.logprobs[len(seq.logprobs) - len(new):] if seq.params.logprobs else None
+    tops = (seq.top_logprobs[len(seq.top_logprobs) - len(new):]
+            if seq.params.logprobs and seq.params.top_logprobs else None)
     seq.num_emitted = seq.num_output
-    return TokenDelta(seq.req_id, new, lps, reason)
+    return TokenDelta(seq.req_id, new, lps, reason, tops)

@@ -1,0 +1,109 @@
+"""Tool calling: tools reach the chat template, replies are parsed for Hermes-style calls
+(whole and streamed, in any split), and the real `openai` client reads the calls; a scripted
+reply stands in for a model that calls tools (a random model never does)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+from collections.abc import Iterator
+
+import openai
+import pytest
+
+from tests.unit.test_api_double import MODEL_NAME
+from tests.unit.test_api_support import ApiHarness, double
+from tetri_server.api.app import default_served_model
+from tetri_server.api.tools import HermesParser
+
+pytest_plugins = ["tests.unit.test_api_support"]
+
+CALL = '<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+REPLY = "Let me check. " + CALL + "\n" + CALL.replace("Oslo", "Bergen")
+PARAMS = {"type": "object", "properties": {"city": {"type": "string"}}}
+TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": PARAMS}}]
+MSG = [{"role": "user", "content": "Weather in Oslo and Bergen?"}]
+
+
+def test_parser_whole_and_in_any_split_agree() -> None:
+    content, calls = HermesParser().feed(REPLY, final=True)
+    assert content == "Let me check. \n"
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("weather", {"city": "Oslo"}), ("weather", {"city": "Bergen"})]
+    for step in (1, 2, 5, 13):
+        p, sent, got = HermesParser(), "", []
+        for i in range(0, len(REPLY), step):
+            text, done = p.feed(REPLY[i : i + step], final=i + step >= len(REPLY))
+            assert "tool_call>" not in text  # tags never leak into content
+            sent += text
+            got += done
+        assert sent == content and [c.arguments for c in got] == [c.arguments for c in calls]
+
+
+def test_parser_keeps_what_is_not_a_call_as_text() -> None:
+    bad = "a <tool_call>not json</tool_call> b <tool_"
+    assert HermesParser().feed(bad, final=True) == (bad, [])
+    text, calls = HermesParser().feed("x <tool_call>{\"name\": \"f\"", final=True)
+    assert (text, calls) == ("x <tool_call>{\"name\": \"f\"", [])  # unterminated at the end
+
+
+@contextlib.contextmanager
+def scripted(api: ApiHarness, text: str) -> Iterator[None]:
+    backend = double(api)
+    backend.script = backend.tokenizer.encode(text, add_special_tokens=False)
+    try:
+        yield
+    finally:
+        backend.script = None
+
+
+@pytest.fixture(scope="module")
+def hermes(api: ApiHarness) -> openai.OpenAI:
+    served = dataclasses.replace(default_served_model(api.backend), tool_call_parser="hermes")
+    return openai.OpenAI(base_url=api.serve(served=served) + "/v1", api_key="x", max_retries=0)
+
+
+def test_tool_calls_whole_and_streamed_through_the_openai_client(
+    api: ApiHarness, hermes: openai.OpenAI
+) -> None:
+    with scripted(api, REPLY):
+        out = hermes.chat.completions.create(model=MODEL_NAME, messages=MSG, tools=TOOLS)
+        chunks = list(hermes.chat.completions.create(model=MODEL_NAME, messages=MSG,
+                                                     tools=TOOLS, stream=True))
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me check. \n"
+    calls = choice.message.tool_calls
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("weather", {"city": "Oslo"}), ("weather", {"city": "Bergen"})]
+    assert len({c.id for c in calls}) == 2 and all(c.type == "function" for c in calls)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    streamed = [t for c in chunks for t in (c.choices[0].delta.tool_calls or [])]
+    assert text == "Let me check. \n"
+    assert [(t.index, t.function.name, json.loads(t.function.arguments)) for t in streamed] == [
+        (0, "weather", {"city": "Oslo"}), (1, "weather", {"city": "Bergen"})]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_tool_choice_none_and_no_parser_leave_the_reply_as_text(
+    api: ApiHarness, hermes: openai.OpenAI
+) -> None:
+    plain = openai.OpenAI(base_url=api.base_url + "/v1", api_key="x", max_retries=0)
+    with scripted(api, REPLY):
+        for client in (hermes, plain):
+            out = client.chat.completions.create(model=MODEL_NAME, messages=MSG, tools=TOOLS,
+                                                 tool_choice="none")
+            assert out.choices[0].message.content == REPLY and not out.choices[0].message.tool_calls
+            assert out.choices[0].finish_reason == "stop"
+        with pytest.raises(openai.BadRequestError, match="tool call parser"):
+            plain.chat.completions.create(model=MODEL_NAME, messages=MSG, tools=TOOLS)
+
+
+def test_tools_reach_the_chat_template() -> None:
+    from tests.unit.test_api_vllm import _RecordingTokenizer
+    from tetri_server.api.fields import Fields
+    from tetri_server.api.prompts import PromptLimits, chat_prompt
+
+    tok = _RecordingTokenizer()
+    chat_prompt(Fields({"messages": MSG}), tok, PromptLimits(10, 100, 10_000), TOOLS)
+    assert tok.calls[0][1]["tools"] == TOOLS

@@ -1,0 +1,393 @@
+"""What vLLM users send, through the real ``openai`` client: ``n`` choices, penalties (greedy
+repetition penalty equal to transformers), ``logit_bias``, ``min_p``, ``stop`` with
+``include_stop_str_in_output``, ``skip_special_tokens``, the OpenAI ``max_tokens`` defaults,
+``generation_config.json`` defaults, model names and cards, ``/tokenize``, ``/detokenize``,
+``/version``, and vLLM-shaped metrics with a ``model_name`` label."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.unit.test_api_double import MODEL_NAME, make_engine_backend
+from tests.unit.test_api_support import ApiHarness, metric, raw_request
+
+pytest_plugins = ["tests.unit.test_api_support"]
+
+EOS = {"ignore_eos": True}
+STOP_ID = 300  # an ordinary token made an EOS id by generation_config.json below
+
+
+@pytest.fixture(scope="module")
+def client(api: ApiHarness) -> openai.OpenAI:
+    return openai.OpenAI(base_url=api.base_url + "/v1", api_key="unused", max_retries=0)
+
+
+def _tok(api: ApiHarness):  # noqa: ANN202 - a transformers tokenizer
+    return api.backend.tokenizer
+
+
+# ---------------------------------------------------------------- n choices
+
+
+def test_n_choices_are_distinct_reproducible_and_seeded_per_choice(client: openai.OpenAI) -> None:
+    kw = dict(model=MODEL_NAME, prompt="Once", max_tokens=8, temperature=1.0, seed=7,
+              extra_body=EOS)
+    out = client.completions.create(**kw, n=3)
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    texts = [c.text for c in out.choices]
+    assert len(set(texts)) > 1  # derived seeds: the choices differ
+    assert out.usage.completion_tokens == 3 * 8
+    assert [c.text for c in client.completions.create(**kw, n=3).choices] == texts
+    assert client.completions.create(**kw).choices[0].text == texts[0]  # choice 0 = seed itself
+    streamed = {0: "", 1: "", 2: ""}
+    chunks = list(client.completions.create(**kw, n=3, stream=True,
+                                            stream_options={"include_usage": True}))
+    for c in chunks[:-1]:
+        streamed[c.choices[0].index] += c.choices[0].text
+    assert list(streamed.values()) == texts
+    assert chunks[-1].usage.completion_tokens == 24
+
+
+def test_n_choices_in_chat(client: openai.OpenAI) -> None:
+    out = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=6, n=2,
+        temperature=1.0, seed=3, extra_body=EOS)
+    assert [c.index for c in out.choices] == [0, 1]
+    assert all(c.message.role == "assistant" and c.message.content for c in out.choices)
+    chunks = list(client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=6, n=2,
+        temperature=1.0, seed=3, stream=True, extra_body=EOS))
+    text = {0: "", 1: ""}
+    for c in chunks:
+        text[c.choices[0].index] += c.choices[0].delta.content or ""
+    assert [text[0], text[1]] == [c.message.content for c in out.choices]
+
+
+def test_batched_prompts_give_one_choice_per_prompt_and_sample(client: openai.OpenAI) -> None:
+    kw = dict(model=MODEL_NAME, max_tokens=5, temperature=0, extra_body=EOS)
+    prompts = ["Once upon", "The cat", "Hello"]
+    alone = [client.completions.create(prompt=p, **kw) for p in prompts]
+    out = client.completions.create(prompt=prompts, **kw)
+    assert [c.text for c in out.choices] == [a.choices[0].text for a in alone]
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert out.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    ids = client.completions.create(prompt=[[5, 6, 7], [8, 9]], **kw, n=2)
+    assert [c.index for c in ids.choices] == [0, 1, 2, 3]
+    assert ids.choices[0].text == ids.choices[1].text  # greedy: a prompt's n samples agree
+    assert ids.usage.prompt_tokens == 5 and ids.usage.completion_tokens == 20
+    streamed = [""] * 3
+    for c in client.completions.create(prompt=prompts, stream=True, **kw):
+        streamed[c.choices[0].index] += c.choices[0].text
+    assert streamed == [c.text for c in out.choices]
+
+
+# ---------------------------------------------------------------- penalties and bias
+
+
+def test_greedy_repetition_penalty_equals_transformers(api: ApiHarness, client, model_dir) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir("llama", "tiny")),
+                                                 dtype=torch.float32).eval()
+
+    def hf(prompt: list[int], penalty: float) -> list[int]:
+        with torch.inference_mode():
+            ids = torch.tensor([prompt])
+            return model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                  max_new_tokens=16, min_new_tokens=16, eos_token_id=None,
+                                  repetition_penalty=penalty, pad_token_id=0)[0, len(prompt):]
+
+    # a prompt whose greedy continuation the penalty changes (a random model seldom repeats)
+    prompts = [[5 + k, 17, 300 + k, 42, 17, 5 + k, 8] * 3 for k in range(40)]
+    prompt, ref = next((p, r.tolist()) for p in prompts
+                       if not torch.equal(r := hf(p, 5.0), hf(p, 1.0)))
+    out = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=16,
+                                    temperature=0, extra_body={**EOS, "repetition_penalty": 5.0})
+    assert out.choices[0].text == _tok(api).decode(ref, skip_special_tokens=True)
+
+
+def test_logit_bias_forces_a_token_even_when_sampling(api: ApiHarness, client) -> None:
+    tok = _tok(api).encode(" the", add_special_tokens=False)[-1]
+    out = client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=6,
+                                    temperature=1.0, logit_bias={str(tok): 100}, extra_body=EOS)
+    assert out.choices[0].text == _tok(api).decode([tok] * 6)
+    chat = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+        logit_bias={str(tok): 100}, extra_body=EOS)
+    assert chat.choices[0].message.content == _tok(api).decode([tok] * 4)
+
+
+def test_penalties_and_min_p_are_accepted_by_both_routes(client: openai.OpenAI) -> None:
+    kw = dict(max_tokens=4, presence_penalty=1.5, frequency_penalty=-0.5, seed=1,
+              extra_body={**EOS, "min_p": 0.1, "repetition_penalty": 1.2})
+    assert client.completions.create(model=MODEL_NAME, prompt="Hi", **kw).usage.completion_tokens
+    chat = client.chat.completions.create(model=MODEL_NAME,
+                                          messages=[{"role": "user", "content": "Hi"}], **kw)
+    assert chat.usage.completion_tokens == 4
+
+
+# ---------------------------------------------------------------- text options
+
+
+def test_stop_string_included_on_request(client: openai.OpenAI) -> None:
+    base = dict(model=MODEL_NAME, prompt="In the beginning", temperature=0, max_tokens=24)
+    full = client.completions.create(**base, extra_body=EOS).choices[0].text
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    assert stop.strip(), f"need a visible stop string in {full!r}"
+    cut = full.index(stop)
+    body = {**EOS, "include_stop_str_in_output": True}
+    out = client.completions.create(**base, stop=stop, extra_body=body)
+    assert out.choices[0].text == full[: cut + len(stop)] and out.choices[0].finish_reason == "stop"
+    chunks = list(client.completions.create(**base, stop=stop, stream=True, extra_body=body))
+    assert "".join(c.choices[0].text for c in chunks) == full[: cut + len(stop)]
+
+
+def test_echo_opens_each_choice_with_its_prompt(client: openai.OpenAI) -> None:
+    kw = dict(model=MODEL_NAME, max_tokens=4, temperature=0, extra_body=EOS)
+    plain = client.completions.create(prompt=["Once upon", "The cat"], **kw)
+    echoed = client.completions.create(prompt=["Once upon", "The cat"], echo=True, **kw)
+    assert [c.text for c in echoed.choices] == [
+        p + c.text for p, c in zip(["Once upon", "The cat"], plain.choices, strict=True)]
+    chunks = list(client.completions.create(prompt="Once upon", echo=True, stream=True, **kw))
+    assert "".join(c.choices[0].text for c in chunks) == echoed.choices[0].text
+
+
+def test_skip_special_tokens_false_shows_them(api: ApiHarness, client: openai.OpenAI) -> None:
+    special = _tok(api).convert_tokens_to_ids("<|im_end|>")
+    kw = dict(model=MODEL_NAME, prompt="Hi", max_tokens=3, logit_bias={str(special): 100})
+    assert client.completions.create(**kw, extra_body=EOS).choices[0].text == ""
+    shown = client.completions.create(**kw, extra_body={**EOS, "skip_special_tokens": False})
+    assert shown.choices[0].text == "<|im_end|>" * 3
+
+
+def test_default_max_tokens_is_16_on_completions_and_the_context_on_chat(
+    api: ApiHarness, client: openai.OpenAI
+) -> None:
+    out = client.completions.create(model=MODEL_NAME, prompt="Hello", extra_body=EOS)
+    assert out.usage.completion_tokens == 16 and out.choices[0].finish_reason == "length"
+    chat = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}], extra_body=EOS)
+    room = api.backend.max_model_len - chat.usage.prompt_tokens
+    assert chat.usage.completion_tokens == room
+
+
+# ---------------------------------------------------------------- logprobs
+
+
+def test_logprobs_report_the_chosen_token_among_its_alternatives(client: openai.OpenAI) -> None:
+    out = client.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=4,
+                                    temperature=0, logprobs=5, extra_body=EOS)
+    lp = out.choices[0].logprobs
+    for tok, chosen, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert top[tok] == pytest.approx(chosen) and chosen <= 0
+
+
+def test_top_logprobs_give_k_alternatives_best_first(client: openai.OpenAI) -> None:
+    out = client.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=3,
+                                    temperature=0, logprobs=5, extra_body=EOS)
+    for top, chosen in zip(out.choices[0].logprobs.top_logprobs,
+                           out.choices[0].logprobs.token_logprobs, strict=True):
+        assert len(top) == 5 and max(top.values()) == pytest.approx(chosen)  # greedy = the best
+    chat = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+        temperature=0, logprobs=True, top_logprobs=3, extra_body=EOS)
+    for c in chat.choices[0].logprobs.content:
+        assert len(c.top_logprobs) == 3 and c.top_logprobs[0].token == c.token
+
+
+# ---------------------------------------------------------------- names, cards, tokenizer
+
+
+def test_models_list_names_with_root_and_cards(api: ApiHarness, client: openai.OpenAI) -> None:
+    root = api.backend.tokenizer.name_or_path
+    models = raw_request(api.base_url, "GET", "/v1/models").json()["data"]
+    assert [(m["id"], m["root"]) for m in models] == [(MODEL_NAME, root)]
+    assert client.models.retrieve(MODEL_NAME).id == MODEL_NAME
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+    # the folder (as a path or a name) is accepted as the model too
+    for name in (root, Path(root).name):
+        out = client.completions.create(model=name, prompt="Hi", max_tokens=1)
+        assert out.model == MODEL_NAME
+
+
+def test_tokenize_detokenize_and_version(api: ApiHarness) -> None:
+    tok = _tok(api)
+    reply = raw_request(api.base_url, "POST", "/tokenize",
+                        {"model": MODEL_NAME, "prompt": "Hello world", "return_token_strs": True})
+    body = reply.json()
+    assert reply.status == 200 and body["tokens"] == tok.encode("Hello world")
+    assert body["count"] == len(body["tokens"])
+    assert body["max_model_len"] == api.backend.max_model_len
+    assert body["token_strs"] == tok.convert_ids_to_tokens(body["tokens"])
+    bare = raw_request(api.base_url, "POST", "/tokenize",
+                       {"prompt": "Hello world", "add_special_tokens": False}).json()
+    assert bare["tokens"] == tok.encode("Hello world", add_special_tokens=False)
+    assert bare["token_strs"] is None
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = raw_request(api.base_url, "POST", "/tokenize", {"messages": messages}).json()
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert chat["tokens"] == tok.encode(text, add_special_tokens=False)
+    back = raw_request(api.base_url, "POST", "/detokenize", {"tokens": bare["tokens"]}).json()
+    assert back == {"prompt": "Hello world"}
+    bad = raw_request(api.base_url, "POST", "/detokenize", {"tokens": [10**9]})
+    assert bad.status == 400 and bad.json()["error"]["param"] == "tokens"
+    version = raw_request(api.base_url, "GET", "/version").json()["version"]
+    assert isinstance(version, str) and version
+
+
+def test_tokenize_needs_the_key_when_one_is_set(api: ApiHarness) -> None:
+    url = api.serve(api_key="k3y")
+    assert raw_request(url, "POST", "/tokenize", {"prompt": "x"}).status == 401
+    ok = raw_request(url, "POST", "/tokenize", {"prompt": "x"}, {"Authorization": "Bearer k3y"})
+    assert ok.status == 200
+    assert raw_request(url, "GET", "/version").status == 200
+
+
+# ---------------------------------------------------------------- metrics
+
+
+def test_vllm_shaped_metrics_with_model_name(api: ApiHarness, client: openai.OpenAI) -> None:
+    url, m = api.base_url, {"model_name": MODEL_NAME}
+
+    def snapshot() -> dict[str, float]:
+        return {
+            "gen": metric(url, "tetri_generation_tokens_total", **m),
+            "prompt": metric(url, "tetri_prompt_tokens_total", **m),
+            "len": metric(url, "tetri_request_success_total", finished_reason="length", **m),
+            "gen_hist": metric(url, "tetri_request_generation_tokens_sum", **m),
+            "prompt_hist": metric(url, "tetri_request_prompt_tokens_count", **m),
+            "itl": metric(url, "tetri_inter_token_latency_seconds_count", **m),
+            "e2e": metric(url, "tetri_e2e_request_latency_seconds_count", **m),
+        }
+
+    before = snapshot()
+    out = client.completions.create(model=MODEL_NAME, prompt="Hello there", max_tokens=7,
+                                    extra_body=EOS)
+    after = snapshot()
+    assert after["gen"] - before["gen"] == 7
+    assert after["prompt"] - before["prompt"] == out.usage.prompt_tokens
+    assert after["len"] - before["len"] == 1 and after["e2e"] - before["e2e"] == 1
+    assert after["gen_hist"] - before["gen_hist"] == 7
+    assert after["prompt_hist"] - before["prompt_hist"] == 1
+    assert after["itl"] - before["itl"] == 6  # gaps between 7 tokens
+    text = raw_request(url, "GET", "/metrics").body.decode()
+    assert "process_cpu_seconds_total" in text
+    assert metric(url, "tetri_kv_cache_usage_perc", **m) >= 0
+    assert 'tetri_num_requests_running{model_name="tiny-test"}' in text
+
+
+# ---------------------------------------------------------------- generation_config.json
+
+
+@pytest.fixture(scope="module")
+def gen_config_api(model_dir, tmp_path_factory) -> ApiHarness:
+    """The tiny model with a generation_config.json asking for greedy and 5 new tokens."""
+    folder = tmp_path_factory.mktemp("genconfig") / "tiny-greedy"
+    shutil.copytree(model_dir("llama", "tiny"), folder)
+    cfg = json.loads((folder / "generation_config.json").read_text())
+    cfg.update(temperature=0.0, top_p=0.5, max_new_tokens=5, eos_token_id=[2, STOP_ID])
+    (folder / "generation_config.json").write_text(json.dumps(cfg))
+    harness = ApiHarness(make_engine_backend, folder)
+    yield harness
+    harness.close()
+
+
+def test_generation_config_supplies_defaults(gen_config_api: ApiHarness) -> None:
+    client = openai.OpenAI(base_url=gen_config_api.base_url + "/v1", api_key="x", max_retries=0)
+    kw = dict(model=MODEL_NAME, prompt="Once upon", extra_body=EOS)
+    default = [client.completions.create(**kw).choices[0].text for _ in range(3)]
+    greedy = client.completions.create(**kw, temperature=0, max_tokens=5).choices[0].text
+    assert default == [greedy] * 3  # temperature 0 from the file
+    chat = client.chat.completions.create(model=MODEL_NAME, extra_body=EOS,
+                                          messages=[{"role": "user", "content": "Hi"}])
+    assert chat.usage.completion_tokens == 5  # max_new_tokens caps the default
+    asked = client.completions.create(**{**kw, "max_tokens": 9, "temperature": 1.0, "seed": 1})
+    assert asked.usage.completion_tokens == 9  # the request wins
+    bias = {str(STOP_ID): 100}  # the model now says STOP_ID first: an EOS id from the file
+    for route in ("completion", "chat"):
+        if route == "completion":
+            out = client.completions.create(model=MODEL_NAME, prompt="Hi", logit_bias=bias)
+        else:
+            out = client.chat.completions.create(
+                model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}], logit_bias=bias)
+        assert out.choices[0].finish_reason == "stop" and out.usage.completion_tokens == 1
+    kept = client.completions.create(model=MODEL_NAME, prompt="Hi", logit_bias=bias,
+                                     extra_body=EOS)
+    assert kept.usage.completion_tokens == 5  # ignore_eos: the file's EOS ids too
+
+
+# ---------------------------------------------------------------- chat history with tool calls
+
+
+class _RecordingTokenizer:
+    """Just enough of a tokenizer for chat_prompt: records what the template is given."""
+
+    chat_template = "recorded"
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[list, dict]] = []
+
+    def apply_chat_template(self, messages, **kwargs):  # noqa: ANN001, ANN201
+        self.calls.append((messages, kwargs))
+        return "x"
+
+    def encode(self, text, add_special_tokens=False):  # noqa: ANN001, ANN201
+        return [5]
+
+
+def test_tool_calls_name_and_tool_call_id_reach_the_template() -> None:
+    from tetri_server.api.fields import Fields
+    from tetri_server.api.prompts import PromptLimits, chat_prompt
+
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}
+    messages = [
+        {"role": "user", "content": "Weather?", "name": "ann"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "call_1"},
+    ]
+    tok = _RecordingTokenizer()
+    limits = PromptLimits(vocab_size=10, max_model_len=100, max_chars=10_000)
+    chat_prompt(Fields({"messages": messages, "chat_template_kwargs": {"enable_thinking": False}}),
+                tok, limits)
+    given, kwargs = tok.calls[0]
+    assert given[0]["name"] == "ann" and given[2]["tool_call_id"] == "call_1"
+    assert given[1]["tool_calls"] == [{"id": "call_1", "type": "function", "function": {
+        "name": "weather", "arguments": {"city": "Oslo"}}}]  # arguments as an object, as vLLM
+    assert kwargs["enable_thinking"] is False and kwargs["add_generation_prompt"] is True
+    from tetri_server.api.errors import APIError
+
+    with pytest.raises(APIError, match="at most 128 calls"):
+        chat_prompt(Fields({"messages": [{"role": "assistant", "content": "",
+                                          "tool_calls": [call] * 129}]}), tok, limits)
+
+
+# ---------------------------------------------------------------- CORS
+
+
+def test_cors_only_when_origins_are_configured(api: ApiHarness) -> None:
+    page = "http://app.example:3000"
+    pre = {"Origin": page, "Access-Control-Request-Method": "POST",
+           "Access-Control-Request-Headers": "authorization, content-type"}
+    plain = api.serve(host="0.0.0.0")  # not loopback: any Origin passes, but no CORS
+    assert raw_request(plain, "OPTIONS", "/v1/completions", headers=pre).status == 405
+    reply = raw_request(plain, "GET", "/v1/models", headers={"Origin": page})
+    assert "access-control-allow-origin" not in reply.headers
+    url = api.serve(allowed_origins=(page,), api_key="k")
+    reply = raw_request(url, "OPTIONS", "/v1/completions", headers=pre)  # no key: a preflight
+    assert reply.status == 204 and reply.headers["access-control-allow-origin"] == page
+    assert "Authorization" in reply.headers["access-control-allow-headers"]
+    ok = raw_request(url, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 1},
+                     {"Origin": page, "Authorization": "Bearer k"})
+    assert ok.status == 200 and ok.headers["access-control-allow-origin"] == page
+    denied = raw_request(url, "GET", "/v1/models", headers={"Origin": page})
+    assert denied.status == 401 and denied.headers["access-control-allow-origin"] == page
+    other = raw_request(url, "GET", "/health", headers={"Origin": "http://evil.example"})
+    assert other.status == 403 and "access-control-allow-origin" not in other.headers
