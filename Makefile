@@ -23,4 +23,4 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check tetri_server tests tools
-	$(BIN)/mypy tetri_server/policy tetri_server/kv tetri_server/messages.py tetri_server/config.py
+	$(BIN)/mypy tetri_server/policy tetri_server/kv tetri_server/messages.py tetri_server/config
