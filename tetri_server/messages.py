@@ -83,7 +83,7 @@ class PoolHandle(msgspec.Struct, frozen=True):
 
     ``transport`` is ``shm`` (``name`` is a shared-memory segment) or ``cuda_ipc`` (``ipc_handle``
     is a cudaIpcMemHandle as bytes, ``device`` the CUDA ordinal). Layout: one contiguous buffer of
-    ``[num_layers, 2, num_blocks * block_size, num_kv_heads, head_dim]`` elements of ``dtype``.
+    ``[num_layers, 2, num_kv_heads, num_blocks * block_size, head_dim]`` elements of ``dtype``.
     """
 
     worker_id: int

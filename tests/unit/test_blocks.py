@@ -46,16 +46,6 @@ def test_out_of_blocks_and_double_free_are_errors():
         a.free(e)
 
 
-def test_refcounts_keep_shared_blocks_until_last_free():
-    a = BlockAllocator(8)
-    e = a.allocate(3)
-    a.incref(e)
-    a.free(e)
-    assert a.num_free == 5
-    a.free(e)
-    assert a.num_free == 8
-
-
 def test_random_workload_never_leaks_and_runs_stay_merged():
     rng = random.Random(0)
     a = BlockAllocator(500)

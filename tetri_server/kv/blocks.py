@@ -2,8 +2,8 @@
 accounting and hand-off.
 
 Sequences hold *extents*: runs of consecutive block ids, so that attention reads a sequence's
-whole context as one zero-copy view of the pool (see ``kv/pool.py``). A sequence grows in place
-when the block after its extent is free; otherwise the caller relocates it (one copy per pool,
+whole context as one zero-copy view of the pool (``engine/attention.py``). A sequence grows in
+place when the block after its extent is free; otherwise the caller relocates it (one copy per pool,
 amortised over ``block_size`` tokens). New extents go to the middle of the largest free run, so
 neighbours leave each other room to grow.
 
@@ -36,9 +36,6 @@ class BlockAllocator:
 
     def largest_free_run(self) -> int:
         return max(self._runs.values(), default=0)
-
-    def can_allocate(self, num: int) -> bool:
-        return num == 0 or self.largest_free_run() >= num
 
     def allocate(self, num: int) -> list[int]:
         """A new extent of ``num`` consecutive blocks (refcount 1). Raises OutOfBlocks."""
@@ -88,13 +85,6 @@ class BlockAllocator:
         self._take(end, num)
         blocks.extend(range(end, end + num))
         return True
-
-    def incref(self, blocks: list[int]) -> None:
-        """Share blocks (e.g. a common prefix); each share needs its own free()."""
-        for b in blocks:
-            if self.refcount[b] <= 0:
-                raise ValueError(f"incref of free block {b}")
-            self.refcount[b] += 1
 
     def free(self, blocks: list[int]) -> None:
         """Drop one reference to each block; blocks that reach 0 return to the free runs."""

@@ -33,7 +33,7 @@ from tetri_server.policy import (
     RoundRobinDispatcher,
     TetriDispatcher,
 )
-from tetri_server.policy.dispatch import Dispatcher
+from tetri_server.policy.dispatch import Dispatcher, DispatchPlan
 from tetri_server.predictor import PredictorError
 from tetri_server.workers.base import Role, Worker
 from tetri_server.workers.calibrate import resolve_chunk_size
@@ -64,6 +64,7 @@ class PrefillRole(Role):
         self.undispatched: list[Sequence] = []  # prefilled, waiting for room on a decode worker
         self.handed_off: dict[int, Sequence] = {}  # Handoff sent, blocks pinned until KVPulled
         self.await_view = False  # a hand-off was refused: dispatch again on the next view
+        self.plans: dict[int, DispatchPlan] = {}  # of the hand-offs in handed_off
 
     def chunk_size(self) -> int:
         return self._chunk_size
@@ -82,6 +83,7 @@ class PrefillRole(Role):
             if self.dispatcher.on_view(msg):
                 self.dispatch_held()
         elif isinstance(msg, KVPulled):
+            self.plans.pop(msg.req_id, None)
             seq = self.handed_off.pop(msg.req_id, None)
             if seq is not None:
                 self.w.kv.free(seq)
@@ -90,12 +92,16 @@ class PrefillRole(Role):
             if seq is not None:
                 log.info("request %d rejected by decode: %s", msg.req_id, msg.reason)
                 self.w.kv.unpin(seq)  # nobody reads its blocks now; a new Handoff names them anew
+                plan = self.plans.pop(msg.req_id, None)
+                if plan is not None:
+                    self.dispatcher.on_rejected(plan)  # not counted against that worker
                 self.undispatched.append(seq)
                 self.await_view = True  # the view that chose that worker is stale
         else:
             super().handle(msg)
 
     def abort(self, req_id: int) -> None:
+        self.plans.pop(req_id, None)
         seq = self.seqs.pop(req_id, None) or self.handed_off.pop(req_id, None)
         if seq is None:
             seq = next((s for s in self.undispatched if s.req_id == req_id), None)
@@ -197,6 +203,7 @@ class PrefillRole(Role):
                 still.append(seq)
                 continue
             self.handed_off[seq.req_id] = seq
+            self.plans[seq.req_id] = plan
             self.w.kv.pin(seq)  # the decode worker reads these block ids until KVPulled
             self.w.send(Handoff(seq.req_id, self.w.worker_id, list(seq.blocks), list(seq.token_ids),
                               seq.num_prompt, seq.params, seq.predicted_bucket,
