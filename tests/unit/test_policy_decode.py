@@ -187,3 +187,27 @@ def test_an_empty_batch_admits_a_request_that_fits_below_the_watermark():
     adm.add(1, 16 * 99, 16 * 99 + 1, 0, 10)  # 99 full blocks + 1 token: 100 blocks, watermark 5
     plan = adm.plan(num_free_blocks=100)
     assert plan.run_ids == (1,)
+
+
+def test_a_preempted_head_is_not_starved_by_the_kv_of_requests_waiting_behind_it() -> None:
+    """Regression (a deadlock the golden trace found): nothing running, the head of the queue
+    was preempted (it needs its whole context again) and the blocks it needs are held by
+    requests waiting behind it (their KV is in the pool). Nothing was ever admitted. Now their
+    KV is dropped, newest first, until the head fits; they keep their places."""
+    from tetri_server.policy import DecodeAdmission
+
+    adm = DecodeAdmission("greedy", block_size=16, num_total_blocks=10, max_batch=8,
+                          watermark=0)
+    adm.add(1, 111, 112, 0, 50)  # 7 blocks of KV held
+    plan = adm.plan(num_free_blocks=0)
+    assert plan.run_ids == (1,)
+    adm.on_done(plan, set())  # 113 tokens now: the next step needs an 8th block
+    plan = adm.plan(num_free_blocks=0)
+    assert plan.preempt.req_ids == (1,) and plan.run_ids == ()
+    adm.on_done(plan, set())
+    adm.add(2, 30, 31, 0, 50)  # 2 blocks held, behind the preempted head
+    plan = adm.plan(num_free_blocks=6)  # the head needs 8: only with 2's blocks
+    assert plan.preempt.req_ids == (2,)
+    assert plan.run_ids == (1,) and plan.admit.recompute_ids == (1,)
+    adm.on_done(plan, set())
+    assert adm.running_ids == (1,) and len(adm) == 2

@@ -329,6 +329,9 @@ class MonitorConfig(_Section):
 
     interval_ms: int = 100
     """Period of worker load reports and of the decode-view broadcast to prefill workers."""
+    decision_log: str = ""
+    """Path prefix of per-worker decision logs (``<prefix>.w<id>.jsonl``: chunks, dispatches,
+    admissions, preemptions, one JSON line each); "" = off."""
     stall_timeout_s: float = 5.0
     """A ready worker that sends nothing (no load report, no tokens) for this long is stalled
     (stopped, stuck kernel, endless loop): it gets no new work, is killed and restarted, and its

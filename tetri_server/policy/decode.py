@@ -32,7 +32,8 @@ DECODE_POLICIES: tuple[DecodePolicyName, ...] = ("greedy", "reserve-static", "re
 @dataclass(frozen=True)
 class PreemptPlan:
     """Requests to evict, newest admission first: the runtime frees their KV blocks and keeps
-    their tokens; they return to the head of the waiting queue for recompute."""
+    their tokens; running ones return to the head of the waiting queue, waiting ones keep their
+    place; all are recomputed when admitted."""
 
     req_ids: tuple[int, ...] = ()
 
@@ -174,6 +175,8 @@ class DecodeAdmission:
             free += victim.num_held_blocks
             victims.append(victim.req_id)
         free -= step_need
+        evicted = self._evict_waiting(running, victims, free)
+        free += sum(s.num_held_blocks for s in self._waiting if s.req_id in evicted)
         admitted: list[DecodeSeq] = []
         failed: list[int] = []
         for seq in self._waiting if not victims else ():
@@ -182,7 +185,8 @@ class DecodeAdmission:
                 continue
             if len(running) + len(admitted) >= self.max_batch:
                 break
-            step = seq.num_step_blocks(self.block_size)
+            step = (num_blocks_for(seq.num_tokens, self.block_size) if seq.req_id in evicted
+                    else seq.num_step_blocks(self.block_size))
             # The watermark keeps room for a running batch's growth; an empty batch has none
             # to keep, so a request that fits the free blocks always starts (no stall).
             watermark = self.num_watermark_blocks if running or admitted else 0
@@ -196,25 +200,50 @@ class DecodeAdmission:
             admitted.append(seq)
             free -= step
         return DecodeStepPlan(
-            preempt=PreemptPlan(tuple(victims)),
+            preempt=PreemptPlan(tuple(victims) + tuple(evicted)),
             admit=AdmitPlan(
                 tuple(s.req_id for s in admitted),
-                tuple(s.req_id for s in admitted if s.num_held_blocks == 0),
+                tuple(s.req_id for s in admitted
+                      if s.num_held_blocks == 0 or s.req_id in evicted),
             ),
             run_ids=tuple(s.req_id for s in running + admitted),
             fail_ids=tuple(failed),
         )
+
+    def _evict_waiting(self, running: list[DecodeSeq], victims: list[int],
+                       free: int) -> list[int]:
+        """With nothing running, a head of the queue that does not fit would wait forever
+        when the blocks it needs are held by requests waiting behind it (their KV is in the
+        pool): drop theirs, newest first, until the head fits (they are recomputed later)."""
+        if running or victims or not self._waiting:
+            return []
+        head = self._waiting[0]
+        need = head.num_step_blocks(self.block_size)
+        if need <= free or num_blocks_for(head.num_tokens, self.block_size) > self.num_total_blocks:
+            return []
+        evicted = []
+        for seq in reversed(self._waiting[1:]):
+            if need <= free:
+                break
+            if seq.num_held_blocks:
+                evicted.append(seq.req_id)
+                free += seq.num_held_blocks
+        return evicted
 
     def on_done(self, plan: DecodeStepPlan, finished: Collection[int]) -> None:
         """The step ran. ``finished``: ids that stopped (stop token, length, abort); every other
         id in ``plan.run_ids`` gained one token. Ids removed meanwhile are ignored."""
         for req_id in plan.fail_ids:
             self.remove(req_id)
+        waiting = {s.req_id: s for s in self._waiting}
         for req_id in reversed(plan.preempt.req_ids):  # oldest admission ends up first
             victim = self._running.pop(req_id, None)
             if victim is not None:
                 victim.num_held_blocks = 0
                 self._waiting.insert(0, victim)
+                self._num_preemptions += 1
+            elif req_id in waiting:  # evicted while waiting: keeps its place, loses its KV
+                waiting[req_id].num_held_blocks = 0
                 self._num_preemptions += 1
         waiting = {s.req_id: s for s in self._waiting}
         for req_id in plan.admit.req_ids:

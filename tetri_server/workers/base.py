@@ -37,6 +37,7 @@ from tetri_server.messages import (
     ToWorker,
     WorkerSpec,
 )
+from tetri_server.workers.trace import DecisionLog
 
 log = logging.getLogger("tetri.worker")
 SEND_TIMEOUT_S = 30.0
@@ -97,6 +98,7 @@ class Worker:
         self.report_interval_s = self.cfg.monitor.interval_ms / 1000.0
         self._predictor: Any = None
         self.pending_role: str | None = None  # SetRole received; switch once drained
+        self.decisions = DecisionLog.open(self.cfg.monitor.decision_log, self.worker_id)
         self.role = make_role(spec.role, self)
 
     def _blocks_from_memory(self, dtype: torch.dtype) -> int:
@@ -166,6 +168,7 @@ class Worker:
                     self.send(self.role.load_report())
                     next_report = now + self.report_interval_s
         finally:
+            self.decisions.close()
             self.transport.close()
             self.inbox.close()
             self.outbox.close()

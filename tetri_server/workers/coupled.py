@@ -41,6 +41,7 @@ from tetri_server.policy import (
     prefill_first_plan,
 )
 from tetri_server.workers.base import Role, Worker
+from tetri_server.workers.trace import DecisionLog
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,8 @@ class CoupledLoop:
 
     def __init__(self, runner: ModelRunner, kv: KVCacheManager, eos_token_ids: tuple[int, ...],
                  max_model_len: int, device: torch.device, *, chunked: bool, token_budget: int,
-                 max_batch: int, max_prefill_tokens: int, pad_chunks: bool = False) -> None:
+                 max_batch: int, max_prefill_tokens: int, pad_chunks: bool = False,
+                 decisions: DecisionLog | None = None) -> None:
         self.runner, self.kv = runner, kv
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
@@ -79,6 +81,7 @@ class CoupledLoop:
                                          max_batch=max_batch)
         self.seqs: dict[int, Sequence] = {}
         self.failed: list[RequestFailed] = []  # for the caller to report, then clear
+        self.decisions = decisions or DecisionLog()
         self.last_step_ran = False
 
     def add(self, req_id: int, prompt_ids: list[int], params: SamplingParams,
@@ -125,6 +128,7 @@ class CoupledLoop:
 
     def step(self) -> list[TokenDelta]:
         plan = self.plan()
+        self._record(plan)
         items = self._decode_items(plan.decode)
         num_decode = len(items)
         slices = []
@@ -160,6 +164,20 @@ class CoupledLoop:
                 self.admission.add(seq.req_id, seq.num_prompt, seq.num_tokens, 0,
                                    seq.params.max_tokens)
         return deltas
+
+    def _record(self, plan: CoupledStepPlan) -> None:
+        log = self.decisions
+        log.step += 1
+        if not log.enabled:
+            return
+        d = plan.decode
+        log.record("coupled_step",
+                   run=[] if d is None else list(d.run_ids),
+                   admit=[] if d is None else list(d.admit.req_ids),
+                   recompute=[] if d is None else list(d.admit.recompute_ids),
+                   preempt=[] if d is None else list(d.preempt.req_ids),
+                   slices=[[p.req_id, p.start, p.num_tokens] for p in plan.slices],
+                   pad=plan.num_pad, free=self.kv.allocator.num_free)
 
     def _decode_items(self, decode: DecodeStepPlan | None) -> list[ScheduledSeq]:
         """Carry out the admission plan: preempt (drop KV; recomputed on re-admission), fail
@@ -211,7 +229,8 @@ class CoupledRole(Role):
             w.runner, w.kv, w.model_spec.eos_token_ids, w.max_model_len, w.device,
             chunked=cfg.cluster.mode == "coupled-chunked", token_budget=cfg.prefill.token_budget,
             max_batch=cfg.decode.max_batch,
-            max_prefill_tokens=max(w.max_model_len, cfg.prefill.token_budget))
+            max_prefill_tokens=max(w.max_model_len, cfg.prefill.token_budget),
+            decisions=w.decisions)
 
     def handle(self, msg: object) -> None:
         if not isinstance(msg, AddRequest):

@@ -78,6 +78,12 @@ class DecodeRole(Role):
 
     def step(self) -> bool:
         plan = self.admission.plan(self.w.allocator.num_free)
+        log = self.w.decisions
+        log.step += 1
+        if log.enabled and (plan.run_ids or plan.preempt.req_ids or plan.fail_ids):
+            log.record("decode_step", run=list(plan.run_ids), admit=list(plan.admit.req_ids),
+                       preempt=list(plan.preempt.req_ids), fail=list(plan.fail_ids),
+                       free=self.w.allocator.num_free)
         for req_id in plan.preempt.req_ids:
             seq = self.seqs[req_id]
             self.w.kv.free(seq)

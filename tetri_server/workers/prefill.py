@@ -158,6 +158,9 @@ class PrefillRole(Role):
         chunk, items = self._reserve(chunk)
         if not items:
             return False  # free blocks exist, but only around pinned extents: wait
+        self.w.decisions.step += 1
+        self.w.decisions.record("chunk", slices=[[p.req_id, p.start, p.num_tokens]
+                                                 for p in chunk.slices], pad=chunk.num_pad)
         # Padding is bookkeeping only: on CPU, computing pad tokens is pure waste.
         result = self.w.runner.execute(StepPlan(items))
         done = set(self.chunker.on_done(self.queue, chunk))
@@ -204,6 +207,8 @@ class PrefillRole(Role):
                 continue
             self.handed_off[seq.req_id] = seq
             self.plans[seq.req_id] = plan
+            self.w.decisions.record("dispatch", req=seq.req_id, to=plan.decode_worker,
+                                    blocks=plan.num_blocks, heavy=plan.heavy)
             self.w.kv.pin(seq)  # the decode worker reads these block ids until KVPulled
             self.w.send(Handoff(seq.req_id, self.w.worker_id, list(seq.blocks), list(seq.token_ids),
                               seq.num_prompt, seq.params, seq.predicted_bucket,
