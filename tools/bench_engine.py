@@ -2,7 +2,7 @@
 
     .venv/bin/python tools/bench_engine.py [--family llama|opt] [--quick] [--profile]
         [--dtype float32|bfloat16] [--clock cpu|wall] [--keep-freed-memory] [--cpu N]
-        [--skip prefill,decode,layout]
+        [--skip prefill,decode,attention,layout]
 
 Everything runs on ONE core (``sched_setaffinity``) and one torch thread. Because the dev machine
 is shared, the machine baselines are measured in the same run (at the start and again at the
@@ -21,7 +21,7 @@ Sections (markdown on stdout, progress on stderr):
    tokens, against transformers' forward of the same C tokens as one sequence. Achieved GFLOP/s
    counts 2 x matmul parameters x tokens (+ the LM head for the sampled rows) + causal attention
    (4 x heads x head_dim x L(L+1)/2 per layer and prompt). "matmul-only" times just the step's
-   F.linear calls (an upper bound for us). The knee is
+   matmuls, run as the engine runs them (an upper bound for us). The knee is
    ``tetri_server.policy.knee.pick_chunk_size`` over the packed times.
 3. Decode: ``LLMEngine.step()`` over B running sequences whose KV (random values) is already in
    the pool, against ``generate()`` (greedy) on the same model and batch. transformers gets a
@@ -30,7 +30,11 @@ Sections (markdown on stdout, progress on stderr):
    its step times are the intervals between calls of a LogitsProcessor. Both report the median
    step. GB/s = (weights + KV read per step) / step; the roofline is max(FLOPs / matmul peak,
    bytes / memcpy bandwidth).
-4. KV layout: the same engine decode step with attention over zero-copy extent views (ours),
+4. Before/after: the engine decode step at batch 32 (and the prefill step at the knee) with
+   the old per-sequence SDPA loop and F.linear (before), the one ``tetri::ragged_attention`` op
+   per layer, and the op with prepacked oneDNN linears (after, what the engine runs),
+   interleaved, each against the roofline of section 3.
+5. KV layout: the same engine decode step with attention over zero-copy extent views (ours),
    vs gathering each sequence's blocks into a contiguous tensor first (``index_select``, what a
    paged layout without a paged-attention kernel does), vs gathering the whole batch into one
    padded tensor and running one SDPA per layer.
@@ -44,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import datetime
 import inspect
 import os
@@ -66,8 +71,9 @@ import torch.nn.functional as F
 from tetri_server.engine import llama as llama_mod
 from tetri_server.engine import opt as opt_mod
 from tetri_server.engine import runner as runner_mod
-from tetri_server.engine.attention import BatchMetadata, paged_attention
+from tetri_server.engine.attention import BatchMetadata, paged_attention, ragged_attention
 from tetri_server.engine.llm import EngineConfig, LLMEngine
+from tetri_server.engine.ops.linear import linear, pack_weight
 from tetri_server.engine.runner import ScheduledSeq, StepPlan
 from tetri_server.engine.sequence import SeqStatus
 from tetri_server.engine.sequence import Sequence as Seq
@@ -315,15 +321,17 @@ class Ours:
         seqs: list[Seq] = []
         try:
             for _ in range(batch):
-                seq = self.new_seq(ctx + 1, computed=ctx)  # the last prompt token is the input
+                seq = self.new_seq(ctx + 1, computed=ctx)
+                seq.num_prompt = ctx  # one token already sampled: the step's input
                 # Reserve the whole run up front, so no relocation lands in a timed step.
                 if not eng.kv_manager.reserve(seq, ctx + max_steps + 2):
                     raise RuntimeError("KV pool too small for the decode benchmark")
                 base = seq.blocks[0] * self.block_size
                 eng.kv[:, :, :, base:base + ctx].copy_(self.kv_template[:, :, :, :ctx])
                 seq.status = SeqStatus.RUNNING
-                eng.seqs[seq.req_id] = seq
-                eng.scheduler.running.append(seq)
+                eng.loop.seqs[seq.req_id] = seq
+                eng.loop.admission.add(seq.req_id, seq.num_prompt, seq.num_tokens, 0,
+                                       seq.params.max_tokens)
                 seqs.append(seq)
 
             def run() -> None:
@@ -425,7 +433,9 @@ def make_gather_attention(block_size: int) -> AttentionFn:
     last: list[Any] = [None, None]  # (meta, tables) of the current forward
 
     def gather_attention(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor,
-                         meta: BatchMetadata, scale: float | None = None) -> torch.Tensor:
+                         meta: BatchMetadata, scale: float | None = None,
+                         window: int = 0) -> torch.Tensor:
+        assert window == 0, "the gather variants have no sliding window"
         if last[0] is not meta:
             last[0] = meta
             last[1] = [torch.arange(ks // block_size, ks // block_size
@@ -465,7 +475,9 @@ def make_batched_gather(block_size: int) -> AttentionFn:
     last: list[Any] = [None, None, None]  # (meta, token index [B * max_ctx], mask)
 
     def batched_gather(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor,
-                       meta: BatchMetadata, scale: float | None = None) -> torch.Tensor:
+                       meta: BatchMetadata, scale: float | None = None,
+                       window: int = 0) -> torch.Tensor:
+        assert window == 0, "the gather variants have no sliding window"
         if any(n != 1 for n in meta.q_lens) or meta.num_real != q.shape[0]:
             return per_seq(q, pool_k, pool_v, meta, scale)
         b = len(meta.ctx_lens)
@@ -491,13 +503,30 @@ def make_batched_gather(block_size: int) -> AttentionFn:
 
 @contextmanager
 def attention_patched(fn: AttentionFn) -> Iterator[None]:
-    saved = llama_mod.paged_attention, opt_mod.paged_attention
-    llama_mod.paged_attention = fn
-    opt_mod.paged_attention = fn
+    saved = llama_mod.ragged_attention, opt_mod.ragged_attention
+    llama_mod.ragged_attention = fn
+    opt_mod.ragged_attention = fn
     try:
         yield
     finally:
-        llama_mod.paged_attention, opt_mod.paged_attention = saved
+        llama_mod.ragged_attention, opt_mod.ragged_attention = saved
+
+
+def _unpacked_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
+                     packed: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(x, w, b)
+
+
+@contextmanager
+def linear_patched(packed: bool) -> Iterator[None]:
+    """``packed=False``: the models' matmuls run plain ``F.linear`` (before prepacking)."""
+    saved = llama_mod.linear, opt_mod.linear
+    if not packed:
+        llama_mod.linear = opt_mod.linear = _unpacked_linear
+    try:
+        yield
+    finally:
+        llama_mod.linear, opt_mod.linear = saved
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -512,17 +541,19 @@ def packed_lens(total: int, pack_len: int) -> list[int]:
 
 
 def linear_only(ours: Ours, tokens: int, sampled: int) -> Callable[[], None]:
-    """The F.linear calls of one forward of ``tokens`` tokens (activations random)."""
+    """The matmuls of one forward of ``tokens`` tokens as the engine runs them (prepacked where
+    it does; activations random)."""
     m = ours.eng.model
-    mats = [p for p in m.layers.parameters() if p.ndim == 2]
-    xs = {p.shape[1]: torch.randn(tokens, p.shape[1], dtype=p.dtype) for p in mats}
+    mats = [(p, pack_weight(p)) for p in m.layers.parameters() if p.ndim == 2]
+    xs = {p.shape[1]: torch.randn(tokens, p.shape[1], dtype=p.dtype) for p, _ in mats}
     xh = torch.randn(sampled, m.embed.shape[1], dtype=m.embed.dtype)
+    head = pack_weight(m.embed)
 
     def run() -> None:
         with torch.inference_mode():
-            for p in mats:
-                F.linear(xs[p.shape[1]], p)
-            F.linear(xh, m.embed)
+            for p, packed in mats:
+                linear(xs[p.shape[1]], p, None, packed)
+            linear(xh, m.embed, None, head)
 
     return run
 
@@ -635,7 +666,7 @@ def bench_decode(ours: Ours, hf: HF, base: Baselines,
                 b, ctx, p.hf_new_tokens, ours.vocab, "decode-hf"))
             read = sh.weight_bytes + sh.kv_bytes(b, ctx)
             gbps = read / t_ours / 1e9
-            roof = max(sh.decode_flops(b, ctx) / (base.peak * 1e9), read / (base.bandwidth * 1e9))
+            roof = roofline_s(sh, base, b, ctx)
             if b == 32:
                 ratio_b32[ctx] = t_hf / t_ours
             rows.append(
@@ -658,10 +689,69 @@ def bench_decode(ours: Ours, hf: HF, base: Baselines,
     return out, ratio_b32
 
 
+def roofline_s(sh: Shape, base: Baselines, batch: int, ctx: int) -> float:
+    """max(FLOPs / matmul peak, weight+KV bytes / memcpy bandwidth) of one decode step."""
+    read = sh.weight_bytes + sh.kv_bytes(batch, ctx)
+    return max(sh.decode_flops(batch, ctx) / (base.peak * 1e9), read / (base.bandwidth * 1e9))
+
+
+def bench_attention_op(ours: Ours, base: Baselines, p: Params,
+                       knee: int) -> tuple[list[str], dict[int, float]]:
+    """Decode at batch 32 and the packed prefill at the knee, before (per-sequence SDPA loop,
+    F.linear) and after (one attention op per layer, prepacked linears), with the op alone in
+    between; interleaved round robin over the same sequences."""
+    variants: list[tuple[str, AttentionFn, bool]] = [
+        ("before", paged_attention, False), ("op", ragged_attention, False),
+        ("after", ragged_attention, True)]
+
+    def cells(t: dict[str, float], roof: float | None) -> str:
+        row = (f"| {1e3 * t['before']:.1f} | {1e3 * t['op']:.1f} | {1e3 * t['after']:.1f} "
+               f"| **{t['before'] / t['after']:.2f}x** |")
+        if roof is None:
+            return row + " | | |"
+        return (row + f" {1e3 * roof:.1f} | {t['before'] / roof:.2f}x "
+                f"| **{t['after'] / roof:.2f}x** |")
+
+    rows, ratios = [], {}
+    batch = 32
+    for ctx in p.contexts:
+        times: dict[str, list[float]] = {name: [] for name, _, _ in variants}
+        for _ in range(2):
+            log(f"attention op and linears, before/after: decode ctx={ctx} B={batch}")
+            for name, fn, packed in variants:
+                with attention_patched(fn), linear_patched(packed):
+                    times[name] += ours.decode_step_times(batch, ctx, p.decode_steps,
+                                                          p.decode_warmup, "attention")
+        med = {name: statistics.median(ts) for name, ts in times.items()}
+        roof = roofline_s(ours.shape, base, batch, ctx)
+        ratios[ctx] = med["after"] / roof
+        rows.append(f"| decode B={batch} ctx={ctx} " + cells(med, roof))
+    log(f"attention op and linears, before/after: prefill C={knee}")
+    with ours.prefill(packed_lens(knee, p.pack_len)) as run:
+        times = {name: [] for name, _, _ in variants}
+        for _ in range(p.prefill_reps + 1):
+            for name, fn, packed in variants:
+                with attention_patched(fn), linear_patched(packed):
+                    times[name].append(timed(run, "attention"))
+    rows.append(f"| prefill C={knee} packed "
+                + cells({name: min(ts[1:]) for name, ts in times.items()}, None))
+    out = [f"Before/after ({CLOCK.kind} time; decode median of {2 * p.decode_steps} steps, "
+           f"prefill best of {p.prefill_reps}). before = per-sequence SDPA loop + F.linear; "
+           "op = one `tetri::ragged_attention` call per layer + F.linear; after = the op + "
+           "prepacked oneDNN linears. Interleaved; roofline as in the decode table; CPU share "
+           f"{fmt_share('attention')}", "",
+           "| step | before ms | op ms | after ms | before/after | roofline ms "
+           "| before/roofline | after/roofline |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|", *rows]
+    return out, ratios
+
+
 def bench_layout(ours: Ours, p: Params) -> list[str]:
     """Decode step with three attention paths over the same pool and sequences."""
     variants: list[tuple[str, AttentionFn]] = [
-        ("zero-copy extent views, SDPA per sequence (ours)", paged_attention),
+        ("zero-copy extent views, one tetri::ragged_attention op per layer (ours)",
+         ragged_attention),
+        ("zero-copy extent views, SDPA per sequence (the old loop)", paged_attention),
         ("gather blocks per sequence (index_select), then SDPA", make_gather_attention(
             ours.block_size)),
         ("gather the batch into a padded tensor, one SDPA per layer", make_batched_gather(
@@ -672,7 +762,7 @@ def bench_layout(ours: Ours, p: Params) -> list[str]:
            "| batch | ctx | KV MB | attention over | step ms | vs ours |",
            "|---:|---:|---:|---|---:|---:|"]
     for batch, ctx in p.layout_configs:
-        check_attention(ours, [fn for _, fn in variants[1:]], batch, ctx)
+        check_attention(ours, [fn for _, fn in variants], batch, ctx)
         times: list[list[float]] = [[] for _ in variants]
         for _ in range(2):  # interleave the variants twice
             log(f"layout B={batch} ctx={ctx}")
@@ -691,9 +781,11 @@ def bench_layout(ours: Ours, p: Params) -> list[str]:
 def check_attention(ours: Ours, fns: list[AttentionFn], batch: int, ctx: int) -> None:
     """Every variant gives the extent-view output on a real decode batch's metadata."""
     with ours.decoding(batch, ctx, 1):
-        plan = StepPlan([ScheduledSeq(s, 1) for s in ours.eng.scheduler.running])
+        plan = StepPlan([ScheduledSeq(s, 1) for s in ours.eng.seqs.values()])
         _, meta, _, _ = ours.eng.runner._build(plan)
-        meta.ctx_lens = [ctx - i % 3 for i in range(batch)]  # ragged, all within written KV
+        # ragged, all within written KV (a new metadata: its tensors follow the lists)
+        meta = dataclasses.replace(meta, ctx_lens=[ctx - i % 3 for i in range(batch)],
+                                   seq_tensors=())
         pk, pv = ours.eng.kv[0, 0], ours.eng.kv[0, 1]
         q = torch.randn(batch, ours.eng.spec.num_heads, ours.eng.spec.head_dim, dtype=ours.dtype)
         ref = paged_attention(q, pk, pv, meta)
@@ -706,7 +798,8 @@ def check_attention(ours: Ours, fns: list[AttentionFn], batch: int, ctx: int) ->
 # ---------------------------------------------------------------------------- profiling
 
 
-INSIDE_FORWARD = ("F.linear (matmuls)", "attention (SDPA loop)", "write_kv (index_copy_)")
+INSIDE_FORWARD = ("linear (matmuls)", "attention (one op per layer)",
+                  "write_kv (index_copy_)")
 
 
 @contextmanager
@@ -726,31 +819,31 @@ def phase_timers(ours: Ours) -> Iterator[dict[str, float]]:
 
         return inner
 
-    saved_sched, saved_build = eng.scheduler.schedule, eng.runner._build
+    saved_sched, saved_build = eng.loop.plan, eng.runner._build
     saved_fwd = eng.model.forward
-    saved = (llama_mod.paged_attention, opt_mod.paged_attention, llama_mod.write_kv,
-             opt_mod.write_kv, runner_mod.sample, F.linear)
-    eng.scheduler.schedule = wrap("schedule", saved_sched)  # type: ignore[method-assign]
+    saved = (llama_mod.ragged_attention, opt_mod.ragged_attention, llama_mod.write_kv,
+             opt_mod.write_kv, runner_mod.sample, llama_mod.linear)
+    eng.loop.plan = wrap("schedule", saved_sched)  # type: ignore[method-assign]
     eng.runner._build = wrap("build metadata", saved_build)  # type: ignore[method-assign]
     eng.model.forward = wrap("model forward", saved_fwd)  # type: ignore[method-assign]
-    attn = wrap("attention (SDPA loop)", paged_attention)
-    llama_mod.paged_attention = opt_mod.paged_attention = attn
+    attn = wrap("attention (one op per layer)", saved[0])
+    llama_mod.ragged_attention = opt_mod.ragged_attention = attn
     wkv = wrap("write_kv (index_copy_)", llama_mod.write_kv)
     llama_mod.write_kv = opt_mod.write_kv = wkv
     runner_mod.sample = wrap("sample", saved[4])
-    # F.linear is shared by both model modules through ``F``; patch the function object.
-    F.linear = wrap("F.linear (matmuls)", saved[5])  # type: ignore[assignment]
+    llama_mod.linear = opt_mod.linear = wrap("linear (matmuls)", saved[5])
     try:
         yield acc
         inner_s = sum(v for k, v in acc.items() if k in INSIDE_FORWARD)
         acc["rest of forward: norms, RoPE, SiLU, residuals, per-layer Python"] = (
             acc.get("model forward", 0.0) - inner_s)
     finally:
-        eng.scheduler.schedule = saved_sched  # type: ignore[method-assign]
+        eng.loop.plan = saved_sched  # type: ignore[method-assign]
         eng.runner._build = saved_build  # type: ignore[method-assign]
         eng.model.forward = saved_fwd  # type: ignore[method-assign]
-        (llama_mod.paged_attention, opt_mod.paged_attention, llama_mod.write_kv,
-         opt_mod.write_kv, runner_mod.sample, F.linear) = saved  # type: ignore[assignment]
+        (llama_mod.ragged_attention, opt_mod.ragged_attention, llama_mod.write_kv,
+         opt_mod.write_kv, runner_mod.sample, llama_mod.linear) = saved
+        opt_mod.linear = llama_mod.linear
 
 
 def phase_rows(acc: dict[str, float], steps: int, step_s: float) -> list[str]:
@@ -833,7 +926,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="re-run under GLIBC_TUNABLES that stop glibc from returning freed "
                     "memory to the OS (no first-touch page faults for big temporaries)")
     ap.add_argument("--skip", default="", help="comma list of sections to skip: "
-                    "prefill,decode,layout")
+                    "prefill,decode,attention,layout")
     args = ap.parse_args(argv)
     if args.keep_freed_memory and os.environ.get("GLIBC_TUNABLES") != KEEP_FREED_MEMORY:
         argv_now = sys.argv[1:] if argv is None else argv
@@ -860,7 +953,8 @@ def main(argv: list[str] | None = None) -> int:
     report = [
         f"`{' '.join(['tools/bench_engine.py', *sys.argv[1:]])}` on "
         f"{datetime.date.today().isoformat()}, {platform.processor() or platform.machine()}, "
-        f"torch {torch.__version__}, 1 thread pinned to cpu {cpu}, {CLOCK.kind} time, glibc "
+        f"ISA {torch.backends.cpu.get_cpu_capability()}, torch {torch.__version__}, "
+        f"1 thread pinned to cpu {cpu}, {CLOCK.kind} time, glibc "
         f"malloc {'tuned' if os.environ.get('GLIBC_TUNABLES') else 'default'} "
         f"(CPU busy before start: {', '.join(f'cpu{c} {100 * b:.0f}%' for c, b in busy.items())})",
         "",
@@ -877,6 +971,10 @@ def main(argv: list[str] | None = None) -> int:
         report += lines + [""]
     if "decode" not in skip:
         lines, ratios = bench_decode(ours, hf, base, p)
+        report += lines + [""]
+    attn_ratios: dict[int, float] = {}
+    if "attention" not in skip:
+        lines, attn_ratios = bench_attention_op(ours, base, p, knee)
         report += lines + [""]
     if "layout" not in skip:
         report += bench_layout(ours, p) + [""]
@@ -896,6 +994,11 @@ def main(argv: list[str] | None = None) -> int:
     for ctx, r in ratios.items():
         targets.append(f"decode at batch 32, context {ctx} = {r:.2f}x generate() (target >= 5x): "
                        f"{'MET' if r >= 5 else 'MISSED'}")
+    for ctx, r in attn_ratios.items():
+        limit = 1.5 if ctx <= 128 else 1.2
+        targets.append(f"decode step at batch 32, context {ctx}, after (op + prepacked linears) = "
+                       f"{r:.2f}x the roofline (target <= {limit}x): "
+                       f"{'MET' if r <= limit else 'MISSED'}")
     report += ["Targets:", "", *[f"- {t}" for t in targets], ""] if targets else []
     if args.profile:
         report += profile_section(ours, knee, p) + [""]

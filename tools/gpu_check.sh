@@ -4,6 +4,8 @@
 # Python 3.12), then runs the GPU tests. Prepare the wheels here first (the device has no network):
 #   pip download --only-binary :all: --python-version 3.12 --platform manylinux2014_x86_64 \
 #       --no-deps -d shared/wheels msgspec pytest-asyncio pytest-timeout
+# tests/gpu covers the Triton kernel behind ragged_attention (against the SDPA loop, and greedy
+# parity with transformers through it); the image's triton is used, nothing is built.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-check}

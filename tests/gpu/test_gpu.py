@@ -68,3 +68,30 @@ def test_disaggregated_cluster_over_cuda_ipc(model_dir):
             await cluster.stop()
 
     assert asyncio.run(run()) == ref
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("window", [0, 24])
+def test_ragged_attention_kernel_equals_the_loop_on_cuda(dtype, window):
+    """The Triton kernel behind ragged_attention against the per-sequence SDPA loop."""
+    import random
+
+    from tests.unit.test_attention_op import BLOCK, make_batch, random_specs
+    from tetri_server.engine.attention import BatchMetadata, paged_attention, ragged_attention
+    from tetri_server.engine.ops import ragged_attention_op
+
+    assert ragged_attention_op("cuda") is not None, "no CUDA kernel (is Triton installed?)"
+    rng = random.Random(1)
+    for heads, kv_heads, dim in [(4, 2, 16), (8, 8, 64), (32, 8, 128)]:
+        specs = random_specs(rng, 24) + [(1, 1), (1, BLOCK), (300, 300)]
+        pool_tokens = BLOCK * sum(-(-ctx // BLOCK) + 2 for _, ctx in specs)
+        cpu = make_batch(rng, specs, pool_tokens, num_pad=5)
+        meta = BatchMetadata(cpu.q_starts, cpu.q_lens, cpu.ctx_lens, cpu.kv_starts,
+                             cpu.slot_mapping.cuda(), cpu.positions.cuda(), cpu.num_real)
+        q = torch.randn(cpu.num_real + 5, heads, dim, device="cuda", dtype=dtype)
+        kv = torch.randn(2, kv_heads, pool_tokens, dim, device="cuda", dtype=dtype)
+        got = ragged_attention(q, kv[0], kv[1], meta, window=window)
+        ref = paged_attention(q, kv[0], kv[1], meta, window=window)
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
+        assert not got[cpu.num_real:].any()

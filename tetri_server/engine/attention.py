@@ -5,14 +5,21 @@ chunk of a long prompt whose earlier KV is already in the pool) and single decod
 optional padding at the end. Each sequence's context is one contiguous extent of the pool, so
 attention reads it as a zero-copy view: ``pool_k[:, start:start+ctx]`` is ``[kv_heads, ctx, D]``.
 Nothing copies a sequence's context per step; only the new tokens' K/V are written.
+
+``ragged_attention`` is what the models call: one ``tetri::ragged_attention`` op per layer for
+the whole batch (``engine/ops``) where it has a kernel for the device, else ``paged_attention``,
+the per-sequence SDPA loop, which is also the op's reference.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from tetri_server.engine.ops import ragged_attention_op
 
 
 @dataclass
@@ -25,6 +32,9 @@ class BatchMetadata:
     ``slot_mapping``: ``[num_tokens]`` pool token index of each new token (only real tokens).
     ``positions``: ``[num_tokens]`` position of each token (padding gets 0).
     ``num_real``: tokens before the padding.
+    ``seq_tensors``: the four lists above as int64 vectors (q_starts, q_lens, ctx_lens,
+    kv_starts) on the batch's device, for the attention op; made once per step (at
+    construction when not given). Replace the metadata rather than edit its lists.
     """
 
     q_starts: list[int]
@@ -35,6 +45,12 @@ class BatchMetadata:
     positions: torch.Tensor
     num_real: int
     _masks: dict[tuple[int, int, int, int], torch.Tensor] | None = None
+    seq_tensors: tuple[torch.Tensor, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.seq_tensors:
+            self.seq_tensors = metadata_tensors(self.q_starts, self.q_lens, self.ctx_lens,
+                                                self.kv_starts, self.slot_mapping.device)
 
     def mask(self, q_len: int, ctx_len: int, device: torch.device, first_key: int = 0,
              window: int = 0) -> torch.Tensor:
@@ -53,6 +69,13 @@ class BatchMetadata:
                 m &= k_pos > q_pos - window
             self._masks[key] = m
         return m
+
+
+def metadata_tensors(q_starts: list[int], q_lens: list[int], ctx_lens: list[int],
+                     kv_starts: list[int], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """One [4, num_seqs] int64 tensor, returned as its four contiguous rows."""
+    t = torch.tensor([q_starts, q_lens, ctx_lens, kv_starts], dtype=torch.long, device=device)
+    return tuple(t.unbind(0))
 
 
 def write_kv(pool_k: torch.Tensor, pool_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -96,4 +119,19 @@ def paged_attention(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor,
                                                attn_mask=meta.mask(ql, ctx, q.device, lo),
                                                scale=scale, enable_gqa=gqa)
         out[qs:qs + ql] = o[0].transpose(0, 1)
+    return out
+
+
+def ragged_attention(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor,
+                     meta: BatchMetadata, scale: float | None = None,
+                     window: int = 0) -> torch.Tensor:
+    """Same contract as ``paged_attention`` (q: [T, heads, D] -> [T, heads, D], padding rows
+    zero), in one ``tetri::ragged_attention`` call where the op has a kernel for q's device;
+    otherwise the loop (``engine/ops`` has logged a WARNING saying so)."""
+    op = ragged_attention_op(q.device.type)
+    if op is None:
+        return paged_attention(q, pool_k, pool_v, meta, scale, window)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # q may be strided (OPT)
+    op(q, pool_k, pool_v, out, *meta.seq_tensors,
+       scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]), window)
     return out

@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tetri_server.engine.attention import BatchMetadata, paged_attention, write_kv
+from tetri_server.engine.attention import BatchMetadata, ragged_attention, write_kv
+from tetri_server.engine.ops.linear import linear, pack_weight
 from tetri_server.engine.spec import ModelSpec
 
 
@@ -58,24 +59,30 @@ class LlamaLayer(nn.Module):
         self.gate_up = p(2 * s.intermediate_size, s.hidden_size)
         self.down = p(s.hidden_size, s.intermediate_size)
         self.spec = s
+        self.packed: dict[str, torch.Tensor | None] = {}  # oneDNN copies, made by pack()
+
+    def pack(self) -> None:
+        """Prepack the matmul weights (after loading them)."""
+        self.packed = {n: pack_weight(getattr(self, n)) for n in ("qkv", "o", "gate_up", "down")}
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 pool_k: torch.Tensor, pool_v: torch.Tensor, meta: BatchMetadata) -> torch.Tensor:
         s = self.spec
         t = x.shape[0]
         h = rms_norm(x, self.input_norm, s.eps)
-        qkv = F.linear(h, self.qkv, self.qkv_bias)
+        pk = self.packed
+        qkv = linear(h, self.qkv, self.qkv_bias, pk.get("qkv"))
         nq, nkv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         q = qkv[:, :nq].view(t, s.num_heads, s.head_dim)
         k = qkv[:, nq:nq + nkv].view(t, s.num_kv_heads, s.head_dim)
         v = qkv[:, nq + nkv:].view(t, s.num_kv_heads, s.head_dim)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         write_kv(pool_k, pool_v, k, v, meta)
-        attn = paged_attention(q, pool_k, pool_v, meta, window=self.window)
-        x = x + F.linear(attn.reshape(t, nq), self.o)
+        attn = ragged_attention(q, pool_k, pool_v, meta, window=self.window)
+        x = x + linear(attn.reshape(t, nq), self.o, None, pk.get("o"))
         h = rms_norm(x, self.post_norm, s.eps)
-        gate, up = F.linear(h, self.gate_up).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, self.down)
+        gate, up = linear(h, self.gate_up, None, pk.get("gate_up")).chunk(2, dim=-1)
+        return x + linear(F.silu(gate) * up, self.down, None, pk.get("down"))
 
 
 class LlamaModel(nn.Module):
@@ -94,6 +101,7 @@ class LlamaModel(nn.Module):
         self.lm_head = self.embed if spec.tie_word_embeddings else nn.Parameter(
             torch.empty(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device),
             requires_grad=False)
+        self.lm_head_packed: torch.Tensor | None = None
         inv_freq, self.rope_scale = rope_inv_freq(spec, hf_config)
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
 
@@ -108,7 +116,7 @@ class LlamaModel(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, kv[i, 0], kv[i, 1], meta)
         x = rms_norm(x[logits_indices], self.norm, self.spec.eps)
-        return F.linear(x, self.lm_head).float()
+        return linear(x, self.lm_head, None, self.lm_head_packed).float()
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """HF names (``model.layers.N.self_attn.q_proj.weight`` ...) -> fused parameters."""
@@ -137,3 +145,6 @@ class LlamaModel(nn.Module):
         leftover = [k for k in w if "rotary_emb" not in k]
         if leftover:
             raise ValueError(f"unexpected weights in checkpoint: {leftover[:5]}")
+        for layer in self.layers:
+            layer.pack()
+        self.lm_head_packed = pack_weight(self.lm_head)

@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tetri_server.engine.attention import BatchMetadata, paged_attention, write_kv
+from tetri_server.engine.attention import BatchMetadata, ragged_attention, write_kv
+from tetri_server.engine.ops.linear import linear, pack_weight
 from tetri_server.engine.spec import ModelSpec
 
 POSITION_OFFSET = 2  # OPT's learned position table starts at index 2
@@ -27,9 +28,21 @@ class _LayerNorm(nn.Module):
         return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
 
 
+class _Linear(nn.Linear):
+    """nn.Linear whose weight ``pack()`` prepacks (after loading) for ``ops.linear``."""
+
+    packed: torch.Tensor | None = None
+
+    def pack(self) -> None:
+        self.packed = pack_weight(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, self.packed)
+
+
 def _linear(n_in: int, n_out: int, dtype: torch.dtype, device: torch.device,
-            bias: bool = True) -> nn.Linear:
-    lin = nn.Linear(n_in, n_out, bias=bias, dtype=dtype, device=device)
+            bias: bool = True) -> _Linear:
+    lin = _Linear(n_in, n_out, bias=bias, dtype=dtype, device=device)
     lin.requires_grad_(False)
     return lin
 
@@ -54,7 +67,7 @@ class OPTLayer(nn.Module):
         h = self.attn_norm(x) if pre else x
         q, k, v = self.qkv(h).view(t, 3, s.num_heads, s.head_dim).unbind(1)
         write_kv(pool_k, pool_v, k, v, meta)
-        x = x + self.out(paged_attention(q, pool_k, pool_v, meta).reshape(t, s.hidden_size))
+        x = x + self.out(ragged_attention(q, pool_k, pool_v, meta).reshape(t, s.hidden_size))
         if not pre:
             x = self.attn_norm(x)
         h = self.mlp_norm(x) if pre else x
@@ -79,6 +92,7 @@ class OPTModel(nn.Module):
         self.project_in = _linear(e, spec.hidden_size, dtype, device, bias=False) if proj else None
         self.project_out = _linear(spec.hidden_size, e, dtype, device, bias=False) if proj else None
         self.layers = nn.ModuleList(OPTLayer(spec, dtype, device) for _ in range(spec.num_layers))
+        self.embed_packed: torch.Tensor | None = None  # the LM head's (tied) oneDNN copy
         self.final_norm = (_LayerNorm(spec.hidden_size, spec.eps, dtype, device)
                            if spec.do_layer_norm_before and not spec.remove_final_layer_norm
                            else None)
@@ -96,7 +110,7 @@ class OPTModel(nn.Module):
             x = self.final_norm(x)
         if self.project_out is not None:
             x = self.project_out(x)
-        return F.linear(x, self.embed).float()
+        return linear(x, self.embed, None, self.embed_packed).float()
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         w = {k.removeprefix("model.").removeprefix("decoder."): v for k, v in weights.items()}
@@ -124,3 +138,7 @@ class OPTModel(nn.Module):
                     getattr(layer.fc2, part).copy_(w.pop(f"{p}fc2.{part}"))
         if w:
             raise ValueError(f"unexpected weights in checkpoint: {list(w)[:5]}")
+        for mod in self.modules():
+            if isinstance(mod, _Linear):
+                mod.pack()
+        self.embed_packed = pack_weight(self.embed)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tetri_server.engine.attention import BatchMetadata
+from tetri_server.engine.attention import BatchMetadata, metadata_tensors
 from tetri_server.engine.loader import CausalLM
 from tetri_server.engine.sampling import sample
 from tetri_server.engine.sequence import Sequence
@@ -81,7 +81,8 @@ class ModelRunner:
             q_starts=q_starts, q_lens=q_lens, ctx_lens=ctx_lens, kv_starts=kv_starts,
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             positions=torch.tensor(positions, dtype=torch.long, device=dev),
-            num_real=len(slots))
+            num_real=len(slots),
+            seq_tensors=metadata_tensors(q_starts, q_lens, ctx_lens, kv_starts, dev))
         return torch.tensor(ids, dtype=torch.long, device=dev), meta, sample_rows, sample_items
 
     @torch.inference_mode()

@@ -1,0 +1,154 @@
+"""Compiled kernels of the engine, built at first use for this machine.
+
+``ragged_attention_op(device_type)`` gives one attention call per layer over the KV pool:
+``torch.ops.tetri.ragged_attention`` on CPU (source in ``ragged_attention.cpp``), the Triton
+kernel with the same arguments on CUDA (``triton_attention.py``), or None; a None is logged once
+as a WARNING, naming the slower path the caller takes instead.
+
+The C++ source is compiled with ninja and the host compiler through
+``torch.utils.cpp_extension.load``, once per CPU capability that ATen reports
+(``torch.backends.cpu.get_cpu_capability()``) with that capability's flags, never
+``-march=native``: a cache shared by an AVX2 and an AVX-512 machine holds one build for each.
+Builds live in ``$TETRI_CACHE_DIR/ops`` (default ``~/.cache/tetri_server/ops``), one folder per
+(capability, torch version, source and flags hash); a finished one in the default cache is used
+from any TETRI_CACHE_DIR. A file lock serialises the build between processes; the others wait
+and then load the finished library.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("tetri.ops")
+SOURCE = Path(__file__).with_name("ragged_attention.cpp")
+# ATen's Vectorized<float> width follows CPU_CAPABILITY_*; the -m flags are inductor's for the
+# same capability (torch/_inductor/cpu_vec_isa.py).
+ISA_FLAGS = {
+    "AVX512": ["-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512dq",
+               "-mavx512vl", "-mavx512bw", "-mfma"],
+    "AVX2": ["-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma", "-mf16c"],
+}
+BASE_FLAGS = ["-O3", "-fopenmp"]
+
+
+DEFAULT_CACHE = Path.home() / ".cache" / "tetri_server"
+
+
+def cache_root() -> Path:
+    env = os.environ.get("TETRI_CACHE_DIR")
+    return (Path(env) if env else DEFAULT_CACHE) / "ops"
+
+
+def build_folder(folder: Path, name: str) -> Path:
+    """``folder``, or the same build already finished in the default cache (folders are named by
+    everything that goes into the library, so it is the same build): a fresh TETRI_CACHE_DIR,
+    as tests give each server, then does not compile again."""
+    if not (folder / f"{name}.so").exists():
+        default = DEFAULT_CACHE / "ops" / folder.name
+        if (default / f"{name}.so").exists():
+            return default
+    return folder
+
+
+def build_spec() -> tuple[str, list[str], Path]:
+    """(module name, compiler flags, build folder) for this process's CPU capability."""
+    isa = torch.backends.cpu.get_cpu_capability()
+    flags = BASE_FLAGS + ISA_FLAGS.get(isa, ["-DCPU_CAPABILITY=DEFAULT"])
+    name = "tetri_ops_" + "".join(c if c.isalnum() else "_" for c in isa.lower())
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()[:12]
+    return name, flags, cache_root() / f"{name}-torch{torch.__version__}-{digest}"
+
+
+def _ensure_ninja_on_path() -> None:
+    """The ``ninja`` wheel (a runtime dependency) puts its binary in the venv's bin, which is
+    not on PATH when the venv's python is run directly."""
+    if shutil.which("ninja"):
+        return
+    try:
+        import ninja  # type: ignore[import-not-found]
+    except ImportError:
+        return
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
+def _registered() -> bool:
+    try:
+        torch.ops.tetri.ragged_attention  # noqa: B018 - raises if not registered
+    except AttributeError:
+        return False
+    return True
+
+
+@functools.cache
+def load_cpu_ops() -> bool:
+    """Build (if needed) and load the CPU library once per process. False, with one WARNING,
+    when it cannot be built here (no compiler, no ninja, a compile error)."""
+    if _registered():  # a second load of the library would register the namespace twice
+        return True
+    name, flags, folder = build_spec()
+    folder = build_folder(folder, name)
+    try:
+        from torch.utils.cpp_extension import load
+
+        _ensure_ninja_on_path()
+        folder.mkdir(parents=True, exist_ok=True)
+        t0 = time.monotonic()
+        with open(folder.parent / f"{folder.name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released if the holder dies, unlike the baton
+            # We hold the lock, so cpp_extension's own baton file can only be a dead build's.
+            (folder / "lock").unlink(missing_ok=True)
+            built = (folder / f"{name}.so").exists()
+            if built:  # the folder's name covers source, flags and torch: it is current
+                torch.ops.load_library(str(folder / f"{name}.so"))
+            else:
+                load(name, [str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                     build_directory=str(folder), is_python_module=False, verbose=False)
+        if not built:
+            log.info("built tetri::ragged_attention for %s in %.1f s (%s)",
+                     torch.backends.cpu.get_cpu_capability(), time.monotonic() - t0, folder)
+        return True
+    except Exception as e:  # noqa: BLE001 - any build failure means: warn and take the loop
+        msg = str(e).strip().splitlines()
+        log.warning("could not build the C++ attention op (%s): %s. Attention runs today's "
+                    "per-sequence SDPA loop instead, which is slower (about 40 us per sequence "
+                    "and layer). Install g++ and ninja to get the fast path.",
+                    folder, " | ".join(msg[-3:]) if msg else type(e).__name__)
+        return False
+
+
+def triton_op() -> tuple[Callable[..., None] | None, str]:
+    """The Triton kernel and '', or None and why not."""
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 0):
+        return None, "Triton does not support this GPU (sm < 80, e.g. V100)"
+    try:
+        from tetri_server.engine.ops.triton_attention import ragged_attention_triton
+    except ImportError as e:
+        return None, f"Triton is not installed ({e})"
+    return ragged_attention_triton, ""
+
+
+@functools.cache
+def ragged_attention_op(device_type: str) -> Callable[..., None] | None:
+    """The ragged attention op for ``device_type`` (``torch.ops.tetri.ragged_attention`` on
+    CPU, the Triton kernel with the same arguments on CUDA), or None, logged once per device
+    type."""
+    if device_type == "cpu":
+        return torch.ops.tetri.ragged_attention.default if load_cpu_ops() else None
+    why = f"no {device_type} kernel"
+    if device_type == "cuda":
+        fn, why = triton_op()
+        if fn is not None:
+            return fn
+    log.warning("ragged attention on %s: %s; attention runs one SDPA call per sequence and "
+                "layer instead (slow path)", device_type, why)
+    return None

@@ -1,0 +1,290 @@
+// tetri::ragged_attention: one attention call per layer for a packed, ragged batch over the
+// KV pool (see tetri_server/engine/attention.py for the layout and the reference loop).
+//
+// Built at first use by tetri_server/engine/ops/__init__.py, once per CPU capability (the
+// -DCPU_CAPABILITY_* macro and -m flags select ATen's Vectorized<float> width; never
+// -march=native).
+//
+// Rows of sequences with q_len < kSdpaMinQ (decode tokens, short chunks) run the kernel below:
+// one work item per (sequence, kv head) covers every query row and every query head of that
+// kv head's group, so each key and value row is read once per item. Per row the keys are
+// walked in order in blocks of kKeyBlock with an online softmax in fp32; nothing depends on
+// the other sequences of the batch or on how items are spread over threads.
+// Longer prompt chunks call ATen's SDPA on views of their extent (its GEMM-based flash kernel
+// is faster there), with the same masks as the reference loop.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/functional_bfloat16.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kKeyBlock = 64;   // keys per online-softmax step
+constexpr int64_t kSdpaMinQ = 16;   // prompt chunks at least this long go to ATen's SDPA
+
+struct SeqInfo {
+  int64_t q_start, q_len, ctx_len, kv_start;
+};
+
+// Row `src` of D elements as floats: the row itself for fp32, else converted into `buf`.
+template <typename T>
+inline const float* as_float(const T* src, float* buf, int64_t d) {
+  using VT = at::vec::Vectorized<T>;
+  int64_t i = 0;
+  for (; i + VT::size() <= d; i += VT::size()) {
+    auto [lo, hi] = at::vec::convert_to_float<T>(VT::loadu(src + i));
+    lo.store(buf + i);
+    hi.store(buf + i + Vec::size());
+  }
+  for (; i < d; ++i) buf[i] = static_cast<float>(src[i]);
+  return buf;
+}
+template <>
+inline const float* as_float<float>(const float* src, float*, int64_t) {
+  return src;
+}
+
+// Ask for a row's cache lines ahead of use (the KV stream is read once, from DRAM).
+inline void prefetch_row(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o, 0, 2);  // into L2
+}
+
+inline float dot(const float* a, const float* b, int64_t d) {
+  Vec acc(0.f);
+  int64_t i = 0;
+  for (; i + Vec::size() <= d; i += Vec::size()) {
+    acc = at::vec::fmadd(Vec::loadu(a + i), Vec::loadu(b + i), acc);
+  }
+  float s = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, acc);
+  for (; i < d; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// y = y * c + p * x over d floats
+inline void scale_add(float* y, float c, float p, const float* x, int64_t d) {
+  const Vec vc(c), vp(p);
+  int64_t i = 0;
+  for (; i + Vec::size() <= d; i += Vec::size()) {
+    at::vec::fmadd(Vec::loadu(x + i), vp, Vec::loadu(y + i) * vc).store(y + i);
+  }
+  for (; i < d; ++i) y[i] = y[i] * c + p * x[i];
+}
+
+// p[j] = exp(p[j] - m) for j < n; returns their sum
+inline float exp_shift_sum(float* p, float m, int64_t n) {
+  const Vec vm(m);
+  Vec acc(0.f);
+  int64_t j = 0;
+  for (; j + Vec::size() <= n; j += Vec::size()) {
+    Vec e = (Vec::loadu(p + j) - vm).exp_u20();
+    e.store(p + j);
+    acc = acc + e;
+  }
+  float s = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, acc);
+  for (; j < n; ++j) {
+    p[j] = std::exp(p[j] - m);
+    s += p[j];
+  }
+  return s;
+}
+
+struct Scratch {
+  std::vector<float> q, acc, scores, kbuf, vbuf, m, l, c;
+  Scratch(int64_t groups, int64_t d)
+      : q(groups * d), acc(groups * d), scores(groups * kKeyBlock), kbuf(d), vbuf(d),
+        m(groups), l(groups), c(groups) {}
+};
+
+// All query rows of one sequence for the `groups` query heads that share kv head `h`.
+template <typename T>
+void attend(const SeqInfo& s, int64_t h, int64_t groups, int64_t d, float scale, int64_t window,
+            const T* q, int64_t q_s0, int64_t q_s1, const T* pk, const T* pv, int64_t kv_s0,
+            int64_t kv_s1, T* out, int64_t o_s0, int64_t o_s1, Scratch& w) {
+  const T* kh = pk + h * kv_s0 + s.kv_start * kv_s1;
+  const T* vh = pv + h * kv_s0 + s.kv_start * kv_s1;
+  for (int64_t r = 0; r < s.q_len; ++r) {
+    const int64_t pos = s.ctx_len - s.q_len + r;  // context position of this query
+    const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+    const int64_t hi = pos + 1;  // keys [lo, hi)
+    const int64_t row = s.q_start + r;
+    for (int64_t g = 0; g < groups; ++g) {
+      const T* src = q + row * q_s0 + (h * groups + g) * q_s1;
+      for (int64_t i = 0; i < d; ++i) w.q[g * d + i] = static_cast<float>(src[i]);
+      std::fill_n(w.acc.data() + g * d, d, 0.f);
+      w.m[g] = -std::numeric_limits<float>::infinity();
+      w.l[g] = 0.f;
+    }
+    for (int64_t kb = lo; kb < hi; kb += kKeyBlock) {
+      const int64_t n = std::min(kKeyBlock, hi - kb);
+      for (int64_t j = 0; j < n; ++j) {
+        if (kb == lo) prefetch_row(vh + (kb + j) * kv_s1, d * sizeof(T));  // later blocks: below
+        const float* k = as_float(kh + (kb + j) * kv_s1, w.kbuf.data(), d);
+        for (int64_t g = 0; g < groups; ++g) {
+          w.scores[g * kKeyBlock + j] = dot(w.q.data() + g * d, k, d) * scale;
+        }
+      }
+      for (int64_t g = 0; g < groups; ++g) {
+        float* p = w.scores.data() + g * kKeyBlock;
+        const float m_new = std::max(w.m[g], *std::max_element(p, p + n));
+        w.c[g] = std::exp(w.m[g] - m_new);  // rescale of the running sums; 0 on the first block
+        w.l[g] = w.l[g] * w.c[g] + exp_shift_sum(p, m_new, n);
+        w.m[g] = m_new;
+      }
+      const int64_t n_next = std::min(kKeyBlock, hi - kb - n);  // keys of the next block
+      for (int64_t j = 0; j < n; ++j) {
+        if (j < n_next) {
+          prefetch_row(kh + (kb + n + j) * kv_s1, d * sizeof(T));
+          prefetch_row(vh + (kb + n + j) * kv_s1, d * sizeof(T));
+        }
+        const float* v = as_float(vh + (kb + j) * kv_s1, w.vbuf.data(), d);
+        for (int64_t g = 0; g < groups; ++g) {  // the rescale is folded into the first key
+          scale_add(w.acc.data() + g * d, j == 0 ? w.c[g] : 1.f, w.scores[g * kKeyBlock + j], v,
+                    d);
+        }
+      }
+    }
+    for (int64_t g = 0; g < groups; ++g) {
+      T* dst = out + row * o_s0 + (h * groups + g) * o_s1;
+      const float inv = 1.f / w.l[g];
+      for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<T>(w.acc[g * d + i] * inv);
+    }
+  }
+}
+
+// The kernel's items, (short sequence, kv head), spread over torch's intra-op threads.
+template <typename T>
+void run_items(const std::vector<SeqInfo>& seqs, const std::vector<int64_t>& short_seqs,
+               const at::Tensor& q, const at::Tensor& pool_k, const at::Tensor& pool_v,
+               at::Tensor& out, float scale, int64_t window) {
+  const int64_t kv_heads = pool_k.size(0), groups = q.size(1) / kv_heads, d = q.size(2);
+  const int64_t items = static_cast<int64_t>(short_seqs.size()) * kv_heads;
+  const T* qp = q.data_ptr<T>();
+  const T* kp = pool_k.data_ptr<T>();
+  const T* vp = pool_v.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t stop) {
+    Scratch w(groups, d);
+    for (int64_t it = begin; it < stop; ++it) {
+      const SeqInfo& s = seqs[short_seqs[it / kv_heads]];
+      attend<T>(s, it % kv_heads, groups, d, scale, window, qp, q.stride(0), q.stride(1), kp, vp,
+                pool_k.stride(0), pool_k.stride(1), op, out.stride(0), out.stride(1), w);
+    }
+  });
+}
+
+at::Tensor window_mask(int64_t q_len, int64_t ctx_len, int64_t first_key, int64_t window,
+                       const at::Device& dev) {
+  auto opts = at::TensorOptions().dtype(at::kLong).device(dev);
+  auto q_pos = at::arange(ctx_len - q_len, ctx_len, opts).unsqueeze(1);
+  auto k_pos = at::arange(first_key, ctx_len, opts).unsqueeze(0);
+  auto m = k_pos <= q_pos;
+  if (window > 0) m = m.logical_and(k_pos > q_pos - window);
+  return m;
+}
+
+// Same branches as attention.py::paged_attention for one long prompt chunk.
+void sdpa_chunk(const SeqInfo& s, const at::Tensor& q, const at::Tensor& pool_k,
+                const at::Tensor& pool_v, at::Tensor& out, double scale, int64_t window) {
+  const int64_t ql = s.q_len, ctx = s.ctx_len;
+  const int64_t lo = window > 0 ? std::max<int64_t>(0, ctx - ql - window + 1) : 0;
+  auto qi = q.narrow(0, s.q_start, ql).transpose(0, 1).unsqueeze(0);
+  auto ki = pool_k.narrow(1, s.kv_start + lo, ctx - lo).unsqueeze(0);
+  auto vi = pool_v.narrow(1, s.kv_start + lo, ctx - lo).unsqueeze(0);
+  const bool gqa = q.size(1) != pool_k.size(0);
+  at::Tensor o;
+  if (window > 0 && window < ctx - lo) {
+    o = at::scaled_dot_product_attention(qi, ki, vi, window_mask(ql, ctx, lo, window, q.device()),
+                                         0.0, false, scale, gqa);
+  } else if (ql == ctx - lo) {
+    o = at::scaled_dot_product_attention(qi, ki, vi, {}, 0.0, true, scale, gqa);
+  } else {
+    o = at::scaled_dot_product_attention(qi, ki, vi, window_mask(ql, ctx, lo, 0, q.device()), 0.0,
+                                         false, scale, gqa);
+  }
+  out.narrow(0, s.q_start, ql).copy_(o[0].transpose(0, 1));
+}
+
+void ragged_attention_cpu(const at::Tensor& q, const at::Tensor& pool_k, const at::Tensor& pool_v,
+                          const at::Tensor& out_, const at::Tensor& q_start, const at::Tensor& q_len,
+                          const at::Tensor& ctx_len, const at::Tensor& kv_start, double scale,
+                          int64_t window) {
+  at::Tensor out = out_;
+  TORCH_CHECK(q.dim() == 3 && pool_k.dim() == 3 && pool_v.dim() == 3 && out.dim() == 3,
+              "ragged_attention: q/out [T, heads, D], pool_k/pool_v [kv_heads, tokens, D]");
+  TORCH_CHECK(pool_k.sizes() == pool_v.sizes() && pool_k.strides() == pool_v.strides(),
+              "ragged_attention: pool_k and pool_v differ in shape or strides");
+  TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous(),
+              "ragged_attention: out must be a contiguous tensor shaped like q");
+  TORCH_CHECK(q.scalar_type() == pool_k.scalar_type() && q.scalar_type() == pool_v.scalar_type() &&
+                  q.scalar_type() == out.scalar_type(),
+              "ragged_attention: q, pools and out must have one dtype");
+  TORCH_CHECK(q.stride(2) == 1 && pool_k.stride(2) == 1, "ragged_attention: head_dim not contiguous");
+  const int64_t tokens = q.size(0), heads = q.size(1), d = q.size(2);
+  const int64_t kv_heads = pool_k.size(0), pool_tokens = pool_k.size(1);
+  TORCH_CHECK(pool_k.size(2) == d, "ragged_attention: head_dim of q and the pool differ");
+  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0,
+              "ragged_attention: heads must be a multiple of kv_heads");
+  for (const auto* t : {&q_start, &q_len, &ctx_len, &kv_start}) {
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kLong && t->dim() == 1 &&
+                    t->is_contiguous() && t->numel() == q_start.numel(),
+                "ragged_attention: metadata must be contiguous int64 CPU vectors of one length");
+  }
+  const int64_t n = q_start.numel();
+  std::vector<SeqInfo> seqs(n);
+  const int64_t *qs = q_start.data_ptr<int64_t>(), *ql = q_len.data_ptr<int64_t>();
+  const int64_t *cl = ctx_len.data_ptr<int64_t>(), *ks = kv_start.data_ptr<int64_t>();
+  int64_t end = 0;
+  std::vector<int64_t> short_seqs;
+  for (int64_t i = 0; i < n; ++i) {
+    seqs[i] = {qs[i], ql[i], cl[i], ks[i]};
+    TORCH_CHECK(ql[i] > 0 && ql[i] <= cl[i] && qs[i] >= 0 && qs[i] + ql[i] <= tokens &&
+                    ks[i] >= 0 && ks[i] + cl[i] <= pool_tokens,
+                "ragged_attention: sequence ", i, " out of range (q_start ", qs[i], ", q_len ",
+                ql[i], ", ctx_len ", cl[i], ", kv_start ", ks[i], ")");
+    end = std::max(end, qs[i] + ql[i]);
+    if (ql[i] < kSdpaMinQ) short_seqs.push_back(i);
+  }
+  if (end < tokens) out.narrow(0, end, tokens - end).zero_();  // padding rows
+  for (int64_t i = 0; i < n; ++i) {
+    if (seqs[i].q_len >= kSdpaMinQ) sdpa_chunk(seqs[i], q, pool_k, pool_v, out, scale, window);
+  }
+  const float fscale = static_cast<float>(scale);
+  switch (q.scalar_type()) {
+    case at::kFloat:
+      return run_items<float>(seqs, short_seqs, q, pool_k, pool_v, out, fscale, window);
+    case at::kBFloat16:
+      return run_items<at::BFloat16>(seqs, short_seqs, q, pool_k, pool_v, out, fscale, window);
+    case at::kHalf:
+      return run_items<at::Half>(seqs, short_seqs, q, pool_k, pool_v, out, fscale, window);
+    default:
+      TORCH_CHECK(false, "ragged_attention: float32, bfloat16 or float16 only, got ",
+                  q.scalar_type());
+  }
+}
+
+void ragged_attention_meta(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                           const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                           const at::Tensor&, const at::Tensor&, double, int64_t) {}
+
+}  // namespace
+
+TORCH_LIBRARY(tetri, m) {
+  m.def(
+      "ragged_attention(Tensor q, Tensor pool_k, Tensor pool_v, Tensor(a!) out, Tensor q_start, "
+      "Tensor q_len, Tensor ctx_len, Tensor kv_start, float scale, int window) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(tetri, CPU, m) { m.impl("ragged_attention", &ragged_attention_cpu); }
+
+TORCH_LIBRARY_IMPL(tetri, Meta, m) { m.impl("ragged_attention", &ragged_attention_meta); }

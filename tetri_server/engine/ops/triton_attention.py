@@ -1,0 +1,104 @@
+"""The CUDA side of ``tetri::ragged_attention``: a Triton kernel with the same arguments as the
+C++ op (see ``ragged_attention.cpp`` and ``attention.py`` for the layout and semantics).
+
+One program per (sequence, query head, block of BLOCK_M query rows); programs past a sequence's
+rows do nothing. Keys are walked in order in blocks of BLOCK_N from the first key any row of the
+block can see, with an online softmax in fp32 (``tl.dot`` in IEEE fp32 for fp32 inputs, so no
+TF32), so a row's result depends only on its own sequence. Metadata stays on the device: the
+grid is sized from ``q``'s shape, never from the metadata's values (no host sync).
+
+Only imported where Triton is installed. Its logic is tested on CPU under Triton's interpreter
+(``TRITON_INTERPRET=1``, tests/unit/test_attention_op.py); speed only on a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_M = 16
+BLOCK_N = 64
+
+
+@triton.jit
+def _ragged_attention_kernel(Q, K, V, Out, QS, QL, CL, KS, scale, window,  # noqa: N803
+                             stride_qt, stride_qh, stride_kh, stride_kt, stride_ot, stride_oh,
+                             GROUPS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                             PRECISION: tl.constexpr):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    mb = tl.program_id(2)
+    q_start = tl.load(QS + seq).to(tl.int64)
+    q_len = tl.load(QL + seq).to(tl.int64)
+    ctx = tl.load(CL + seq).to(tl.int64)
+    kv_start = tl.load(KS + seq).to(tl.int64)
+    kvh = head // GROUPS
+
+    offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = offs_m < q_len
+    d_ok = offs_d < D
+    pos = ctx - q_len + offs_m  # context position of each query row
+    q = tl.load(Q + (q_start + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+    # keys [first, last): what the block's rows can see; empty for a block past the rows
+    last = tl.minimum(ctx - q_len + (mb + 1) * BLOCK_M, ctx)
+    first = ctx * 0
+    if window > 0:
+        first = tl.maximum(ctx - q_len + mb * BLOCK_M - window + 1, 0)
+    if mb * BLOCK_M >= q_len:
+        last = first
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    k_base = K + kvh * stride_kh + kv_start * stride_kt
+    v_base = V + kvh * stride_kh + kv_start * stride_kt
+    for start in range(first, last, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        kv_mask = (offs_n < last)[:, None] & d_ok[None, :]
+        k = tl.load(k_base + offs_n[:, None] * stride_kt + offs_d[None, :], mask=kv_mask,
+                    other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        visible = (offs_n[None, :] <= pos[:, None]) & (offs_n < last)[None, :]
+        visible = visible & ((offs_n[None, :] > pos[:, None] - window) | (window <= 0))
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + offs_n[:, None] * stride_kt + offs_d[None, :], mask=kv_mask,
+                    other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(Out + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+             out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+def ragged_attention_triton(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor,
+                            out: torch.Tensor, q_start: torch.Tensor, q_len: torch.Tensor,
+                            ctx_len: torch.Tensor, kv_start: torch.Tensor, scale: float,
+                            window: int) -> None:
+    """Same contract as ``torch.ops.tetri.ragged_attention``: writes ``out`` (rows of no
+    sequence are zero). The metadata vectors must be on q's device."""
+    tokens, heads, dim = q.shape
+    kv_heads = pool_k.shape[0]
+    if heads % kv_heads or pool_k.stride() != pool_v.stride() or q.stride(2) != 1 \
+            or pool_k.stride(2) != 1 or not out.is_contiguous():
+        raise ValueError("ragged_attention: unsupported shapes or strides")
+    out.zero_()
+    num_seqs = q_start.numel()
+    if num_seqs == 0 or tokens == 0:
+        return
+    grid = (num_seqs, heads, triton.cdiv(tokens, BLOCK_M))
+    _ragged_attention_kernel[grid](
+        q, pool_k, pool_v, out, q_start, q_len, ctx_len, kv_start, float(scale), int(window),
+        q.stride(0), q.stride(1), pool_k.stride(0), pool_k.stride(1), out.stride(0),
+        out.stride(1), GROUPS=heads // kv_heads, D=dim, BLOCK_D=triton.next_power_of_2(dim),
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
