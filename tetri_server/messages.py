@@ -16,8 +16,13 @@ and lets the request table always know a request's owner. KV bytes never travel 
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
 
+Role = Literal["prefill", "decode", "coupled"]
+"""What a worker does: the one name of roles shared by messages, policies and control."""
+FLIP_ROLES: tuple[Role, ...] = ("prefill", "decode")  # the roles an instance flips between
 
 class SamplingParams(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """How to pick tokens. Stop *strings* are matched by the control process on detokenized
@@ -65,7 +70,7 @@ class WorkerSpec(msgspec.Struct, frozen=True):
     """Everything a worker process needs, passed by the control process on argv as JSON."""
 
     worker_id: int
-    role: str  # prefill | decode | coupled
+    role: Role
     generation: int  # restarts of this worker id so far (segment names differ per generation)
     run_id: str
     config: dict[str, dict[str, object]]  # Config.to_dict() (API key redacted), resolved
@@ -152,7 +157,7 @@ class DecodeView(msgspec.Struct, tag=True, array_like=True):
 class SetRole(msgspec.Struct, tag=True, array_like=True):
     """Instance flip: once drained, the worker switches role without reloading weights."""
 
-    role: str
+    role: Role
 
 
 # ---------------------------------------------------------------- worker -> control
@@ -163,7 +168,7 @@ class Ready(msgspec.Struct, tag=True, array_like=True):
     role, when it has switched roles after a ``SetRole``."""
 
     worker_id: int
-    role: str
+    role: Role
     pool: PoolHandle
     chunk_size: int
     pid: int
@@ -210,7 +215,7 @@ class LoadReport(msgspec.Struct, tag=True, array_like=True):
     """Sent every ``monitor.interval_ms`` by every worker to the cluster monitor."""
 
     worker_id: int
-    role: str
+    role: Role
     num_waiting: int
     num_running: int
     num_queued_prompt_tokens: int

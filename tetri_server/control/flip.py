@@ -19,6 +19,7 @@ from typing import Protocol
 
 from tetri_server.config import Config
 from tetri_server.control.supervisor import WorkerHandle
+from tetri_server.messages import FLIP_ROLES as ROLES
 from tetri_server.messages import LoadReport, SetRole
 from tetri_server.policy import FlipPlan, FlipPolicy
 
@@ -33,7 +34,6 @@ class FlipHost(Protocol):
     reports: Mapping[int, LoadReport]
 
 log = logging.getLogger("tetri.flip")
-ROLES = ("prefill", "decode")
 
 
 class FlipRefused(Exception):

@@ -19,9 +19,9 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tetri_server.messages import LoadReport
+from tetri_server.messages import FLIP_ROLES, LoadReport, Role
 
-ROLES = ("prefill", "decode")
+ROLES = FLIP_ROLES
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ class _Sample:
 
 @dataclass(frozen=True)
 class _WindowStats:
-    role: str
+    role: Role
     utilisation: float
     mean_waiting: float
     idle: bool  # no work in any report of the window
@@ -71,7 +71,7 @@ class FlipPolicy:
         self.low_util = low_util
         self.high_util = high_util
         self.cooldown_s = cooldown_s
-        self._history: dict[int, tuple[str, deque[_Sample]]] = {}
+        self._history: dict[int, tuple[Role, deque[_Sample]]] = {}
         self._in_flight: FlipPlan | None = None
         self._last_flip_end_s: float | None = None
 
@@ -175,5 +175,5 @@ def _last(samples: deque[_Sample], start_s: float) -> list[_Sample]:
     return items[i:]
 
 
-def _other(role: str) -> str:
+def _other(role: Role) -> Role:
     return "decode" if role == "prefill" else "prefill"

@@ -255,7 +255,7 @@ class CoupledRole(Role):
     def load_report(self) -> LoadReport:
         load = self.loop.admission.load()
         a = self.w.allocator
-        return LoadReport(worker_id=self.w.worker_id, role=self.name,
+        return LoadReport(worker_id=self.w.worker_id, role="coupled",
                           num_waiting=len(self.loop.queue) + load.num_waiting,
                           num_running=load.num_running,
                           num_queued_prompt_tokens=self.loop.queue.num_queued_tokens,

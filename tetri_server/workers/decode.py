@@ -121,7 +121,11 @@ class DecodeRole(Role):
 
     def load_report(self) -> LoadReport:
         load = self.admission.load()
-        return LoadReport(self.w.worker_id, self.name, load.num_waiting, load.num_running, 0,
-                          self.w.allocator.num_free, self.w.allocator.num_blocks, load.num_heavy,
-                          load.num_light, load.predicted_demand_blocks, self.w.busy_s,
-                          load.num_preemptions)
+        a = self.w.allocator
+        return LoadReport(worker_id=self.w.worker_id, role="decode",
+                          num_waiting=load.num_waiting, num_running=load.num_running,
+                          num_queued_prompt_tokens=0, num_free_blocks=a.num_free,
+                          num_total_blocks=a.num_blocks, num_heavy=load.num_heavy,
+                          num_light=load.num_light,
+                          predicted_demand_blocks=load.predicted_demand_blocks,
+                          busy_s=self.w.busy_s, num_preemptions=load.num_preemptions)

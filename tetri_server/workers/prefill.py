@@ -217,6 +217,9 @@ class PrefillRole(Role):
 
     def load_report(self) -> LoadReport:
         held = len(self.undispatched) + len(self.handed_off)
-        return LoadReport(self.w.worker_id, self.name, len(self.queue) + len(self.unpredicted),
-                          held, self.queue.num_queued_tokens, self.w.allocator.num_free,
-                          self.w.allocator.num_blocks, 0, 0, 0, self.w.busy_s)
+        a = self.w.allocator
+        return LoadReport(worker_id=self.w.worker_id, role="prefill",
+                          num_waiting=len(self.queue) + len(self.unpredicted), num_running=held,
+                          num_queued_prompt_tokens=self.queue.num_queued_tokens,
+                          num_free_blocks=a.num_free, num_total_blocks=a.num_blocks, num_heavy=0,
+                          num_light=0, predicted_demand_blocks=0, busy_s=self.w.busy_s)
