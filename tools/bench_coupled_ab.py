@@ -21,7 +21,10 @@ sys.path.insert(0, sys.argv[1])
 os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
 import torch
 torch.set_num_threads(1)
-from tetri_server.engine.llm import EngineConfig, LLMEngine
+try:
+    from tetri_server.llm import EngineConfig, LLMEngine
+except ImportError:  # checkouts before the engine package held model code only
+    from tetri_server.engine.llm import EngineConfig, LLMEngine
 from tetri_server.messages import SamplingParams
 from tetri_server.modelmaker import builtin_model_path
 rng = random.Random(7)

@@ -72,12 +72,12 @@ from tetri_server.engine import llama as llama_mod
 from tetri_server.engine import opt as opt_mod
 from tetri_server.engine import runner as runner_mod
 from tetri_server.engine.attention import BatchMetadata, paged_attention, ragged_attention
-from tetri_server.engine.llm import EngineConfig, LLMEngine
 from tetri_server.engine.ops.linear import linear, pack_weight
 from tetri_server.engine.runner import ScheduledSeq, StepPlan
 from tetri_server.engine.sequence import SeqStatus
 from tetri_server.engine.sequence import Sequence as Seq
 from tetri_server.kv.blocks import blocks_for
+from tetri_server.llm import EngineConfig, LLMEngine
 from tetri_server.messages import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.conftest import random_prompts
-from tetri_server.engine.llm import EngineConfig, LLMEngine
+from tetri_server.llm import EngineConfig, LLMEngine
 from tetri_server.messages import SamplingParams
 
 pytestmark = [pytest.mark.gpu,

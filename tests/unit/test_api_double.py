@@ -59,7 +59,7 @@ class EngineBackend:
     def __init__(self, model_path: Path, metrics: Metrics) -> None:
         from transformers import AutoTokenizer
 
-        from tetri_server.engine.llm import EngineConfig, LLMEngine
+        from tetri_server.llm import EngineConfig, LLMEngine
 
         self.engine = LLMEngine(
             EngineConfig(str(model_path), num_blocks=NUM_BLOCKS, max_model_len=MAX_MODEL_LEN)

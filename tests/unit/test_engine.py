@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import hf_greedy, random_prompts
-from tetri_server.engine.llm import EngineConfig, LLMEngine
+from tetri_server.llm import EngineConfig, LLMEngine
 from tetri_server.messages import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
