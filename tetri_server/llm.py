@@ -4,59 +4,64 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import torch
 
-from tetri_server.engine.loader import load_model
+from tetri_server.config import Config
+from tetri_server.engine.loader import load_model, resolve_model_path
 from tetri_server.engine.runner import ModelRunner
 from tetri_server.kv.blocks import BlockAllocator, blocks_for
 from tetri_server.kv.manager import KVCacheManager
 from tetri_server.messages import SamplingParams, TokenDelta
 
+DEFAULT_KV_GB = 1.0  # pool size in-process when kv.num_blocks and kv.memory_gb are 0
 
-@dataclass(frozen=True)
-class EngineConfig:
-    model_path: str
-    dtype: str = "float32"
-    device: str = "cpu"
-    block_size: int = 16
-    num_blocks: int = 0  # 0 = from kv_memory_gb
-    kv_memory_gb: float = 1.0
-    mode: str = "coupled"  # coupled | chunked
-    chunk_size: int = 512
-    max_batch: int = 32
-    max_model_len: int = 0  # 0 = the model's max_position_embeddings
-    pad_chunks: bool = False
+
+def make_engine(model_path: str, *overrides: str, pad_chunks: bool = False) -> LLMEngine:
+    """An engine for ``model_path`` with ``--set``-style overrides, e.g.
+    ``make_engine(path, "cluster.mode=coupled-chunked", "prefill.token_budget=64")``."""
+    from tetri_server.config import load_config
+
+    return LLMEngine(load_config(None, [f"model.path={model_path}", "cluster.mode=coupled",
+                                        *overrides]), pad_chunks=pad_chunks)
 
 
 class LLMEngine:
-    """Single-process engine. ``step()`` = schedule -> execute -> update."""
+    """Single-process engine over the coupled worker's loop, built from the same ``Config`` as
+    the server: ``cluster.mode`` coupled | coupled-chunked, ``prefill.token_budget``,
+    ``decode.max_batch``, ``kv.block_size`` / ``kv.num_blocks`` / ``kv.memory_gb``,
+    ``model.*``, ``cluster.device``. ``pad_chunks``: prefill-only steps padded to exactly the
+    token budget (TetriInfer's fixed-size chunks, for experiments)."""
 
-    def __init__(self, cfg: EngineConfig) -> None:
-        self.cfg = cfg
-        self.device = torch.device(cfg.device)
-        self.model, self.spec = load_model(cfg.model_path, cfg.dtype, self.device)
+    def __init__(self, cfg: Config, *, pad_chunks: bool = False) -> None:
+        if cfg.cluster.mode not in ("coupled", "coupled-chunked"):
+            raise ValueError(f"the in-process engine runs coupled or coupled-chunked, not "
+                             f"{cfg.cluster.mode!r}")
+        self.cfg = cfg = cfg.resolve(cpu_count=1)
+        self.device = torch.device("cuda" if cfg.cluster.device == "cuda" else "cpu")
+        path = str(resolve_model_path(cfg.model.path))
+        self.model, self.spec = load_model(path, cfg.model.dtype, self.device)
         dtype = next(self.model.parameters()).dtype
-        s = self.spec
-        self.max_model_len = s.max_model_len(cfg.max_model_len)
-        num_blocks = cfg.num_blocks or s.blocks_in_budget(
-            cfg.kv_memory_gb * 2**30, dtype.itemsize, cfg.block_size)
-        if num_blocks < blocks_for(self.max_model_len, cfg.block_size):
+        s, bs = self.spec, cfg.kv.block_size
+        self.max_model_len = s.max_model_len(cfg.model.max_model_len)
+        num_blocks = cfg.kv.num_blocks or s.blocks_in_budget(
+            (cfg.kv.memory_gb or DEFAULT_KV_GB) * 2**30, dtype.itemsize, bs)
+        if num_blocks < blocks_for(self.max_model_len, bs):
             raise ValueError(f"KV pool of {num_blocks} blocks cannot hold one sequence of "
                              f"max_model_len={self.max_model_len}")
-        self.kv = torch.zeros(s.num_layers, 2, s.num_kv_heads, num_blocks * cfg.block_size,
-                              s.head_dim, dtype=dtype, device=self.device)
+        self.kv = torch.zeros(s.num_layers, 2, s.num_kv_heads, num_blocks * bs, s.head_dim,
+                              dtype=dtype, device=self.device)
         self.allocator = BlockAllocator(num_blocks)
-        self.kv_manager = KVCacheManager(self.allocator, self.kv, cfg.block_size)
-        self.runner = ModelRunner(self.model, s, self.kv, cfg.block_size, self.device)
+        self.kv_manager = KVCacheManager(self.allocator, self.kv, bs)
+        self.runner = ModelRunner(self.model, s, self.kv, bs, self.device)
         from tetri_server.workers.coupled import CoupledLoop
 
+        budget = cfg.prefill.token_budget
         self.loop = CoupledLoop(self.runner, self.kv_manager, s.eos_token_ids, self.max_model_len,
-                                self.device, chunked=cfg.mode == "chunked",
-                                token_budget=cfg.chunk_size, max_batch=cfg.max_batch,
-                                max_prefill_tokens=max(self.max_model_len, cfg.chunk_size),
-                                pad_chunks=cfg.pad_chunks)
+                                self.device, chunked=cfg.cluster.mode == "coupled-chunked",
+                                token_budget=budget, max_batch=cfg.decode.max_batch,
+                                max_prefill_tokens=max(self.max_model_len, budget),
+                                pad_chunks=pad_chunks)
         self.seqs = self.loop.seqs
 
     def add_request(self, req_id: int, prompt_ids: list[int],

@@ -22,9 +22,9 @@ os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
 import torch
 torch.set_num_threads(1)
 try:
-    from tetri_server.llm import EngineConfig, LLMEngine
-except ImportError:  # checkouts before the engine package held model code only
-    from tetri_server.engine.llm import EngineConfig, LLMEngine
+    from tetri_server.llm import make_engine
+except ImportError:  # checkouts before the in-process engine was built from Config
+    make_engine = None
 from tetri_server.messages import SamplingParams
 from tetri_server.modelmaker import builtin_model_path
 rng = random.Random(7)
@@ -32,8 +32,18 @@ prompts = [[rng.randrange(5, 8000) for _ in range(rng.choice((32, 96, 200, 400))
            for _ in range(24)]
 params = [SamplingParams(max_tokens=rng.choice((16, 48, 96)), temperature=0.0, ignore_eos=True)
           for _ in prompts]
-eng = LLMEngine(EngineConfig(str(builtin_model_path("bench")), mode=sys.argv[2],
-                             chunk_size=256, num_blocks=2000, max_batch=32))
+path = str(builtin_model_path("bench"))
+if make_engine is not None:
+    mode = "coupled-chunked" if sys.argv[2] == "chunked" else "coupled"
+    eng = make_engine(path, f"cluster.mode={mode}", "prefill.token_budget=256",
+                      "kv.num_blocks=2000", "decode.max_batch=32")
+else:
+    try:
+        from tetri_server.engine.llm import EngineConfig, LLMEngine
+    except ImportError:
+        from tetri_server.llm import EngineConfig, LLMEngine
+    eng = LLMEngine(EngineConfig(path, mode=sys.argv[2], chunk_size=256, num_blocks=2000,
+                                 max_batch=32))
 eng.generate(prompts[:2], params[:2])
 t0 = time.process_time()
 out = eng.generate(prompts, params)

@@ -77,7 +77,7 @@ from tetri_server.engine.runner import ScheduledSeq, StepPlan
 from tetri_server.engine.sequence import SeqStatus
 from tetri_server.engine.sequence import Sequence as Seq
 from tetri_server.kv.blocks import blocks_for
-from tetri_server.llm import EngineConfig, LLMEngine
+from tetri_server.llm import LLMEngine, make_engine
 from tetri_server.messages import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -268,9 +268,9 @@ class Ours:
         block_size = 16
         per_seq = blocks_for(max_ctx + extra, block_size) + 1
         num_blocks = max(int(max_batch * per_seq * 1.25), blocks_for(4096, block_size) * 2)
-        self.eng = LLMEngine(EngineConfig(str(model_path), dtype=dtype, mode="chunked",
-                                          block_size=block_size, num_blocks=num_blocks,
-                                          max_batch=max_batch))
+        self.eng = make_engine(str(model_path), f"model.dtype={dtype}",
+                               "cluster.mode=coupled-chunked", f"kv.block_size={block_size}",
+                               f"kv.num_blocks={num_blocks}", f"decode.max_batch={max_batch}")
         self.dtype = self.eng.kv.dtype
         self.shape = Shape.of(self.eng)
         self.vocab = self.eng.spec.vocab_size

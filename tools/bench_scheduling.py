@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from tetri_server.engine.loader import resolve_model_path  # noqa: E402
-from tetri_server.llm import EngineConfig, LLMEngine  # noqa: E402
+from tetri_server.llm import make_engine  # noqa: E402
 from tetri_server.messages import SamplingParams  # noqa: E402
 from tetri_server.policy import pick_chunk_size  # noqa: E402
 from tetri_server.workers.calibrate import SIZES, measure  # noqa: E402
@@ -26,7 +26,7 @@ from tetri_server.workers.calibrate import SIZES, measure  # noqa: E402
 
 def calibration(model: str, threads: int) -> None:
     torch.set_num_threads(threads)
-    eng = LLMEngine(EngineConfig(model, num_blocks=0, kv_memory_gb=1.0))
+    eng = make_engine(model, "kv.num_blocks=0", "kv.memory_gb=1.0")
     worker = SimpleNamespace(allocator=eng.allocator, block_size=eng.cfg.block_size,
                              kv=eng.kv_manager, runner=eng.runner, model_spec=eng.spec,
                              max_model_len=eng.max_model_len)

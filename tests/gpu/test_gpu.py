@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.conftest import random_prompts
-from tetri_server.llm import EngineConfig, LLMEngine
+from tetri_server.llm import make_engine
 from tetri_server.messages import SamplingParams
 
 pytestmark = [pytest.mark.gpu,
@@ -34,12 +34,12 @@ def _hf_cuda(path, prompts, n):
 
 
 @pytest.mark.parametrize("family", ["llama", "opt"])
-@pytest.mark.parametrize(("mode", "chunk"), [("coupled", 2048), ("chunked", 61)])
+@pytest.mark.parametrize(("mode", "chunk"), [("coupled", 2048), ("coupled-chunked", 61)])
 def test_greedy_equals_transformers_on_cuda(model_dir, family, mode, chunk):
     path = model_dir(family)
     prompts = random_prompts(16, 8000, (1, 300), seed=31)
-    eng = LLMEngine(EngineConfig(str(path), device="cuda", mode=mode, chunk_size=chunk,
-                                 num_blocks=600))
+    eng = make_engine(str(path), "cluster.device=cuda", f"cluster.mode={mode}",
+                      f"prefill.token_budget={chunk}", "kv.num_blocks=600")
     assert eng.generate(prompts, GREEDY) == _hf_cuda(path, prompts, GREEDY.max_tokens)
     assert eng.allocator.num_free == eng.allocator.num_blocks
 

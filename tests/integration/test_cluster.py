@@ -57,9 +57,9 @@ async def test_every_mode_equals_transformers_and_frees_everything(tiny_llama, m
 def test_decode_output_depends_on_the_kv_it_attends_to(tiny_llama):
     """Why matching transformers in disaggregated mode proves the KV crossed processes: the
     decode step of this model gives other tokens when the prompt's KV is missing."""
-    from tetri_server.llm import EngineConfig, LLMEngine
+    from tetri_server.llm import make_engine
 
-    eng = LLMEngine(EngineConfig(str(tiny_llama), num_blocks=200))
+    eng = make_engine(str(tiny_llama), "kv.num_blocks=200")
     prompt = random_prompts(1, 8000, (40, 40), seed=12)[0]
     eng.add_request(0, prompt, GREEDY)
     eng.step()  # prefill: KV of the prompt in the pool, first token sampled

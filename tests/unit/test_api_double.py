@@ -59,11 +59,10 @@ class EngineBackend:
     def __init__(self, model_path: Path, metrics: Metrics) -> None:
         from transformers import AutoTokenizer
 
-        from tetri_server.llm import EngineConfig, LLMEngine
+        from tetri_server.llm import make_engine
 
-        self.engine = LLMEngine(
-            EngineConfig(str(model_path), num_blocks=NUM_BLOCKS, max_model_len=MAX_MODEL_LEN)
-        )
+        self.engine = make_engine(str(model_path), f"kv.num_blocks={NUM_BLOCKS}",
+                                  f"model.max_model_len={MAX_MODEL_LEN}")
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_path))
         self.model_name = MODEL_NAME
         self.max_model_len = self.engine.max_model_len

@@ -6,11 +6,12 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import hf_greedy, random_prompts
-from tetri_server.llm import EngineConfig, LLMEngine
+from tetri_server.llm import make_engine
 from tetri_server.messages import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-MODES = [("coupled", 2048), ("chunked", 512), ("chunked", 97), ("chunked", 16), ("chunked", 7)]
+MODES = [("coupled", 2048), ("coupled-chunked", 512), ("coupled-chunked", 97),
+         ("coupled-chunked", 16), ("coupled-chunked", 7)]
 
 
 @pytest.fixture(scope="module", params=["llama", "opt", "qwen2", "mistral"])
@@ -25,8 +26,8 @@ def family_case(request, model_dir):
 def test_greedy_equals_transformers(family_case, mode, chunk):
     path, prompts, ref = family_case
     # A small pool forces relocations (extents that cannot grow in place) during decode.
-    eng = LLMEngine(EngineConfig(str(path), mode=mode, chunk_size=chunk, block_size=16,
-                                 num_blocks=700, max_batch=24))
+    eng = make_engine(str(path), f"cluster.mode={mode}", f"prefill.token_budget={chunk}",
+                      "kv.block_size=16", "kv.num_blocks=700", "decode.max_batch=24")
     got = eng.generate(prompts, GREEDY)
     mismatches = [i for i, (g, r) in enumerate(zip(got, ref, strict=True)) if g != r]
     assert not mismatches, f"{len(mismatches)} prompts differ, first {mismatches[0]}"
@@ -37,8 +38,8 @@ def test_packed_fixed_size_chunks_with_padding_match(model_dir):
     """Prefill-only steps of exactly chunk_size tokens (TetriInfer packing, last one padded)."""
     path = model_dir("llama")
     prompts = random_prompts(20, 8000, (3, 60), seed=2)
-    eng = LLMEngine(EngineConfig(str(path), mode="chunked", chunk_size=64, num_blocks=400,
-                                 pad_chunks=True))
+    eng = make_engine(str(path), "cluster.mode=coupled-chunked", "prefill.token_budget=64",
+                      "kv.num_blocks=400", pad_chunks=True)
     for i, p in enumerate(prompts):
         eng.add_request(i, p, GREEDY)
     plan = eng.loop.plan()
@@ -54,7 +55,8 @@ def test_staggered_arrivals_decode_with_different_context_lengths(model_dir):
     path = model_dir("opt")
     prompts = random_prompts(8, 8000, (5, 300), seed=3)
     ref = hf_greedy(path, prompts, 12)
-    eng = LLMEngine(EngineConfig(str(path), mode="chunked", chunk_size=64, num_blocks=300))
+    eng = make_engine(str(path), "cluster.mode=coupled-chunked", "prefill.token_budget=64",
+                      "kv.num_blocks=300")
     got: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     for i, p in enumerate(prompts):  # a new request joins every two steps
@@ -72,8 +74,8 @@ def test_preemption_under_memory_pressure_still_matches(model_dir):
     path = model_dir("llama")
     prompts = random_prompts(6, 8000, (40, 60), seed=4)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    eng = LLMEngine(EngineConfig(str(path), mode="chunked", chunk_size=64, block_size=16,
-                                 num_blocks=20, max_model_len=256))
+    eng = make_engine(str(path), "cluster.mode=coupled-chunked", "prefill.token_budget=64",
+                      "kv.block_size=16", "kv.num_blocks=20", "model.max_model_len=256")
     got = eng.generate(prompts, params)
     assert eng.loop.num_preemptions > 0
     assert got == hf_greedy(path, prompts, 40)
@@ -86,7 +88,8 @@ def test_rope_scaling_from_config(model_dir):
                "rope_theta": 500000.0}
     path = model_dir("llama", rope_parameters=scaling)
     prompts = random_prompts(4, 8000, (200, 500), seed=5)
-    eng = LLMEngine(EngineConfig(str(path), mode="chunked", chunk_size=128, num_blocks=300))
+    eng = make_engine(str(path), "cluster.mode=coupled-chunked", "prefill.token_budget=128",
+                      "kv.num_blocks=300")
     assert eng.generate(prompts, GREEDY) == hf_greedy(path, prompts, GREEDY.max_tokens)
 
 
@@ -95,7 +98,7 @@ def test_seeded_sampling_is_reproducible_and_independent_of_batch(model_dir):
     prompts = random_prompts(5, 8000, (5, 50), seed=6)
     sp = [SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9, top_k=50, seed=100 + i,
                          ignore_eos=True) for i in range(5)]
-    eng = LLMEngine(EngineConfig(str(path), num_blocks=200))
+    eng = make_engine(str(path), "kv.num_blocks=200")
     together = eng.generate(prompts, sp)
     alone = [eng.generate([p], [s])[0] for p, s in zip(prompts, sp, strict=True)]
     assert together == alone
@@ -106,7 +109,7 @@ def test_seeded_sampling_is_reproducible_and_independent_of_batch(model_dir):
 
 def test_stop_rules_and_logprobs(model_dir):
     path = model_dir("llama")
-    eng = LLMEngine(EngineConfig(str(path), num_blocks=200))
+    eng = make_engine(str(path), "kv.num_blocks=200")
     prompt = random_prompts(1, 8000, (10, 10), seed=7)[0]
     free = eng.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
     stop_at = free[3]
@@ -123,7 +126,7 @@ def test_stop_rules_and_logprobs(model_dir):
 
 
 def test_bad_requests_are_clear_errors(model_dir):
-    eng = LLMEngine(EngineConfig(str(model_dir("llama")), num_blocks=200, max_model_len=64))
+    eng = make_engine(str(model_dir("llama")), "kv.num_blocks=200", "model.max_model_len=64")
     with pytest.raises(ValueError, match="empty"):
         eng.add_request(1, [], GREEDY)
     with pytest.raises(ValueError, match="max_model_len"):
@@ -134,7 +137,8 @@ def test_bad_requests_are_clear_errors(model_dir):
     ("mistral", {"sliding_window": 64}),
     ("qwen2", {"use_sliding_window": True, "sliding_window": 48, "max_window_layers": 1}),
 ])
-@pytest.mark.parametrize(("mode", "chunk"), [("coupled", 2048), ("chunked", 97), ("chunked", 7)])
+@pytest.mark.parametrize(("mode", "chunk"), [("coupled", 2048), ("coupled-chunked", 97),
+                                             ("coupled-chunked", 7)])
 def test_sliding_window_models_equal_transformers_past_the_window(model_dir, family, overrides,
                                                                   mode, chunk):
     """Regression: a checkpoint whose sliding_window is shorter than the prompt was served with
@@ -143,6 +147,7 @@ def test_sliding_window_models_equal_transformers_past_the_window(model_dir, fam
     path = model_dir(family, **overrides)
     prompts = random_prompts(8, 8000, (30, 300), seed=9)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    eng = LLMEngine(EngineConfig(str(path), mode=mode, chunk_size=chunk, num_blocks=400))
+    eng = make_engine(str(path), f"cluster.mode={mode}", f"prefill.token_budget={chunk}",
+                      "kv.num_blocks=400")
     assert eng.spec.sliding_window == overrides["sliding_window"]
     assert eng.generate(prompts, params) == hf_greedy(path, prompts, params.max_tokens)
