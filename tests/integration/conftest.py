@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from tetri_server.config import load_config
 from tetri_server.control.cluster import Cluster
+from tetri_server.messages import SamplingParams
 
 BASE = ["predictor.kind=none", "decode.policy=greedy", "prefill.chunk_size=64",
         "kv.num_blocks=400", "cluster.workers=2", "server.request_timeout_s=60",
@@ -18,6 +21,24 @@ BASE = ["predictor.kind=none", "decode.policy=greedy", "prefill.chunk_size=64",
 def make_cluster(model: Path, mode: str, *extra: str) -> Cluster:
     cfg = load_config(None, [f"cluster.mode={mode}", f"model.path={model}", *BASE, *extra])
     return Cluster(cfg.resolve(cpu_count=os.cpu_count() or 1))
+
+
+async def collect(cluster: Cluster, prompt: list[int], params: SamplingParams) -> list[int]:
+    """The output token ids of one request, streamed from the real cluster."""
+    out: list[int] = []
+    async for d in cluster.submit(prompt, params):
+        out.extend(d.token_ids)
+    return out
+
+
+async def until(check: Callable[[], object], timeout_s: float, what: str) -> None:
+    """Poll ``check`` (every 10 ms) until it is true; AssertionError after ``timeout_s``."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not check():
+        if loop.time() > deadline:
+            raise AssertionError(f"not within {timeout_s} s: {what}")
+        await asyncio.sleep(0.01)
 
 
 def segments(run_id: str) -> list[str]:

@@ -10,18 +10,12 @@ import signal
 import pytest
 
 from tests.conftest import hf_greedy, random_prompts
-from tests.integration.conftest import make_cluster, segments
+from tests.integration.conftest import collect, make_cluster, segments
 from tetri_server.control.protocol import GenerationError
 from tetri_server.messages import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
-
-async def collect(cluster, prompt, params=GREEDY) -> list[int]:
-    out: list[int] = []
-    async for d in cluster.submit(prompt, params):
-        out.extend(d.token_ids)
-    return out
 
 
 async def wait_all_free(cluster, timeout_s: float = 5.0) -> dict[int, tuple[int, int]]:
@@ -44,7 +38,7 @@ async def test_every_mode_equals_transformers_and_frees_everything(tiny_llama, m
     await cluster.start()
     try:
         got = await asyncio.wait_for(
-            asyncio.gather(*(collect(cluster, p) for p in prompts)), 120)
+            asyncio.gather(*(collect(cluster, p, GREEDY) for p in prompts)), 120)
         assert got == ref
         usage = await wait_all_free(cluster)
         assert all(u == 0 for u, _ in usage.values()), usage
@@ -119,7 +113,7 @@ async def test_stale_segments_of_a_crashed_control_process_are_removed(tiny_llam
     script.write_text(textwrap.dedent(f"""
         import asyncio, os, signal, sys
         sys.path.insert(0, {str(os.getcwd())!r})
-        from tests.integration.conftest import make_cluster
+        from tests.integration.conftest import collect, make_cluster, until
         async def main():
             c = make_cluster({str(tiny_llama)!r}, "coupled")
             await c.start()

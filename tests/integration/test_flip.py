@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 
 from tests.conftest import hf_greedy, random_prompts
-from tests.integration.conftest import make_cluster
+from tests.integration.conftest import collect, make_cluster, until
 from tetri_server.messages import SamplingParams
 
 FLIP = ["flip.enabled=true", "flip.window_s=1.0", "flip.idle_s=1.0", "flip.low_load=0.1",
@@ -15,20 +15,11 @@ FLIP = ["flip.enabled=true", "flip.window_s=1.0", "flip.idle_s=1.0", "flip.low_l
         "monitor.interval_ms=100", "cluster.threads_per_worker=1"]
 
 
-async def _run(cluster, prompt, params):
-    out: list[int] = []
-    async for d in cluster.submit(prompt, params):
-        out.extend(d.token_ids)
-    return out
-
-
 async def _until(check, timeout_s: float) -> bool:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not check():
-        if loop.time() > deadline:
-            return False
-        await asyncio.sleep(0.05)
+    try:
+        await until(check, timeout_s, "")
+    except AssertionError:
+        return False
     return True
 
 
@@ -44,7 +35,7 @@ async def test_flip_policy_flips_a_worker_and_back_without_changing_outputs(tiny
     try:
         history = cluster.flipper.history
         # Decode-heavy: long outputs from short prompts; the prefill workers go idle.
-        jobs = [asyncio.create_task(_run(cluster, decode_prompts[i % 3], long_params))
+        jobs = [asyncio.create_task(collect(cluster, decode_prompts[i % 3], long_params))
                 for i in range(24)]
         assert await _until(lambda: any(f.to_role == "decode" for f in history), 60), \
             cluster.workers_info()
@@ -53,13 +44,13 @@ async def test_flip_policy_flips_a_worker_and_back_without_changing_outputs(tiny
         roles = sorted(h.role for h in cluster.workers.values())
         assert roles == ["decode", "decode", "prefill"]
         # Prefill-heavy: long prompts, two tokens each; a decode worker goes idle.
-        jobs = [asyncio.create_task(_run(cluster, prefill_prompts[i % 4], short_params))
+        jobs = [asyncio.create_task(collect(cluster, prefill_prompts[i % 4], short_params))
                 for i in range(60)]
         back = await _until(lambda: history[-1].to_role == "prefill", 60)
         got = await asyncio.wait_for(asyncio.gather(*jobs), 120)
         assert got == [prefill_ref[i % 4] for i in range(60)]
         if not back:  # the burst may end before the window closes; keep loading
-            more = [asyncio.create_task(_run(cluster, prefill_prompts[i % 4], short_params))
+            more = [asyncio.create_task(collect(cluster, prefill_prompts[i % 4], short_params))
                     for i in range(200)]
             back = await _until(lambda: history[-1].to_role == "prefill", 60)
             await asyncio.wait_for(asyncio.gather(*more), 180)
@@ -91,6 +82,6 @@ async def test_manual_flip_refusals_and_workers_info(tiny_llama):
         assert result.to_role == "prefill" and cluster.workers[2].role == "prefill"
         prompt = random_prompts(1, 8000, (30, 30), seed=23)[0]
         params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-        assert await _run(cluster, prompt, params) == hf_greedy(tiny_llama, [prompt], 8)[0]
+        assert await collect(cluster, prompt, params) == hf_greedy(tiny_llama, [prompt], 8)[0]
     finally:
         await cluster.stop()

@@ -12,27 +12,11 @@ import signal
 import pytest
 
 from tests.conftest import hf_greedy, random_prompts
-from tests.integration.conftest import make_cluster
+from tests.integration.conftest import collect, make_cluster, until
 from tetri_server.control.protocol import GenerationError, WorkerUnavailableError
 from tetri_server.messages import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-
-
-async def collect(cluster, prompt, params=GREEDY) -> list[int]:
-    out: list[int] = []
-    async for d in cluster.submit(prompt, params):
-        out.extend(d.token_ids)
-    return out
-
-
-async def until(check, timeout_s: float, what: str) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not check():
-        if loop.time() > deadline:
-            raise AssertionError(f"not within {timeout_s} s: {what}")
-        await asyncio.sleep(0.01)
 
 
 def kill(cluster, worker_id: int, sig: int = signal.SIGKILL) -> None:
@@ -71,7 +55,7 @@ async def test_compaction_under_waiting_handoffs_keeps_every_output_right(tiny_l
             jobs.append(asyncio.create_task(run(i, w)))
             await asyncio.wait_for(first[i].wait(), 60)  # prefilled, handed off, waiting
             assert await asyncio.wait_for(collect(cluster, f, one), 60)  # leaves a hole
-        big_job = asyncio.create_task(collect(cluster, big))
+        big_job = asyncio.create_task(collect(cluster, big, GREEDY))
         await asyncio.sleep(2.0)  # the prefill worker tries to place the long prompt
         kill(cluster, 1, signal.SIGCONT)
         got = await asyncio.wait_for(asyncio.gather(*jobs, big_job), 120)
@@ -108,9 +92,9 @@ async def test_a_request_that_crashes_its_worker_fails_alone(tiny_llama):
     await cluster.start()
     try:
         with pytest.raises(GenerationError, match="crashed a worker"):
-            await asyncio.wait_for(collect(cluster, [5, 6, cluster.vocab_size + 7]), 60)
+            await asyncio.wait_for(collect(cluster, [5, 6, cluster.vocab_size + 7], GREEDY), 60)
         await until(lambda: cluster.num_restarts == 1, 30, "the crashed worker is restarted")
-        assert await asyncio.wait_for(collect(cluster, prompt), 120) == ref
+        assert await asyncio.wait_for(collect(cluster, prompt, GREEDY), 120) == ref
         assert cluster.num_restarts == 1
     finally:
         await cluster.stop()
@@ -199,12 +183,12 @@ async def test_killing_one_of_two_prefill_workers_loses_nothing(tiny_llama):
     ref = hf_greedy(tiny_llama, prompts, GREEDY.max_tokens)
     await cluster.start()
     try:
-        jobs = [asyncio.create_task(collect(cluster, p)) for p in prompts[:8]]
+        jobs = [asyncio.create_task(collect(cluster, p, GREEDY)) for p in prompts[:8]]
         await until(lambda: any(r.owner == 0 and r.state.value == "prefill"
                                 for r in cluster.requests.values()), 30, "worker 0 prefills")
         kill(cluster, 0)
         await asyncio.sleep(0.05)
-        jobs += [asyncio.create_task(collect(cluster, p)) for p in prompts[8:]]  # meanwhile
+        jobs += [asyncio.create_task(collect(cluster, p, GREEDY)) for p in prompts[8:]]  # meanwhile
         got = await asyncio.wait_for(asyncio.gather(*jobs), 120)
         assert got == ref
     finally:
@@ -244,7 +228,7 @@ async def test_without_a_restart_requests_get_a_retryable_error_in_bounded_time(
         await until(lambda: not cluster.workers[1].alive, 10, "the kill is seen")
         t0 = asyncio.get_running_loop().time()
         with pytest.raises(WorkerUnavailableError) as e:
-            await asyncio.wait_for(collect(cluster, prompt), 60)
+            await asyncio.wait_for(collect(cluster, prompt, GREEDY), 60)
         assert asyncio.get_running_loop().time() - t0 < 20
         assert e.value.retry_after_s >= 1
         assert cluster.requests == {}  # nothing left behind
@@ -284,7 +268,7 @@ async def test_a_prompt_text_larger_than_a_ring_does_not_kill_the_channel(tiny_l
         async for d in cluster.submit(prompt, GREEDY, prompt_text="x" * (5 << 20)):
             out.extend(d.token_ids)
         assert out == ref
-        assert await asyncio.wait_for(collect(cluster, prompt), 60) == ref
+        assert await asyncio.wait_for(collect(cluster, prompt, GREEDY), 60) == ref
     finally:
         await cluster.stop()
 
@@ -303,7 +287,7 @@ async def test_a_prefill_worker_whose_pool_is_full_of_held_kv_waits_instead_of_s
     try:
         await asyncio.sleep(1.0)  # the prefill worker has a view of the decode worker
         kill(cluster, 1, signal.SIGSTOP)
-        jobs = [asyncio.create_task(collect(cluster, p)) for p in prompts]
+        jobs = [asyncio.create_task(collect(cluster, p, GREEDY)) for p in prompts]
         await until(lambda: sum(r.state.value == "handoff" for r in cluster.requests.values())
                     >= 2 and cluster.reports[0].num_waiting > 0, 60, "the prefill pool is full")
         await asyncio.sleep(0.5)
