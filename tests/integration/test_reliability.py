@@ -323,3 +323,23 @@ async def test_a_flip_that_times_out_is_cancelled_on_the_worker(tiny_llama):
         assert busy not in cluster.draining and cluster.num_restarts == 0
     finally:
         await cluster.stop()
+
+
+async def test_a_request_larger_than_a_ring_is_a_413_for_it_alone(tiny_llama, monkeypatch):
+    """A message that cannot fit the worker's ring fails its request with RequestTooLarge
+    (413 at the API) and the channel keeps working for everyone else."""
+    import tetri_server.control.supervisor as supervisor
+    from tetri_server.control.protocol import RequestTooLargeError
+
+    monkeypatch.setattr(supervisor, "RING_BYTES", 48 * 1024)
+    cluster = make_cluster(tiny_llama, "disaggregated")
+    prompt = random_prompts(1, 8000, (20, 20), seed=44)[0]
+    ref = hf_greedy(tiny_llama, [prompt], GREEDY.max_tokens)[0]
+    await cluster.start()
+    try:
+        with pytest.raises(RequestTooLargeError):
+            async for _ in cluster.submit(prompt, GREEDY, prompt_text="x" * 60_000):
+                pass
+        assert await asyncio.wait_for(collect(cluster, prompt, GREEDY), 60) == ref
+    finally:
+        await cluster.stop()

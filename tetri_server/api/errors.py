@@ -93,6 +93,10 @@ def timeout_error(timeout_s: float) -> APIError:
     )
 
 
+def request_too_large(reason: str) -> APIError:
+    return APIError(reason, status=413, code="request_too_large")
+
+
 def worker_unavailable(reason: str, retry_after_s: float) -> APIError:
     """No worker could take the request in time (restarting): retrying later may work."""
     return APIError(f"service unavailable: {reason}", status=503, code="service_unavailable",

@@ -14,13 +14,19 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 from tetri_server.api.detokenizer import IncrementalDetokenizer, StopMatcher
-from tetri_server.api.errors import generation_failed, queue_full, worker_unavailable
+from tetri_server.api.errors import (
+    generation_failed,
+    queue_full,
+    request_too_large,
+    worker_unavailable,
+)
 from tetri_server.api.params import GenRequest
 from tetri_server.control.protocol import (
     Backend,
     GenerationError,
     QueueFullError,
     RequestStream,
+    RequestTooLargeError,
     WorkerUnavailableError,
 )
 from tetri_server.metrics import Metrics
@@ -83,6 +89,8 @@ class Generation:
             raise queue_full(e.retry_after_s) from None
         except WorkerUnavailableError as e:
             raise worker_unavailable(str(e), e.retry_after_s) from None
+        except RequestTooLargeError as e:
+            raise request_too_large(str(e)) from None
         except GenerationError as e:
             raise generation_failed(str(e)) from None
 
@@ -100,6 +108,8 @@ class Generation:
                     return
         except WorkerUnavailableError as e:
             raise worker_unavailable(str(e), e.retry_after_s) from None
+        except RequestTooLargeError as e:
+            raise request_too_large(str(e)) from None
         except GenerationError as e:
             raise generation_failed(str(e)) from None
         raise generation_failed("the backend ended the request's stream without finishing it")

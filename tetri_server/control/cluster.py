@@ -24,7 +24,11 @@ from tetri_server.channel import cleanup_stale_segments, new_run_id
 from tetri_server.config import Config
 from tetri_server.control.flip import FlipController
 from tetri_server.control.monitor import Monitor, NullMetrics
-from tetri_server.control.protocol import WorkerUnavailableError
+from tetri_server.control.protocol import (
+    GenerationError,
+    RequestTooLargeError,
+    WorkerUnavailableError,
+)
 from tetri_server.control.requests import DONE, Request, Stream
 from tetri_server.control.routing import Router
 from tetri_server.control.supervisor import Supervisor, WorkerHandle
@@ -158,7 +162,8 @@ class Cluster:
     def abort(self, req_id: int) -> None:
         self.table.abort(req_id)
 
-    def fail(self, req: Request, error: str, retry_after_s: float | None = None) -> None:
+    def fail(self, req: Request, error: str | GenerationError,
+             retry_after_s: float | None = None) -> None:
         self.table.fail(req, error, retry_after_s)
 
     # ------------------------------------------------------------------ admin
@@ -224,7 +229,8 @@ class Cluster:
     def _undeliverable(self, msg: object, error: str) -> None:
         req = self.table.get(getattr(msg, "req_id", -1))
         if req is not None:
-            self.fail(req, f"request too large for the worker channel ({error})")
+            self.fail(req, RequestTooLargeError(f"request too large for the worker channel "
+                                                f"({error})"))
 
     # ------------------------------------------------------------------ deaths
 

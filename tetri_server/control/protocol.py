@@ -27,6 +27,11 @@ class WorkerUnavailableError(GenerationError):
         self.retry_after_s = retry_after_s
 
 
+class RequestTooLargeError(GenerationError):
+    """The request cannot be carried to a worker (a message larger than a ring): the client
+    gets 413; retrying the same request cannot work."""
+
+
 class QueueFullError(Exception):
     """Admission limit reached: the client gets 429 with ``Retry-After``."""
 

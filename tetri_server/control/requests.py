@@ -50,7 +50,8 @@ class Request:
 
 
 class StreamOwner(Protocol):
-    def fail(self, req: Request, error: str, retry_after_s: float | None = None) -> None: ...
+    def fail(self, req: Request, error: str | GenerationError,
+             retry_after_s: float | None = None) -> None: ...
     def abort(self, req_id: int) -> None: ...
 
 

@@ -70,15 +70,19 @@ class RequestTable:
         req.state = ReqState.ABORTED
         self._abort_on_workers(req)
 
-    def fail(self, req: Request, error: str, retry_after_s: float | None = None) -> None:
+    def fail(self, req: Request, error: str | GenerationError,
+             retry_after_s: float | None = None) -> None:
         """The request ends with an error for its client: 503 + Retry-After when
-        ``retry_after_s`` is given (retrying may work), else a generation error."""
+        ``retry_after_s`` is given (retrying may work), a given ``GenerationError`` subclass
+        as it is, else a generation error."""
         if req.state in DONE:
             return
         req.state = ReqState.FAILED
         self.forget(req.req_id)
-        req.queue.put_nowait(GenerationError(error) if retry_after_s is None
-                             else WorkerUnavailableError(error, retry_after_s))
+        if isinstance(error, str):
+            error = (GenerationError(error) if retry_after_s is None
+                     else WorkerUnavailableError(error, retry_after_s))
+        req.queue.put_nowait(error)
         self._abort_on_workers(req)
 
     def _abort_on_workers(self, req: Request) -> None:
