@@ -47,26 +47,22 @@ from tetri_server.messages import (
     StepFailed,
     StepOutput,
 )
+from tetri_server.modelinfo import load_tokenizer, read_limits, resolve_model_path
 
 log = logging.getLogger("tetri.control")
 
 
 class Cluster:
     def __init__(self, cfg: Config, metrics: Any = None) -> None:
-        from tetri_server.engine.loader import load_hf_config, resolve_model_path
-        from tetri_server.engine.spec import spec_from_hf_config
-
         folder = resolve_model_path(cfg.model.path)  # makes builtin:tiny once, here
         self.cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model,
                                                                       path=str(folder)))
-        spec = spec_from_hf_config(load_hf_config(folder))
+        limits = read_limits(folder)
         self.model_name = cfg.model.served_name or folder.name
-        self.max_model_len = spec.max_model_len(cfg.model.max_model_len)
-        self.eos_token_ids = spec.eos_token_ids
-        self.vocab_size = spec.vocab_size  # rows of the embedding: larger token ids are refused
-        from transformers import AutoTokenizer
-
-        self.tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        self.max_model_len = limits.max_model_len(cfg.model.max_model_len)
+        self.eos_token_ids = limits.eos_token_ids
+        self.vocab_size = limits.vocab_size  # rows of the embedding: larger ids are refused
+        self.tokenizer = load_tokenizer(folder)
         self.metrics = metrics if metrics is not None else NullMetrics()
         self.disaggregated = cfg.cluster.mode == "disaggregated"
         self.draining: set[int] = set()  # flipping: no new requests, out of the decode view

@@ -12,22 +12,10 @@ from safetensors.torch import load_file
 from tetri_server.engine.llama import LlamaModel
 from tetri_server.engine.opt import OPTModel
 from tetri_server.engine.spec import LLAMA_FAMILY, ModelSpec, spec_from_hf_config
+from tetri_server.modelinfo import resolve_model_path  # noqa: F401 - re-exported
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CausalLM = LlamaModel | OPTModel
-
-
-def resolve_model_path(path: str) -> Path:
-    """``builtin:<size>`` -> the cached made-on-first-use model; otherwise a local folder."""
-    if path.startswith("builtin:"):
-        from tetri_server.modelmaker import builtin_model_path
-
-        return builtin_model_path(path.removeprefix("builtin:"))
-    p = Path(path).expanduser()
-    if not (p / "config.json").is_file():
-        raise FileNotFoundError(f"model.path {path!r} is not a checkpoint folder "
-                                "(no config.json); models are never downloaded")
-    return p
 
 
 def load_hf_config(path: Path) -> object:

@@ -1,0 +1,64 @@
+"""What the control process needs to know about a checkpoint, read without torch (the control
+process never imports it): where the folder is, its limits and its tokenizer."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("tetri.model")
+
+
+def resolve_model_path(path: str) -> Path:
+    """``builtin:<size>`` -> the cached made-on-first-use model; otherwise a local folder."""
+    if path.startswith("builtin:"):
+        from tetri_server.modelmaker import builtin_model_path
+
+        return builtin_model_path(path.removeprefix("builtin:"))
+    p = Path(path).expanduser()
+    if not (p / "config.json").is_file():
+        raise FileNotFoundError(f"model.path {path!r} is not a checkpoint folder "
+                                "(no config.json); models are never downloaded")
+    return p
+
+
+def serving_max_model_len(configured: int, max_position_embeddings: int) -> int:
+    """The context length served: ``configured`` (0 = the model's), never above the model's
+    positions. The one rule for the control process, the workers and the engine; a sliding
+    window does not shorten it (attention applies the window)."""
+    return min(configured or max_position_embeddings, max_position_embeddings)
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    max_position_embeddings: int
+    vocab_size: int  # rows of the embedding: larger token ids are refused
+    eos_token_ids: tuple[int, ...]
+
+    def max_model_len(self, configured: int = 0) -> int:
+        return serving_max_model_len(configured, self.max_position_embeddings)
+
+
+def read_limits(folder: Path) -> ModelLimits:
+    """From ``config.json`` (the same fields ``engine.spec`` reads, without transformers)."""
+    cfg: dict[str, Any] = json.loads((folder / "config.json").read_text())
+    cfg = {**cfg.get("text_config", {}), **cfg}
+    eos = cfg.get("eos_token_id")
+    eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
+    return ModelLimits(int(cfg["max_position_embeddings"]), int(cfg["vocab_size"]), eos_ids)
+
+
+def load_tokenizer(folder: Path) -> Any:
+    """The checkpoint's tokenizer. A fast tokenizer (``tokenizer.json``) loads without torch;
+    only a checkpoint with a slow tokenizer alone needs ``AutoTokenizer`` (which imports it)."""
+    if (folder / "tokenizer.json").is_file():
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(str(folder), local_files_only=True)
+    log.warning("%s has no tokenizer.json: loading a slow tokenizer (imports torch)", folder)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
