@@ -10,7 +10,7 @@ Older tetri names (``tetri_requests_total{finish_reason}``, ``tetri_requests_run
 
 Who writes what:
     backend (control process)  ``set_requests``, ``set_worker``, ``set_chunk_size``,
-                               ``inc_restarts``, ``remove_worker``
+                               ``inc_restarts``, ``inc_stalls``, ``set_up``
     API layer                  ``observe_first_token``, ``observe_tokens``, ``observe_finished``,
                                ``inc_error``
     GET /metrics               ``render``
@@ -234,17 +234,6 @@ class Metrics:
 
     def set_up(self, worker: int | str, up: bool) -> None:
         self.workers_up.labels(self.model_name, str(worker)).set(1 if up else 0)
-
-    def remove_worker(self, worker: int | str) -> None:
-        """Drop a worker's gauges (it is gone for good); its counters keep their totals."""
-        key = str(worker)
-        for gauge in (self.kv_blocks_used, self.kv_blocks_total, self.kv_usage,
-                      self.prefill_chunk_size):
-            try:
-                gauge.remove(self.model_name, key)
-            except KeyError:  # the worker never reported this gauge
-                continue
-        self._workers.pop(key, None)
 
     # ------------------------------------------------------------------ API side
 
