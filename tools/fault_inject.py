@@ -299,8 +299,9 @@ async def read_counters(session: aiohttp.ClientSession, base: str) -> dict[str, 
     async with session.get(f"{base}/metrics") as resp:
         text = await resp.text()
     names = ("tetri_worker_restarts_total", "tetri_worker_stalls_total")
-    return {n: float(m.group(1)) if (m := re.search(rf"^{n} (\S+)$", text, re.M)) else -1.0
-            for n in names}
+    # labelled ({model_name="..."}) or not; -1 when the server does not export it
+    return {n: float(m.group(1)) if (m := re.search(rf"^{n}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+            else -1.0 for n in names}
 
 
 def hf_check(model: str, pool: list[Item], refs: list[str], n: int) -> list[str]:
