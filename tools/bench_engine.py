@@ -68,6 +68,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from tetri_server.bench.cpu import core_busy
 from tetri_server.engine import llama as llama_mod
 from tetri_server.engine import opt as opt_mod
 from tetri_server.engine import runner as runner_mod
@@ -96,30 +97,11 @@ def log(msg: str) -> None:
 # ---------------------------------------------------------------------------- CPU & timing
 
 
-def cpu_busy(seconds: float = 0.3) -> dict[int, float]:
-    """Busy fraction of each CPU over ``seconds`` (from /proc/stat)."""
-
-    def read() -> dict[int, tuple[int, int]]:
-        out: dict[int, tuple[int, int]] = {}
-        with open("/proc/stat") as f:
-            for line in f:
-                name, *vals = line.split()
-                if name.startswith("cpu") and name != "cpu":
-                    nums = [int(v) for v in vals]
-                    out[int(name[3:])] = (sum(nums), nums[3] + nums[4])  # total, idle+iowait
-        return out
-
-    a = read()
-    time.sleep(seconds)
-    b = read()
-    return {c: 1.0 - (b[c][1] - a[c][1]) / max(1, b[c][0] - a[c][0]) for c in b if c in a}
-
-
 def pin(cpu: int | None) -> int:
     """Pin this process to one CPU (the least busy allowed one when ``cpu`` is None)."""
     allowed = sorted(os.sched_getaffinity(0))
     if cpu is None:
-        busy = cpu_busy()
+        busy = core_busy()
         cpu = min(allowed, key=lambda c: busy.get(c, 1.0))
     os.sched_setaffinity(0, {cpu})
     torch.set_num_threads(1)
@@ -938,7 +920,7 @@ def main(argv: list[str] | None = None) -> int:
     CLOCK.kind = args.clock
 
     t_start = time.perf_counter()
-    busy = cpu_busy()
+    busy = core_busy()
     cpu = pin(args.cpu)
     path = model_path(args.family, args.models_dir)
     log(f"pinned to cpu {cpu}; model {path}")

@@ -33,9 +33,7 @@ about 1.5; most of it is cluster start-up, slower when the machine is busy).
    where other jobs take most of the CPU.
 
 ``--dump FILE`` writes the raw token arrival times and CPU-clock samples of every mode (JSON).
-While ``tetri_server.predictor.load_predictor("none")`` fails here (missing, or no artifact yet),
-prefill workers get a no-op predictor through a generated ``sitecustomize.py`` on their
-PYTHONPATH; the output says so.
+CPU accounting comes from ``tetri_server.bench.cpu``.
 """
 
 from __future__ import annotations
@@ -50,11 +48,9 @@ import os
 import platform
 import random
 import re
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 from collections.abc import Callable
@@ -65,6 +61,7 @@ import msgspec
 import numpy as np
 import torch
 
+from tetri_server.bench.cpu import CpuClock, CpuWindow, others_cores
 from tetri_server.channel import new_run_id
 from tetri_server.control.requests import Stream
 from tetri_server.kv.shm import SHM_DIR, unlink_segment
@@ -76,7 +73,6 @@ ROOT = Path(__file__).resolve().parents[1]
 MODES = ("disaggregated", "coupled", "coupled-chunked")
 MEMCPY = "memcpy: np.copyto, contiguous (baseline)"
 TRANSPORT = "ShmTransport.copy_blocks (what the decode worker runs)"
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 def log(msg: str) -> None:
@@ -97,62 +93,6 @@ def loadavg() -> str:
 
 
 # ---------------------------------------------------------------------------- CPU accounting
-
-
-def machine_busy_ticks() -> tuple[int, int]:
-    """(busy, total) clock ticks over all cores since boot, from /proc/stat."""
-    with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:]]
-    idle = fields[3] + fields[4]  # idle + iowait
-    total = sum(fields[:8])  # user nice system idle iowait irq softirq steal
-    return total - idle, total
-
-
-def proc_ticks(pid: int) -> int:
-    """utime + stime of ``pid`` in clock ticks (0 if it is gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            rest = f.read().rsplit(")", 1)[1].split()
-    except FileNotFoundError:
-        return 0
-    return int(rest[11]) + int(rest[12])
-
-
-@dataclass
-class CpuWindow:
-    """CPU used during a wall-clock window: by given pids, by everything, and by the others."""
-
-    pids: dict[str, int]
-    wall0: float = 0.0
-    busy0: int = 0
-    total0: int = 0
-    ticks0: dict[str, int] = field(default_factory=dict)
-    shares: dict[str, float] = field(default_factory=dict)
-    others_cores: float = float("nan")
-
-    def start(self) -> None:
-        self.wall0 = time.perf_counter()
-        self.busy0, self.total0 = machine_busy_ticks()
-        self.ticks0 = {k: proc_ticks(p) for k, p in self.pids.items()}
-
-    def stop(self) -> None:
-        wall = time.perf_counter() - self.wall0
-        busy, total = machine_busy_ticks()
-        ours = 0
-        for k, p in self.pids.items():
-            used = proc_ticks(p) - self.ticks0[k]
-            ours += used
-            self.shares[k] = used / CLK_TCK / wall
-        self.others_cores = max(0.0, (busy - self.busy0 - ours) / CLK_TCK / wall)
-
-
-def others_cores(seconds: float) -> float:
-    """Cores' worth of CPU that other processes used over the next ``seconds``."""
-    w = CpuWindow({"self": os.getpid()})
-    w.start()
-    time.sleep(seconds)
-    w.stop()
-    return w.others_cores
 
 
 # ---------------------------------------------------------------------------- 1. channel
@@ -392,48 +332,6 @@ def report_kv(results: list[KVResult], reps: int, others: float) -> None:
 
 # ---------------------------------------------------------------------------- 3. interference
 
-PREDICTOR_SHIM = textwrap.dedent('''
-    """bench_runtime: predictor.kind=none while tetri_server.predictor cannot give one."""
-    import tetri_server.predictor as _p
-
-    class _NoPredictor:
-        granularity = 200
-        num_buckets = 1
-
-        def predict(self, prompts, true_lengths=None):
-            return [0] * len(prompts)
-
-        def lower_bound(self, bucket):
-            return bucket * self.granularity
-
-    _real = getattr(_p, "load_predictor", None)
-
-    def _load(kind="classifier", artifact=None):
-        return _NoPredictor() if kind == "none" else _real(kind, artifact)
-
-    _p.load_predictor = _load
-''')
-
-
-def install_predictor_shim() -> tuple[str, str] | None:
-    """Prefill workers call ``tetri_server.predictor.load_predictor("none")``. While that does
-    not work yet (missing, or no artifact), put a sitecustomize that answers it with a no-op
-    predictor on the workers' PYTHONPATH. Returns (folder, why) when it did."""
-    try:
-        from tetri_server.predictor import load_predictor  # type: ignore[attr-defined]
-
-        load_predictor("none", None)
-    except Exception as exc:  # noqa: BLE001 - any failure means the workers would die
-        why = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-    else:
-        return None
-    folder = tempfile.mkdtemp(prefix="bench-runtime-shim-")
-    Path(folder, "sitecustomize.py").write_text(PREDICTOR_SHIM)
-    old = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join([folder] + ([old] if old else []))
-    return folder, why
-
-
 @dataclass
 class Load:
     """One workload, identical for every mode."""
@@ -465,47 +363,6 @@ def make_load(args: argparse.Namespace, vocab: int) -> Load:
                 [prompt(args.decode_prompt_len) for _ in range(args.decodes)],
                 [prompt(args.prompt_len) for _ in arrivals],
                 [prompt(args.prompt_len) for _ in range(2)])
-
-
-class CpuClock:
-    """Each worker's own CPU clock: its main thread's on-CPU and run-queue-wait time
-    (``/proc/<pid>/schedstat``, ns) sampled every ``period_s``. Putting token times on the
-    clock of the worker that produced them gives the ITL that worker would see on a core of
-    its own (an estimate: it assumes the work is CPU-bound and ignores that other processes
-    also slow it through shared caches and memory bandwidth). Workers run 1 torch thread."""
-
-    def __init__(self, pids: dict[int, int], period_s: float) -> None:
-        self.period_s = period_s
-        self._fds = {w: os.open(f"/proc/{p}/schedstat", os.O_RDONLY) for w, p in pids.items()}
-        self.t: list[float] = []
-        self.run: dict[int, list[float]] = {w: [] for w in pids}
-        self.wait: dict[int, list[float]] = {w: [] for w in pids}
-
-    def sample(self) -> None:
-        self.t.append(time.perf_counter())
-        for w, fd in self._fds.items():
-            fields = os.pread(fd, 128, 0).split()
-            self.run[w].append(int(fields[0]) / 1e9)
-            self.wait[w].append(int(fields[1]) / 1e9)
-
-    async def loop(self) -> None:
-        while True:
-            self.sample()
-            await asyncio.sleep(self.period_s)
-
-    def cpu(self, worker: int, t: float) -> float:
-        return float(np.interp(t, self.t, self.run[worker]))
-
-    def shares(self, worker: int, t0: float, t1: float) -> tuple[float, float]:
-        """(on-CPU, waiting-for-CPU) fractions of ``worker`` over [t0, t1]."""
-        run = np.interp([t0, t1], self.t, self.run[worker])
-        wait = np.interp([t0, t1], self.t, self.wait[worker])
-        return float(run[1] - run[0]) / (t1 - t0), float(wait[1] - wait[0]) / (t1 - t0)
-
-    def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
 
 
 @dataclass
@@ -840,10 +697,6 @@ def main(argv: list[str] | None = None) -> int:
     if "interference" in sections:
         vocab = json.loads((model / "config.json").read_text())["vocab_size"]
         load = make_load(args, vocab)
-        shim = install_predictor_shim()
-        if shim:
-            log(f"load_predictor('none') fails here ({shim[1]}): workers use a no-op predictor "
-                f"from {shim[0]}/sitecustomize.py")
         try:
             import uvloop
 
@@ -851,21 +704,13 @@ def main(argv: list[str] | None = None) -> int:
         except ImportError:
             runner = asyncio.run
         results = []
-        try:
-            for mode in args.modes.split(","):
-                log(f"interference: {mode}")
-                results.append(runner(run_mode(mode, model, load, args)))
-                log_mode(results[-1])
-        finally:
-            if shim:
-                shutil.rmtree(shim[0], ignore_errors=True)
+        for mode in args.modes.split(","):
+            log(f"interference: {mode}")
+            results.append(runner(run_mode(mode, model, load, args)))
+            log_mode(results[-1])
         report_interference(results, load)
         if args.dump is not None:
             args.dump.write_text(json.dumps({r.mode: r.raw for r in results}))
-        if shim:
-            print(f"Note: `tetri_server.predictor.load_predictor('none')` failed ({shim[1]}); the "
-                  "prefill worker got a no-op predictor (bucket 0) through a sitecustomize "
-                  "shim.\n")
     print(f"Total {time.perf_counter() - t_start:.0f} s; load average at end {loadavg()}.")
     return 0
 
