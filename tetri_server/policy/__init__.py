@@ -40,8 +40,13 @@ from tetri_server.policy.prefill import (
     PrefillQueue,
     QueuedPrompt,
 )
+from tetri_server.policy.views import DecodeInstance, DecodeInstanceLoad, DecodeSnapshot, WorkerLoad
 
 __all__ = [
+    "DecodeInstance",
+    "DecodeInstanceLoad",
+    "DecodeSnapshot",
+    "WorkerLoad",
     "DECODE_POLICIES",
     "PREFILL_ORDERS",
     "AdmitPlan",

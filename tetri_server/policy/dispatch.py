@@ -1,7 +1,7 @@
 """Level-1 scheduling on a prefill worker: which decode worker receives a prefilled request.
 
-Contract: the worker feeds every ``DecodeView`` broadcast to ``on_view``; when a request's
-prompt is done it calls ``plan(req_id, num_prompt_tokens, bucket)``. A ``DispatchPlan`` names the
+Contract: the worker feeds every decode view (a ``views.DecodeSnapshot``: the monitor's
+``DecodeView`` broadcast) to ``on_view``; when a request's prompt is done it calls ``plan(req_id, num_prompt_tokens, bucket)``. A ``DispatchPlan`` names the
 decode worker; ``None`` means no decode worker has room: hold the request (its KV stays in this
 pool) and ask again after the next view. ``on_rejected(plan)`` undoes a plan whose hand-off the
 decode worker refused. The view is up to one broadcast interval stale, so every dispatcher
@@ -15,8 +15,8 @@ import random
 from dataclasses import dataclass
 from typing import Protocol
 
-from tetri_server.messages import DecodeInstanceView, DecodeView
 from tetri_server.policy.chunker import num_blocks_for
+from tetri_server.policy.views import DecodeInstance, DecodeInstanceLoad, DecodeSnapshot
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class DispatchPlan:
 
 
 class Dispatcher(Protocol):
-    def on_view(self, view: DecodeView) -> bool: ...
+    def on_view(self, view: DecodeSnapshot) -> bool: ...
 
     def plan(self, req_id: int, num_prompt_tokens: int, bucket: int) -> DispatchPlan | None: ...
 
@@ -45,10 +45,10 @@ class _ViewTracker:
         self.block_size = block_size
         self.granularity = granularity
         self.heavy_threshold = heavy_threshold
-        self.view: DecodeView | None = None
+        self.view: DecodeSnapshot | None = None
         self._since_view: dict[int, DispatchPlan] = {}  # req_id -> plan
 
-    def on_view(self, view: DecodeView) -> bool:
+    def on_view(self, view: DecodeSnapshot) -> bool:
         """Adopt ``view`` if newer than the current one; returns whether it was adopted."""
         if self.view is not None and view.seq <= self.view.seq:
             return False
@@ -59,7 +59,7 @@ class _ViewTracker:
     def on_rejected(self, plan: DispatchPlan) -> None:
         self._since_view.pop(plan.req_id, None)
 
-    def instances(self) -> list[DecodeInstanceView]:
+    def instances(self) -> list[DecodeInstance]:
         """The view with own dispatches applied, by worker id."""
         if self.view is None:
             return []
@@ -68,7 +68,7 @@ class _ViewTracker:
             mine = [p for p in self._since_view.values() if p.decode_worker == inst.worker_id]
             num_heavy = sum(p.heavy for p in mine)
             out.append(
-                DecodeInstanceView(
+                DecodeInstance(
                     worker_id=inst.worker_id,
                     num_free_blocks=inst.num_free_blocks - sum(p.num_blocks for p in mine),
                     num_total_blocks=inst.num_total_blocks,
@@ -117,7 +117,7 @@ class TetriDispatcher(_ViewTracker):
             return None
         pair = alpha if len(alpha) <= 2 else self.rng.sample(alpha, 2)
 
-        def key(d: DecodeInstanceView) -> tuple[float, int, int, int]:
+        def key(d: DecodeInstance) -> tuple[float, int, int, int]:
             num_heavy = d.num_heavy + heavy
             num_all = d.num_heavy + d.num_light + 1
             return (num_heavy / num_all, num_all, -_room(d), d.worker_id)
@@ -145,6 +145,6 @@ class RoundRobinDispatcher(_ViewTracker):
         return self.make_plan(req_id, self._last_worker, num_prompt_tokens, bucket)
 
 
-def _room(d: DecodeInstanceView) -> int:
+def _room(d: DecodeInstanceLoad) -> int:
     """Free blocks not spoken for by the predictions of the worker's known requests."""
     return d.num_free_blocks - d.predicted_demand_blocks

@@ -19,7 +19,8 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tetri_server.messages import FLIP_ROLES, LoadReport, Role
+from tetri_server.messages import FLIP_ROLES, Role
+from tetri_server.policy.views import WorkerLoad
 
 ROLES = FLIP_ROLES
 
@@ -94,7 +95,7 @@ class FlipPolicy:
         self._in_flight = plan
         self._history.pop(plan.worker_id, None)
 
-    def plan(self, reports: Sequence[LoadReport], now_s: float) -> FlipPlan | None:
+    def plan(self, reports: Sequence[WorkerLoad], now_s: float) -> FlipPlan | None:
         """Record ``reports`` (taken at ``now_s``) and decide whether a worker flips now."""
         self._observe(reports, now_s)
         if self.refusal("", 2, now_s) is not None:
@@ -123,7 +124,7 @@ class FlipPolicy:
             self._in_flight = None
         self._last_flip_end_s = now_s
 
-    def _observe(self, reports: Sequence[LoadReport], now_s: float) -> None:
+    def _observe(self, reports: Sequence[WorkerLoad], now_s: float) -> None:
         flipping = None if self._in_flight is None else self._in_flight.worker_id
         live = set()
         for r in reports:

@@ -1,7 +1,7 @@
 """The global scheduler's pick: which worker receives a new request.
 
-Contract: the control process feeds every ``LoadReport`` to ``on_report`` and calls
-``pick(num_prompt_tokens)`` per new request. Reports are up to one monitor interval old, so the
+Contract: the control process feeds every load report (a ``views.WorkerLoad``) to
+``on_report`` and calls ``pick(num_prompt_tokens)`` per new request. Reports are up to one monitor interval old, so the
 picker adds what it sent to each worker since that worker's last report (a report resets it);
 without that, a burst of arrivals would all land on the same worker.
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from tetri_server.messages import LoadReport
+from tetri_server.policy.views import WorkerLoad
 
 
 @dataclass(frozen=True)
@@ -29,10 +29,10 @@ class LeastLoadedPicker:
 
     def __init__(self, *, coupled: bool = False) -> None:
         self.coupled = coupled
-        self._reports: dict[int, LoadReport] = {}
+        self._reports: dict[int, WorkerLoad] = {}
         self._sent: dict[int, _Sent] = {}
 
-    def on_report(self, report: LoadReport) -> None:
+    def on_report(self, report: WorkerLoad) -> None:
         """Adopt a worker's latest report; forget what was sent to it before."""
         self._reports[report.worker_id] = report
         self._sent[report.worker_id] = _Sent()

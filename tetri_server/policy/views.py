@@ -1,0 +1,64 @@
+"""What the policies see: plain read-only views, defined here (not the wire structs). The wire
+messages that carry them (``messages.DecodeView``, ``messages.LoadReport``) satisfy these
+protocols field for field, so the runtime and the simulator pass either without conversion."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+
+class DecodeInstanceLoad(Protocol):
+    """One decode worker as a dispatcher sees it."""
+
+    @property
+    def worker_id(self) -> int: ...
+    @property
+    def num_free_blocks(self) -> int: ...
+    @property
+    def num_total_blocks(self) -> int: ...
+    @property
+    def num_heavy(self) -> int: ...
+    @property
+    def num_light(self) -> int: ...
+    @property
+    def predicted_demand_blocks(self) -> int: ...
+
+
+class DecodeSnapshot(Protocol):
+    """The cluster monitor's view of the decode workers; a newer one has a higher ``seq``."""
+
+    @property
+    def seq(self) -> int: ...
+    @property
+    def decodes(self) -> Sequence[DecodeInstanceLoad]: ...
+
+
+class WorkerLoad(Protocol):
+    """One worker's latest load, as the global pick and the flip rule see it."""
+
+    @property
+    def worker_id(self) -> int: ...
+    @property
+    def role(self) -> str: ...
+    @property
+    def num_waiting(self) -> int: ...
+    @property
+    def num_running(self) -> int: ...
+    @property
+    def num_queued_prompt_tokens(self) -> int: ...
+    @property
+    def busy_s(self) -> float: ...
+
+
+@dataclass(frozen=True)
+class DecodeInstance:
+    """A decode worker's view with a dispatcher's own dispatches since the view applied."""
+
+    worker_id: int
+    num_free_blocks: int
+    num_total_blocks: int
+    num_heavy: int
+    num_light: int
+    predicted_demand_blocks: int
