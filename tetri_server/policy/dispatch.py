@@ -1,13 +1,13 @@
 """Level-1 scheduling on a prefill worker: which decode worker receives a prefilled request.
 
 Contract: the worker feeds every decode view (a ``views.DecodeSnapshot``: the monitor's
-``DecodeView`` broadcast) to ``on_view``; when a request's prompt is done it calls ``plan(req_id, num_prompt_tokens, bucket)``. A ``DispatchPlan`` names the
-decode worker; ``None`` means no decode worker has room: hold the request (its KV stays in this
-pool) and ask again after the next view. ``on_rejected(plan)`` undoes a plan whose hand-off the
-decode worker refused. The view is up to one broadcast interval stale, so every dispatcher
-counts its own dispatches since the view against it; a newer view (higher ``seq``) resets that.
-Draining (flipping) decode workers must be left out of the view by the cluster monitor.
-"""
+``DecodeView`` broadcast) to ``on_view``; when a request's prompt is done it calls
+``plan(req_id, num_prompt_tokens, bucket)``. A ``DispatchPlan`` names the decode worker;
+``None`` means no decode worker has room: hold the request (its KV stays in this pool) and ask
+again after the next view. ``on_rejected(plan)`` undoes a plan whose hand-off the decode worker
+refused. The view is up to one broadcast interval stale, so every dispatcher counts its own
+dispatches since the view against it; a newer view (higher ``seq``) resets that. Draining
+(flipping) decode workers must be left out of the view by the cluster monitor. """
 
 from __future__ import annotations
 

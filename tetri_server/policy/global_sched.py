@@ -1,9 +1,9 @@
 """The global scheduler's pick: which worker receives a new request.
 
-Contract: the control process feeds every load report (a ``views.WorkerLoad``) to
-``on_report`` and calls ``pick(num_prompt_tokens)`` per new request. Reports are up to one monitor interval old, so the
-picker adds what it sent to each worker since that worker's last report (a report resets it);
-without that, a burst of arrivals would all land on the same worker.
+Contract: the control process feeds every load report (a ``views.WorkerLoad``) to ``on_report``
+and calls ``pick(num_prompt_tokens)`` per new request. Reports are up to one monitor interval
+old, so the picker adds what it sent to each worker since that worker's last report (a report
+resets it); without that, a burst of arrivals would all land on the same worker.
 
 Load, disaggregated: prompt tokens queued or being prefilled on a ``prefill`` worker. Coupled
 (every worker prefills and decodes): requests waiting or running, then queued prompt tokens.
