@@ -3,7 +3,8 @@ generator, metrics (TTFT/TPOT/ITL/JCT, goodput, resource usage, perf/$), reports
 side-by-side runner for our modes and vLLM-CPU. Entry point: ``python -m tetri_server.bench``.
 
 Layout: data (file readers) → workload (+ prompts, arrivals) → client (+ sse, progress, prom)
-→ metrics → report; compare starts servers; cli wires them.
+→ metrics → report; compare starts servers; slo (attainment, goodput) + sweep (calibration,
+rate sweep) + sweep_report find the SLO goodput; cli wires them.
 """
 
 from __future__ import annotations

@@ -1,9 +1,13 @@
-"""``python -m tetri_server.bench run|compare`` (also ``tools/bench.py``).
+"""``python -m tetri_server.bench run|compare|sweep`` (also ``tools/bench.py``).
 
 run      send workloads to a running OpenAI-compatible server (``--url``)
 compare  start tetri_server in each mode (and vLLM-CPU when installed), run the same workloads
          against each in turn, print one table of ratios against ``coupled``
-Both write results.json (config, summaries, every request), table.md and PNG plots to --out.
+sweep    SLO goodput: calibrate unloaded latencies, run one workload at each of ``--rates``
+         against a server (``--url``) or each mode started in turn (``--modes``), print
+         goodput and attainment per rate (bench/slo.py has the definitions)
+run and compare write results.json (config, summaries, every request), table.md and PNG plots
+to --out; sweep writes --json (default --out/sweep.json), table.md and the server logs.
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ from tetri_server.bench import data, report
 from tetri_server.bench.client import ClientConfig, fetch_model_name, run_benchmark
 from tetri_server.bench.compare import (
     TETRI_MODES,
+    VLLM_LABEL,
     CompareOptions,
+    ServerSpec,
     find_vllm,
     free_port,
     run_against,
@@ -33,6 +39,16 @@ from tetri_server.bench.compare import (
 )
 from tetri_server.bench.metrics import SLO, summarize
 from tetri_server.bench.prompts import PromptTokenizer, load_tokenizer, model_max_len, model_vocab
+from tetri_server.bench.slo import Calibration, SLOScale
+from tetri_server.bench.sweep import (
+    ModeSweep,
+    parse_rates,
+    reference_mode,
+    requests_at,
+    sweep_spawned,
+    sweep_url,
+)
+from tetri_server.bench.sweep_report import machine_info, sweep_json, sweep_table
 from tetri_server.bench.workload import (
     CLASSES,
     RATE_ARRIVALS,
@@ -44,27 +60,42 @@ from tetri_server.bench.workload import (
 
 DEFAULT_MAX_MODEL_LEN = 4096
 DEFAULT_RATE_RPS = 1.0  # Poisson without --rate; a trace without --rate keeps its own timing
+DEFAULT_SWEEP_REQUESTS = 50  # per rate, without --num-requests or --duration-s
 _Built = list[tuple[WorkloadSpec, list[BenchRequest]]]
 
 
-def _add_workload_args(p: argparse.ArgumentParser) -> None:
+def _add_workload_args(p: argparse.ArgumentParser, sweep: bool = False) -> None:
+    """The options every sub-command shares; ``sweep`` swaps the one rate for ``--rates`` and
+    the fixed SLOs for multiples of the calibrated unloaded latencies."""
     g = p.add_argument_group("workload")
     g.add_argument(
         "--workload",
         action="append",
-        help=f"{', '.join(WORKLOADS)} or 'all' (the "
-        "five paper workloads); repeat or comma-separate; default Mixed",
+        help=f"{', '.join(WORKLOADS)}"
+        + (
+            " (one); default Mixed"
+            if sweep
+            else " or 'all' (the five paper workloads); repeat or comma-separate; default Mixed"
+        ),
     )
-    g.add_argument("--num-requests", type=int, default=100)
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument(
-        "--rate",
-        action="append",
-        default=[],
-        help="requests/s ('inf' = burst; "
-        "default 1); NAME=RATE sets one workload's rate; for a trace: the target "
-        "mean rate (default: the trace's own timing)",
-    )
+    if sweep:
+        g.add_argument("--rates", required=True, help="comma-separated requests/s, e.g. 0.2,0.4")
+        n = g.add_mutually_exclusive_group()
+        n.add_argument(
+            "--num-requests", type=int, help=f"per rate (default {DEFAULT_SWEEP_REQUESTS})"
+        )
+        n.add_argument("--duration-s", type=float, help="per rate: rate x this many requests")
+    else:
+        g.add_argument("--num-requests", type=int, default=100)
+        g.add_argument(
+            "--rate",
+            action="append",
+            default=[],
+            help="requests/s ('inf' = burst; "
+            "default 1); NAME=RATE sets one workload's rate; for a trace: the target "
+            "mean rate (default: the trace's own timing)",
+        )
     g.add_argument(
         "--arrival",
         default="poisson",
@@ -85,11 +116,32 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
     c = p.add_argument_group("client and metrics")
     c.add_argument("--max-concurrency", type=int)
     c.add_argument("--request-timeout-s", type=float, default=600.0)
-    c.add_argument("--slo-ttft-s", type=float, default=SLO.ttft_s)
-    c.add_argument("--slo-tpot-s", type=float, default=SLO.tpot_s)
+    if sweep:
+        c.add_argument(
+            "--slo-ttft-x",
+            type=float,
+            default=SLOScale.ttft_x,
+            help="TTFT SLO = this x the unloaded prefill of the prompt",
+        )
+        c.add_argument(
+            "--slo-tpot-x",
+            type=float,
+            default=SLOScale.tpot_x,
+            help="TPOT SLO = this x the unloaded decode step",
+        )
+        c.add_argument(
+            "--slo-target",
+            type=float,
+            default=SLOScale.target,
+            help="fraction of requests that must meet both",
+        )
+    else:
+        c.add_argument("--slo-ttft-s", type=float, default=SLO.ttft_s)
+        c.add_argument("--slo-tpot-s", type=float, default=SLO.tpot_s)
     c.add_argument("--out", type=Path, help="default bench_results/<time>")
     c.add_argument("--no-progress", action="store_true")
-    c.add_argument("--no-plots", action="store_true")
+    if not sweep:
+        c.add_argument("--no-plots", action="store_true")
     c.add_argument(
         "--send-true-output-len",
         action="store_true",
@@ -111,6 +163,12 @@ def _parse_rates(items: Sequence[str]) -> tuple[float | None, dict[str, float]]:
     return default, per
 
 
+def _vocab(args: argparse.Namespace) -> tuple[int, frozenset[int]] | None:
+    if args.model:
+        return model_vocab(args.model)
+    return (args.vocab_size, frozenset()) if args.vocab_size else None
+
+
 def _fixed_lens(args: argparse.Namespace) -> tuple[int, int]:
     if args.input_len is None or args.output_len is None:
         raise SystemExit("the Fixed workload needs --input-len and --output-len")
@@ -127,9 +185,7 @@ def build_requests(args: argparse.Namespace) -> _Built:
         print(f"max_model_len not given: using {max_len}", file=sys.stderr)
     rate, per = _parse_rates(args.rate)
     folder = data.data_dir(args.data_dir)
-    vocab = model_vocab(args.model) if args.model else None
-    if vocab is None and args.vocab_size:
-        vocab = (args.vocab_size, frozenset())
+    vocab = _vocab(args)
     tok: PromptTokenizer | None = None
     if args.model and (args.prompt_mode == "text" or "Arena" in names):
         tok = load_tokenizer(args.model)
@@ -239,6 +295,113 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0 if all(r.summary.num_errors == 0 for r in results) else 1
 
 
+def _sweep_workloads(args: argparse.Namespace, rates: Sequence[float]) -> _Built:
+    """The same workload at each rate; with a fixed count, every rate gets the same requests
+    (lengths and prompts do not depend on the arrival process)."""
+    names = [n for item in args.workload or ["Mixed"] for n in item.split(",")]
+    if len(names) != 1 or names[0] == "all":
+        raise SystemExit("sweep runs one workload (--workload NAME)")
+    if args.time_scale is not None:
+        raise SystemExit("sweep sets the rate: --time-scale does not apply")
+    num, dur = args.num_requests, args.duration_s
+    if num is None and dur is None:
+        num = DEFAULT_SWEEP_REQUESTS
+    built: _Built = []
+    for rate in rates:
+        ns = argparse.Namespace(**vars(args))
+        ns.rate, ns.num_requests = [repr(rate)], requests_at(rate, num, dur)
+        built += build_requests(ns)
+    return built
+
+
+def _load_calibration(path: str) -> Calibration:
+    """A calibration from an earlier sweep's JSON (its SLO calibration) or a bare one."""
+    loaded = json.loads(Path(path).read_text())
+    return Calibration.from_dict(loaded.get("slo_calibration", loaded))
+
+
+def _sweep_specs(args: argparse.Namespace, max_len: int) -> list[ServerSpec]:
+    specs = []
+    for mode in args.modes.split(","):
+        if mode == VLLM_LABEL:
+            cmd = find_vllm(args.vllm_bin)
+            if cmd is None:
+                raise SystemExit("vllm-cpu in --modes, but vLLM was not found (--vllm-bin)")
+            spec = vllm_spec(cmd, args.model, free_port(), max_len, args.vllm_workers)
+        else:
+            spec = tetri_spec(mode, args.model, free_port(), max_len, args.set)
+        specs.append(replace(spec, ready_timeout_s=args.ready_timeout_s))
+    return specs
+
+
+def _sweep_one_url(
+    args: argparse.Namespace, built: _Built, vocab: tuple[int, frozenset[int]], measure: bool
+) -> ModeSweep:
+    base_url = args.url.rstrip("/")
+    try:
+        model = args.model_name or asyncio.run(fetch_model_name(base_url))
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        raise SystemExit(f"cannot list models at {base_url}/v1/models: {exc}") from exc
+    cfg = ClientConfig(
+        base_url,
+        model,
+        args.max_concurrency,
+        args.request_timeout_s,
+        api_key=args.api_key,
+        progress=not args.no_progress,
+        label=args.label,
+        send_true_output_len=args.send_true_output_len,
+    )
+    config = {"url": base_url, "served_model": model, **_server_config(args.server_config)}
+    return sweep_url(cfg, built, vocab, measure, args.seed, args.num_workers, config)
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    try:
+        scale = SLOScale(args.slo_ttft_x, args.slo_tpot_x, args.slo_target)
+        rates = parse_rates(args.rates)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from exc
+    vocab = _vocab(args)
+    if vocab is None or args.prompt_mode != "ids":
+        raise SystemExit("sweep sends token-id prompts: give --model (or --vocab-size)")
+    built = _sweep_workloads(args, rates)
+    loaded = _load_calibration(args.calibration) if args.calibration else None
+    specs = [] if args.url else _sweep_specs(args, built[0][0].max_model_len)
+    labels = [args.label] if args.url else [s.label for s in specs]
+    try:
+        ref = reference_mode(labels, args.slo_reference)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from exc
+    started, machine = time.time(), machine_info()
+    measure = loaded is None
+    if args.url:
+        sweeps = [_sweep_one_url(args, built, vocab, measure)]
+    else:
+        opts = CompareOptions(
+            args.out,
+            SLO(),  # the fixed-SLO fields of each summary are not used by the sweep
+            args.max_concurrency,
+            args.request_timeout_s,
+            not args.no_progress,
+            args.send_true_output_len,
+        )
+        sweeps = [sweep_spawned(s, built, vocab, opts, measure, args.seed) for s in specs]
+    cal = loaded or next(s.calibration for s in sweeps if s.label == ref)
+    assert cal is not None
+    text = sweep_table(sweeps, cal, scale)
+    extra = {"argv": args.argv, "workload": {**built[0][0].to_dict(), "rate_rps": None}}
+    out_json = args.json or args.out / "sweep.json"
+    out_json.parent.mkdir(parents=True, exist_ok=True)
+    out_json.write_text(
+        json.dumps(sweep_json(sweeps, cal, scale, started, extra, machine), indent=1)
+    )
+    (out_json.parent / "table.md").write_text(text)
+    print(text)
+    print(f"results in {out_json}", file=sys.stderr)
+    return 0 if all(r.summary.num_errors == 0 for s in sweeps for r in s.results) else 1
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m tetri_server.bench",
@@ -272,17 +435,50 @@ def parser() -> argparse.ArgumentParser:
         help=f"mode the ratio table divides by (default {report.BASELINE_MODE}; e.g. vllm-cpu)",
     )
     _add_workload_args(cmp)
+    swp = sub.add_parser("sweep", help="SLO goodput: one workload at several rates")
+    where = swp.add_mutually_exclusive_group(required=True)
+    where.add_argument("--url", help="sweep this running server")
+    where.add_argument(
+        "--modes",
+        help=f"start each in turn and sweep it: {', '.join(TETRI_MODES)}, {VLLM_LABEL}",
+    )
+    where.add_argument(
+        "--spawn", action="store_true", help="same as --modes " + ",".join(TETRI_MODES)
+    )
+    swp.add_argument("--json", type=Path, help="result file (default --out/sweep.json)")
+    swp.add_argument("--label", default="server", help="--url: name of the server in the table")
+    swp.add_argument("--model-name", help="--url: model field to send; default from /v1/models")
+    swp.add_argument("--server-config", help="--url: JSON object (or @file) recorded")
+    swp.add_argument("--num-workers", type=int, help="--url: for perf/$; default from /metrics")
+    swp.add_argument("--api-key")
+    swp.add_argument("--set", action="append", default=[], help="key=value for every tetri server")
+    swp.add_argument("--vllm-bin", help="vllm executable, for vllm-cpu in --modes")
+    swp.add_argument("--vllm-workers", type=int, default=1)
+    swp.add_argument("--ready-timeout-s", type=float, default=300.0)
+    swp.add_argument(
+        "--slo-reference",
+        help="mode whose calibration sets every mode's SLO (default coupled if swept, else first)",
+    )
+    swp.add_argument(
+        "--calibration", help="use this calibration (an earlier sweep's JSON) instead of measuring"
+    )
+    _add_workload_args(swp, sweep=True)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # recorded by sweep
     if args.out is None:
         args.out = Path("bench_results") / time.strftime("%Y%m%d-%H%M%S")
-    if args.command == "compare" and not args.model:
-        raise SystemExit("compare needs --model (the folder both servers load)")
+    if args.command == "sweep" and args.spawn:
+        args.modes = ",".join(TETRI_MODES)
+    spawns = args.command == "compare" or (args.command == "sweep" and not args.url)
+    if spawns and not args.model:
+        raise SystemExit(f"{args.command} needs --model (the folder every server loads)")
     if args.model and args.model.startswith("builtin:"):
         from tetri_server.modelmaker import resolve_model_path  # makes the model on first use
 
         args.model = str(resolve_model_path(args.model))
-    return cmd_run(args) if args.command == "run" else cmd_compare(args)
+    commands = {"run": cmd_run, "compare": cmd_compare, "sweep": cmd_sweep}
+    return commands[args.command](args)

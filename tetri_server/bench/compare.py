@@ -232,26 +232,42 @@ def run_against(
     opts: CompareOptions,
 ) -> list[BenchResult]:
     """Start one server, run every workload against it in order, stop it."""
-    results: list[BenchResult] = []
     with running_server(spec, opts.out_dir / f"{spec.label}.log") as proc:
-        model = asyncio.run(fetch_model_name(spec.base_url))
-        cfg = ClientConfig(
-            spec.base_url,
-            model,
-            opts.max_concurrency,
-            opts.request_timeout_s,
-            progress=opts.progress,
-            send_true_output_len=opts.send_true_output_len and spec.label != VLLM_LABEL,
-        )
-        server_config = {**spec.config(), "served_model": model}
-        for wspec, requests in workloads:
-            cfg = replace(cfg, label=f"{spec.label}/{wspec.name}")
-            cpu_before = session_cpu_s(proc.pid)
-            machine_before, client_before = machine_busy_cpu_s(), own_cpu_s()
-            run = asyncio.run(run_benchmark(requests, cfg))
-            run.server_cpu_s = cpu_delta(cpu_before, session_cpu_s(proc.pid))
-            run.client_cpu_s = own_cpu_s() - client_before
-            run.machine_cpu_s = machine_busy_cpu_s() - machine_before
-            summary = summarize(run, opts.slo, spec.num_workers)
-            results.append(BenchResult(spec.label, wspec, summary, run, server_config))
+        return run_workloads(spec, proc, workloads, opts)
+
+
+def _client_config(spec: ServerSpec, model: str, opts: CompareOptions) -> ClientConfig:
+    return ClientConfig(
+        spec.base_url,
+        model,
+        opts.max_concurrency,
+        opts.request_timeout_s,
+        progress=opts.progress,
+        send_true_output_len=opts.send_true_output_len and spec.label != VLLM_LABEL,
+    )
+
+
+def run_workloads(
+    spec: ServerSpec,
+    proc: subprocess.Popen[bytes],
+    workloads: Sequence[tuple[WorkloadSpec, list[BenchRequest]]],
+    opts: CompareOptions,
+) -> list[BenchResult]:
+    """Run every workload in order against the started server ``proc`` (a session leader, see
+    ``running_server``), with the CPU it, this client and the rest of the machine used."""
+    results: list[BenchResult] = []
+    model = asyncio.run(fetch_model_name(spec.base_url))
+    cfg = _client_config(spec, model, opts)
+    server_config = {**spec.config(), "served_model": model}
+    for wspec, requests in workloads:
+        at = "" if wspec.rate_rps is None else f"@{wspec.rate_rps:g}"
+        cfg = replace(cfg, label=f"{spec.label}/{wspec.name}{at}")
+        cpu_before = session_cpu_s(proc.pid)
+        machine_before, client_before = machine_busy_cpu_s(), own_cpu_s()
+        run = asyncio.run(run_benchmark(requests, cfg))
+        run.server_cpu_s = cpu_delta(cpu_before, session_cpu_s(proc.pid))
+        run.client_cpu_s = own_cpu_s() - client_before
+        run.machine_cpu_s = machine_busy_cpu_s() - machine_before
+        summary = summarize(run, opts.slo, spec.num_workers)
+        results.append(BenchResult(spec.label, wspec, summary, run, server_config))
     return results

@@ -7,7 +7,8 @@ Contract: the worker feeds every decode view (a ``views.DecodeSnapshot``: the mo
 again after the next view. ``on_rejected(plan)`` undoes a plan whose hand-off the decode worker
 refused. The view is up to one broadcast interval stale, so every dispatcher counts its own
 dispatches since the view against it; a newer view (higher ``seq``) resets that. Draining
-(flipping) decode workers must be left out of the view by the cluster monitor. """
+(flipping) decode workers must be left out of the view by the cluster monitor.
+"""
 
 from __future__ import annotations
 

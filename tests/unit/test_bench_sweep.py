@@ -1,0 +1,201 @@
+"""``bench sweep``: its pure parts, its argument handling, and one sweep end to end against the
+fake OpenAI-compatible server of test_bench_cli (no tetri_server, no model)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.unit.test_bench_cli import fake_spec
+from tetri_server.bench import cli, sweep
+from tetri_server.bench.client import RequestRecord, RunResult
+from tetri_server.bench.compare import ServerSpec, running_server
+from tetri_server.bench.metrics import SLO, summarize
+from tetri_server.bench.report import BenchResult
+from tetri_server.bench.slo import Calibration, SLOScale
+from tetri_server.bench.sweep import (
+    ModeSweep,
+    calibration_requests,
+    parse_rates,
+    probe_lengths,
+    reference_mode,
+    requests_at,
+)
+from tetri_server.bench.sweep_report import sweep_json, sweep_table
+from tetri_server.bench.workload import WorkloadSpec
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    folder = tmp_path / "model"
+    folder.mkdir()
+    config = {"vocab_size": 512, "bos_token_id": 1, "eos_token_id": 2}
+    (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 700}))
+    return folder
+
+
+def test_rates_are_sorted_distinct_and_positive() -> None:
+    assert parse_rates("0.6,0.2,0.4,0.2") == [0.2, 0.4, 0.6]
+    for bad in ("", "0,0.2", "-1", "inf", "fast"):
+        with pytest.raises(ValueError):
+            parse_rates(bad)
+
+
+def test_requests_per_rate_from_a_count_or_a_duration() -> None:
+    assert requests_at(0.5, 25, None) == 25
+    assert requests_at(0.5, None, 60.0) == 30
+    assert requests_at(0.01, None, 10.0) == 1
+    with pytest.raises(ValueError):
+        requests_at(0.5, 25, 60.0)
+
+
+def test_calibration_requests_fit_the_context_and_are_alone() -> None:
+    assert probe_lengths(1024) == (127, 511, 1022)
+    warm, probes, steps = calibration_requests(1024, (512, frozenset({1, 2})), seed=0)
+    everything = [*warm, *probes, *steps]
+    assert all(q.prompt_len + q.output_len <= 1024 for q in everything)
+    assert sorted({q.prompt_len for q in probes}) == [127, 511, 1022]
+    assert len(probes) == 9 and all(q.output_len == 2 for q in probes)
+    assert all(q.output_len > 16 for q in steps)
+    assert [q.request_id for q in everything] == list(range(len(everything)))
+    assert all(q.arrival_s == 0.0 for q in everything)
+
+
+def test_the_reference_mode_sets_everyones_slo() -> None:
+    assert reference_mode(["disaggregated", "coupled"]) == "coupled"
+    assert reference_mode(["disaggregated", "coupled-chunked"]) == "disaggregated"
+    assert reference_mode(["a", "b"], "b") == "b"
+    with pytest.raises(ValueError):
+        reference_mode(["a", "b"], "c")
+
+
+def _result(rate: float, ttfts: list[float]) -> BenchResult:
+    recs = [
+        RequestRecord(i, "LPLD", 100, 2, 0.0, 0.0, t, [t, t + 0.02], t + 0.02, num_output_tokens=2)
+        for i, t in enumerate(ttfts)
+    ]
+    run = RunResult(recs, 10.0, 0.0)
+    spec = WorkloadSpec("LPLD", num_requests=len(recs), rate_rps=rate)
+    return BenchResult("m", spec, summarize(run, SLO()), run)
+
+
+def test_table_and_json_show_goodput_and_attainment_per_rate() -> None:
+    cal = Calibration(0.01, 0.001, 0.02, source="coupled")  # 100 tokens: TTFT SLO 0.55 s
+    fast, slow = [0.1] * 10, [0.1] * 8 + [1.0] * 2
+    a = ModeSweep("disaggregated", cal, [_result(0.2, fast), _result(0.4, fast)])
+    b = ModeSweep("coupled", None, [_result(0.2, fast), _result(0.4, slow)])
+    table = sweep_table([a, b], cal, SLOScale())
+    assert "attainment at 0.2 / 0.4 req/s" in table
+    assert "| disaggregated | **0.4** | 100% / 100% |" in table
+    assert "| coupled | **0.2** | 100% / 80% |" in table
+    assert "TPOT <= 3 x step = 60 ms" in table
+    out = sweep_json([a, b], cal, SLOScale(), 0.0)
+    json.dumps(out)  # serialisable
+    assert [m["goodput_rps"] for m in out["modes"]] == [0.4, 0.2]
+    point = out["modes"][1]["points"][1]
+    assert point["attainment"] == 0.8 and point["num_met"] == 8
+    assert [r["met_slo"] for r in point["records"]] == [True] * 8 + [False] * 2
+    assert "goodput_rps" not in point["summary"]  # the fixed-SLO goodput would mislead
+    assert out["modes"][1]["calibration"] is None
+    assert Calibration.from_dict(out["slo_calibration"]) == cal
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    return cli.parser().parse_args(["sweep", *argv])
+
+
+def test_sweep_needs_a_server_or_modes_and_one_request_count() -> None:
+    with pytest.raises(SystemExit):
+        _args("--rates", "0.2")  # neither --url nor --modes
+    with pytest.raises(SystemExit):
+        _args("--url", "http://x", "--modes", "coupled", "--rates", "0.2")
+    with pytest.raises(SystemExit):
+        _args("--url", "http://x", "--rates", "0.2", "--num-requests", "5", "--duration-s", "9")
+    with pytest.raises(SystemExit):
+        _args("--url", "http://x")  # --rates is required
+    args = _args("--modes", "disaggregated,coupled", "--rates", "0.2,0.4", "--slo-ttft-x", "4")
+    assert (args.slo_ttft_x, args.slo_tpot_x, args.slo_target) == (4.0, 3.0, 0.9)
+    assert not hasattr(args, "rate") and not hasattr(args, "slo_ttft_s")
+
+
+def test_spawn_means_every_mode_and_needs_a_model() -> None:
+    with pytest.raises(SystemExit, match="needs --model"):
+        cli.main(["sweep", "--spawn", "--rates", "0.2"])
+
+
+def test_same_requests_at_every_rate(model_dir: Path) -> None:
+    args = _args("--url", "http://x", "--model", str(model_dir), "--rates", "0.2")
+    args.num_requests = 8
+    built = cli._sweep_workloads(args, [0.2, 0.4])
+    assert [s.rate_rps for s, _ in built] == [0.2, 0.4]
+    (_, slow), (_, fast) = built
+    assert [(q.prompt_len, q.output_len) for q in slow] == [
+        (q.prompt_len, q.output_len) for q in fast
+    ]
+    assert slow[-1].arrival_s == pytest.approx(2 * fast[-1].arrival_s)
+    args.num_requests, args.duration_s = None, 20.0
+    assert [len(r) for _, r in cli._sweep_workloads(args, [0.2, 0.4])] == [4, 8]
+    for bad in (["Mixed,LPLD"], ["all"]):
+        args.workload = bad
+        with pytest.raises(SystemExit, match="one workload"):
+            cli._sweep_workloads(args, [0.2])
+
+
+def test_a_bad_reference_or_scale_fails_before_any_server_starts(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def never(*a: object, **k: object) -> ServerSpec:
+        raise AssertionError("no server should start")
+
+    monkeypatch.setattr(sweep, "running_server", never)
+    base = ["sweep", "--modes", "coupled", "--model", str(model_dir), "--rates", "0.2"]
+    with pytest.raises(SystemExit, match="slo-reference"):
+        cli.main([*base, "--slo-reference", "vllm-cpu"])
+    with pytest.raises(SystemExit, match="multipliers"):
+        cli.main([*base, "--slo-tpot-x", "0"])
+    with pytest.raises(SystemExit, match="time-scale"):
+        cli.main([*base, "--time-scale", "2"])
+    monkeypatch.setattr(cli, "find_vllm", lambda explicit=None: None)
+    with pytest.raises(SystemExit, match="vLLM was not found"):
+        cli.main([*base[:2], "coupled,vllm-cpu", *base[3:]])
+
+
+def test_sweep_end_to_end_against_fake_servers(
+    tmp_path: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    started: list[list[str]] = []
+
+    def spec(mode: str, model: str, port: int, max_len: int, sets: list[str]) -> ServerSpec:
+        started.append([mode, str(max_len), *sets])
+        return fake_spec(mode)
+
+    monkeypatch.setattr(cli, "tetri_spec", spec)
+    out = tmp_path / "sweep.json"
+    common = ["--model", str(model_dir), "--workload", "LPLD", "--num-requests", "4"]
+    common += ["--no-progress", "--out", str(tmp_path), "--json", str(out)]
+    rc = cli.main(["sweep", "--modes", "disaggregated,coupled", "--rates", "20,40", *common])
+    assert rc == 0
+    assert started == [["disaggregated", "700"], ["coupled", "700"]]
+    result = json.loads(out.read_text())
+    assert [m["mode"] for m in result["modes"]] == ["disaggregated", "coupled"]
+    assert result["slo_calibration"]["source"] == "coupled"  # the reference
+    assert result["machine"]["nproc"] >= 1 and "--modes" in result["argv"]
+    for mode in result["modes"]:
+        assert mode["rates"] == [20.0, 40.0] and len(mode["attainment"]) == 2
+        assert mode["calibration"]["step_s"] > 0 and len(mode["points"][0]["records"]) == 4
+        assert (tmp_path / f"{mode['mode']}.log").exists()
+    assert "| coupled | **" in (tmp_path / "table.md").read_text()
+
+    # --url, reusing that calibration: nothing is measured, the same SLO applies
+    server = fake_spec("coupled")
+    with running_server(server, tmp_path / "url.log"):
+        out2 = tmp_path / "url.json"
+        argv = ["sweep", "--url", server.base_url, "--rates", "20", "--label", "mine"]
+        argv += [*common[:-1], str(out2), "--calibration", str(out)]
+        assert cli.main(argv) == 0
+    again = json.loads(out2.read_text())
+    assert again["slo_calibration"] == result["slo_calibration"]
+    assert again["modes"][0]["mode"] == "mine" and again["modes"][0]["calibration"] is None

@@ -1,0 +1,198 @@
+"""``bench sweep``: SLO goodput found by a rate sweep (definitions in ``slo.py``).
+
+For one running server (``--url``) or for each mode started in turn (``--modes``, as
+``compare`` starts them): calibrate the unloaded latencies with a few sequential requests, then
+send the same workload open-loop at each rate in ascending order. The server stays up between
+rates; a rate's run ends when its last request has. Attainment is computed per rate, the goodput
+over the rates.
+
+One SLO for every mode: the SLO is the *model's* unloaded latency on this machine, so all modes
+are judged against the calibration of one reference mode (``coupled`` when it is swept, else
+the first; ``--slo-reference``), or one loaded with ``--calibration``. Each mode's own
+calibration is stored beside it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from tetri_server.bench.client import ClientConfig, fetch_model_name, run_benchmark
+from tetri_server.bench.compare import CompareOptions, ServerSpec, run_workloads, running_server
+from tetri_server.bench.metrics import SLO, summarize, tpot_s, ttft_s
+from tetri_server.bench.prompts import RandomIdPrompts
+from tetri_server.bench.report import BenchResult
+from tetri_server.bench.slo import (
+    Calibration,
+    SLOScale,
+    attainment,
+    calibration_from_samples,
+    goodput_rps,
+)
+from tetri_server.bench.workload import BenchRequest, WorkloadSpec, length_class
+
+PROBE_OUTPUT_TOKENS = 2  # prefill probes: only their TTFT is used
+STEP_PROMPT_TOKENS = 32
+STEP_OUTPUT_TOKENS = 64
+NUM_PROBE_REPEATS = 3  # per prompt length; the fit uses every sample
+NUM_STEP_STREAMS = 2
+_Built = Sequence[tuple[WorkloadSpec, list[BenchRequest]]]  # one (spec, requests) per rate
+
+
+def parse_rates(text: str) -> list[float]:
+    """'0.2,0.4,0.6' -> ascending distinct rates, each > 0 and finite."""
+    try:
+        rates = sorted({float(x) for x in text.split(",") if x.strip()})
+    except ValueError as exc:
+        raise ValueError(f"--rates: {exc}") from exc
+    if not rates or any(not np.isfinite(r) or r <= 0 for r in rates):
+        raise ValueError("--rates needs one or more finite rates > 0, e.g. 0.2,0.4,0.6")
+    return rates
+
+
+def requests_at(rate_rps: float, num_requests: int | None, duration_s: float | None) -> int:
+    """Requests sent at one rate: a fixed count, or rate x duration (at least 1)."""
+    if (num_requests is None) == (duration_s is None):
+        raise ValueError("give exactly one of num_requests and duration_s")
+    if num_requests is not None:
+        return num_requests
+    assert duration_s is not None
+    return max(1, round(rate_rps * duration_s))
+
+
+def probe_lengths(max_model_len: int) -> tuple[int, ...]:
+    """Three prompt lengths spanning what the context admits: ~1/8, 1/2 and all of it."""
+    top = max_model_len - PROBE_OUTPUT_TOKENS
+    return tuple(sorted({max(16, top // 8), max(16, top // 2), top}))
+
+
+def calibration_requests(
+    max_model_len: int, vocab: tuple[int, frozenset[int]], seed: int
+) -> tuple[list[BenchRequest], list[BenchRequest], list[BenchRequest]]:
+    """(warm-up, prefill probes, lone decode streams); all arrive at 0 and are sent one at a
+    time (concurrency 1), so each is alone on the server."""
+    rng = np.random.default_rng([seed, 7])
+    maker = RandomIdPrompts(*vocab)
+    made: list[BenchRequest] = []
+
+    def add(prompt_len: int, output_len: int) -> BenchRequest:
+        prompt, got = maker.make(prompt_len, rng)
+        req = BenchRequest(
+            len(made), prompt, got, output_len, 0.0, length_class(got, output_len), "calibration"
+        )
+        made.append(req)
+        return req
+
+    lens = probe_lengths(max_model_len)
+    warm = [add(lens[-1], PROBE_OUTPUT_TOKENS), add(STEP_PROMPT_TOKENS, 8)]
+    probes = [add(p, PROBE_OUTPUT_TOKENS) for _ in range(NUM_PROBE_REPEATS) for p in lens]
+    steps = [add(STEP_PROMPT_TOKENS, STEP_OUTPUT_TOKENS) for _ in range(NUM_STEP_STREAMS)]
+    return warm, probes, steps
+
+
+def calibrate(
+    base_url: str,
+    model: str,
+    max_model_len: int,
+    vocab: tuple[int, frozenset[int]],
+    seed: int = 0,
+    progress: bool = True,
+    label: str = "",
+    api_key: str | None = None,
+) -> Calibration:
+    """Measure the unloaded prefill line and decode step of the server at ``base_url``.
+    Raises if any calibration request fails (an SLO from partial samples would be wrong)."""
+    warm, probes, steps = calibration_requests(max_model_len, vocab, seed)
+    cfg = ClientConfig(
+        base_url,
+        model,
+        max_concurrency=1,
+        api_key=api_key,
+        progress=progress,
+        label=f"{label}/calibration",
+    )
+    run = asyncio.run(run_benchmark([*warm, *probes, *steps], cfg, scrape_metrics=False))
+    failed = [r for r in run.records if not r.ok]
+    if failed:
+        raise RuntimeError(f"calibration: {len(failed)} requests failed: {failed[0].error}")
+    recs = {r.request_id: r for r in run.records}
+    pre = [(recs[q.request_id].prompt_len, ttft_s(recs[q.request_id])) for q in probes]
+    step = [tpot_s(recs[q.request_id]) for q in steps]
+    return calibration_from_samples(pre, [t for t in step if t is not None], source=label)
+
+
+def reference_mode(labels: Sequence[str], explicit: str | None = None) -> str:
+    """The mode whose calibration sets everyone's SLO: ``explicit``, else coupled, else first."""
+    if explicit is not None:
+        if explicit not in labels:
+            raise ValueError(f"--slo-reference {explicit!r} is not among {list(labels)}")
+        return explicit
+    return "coupled" if "coupled" in labels else labels[0]
+
+
+@dataclass
+class ModeSweep:
+    """One server configuration's runs, one per rate, ascending."""
+
+    label: str
+    calibration: Calibration | None  # its own (None when a calibration was loaded instead)
+    results: list[BenchResult] = field(default_factory=list)
+
+    def attainments(self, cal: Calibration, scale: SLOScale) -> list[float]:
+        return [attainment(r.run.records, cal, scale) for r in self.results]
+
+    def goodput_rps(self, cal: Calibration, scale: SLOScale) -> float:
+        rates = [r.spec.rate_rps or 0.0 for r in self.results]
+        return goodput_rps(
+            list(zip(rates, self.attainments(cal, scale), strict=True)), scale.target
+        )
+
+
+def sweep_url(
+    cfg: ClientConfig,
+    built: _Built,
+    vocab: tuple[int, frozenset[int]],
+    measure: bool = True,
+    seed: int = 0,
+    num_workers: int | None = None,
+    server_config: dict[str, Any] | None = None,
+) -> ModeSweep:
+    """Calibrate (if ``measure``) and sweep the running server ``cfg`` points at; rows are
+    labelled ``cfg.label``. Its CPU use is unknown (it was not started here)."""
+    label = cfg.label
+    cal = None
+    if measure:
+        max_len = built[0][0].max_model_len
+        cal = calibrate(
+            cfg.base_url, cfg.model, max_len, vocab, seed, cfg.progress, label, cfg.api_key
+        )
+    sweep = ModeSweep(label, cal)
+    for spec, requests in built:
+        at = replace(cfg, label=f"{label}/{spec.name}@{spec.rate_rps:g}")
+        run = asyncio.run(run_benchmark(requests, at))
+        summary = summarize(run, SLO(), num_workers)
+        sweep.results.append(BenchResult(label, spec, summary, run, server_config or {}))
+    return sweep
+
+
+def sweep_spawned(
+    spec: ServerSpec,
+    built: _Built,
+    vocab: tuple[int, frozenset[int]],
+    opts: CompareOptions,
+    measure: bool = True,
+    seed: int = 0,
+) -> ModeSweep:
+    """Start ``spec``, calibrate it (if ``measure``), run every rate, stop it; its log goes
+    to ``opts.out_dir/<label>.log``."""
+    with running_server(spec, opts.out_dir / f"{spec.label}.log") as proc:
+        cal = None
+        if measure:
+            model = asyncio.run(fetch_model_name(spec.base_url))
+            max_len = built[0][0].max_model_len
+            cal = calibrate(spec.base_url, model, max_len, vocab, seed, opts.progress, spec.label)
+        return ModeSweep(spec.label, cal, run_workloads(spec, proc, built, opts))
