@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from tetri_server.bench.client import ClientConfig, fetch_model_name, run_benchmark
+from tetri_server.bench.cpu import machine_busy_cpu_s, session_cpu_s  # noqa: F401 - re-exported
 from tetri_server.bench.metrics import SLO, summarize
 from tetri_server.bench.report import BenchResult
 from tetri_server.bench.workload import BenchRequest, WorkloadSpec
@@ -106,36 +107,6 @@ def vllm_spec(
     argv += ["--dtype", "float32", "--max-model-len", str(max_model_len), "--enforce-eager"]
     argv += ["--no-enable-prefix-caching", "--no-enable-chunked-prefill"]
     return ServerSpec(VLLM_LABEL, argv, port, dict(VLLM_ENV), num_workers=num_workers)
-
-
-def session_cpu_s(session_id: int, proc_root: Path = Path("/proc")) -> dict[str, float]:
-    """CPU seconds (user + system, all threads) used so far by each live process of a session,
-    keyed ``"name[pid]"``. A server started with ``start_new_session`` is session ``proc.pid``."""
-    tick = os.sysconf("SC_CLK_TCK")
-    out: dict[str, float] = {}
-    for entry in proc_root.iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:  # exited meanwhile
-            continue
-        name = stat[stat.find("(") + 1 : stat.rfind(")")]
-        fields = stat[stat.rfind(")") + 2 :].split()
-        # fields[0] is field 3 (state) of proc(5): session is field 6, utime 14, stime 15
-        if int(fields[3]) == session_id:
-            out[f"{name}[{entry.name}]"] = (int(fields[11]) + int(fields[12])) / tick
-    return out
-
-
-def machine_busy_cpu_s(stat_path: Path = Path("/proc/stat")) -> float:
-    """CPU seconds all cores have spent busy since boot (everything but idle and iowait)."""
-    first = stat_path.read_text().splitlines()[0].split()
-    assert first[0] == "cpu"
-    ticks = [int(x) for x in first[1:]]
-    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)
-    guest = sum(ticks[8:10])  # guest time is already counted in user / nice
-    return (sum(ticks) - idle - guest) / os.sysconf("SC_CLK_TCK")
 
 
 def own_cpu_s() -> float:

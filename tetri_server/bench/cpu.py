@@ -26,6 +26,30 @@ def machine_busy_ticks(stat: Path = PROC / "stat") -> tuple[int, int]:
     return total - idle, total
 
 
+def machine_busy_cpu_s(stat: Path = PROC / "stat") -> float:
+    """CPU seconds all cores have spent busy since boot."""
+    return machine_busy_ticks(stat)[0] / CLK_TCK
+
+
+def session_cpu_s(session_id: int, proc_root: Path = PROC) -> dict[str, float]:
+    """CPU seconds (user + system, all threads) used so far by each live process of a session,
+    keyed ``"name[pid]"``. A server started with ``start_new_session`` is session ``proc.pid``."""
+    out: dict[str, float] = {}
+    for entry in proc_root.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:  # exited meanwhile
+            continue
+        name = stat[stat.find("(") + 1 : stat.rfind(")")]
+        fields = stat[stat.rfind(")") + 2 :].split()
+        # fields[0] is field 3 (state) of proc(5): session is field 6, utime 14, stime 15
+        if int(fields[3]) == session_id:
+            out[f"{name}[{entry.name}]"] = (int(fields[11]) + int(fields[12])) / CLK_TCK
+    return out
+
+
 def core_ticks(stat: Path = PROC / "stat") -> dict[int, tuple[int, int]]:
     """Per core: (total, idle + iowait) clock ticks since boot."""
     out: dict[int, tuple[int, int]] = {}
