@@ -138,7 +138,10 @@ class CoupledLoop:
                 break  # blocks are one extent per sequence: later prompts wait (no overtaking)
             items.append(ScheduledSeq(seq, piece.num_tokens))
             slices.append(piece)
-        self.last_step_ran = bool(items)
+        d = plan.decode
+        # a step that only preempted or failed requests made progress too: plan again at once
+        self.last_step_ran = bool(items) or (d is not None and bool(d.preempt.req_ids
+                                                                  or d.fail_ids))
         if not items:
             if plan.decode is not None:
                 self.admission.on_done(plan.decode, set())

@@ -117,7 +117,8 @@ class DecodeRole(Role):
         self.admission.on_done(plan, finished)
         if deltas:
             self.w.send(StepOutput(self.w.worker_id, deltas))
-        return bool(items)
+        # a step that only preempted or failed requests made progress: plan again at once
+        return bool(items or plan.preempt.req_ids or plan.fail_ids)
 
     def load_report(self) -> LoadReport:
         load = self.admission.load()

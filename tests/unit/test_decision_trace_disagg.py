@@ -1,0 +1,130 @@
+"""Golden decision trace of the disaggregated roles: a fixed arrival trace through a real
+``PrefillRole`` and two real ``DecodeRole``s over fake workers (real block allocators and KV
+managers, a fake runner, messages passed in-process the way control forwards them). Chunks,
+dispatches, admissions and preemptions must equal ``tests/golden/decisions-disaggregated.jsonl``;
+regenerate on purpose with ``TETRI_UPDATE_GOLDEN=1``."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+
+import torch
+
+from tests.unit.test_decision_trace import FakeRunner
+from tetri_server.config import load_config
+from tetri_server.kv.blocks import BlockAllocator
+from tetri_server.kv.manager import KVCacheManager
+from tetri_server.messages import (
+    AddRequest,
+    DecodeInstanceView,
+    DecodeView,
+    Handoff,
+    HandoffRejected,
+    KVPulled,
+    SamplingParams,
+)
+from tetri_server.predictor import load_predictor
+from tetri_server.workers.decode import DecodeRole
+from tetri_server.workers.prefill import PrefillRole
+from tetri_server.workers.trace import DecisionLog
+
+GOLDEN = Path(__file__).resolve().parent.parent / "golden" / "decisions-disaggregated.jsonl"
+
+
+class FakeSpec:
+    eos_token_ids: tuple[int, ...] = ()
+
+
+class FakeTransport:
+    def copy_blocks(self, src_worker: int, src_ids: list[int], dst_ids: list[int],
+                    num_tokens: int) -> None:
+        """The fake runner ignores KV: nothing to copy."""
+
+
+class FakeWorker:
+    """What a role uses of its worker runtime; ``sent`` collects its outgoing messages."""
+
+    def __init__(self, worker_id: int, num_blocks: int, lines: list[str]) -> None:
+        self.worker_id = worker_id
+        self.cfg = load_config(None, ["prefill.chunk_size=128", "predictor.kind=none",
+                                      "decode.policy=greedy", "decode.max_batch=8",
+                                      "dispatch.policy=power-of-two"])
+        self.block_size = 16
+        self.allocator = BlockAllocator(num_blocks)
+        self.kv = KVCacheManager(self.allocator, torch.zeros(1, 2, 1, num_blocks * 16, 1), 16)
+        self.runner = FakeRunner()
+        self.transport = FakeTransport()
+        self.model_spec = FakeSpec()
+        self.max_model_len = 2048
+        self.device = torch.device("cpu")
+        self.busy_s = 0.0
+        self.decisions = DecisionLog(lambda line: lines.append(f"w{worker_id} {line.rstrip()}"))
+        self.sent: list[object] = []
+
+    def send(self, msg: object) -> None:
+        self.sent.append(msg)
+
+    def predictor(self):  # noqa: ANN201 - the role's predictor
+        return load_predictor("none", None)
+
+
+def replay() -> list[str]:
+    lines: list[str] = []
+    pw = FakeWorker(0, 64, lines)
+    dws = [FakeWorker(1, 48, lines), FakeWorker(2, 48, lines)]
+    prefill = PrefillRole(pw)  # type: ignore[arg-type]
+    decodes = [DecodeRole(w) for w in dws]  # type: ignore[arg-type]
+    rng = random.Random(2401)
+    pending = []
+    step = 0
+    for req_id in range(30):
+        step += rng.choice((0, 1, 2, 4))
+        pending.append((step, req_id, rng.choice((5, 40, 120, 300)), rng.randint(1, 80)))
+    seq = 0
+    step = 0
+    while pending or prefill.has_work() or prefill.undispatched or prefill.handed_off \
+            or any(d.has_work() for d in decodes):
+        while pending and pending[0][0] <= step:
+            _, req_id, n, out = pending.pop(0)
+            prefill.handle(AddRequest(req_id, [5 + (req_id + i) % 90 for i in range(n)],
+                                      SamplingParams(max_tokens=out, temperature=0.0,
+                                                     ignore_eos=True), float(step)))
+        if step % 3 == 0:  # the monitor's broadcast, from the decode workers' reports
+            seq += 1
+            views = [DecodeInstanceView(r.worker_id, r.num_free_blocks, r.num_total_blocks,
+                                        r.num_heavy, r.num_light, r.predicted_demand_blocks)
+                     for r in (d.load_report() for d in decodes)]
+            prefill.handle(DecodeView(seq, views))
+        if prefill.has_work():
+            prefill.step()
+        for msg in pw.sent:  # control forwards hand-offs; acks go back
+            if isinstance(msg, Handoff):
+                d = decodes[msg.dst_worker - 1]
+                d.handle(msg)
+        pw.sent.clear()
+        for d, w in zip(decodes, dws, strict=True):
+            for msg in w.sent:
+                if isinstance(msg, KVPulled | HandoffRejected):
+                    prefill.handle(msg)
+            w.sent.clear()
+            if d.has_work():
+                d.step()
+        step += 1
+        assert step < 5000, "the trace did not finish"
+    assert all(w.allocator.num_free == w.allocator.num_blocks for w in (pw, *dws))
+    return lines
+
+
+def test_the_disaggregated_roles_decide_as_the_golden_trace_says():
+    got = replay()
+    if os.environ.get("TETRI_UPDATE_GOLDEN"):
+        GOLDEN.write_text("".join(line + "\n" for line in got))
+    want = GOLDEN.read_text().splitlines()
+    kinds = {json.loads(line.split(" ", 1)[1])["kind"] for line in got}
+    assert kinds >= {"chunk", "dispatch", "decode_step"}
+    for i, (g, w) in enumerate(zip(got, want, strict=False)):
+        assert g == w, f"decision {i} differs:\n got  {g}\n want {w}"
+    assert len(got) == len(want)
