@@ -195,12 +195,18 @@ def main(argv: list[str] | None = None) -> int:
         from tetri_server.predictor.command import main as predictor_main
 
         return int(predictor_main(argv[1:]) or 0)
+    if argv and argv[0] == "sim":
+        from tetri_server.sim.cli import main as sim_main
+
+        return int(sim_main(argv[1:]) or 0)
     parser = argparse.ArgumentParser(prog="tetri-server")
     sub = parser.add_subparsers(dest="command")
     _serve_args(sub)
     sub.add_parser("bench", help="benchmark a server (see: tetri-server bench --help)")
     sub.add_parser("predictor", help="evaluate or time the length predictor "
                    "(see: tetri-server predictor --help)")
+    sub.add_parser("sim", help="simulate a cluster on the server's own policies "
+                   "(see: tetri-server sim --help)")
     args = parser.parse_args(argv or ["serve"])
     try:
         cfg, given_path = build_config(args)

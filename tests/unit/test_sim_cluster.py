@@ -1,0 +1,196 @@
+"""The simulated cluster: the real policies on a virtual clock, checked against hand-computed
+timelines and invariants a user of the simulator relies on."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from tetri_server.bench.workload import WorkloadSpec
+from tetri_server.sim.cli import main
+from tetri_server.sim.cluster import MODES, SimConfig, Simulation
+from tetri_server.sim.cost import CostModel
+from tetri_server.sim.instances import SimRequest
+from tetri_server.sim.profiles import load_hardware, load_model
+from tetri_server.sim.run import predict, simulate
+from tetri_server.sim.workload import from_trace, from_workload
+
+
+def v100() -> CostModel:
+    hw = load_hardware("V100-32GB")
+    return CostModel(hw, load_model("OPT-13B"), hw.link("ts-roce"))
+
+
+def test_one_request_disaggregated_follows_the_cost_model_exactly() -> None:
+    cost = v100()
+    req = SimRequest(0, prompt_len=100, output_len=5, arrival_s=0.0, bucket=0)
+    sim = Simulation(SimConfig(), cost, [req])
+    result = sim.run()
+    chunk_s = cost.step_s([(100, 0)], num_pad=412, num_sampled=1)  # one padded 512 chunk
+    assert req.first_token_s == pytest.approx(chunk_s)
+    end = chunk_s + cost.handoff_s(100)  # dispatched at once (view at t=0), pulled
+    for ctx in range(100, 104):  # 4 decode steps, one token each
+        end += cost.decode_s([ctx])
+    assert req.end_s == pytest.approx(end)
+    assert result.duration_s == pytest.approx(end)
+    assert all(i.alloc.num_free == i.alloc.num_blocks for i in sim.instances)
+
+
+def test_one_request_coupled_prefills_unpadded_then_decodes() -> None:
+    cost = v100()
+    req = SimRequest(0, prompt_len=100, output_len=3, arrival_s=1.0)
+    Simulation(SimConfig(mode="coupled"), cost, [req]).run()
+    ttft = cost.step_s([(100, 0)])
+    assert req.first_token_s == pytest.approx(1.0 + ttft)
+    assert req.end_s == pytest.approx(1.0 + ttft + cost.decode_s([100]) + cost.decode_s([101]))
+
+
+def test_dispatcher_counts_its_own_dispatches_until_the_next_view() -> None:
+    cost = v100()
+    cfg = SimConfig(monitor_interval_ms=1000, num_kv_blocks=30)
+    # bucket 1: 200 predicted tokens, so each reserves blocks_for(100 + 200) = 19 of 30
+    first, second = (SimRequest(i, 100, 3, 0.0, bucket=1) for i in range(2))
+    Simulation(cfg, cost, [first, second]).run()
+    assert first.first_token_s == second.first_token_s < 0.5  # packed in one chunk
+    assert first.end_s < 0.5  # the t=0 view had room for one
+    assert second.end_s > 1.0  # 30 - 19 < 19 until the view of t=1 s
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_mode_finishes_a_mixed_workload_and_frees_every_block(mode: str) -> None:
+    cost = v100()
+    cfg = SimConfig(mode=mode, num_prefill=2, num_decode=2, num_instances=3,
+                    predictor_accuracy=0.749)
+    reqs = from_workload(WorkloadSpec("Mixed", 40, 1, 2048, rate_rps=2.0))
+    predict(reqs, cfg)
+    sim = Simulation(cfg, cost, reqs)
+    sim.run()
+    assert all(r.error is None and r.end_s is not None for r in reqs)
+    assert all(r.arrival_s < r.first_token_s <= r.end_s for r in reqs)
+    assert all(i.alloc.num_free == i.alloc.num_blocks for i in sim.instances)
+    assert sum(i.num_steps > 0 for i in sim.instances) == len(sim.instances)  # all got work
+
+
+def test_a_small_pool_preempts_and_still_finishes() -> None:
+    cost = v100()
+    reqs = [SimRequest(i, 300, 400, 0.0, bucket=0) for i in range(8)]  # predicted 0: greedy-like
+    for mode in ("disaggregated", "coupled"):
+        cfg = SimConfig(mode=mode, num_kv_blocks=120, decode_policy="greedy")
+        out = simulate(cfg, cost, reqs)
+        assert out["num_completed"] == 8 and out["num_failed"] == 0
+        assert out["num_preemptions"] > 0
+
+
+def test_reserve_policies_use_the_prediction_and_avoid_preemption() -> None:
+    cost = v100()
+    reqs = [SimRequest(i, 300, 400, 0.0) for i in range(8)]
+    cfg = SimConfig(num_kv_blocks=120, predictor_accuracy=1.0)
+    predict(reqs, cfg)
+    assert {r.bucket for r in reqs} == {2}
+    greedy = simulate(dataclasses.replace(cfg, decode_policy="greedy"), cost, reqs)
+    static = simulate(dataclasses.replace(cfg, decode_policy="reserve-static"), cost, reqs)
+    assert static["num_preemptions"] < greedy["num_preemptions"]
+    assert static["num_completed"] == 8
+
+
+def test_same_inputs_same_outputs() -> None:
+    cost = v100()
+    cfg = SimConfig(num_prefill=2, num_decode=3, predictor_accuracy=0.7)
+    reqs = from_workload(WorkloadSpec("Mixed", 30, 2, 2048, rate_rps=1.0))
+    predict(reqs, cfg)
+    a, b = simulate(cfg, cost, reqs), simulate(cfg, cost, reqs)
+    assert (a["ttft_mean_s"], a["jct_mean_s"]) == (b["ttft_mean_s"], b["jct_mean_s"])
+
+
+def test_cli_compare_writes_every_mode(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    out = tmp_path / "out.json"
+    assert main(["--hardware", "A100-80GB", "--model", "Llama-2-7B", "--workload", "Mixed",
+                 "--rate", "4", "--num-requests", "20", "--prefill-instances", "1",
+                 "--decode-instances", "2", "--compare", "coupled,coupled-chunked",
+                 "--json", str(out)]) == 0
+    got = json.loads(out.read_text())
+    assert set(got["modes"]) == set(MODES)
+    for mode, m in got["modes"].items():
+        assert m["config"]["mode"] == mode
+        assert m["num_completed"] == 20
+        assert 0 < m["ttft_mean_s"] <= m["jct_mean_s"] and m["ttft_p90_s"] and m["tpot_mean_s"]
+    assert got["modes"]["coupled"]["num_instances"] == 3  # equal hardware
+    assert got["config"]["hardware"]["name"] == "A100-80GB"
+
+
+def test_cli_trace_and_errors(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps({"arrival_s": t, "prompt_tokens": p,
+                                         "output_tokens": o}) + "\n"
+                             for t, p, o in ((0.5, 600, 20), (0.0, 30, 200), (0.2, 8, 1))))
+    reqs = from_trace(trace)
+    assert [(r.arrival_s, r.kind) for r in reqs] == [(0.0, "LPHD"), (0.2, "LPLD"), (0.5, "HPLD")]
+    out = tmp_path / "o.json"
+    assert main(["--hardware", "this-cpu", "--model", "bench", "--trace", str(trace),
+                 "--mode", "coupled", "--instances", "1", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["modes"]["coupled"]["num_completed"] == 3
+    trace.write_text('{"arrival_s": 0, "prompt_tokens": 3}\n')
+    assert main(["--trace", str(trace), "--json", str(out)]) == 2
+    assert main(["--workload", "Mixed", "--rate", "1", "--compare", "vllm",
+                 "--json", str(out)]) == 2
+
+
+def test_paper_row_has_the_table_keys() -> None:
+    from tetri_server.sim.paper import PAPER_DELTAS, paper_row
+
+    row = paper_row("Mixed", v100(), num_requests=16)
+    for key in ("ttft_delta_pct", "jct_delta_pct", "resource_delta_pct"):
+        assert isinstance(row[key], float)
+        assert isinstance(row["equal_hardware"][key], float)
+    assert row["paper"]["ttft_delta_pct"] == PAPER_DELTAS["Mixed"][0]
+    assert row["tetri"]["num_failed"] == row["vllm_1"]["num_failed"] == 0
+
+
+def test_flip_moves_an_idle_prefill_instance_to_an_overloaded_decode_side(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    cost = v100()
+    reqs = from_workload(WorkloadSpec("LPHD", 60, 0, 2048, rate_rps=0.6))
+    base = SimConfig(num_prefill=3, num_decode=1, flip_window_s=5, flip_idle_s=5,
+                     flip_min_interval_s=10)
+    predict(reqs, base)
+    off = Simulation(base, cost, [dataclasses.replace(r) for r in reqs]).run()
+    sim = Simulation(dataclasses.replace(base, flip=True), cost,
+                     [dataclasses.replace(r) for r in reqs])
+    on = sim.run()
+    assert off.flips == [] and on.flips and on.flips[0]["to"] == "decode"
+    assert all(r.error is None for r in on.requests)
+    assert on.duration_s < off.duration_s
+    assert sum(i.role == "prefill" for i in sim.instances) >= 1  # never the last of a role
+    assert all(i.alloc.num_free == i.alloc.num_blocks for i in sim.instances)
+    out = tmp_path / "f.json"
+    assert main(["--workload", "LPHD", "--rate", "0.6", "--num-requests", "60",
+                 "--prefill-instances", "3", "--decode-instances", "1", "--flip",
+                 "--flip-window-s", "5", "--flip-min-interval-s", "10", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["modes"]["disaggregated"]["flips"]
+
+
+def test_a_prompt_waiting_for_blocks_starts_when_the_pull_frees_them() -> None:
+    """Regression: a blocked instance retries at its next report, but a message that frees
+    blocks must wake it at once (a pending retry once swallowed the wake-up)."""
+    cost = v100()
+    cfg = SimConfig(monitor_interval_ms=1000, num_kv_blocks=20)
+    first, second = (SimRequest(i, 200, 2, 0.0) for i in range(2))  # 13 blocks each of 20
+    Simulation(cfg, cost, [first, second]).run()
+    chunk_s = cost.step_s([(200, 0)], num_pad=312, num_sampled=1)
+    assert first.first_token_s == pytest.approx(chunk_s)
+    pulled_s = chunk_s + cost.handoff_s(200)
+    assert second.first_token_s == pytest.approx(pulled_s + chunk_s)
+
+
+def test_a_handoff_on_a_stale_view_is_rejected_and_dispatched_again() -> None:
+    cost = v100()
+    cfg = SimConfig(num_prefill=2, num_decode=1, num_kv_blocks=20, monitor_interval_ms=1000)
+    reqs = [SimRequest(i, 200, 30, 0.0) for i in range(2)]  # one per prefill instance
+    sim = Simulation(cfg, cost, reqs)
+    sim.run()
+    # both saw 20 free blocks and sent 13 each: the second does not fit and comes back
+    assert sum(i.num_rejected for i in sim.prefills) == 1
+    assert all(r.error is None and r.end_s is not None for r in reqs)
+    assert max(r.end_s for r in reqs) > 2.0  # the views of 1 s and 2 s: room only at 2 s
+    assert all(i.alloc.num_free == i.alloc.num_blocks for i in sim.instances)

@@ -1,0 +1,121 @@
+"""The simulator's event loop and cost model on hand-made cases."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tetri_server.policy import pick_chunk_size
+from tetri_server.sim.cost import CostModel, knee_chunk_size
+from tetri_server.sim.events import EventLoop
+from tetri_server.sim.predictor import EmulatedPredictor
+from tetri_server.sim.profiles import HARDWARE, MODELS, load_hardware, load_model
+
+
+def v100_opt13b() -> CostModel:
+    hw = load_hardware("V100-32GB")
+    return CostModel(hw, load_model("OPT-13B"), hw.link("ts-roce"))
+
+
+def test_events_run_in_time_order_then_push_order() -> None:
+    loop = EventLoop()
+    seen: list[tuple[float, str]] = []
+    loop.at(2.0, lambda: seen.append((loop.now_s, "b")))
+    loop.at(1.0, lambda: (seen.append((loop.now_s, "a")), loop.after(1.0, lambda: seen.append(
+        (loop.now_s, "c")))))
+    loop.at(2.0, lambda: seen.append((loop.now_s, "d")))
+    assert loop.run() == 2.0
+    assert seen == [(1.0, "a"), (2.0, "b"), (2.0, "d"), (2.0, "c")]
+    with pytest.raises(ValueError):
+        loop.at(1.0, lambda: None)
+
+
+def test_run_until_leaves_later_events() -> None:
+    loop = EventLoop()
+    loop.at(1.0, lambda: None)
+    loop.at(5.0, lambda: None)
+    loop.run(until_s=2.0)
+    assert (loop.now_s, len(loop)) == (1.0, 1)
+
+
+def test_decode_step_grows_with_context_and_batch_as_the_roofline_says() -> None:
+    cost = v100_opt13b()
+    m = cost.model
+    # batch 1, context c: memory-bound, so time = (weights + KV) / effective bandwidth + overhead
+    for ctx in (128, 1024):
+        want = (m.weight_bytes + m.kv_bytes_per_token * (ctx + 1)) / (900e9 * 0.8) + 0.002
+        assert cost.decode_s([ctx]) == pytest.approx(want)
+    assert cost.decode_s([1024]) > cost.decode_s([128])
+    times = [cost.decode_s([512] * b) for b in (1, 8, 32, 128)]
+    assert times == sorted(times) and times[-1] > 1.5 * times[0]
+    assert cost.bound([(1, 512)] * 8) == "memory"
+
+
+def test_512_token_chunk_is_compute_bound_on_v100_for_opt13b_and_the_knee() -> None:
+    cost = v100_opt13b()
+    assert cost.bound([(512, 0)]) == "compute"
+    assert cost.prefill_s(512) > 3 * cost.decode_s([0])
+    assert knee_chunk_size(cost) == 512  # the paper's ChunkSize, through policy.knee
+    # padding costs compute on a GPU (the padded shape runs), not on the CPU runner
+    assert cost.step_s([(100, 0)], num_pad=412) == pytest.approx(cost.step_s([(512, 0)]), 0.05)
+    cpu = CostModel(load_hardware("this-cpu"), load_model("bench"))
+    assert cpu.step_s([(100, 0)], num_pad=412) == cpu.step_s([(100, 0)])
+    assert pick_chunk_size([(n, cpu.prefill_s(n)) for n in (64, 128, 256)]) in (64, 128, 256)
+
+
+def test_handoff_is_bytes_over_link_plus_latency() -> None:
+    cost = v100_opt13b()
+    assert cost.model.kv_bytes_per_token == 2 * 40 * 5120 * 2  # 0.82 MB
+    assert cost.handoff_s(512) == pytest.approx(512 * 819200 / 25e9 + 10e-6)  # ~17 ms
+    nvlink = CostModel(cost.hw, cost.model, cost.hw.link("ts-nvlink"))
+    assert nvlink.handoff_s(512) == pytest.approx(512 * 819200 / 300e9 + 5e-6)
+
+
+def test_kv_blocks_fit_beside_weights_and_big_models_do_not_fit_small_devices() -> None:
+    assert 300 < v100_opt13b().num_kv_blocks(16) < 500  # ~5 GB of a 32 GB V100
+    h200 = CostModel(load_hardware("H200"), load_model("Llama-3-8B"))
+    assert h200.num_kv_blocks(16) > 20 * v100_opt13b().num_kv_blocks(16)
+    with pytest.raises(ValueError, match="does not fit"):
+        CostModel(load_hardware("this-cpu"), load_model("OPT-13B")).num_kv_blocks(16)
+
+
+def test_every_profile_loads_and_user_files_are_checked(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    for name in (*HARDWARE, "this-cpu"):
+        for model in MODELS:
+            CostModel(load_hardware(name), load_model(model)).decode_s([10])
+    spec = json.loads((load_hardware.__globals__["PROFILE_DIR"] / "this-cpu.json").read_text())
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps({**spec, "peak_flops": 1e12}))
+    assert load_hardware(str(path)).peak_flops == 1e12
+    del spec["mem_bw_Bps"]
+    path.write_text(json.dumps(spec))
+    with pytest.raises(ValueError, match="mem_bw_Bps"):
+        load_hardware(str(path))
+    with pytest.raises(ValueError):
+        load_model("GPT-5")
+
+
+def test_emulated_predictor_hits_its_accuracy_and_misses_by_one_bucket() -> None:
+    oracle = EmulatedPredictor(granularity=200, num_buckets=11, accuracy=1.0)
+    assert [oracle.predict(n) for n in (0, 199, 200, 5000)] == [0, 0, 1, 10]
+    pred = EmulatedPredictor(granularity=200, num_buckets=11, accuracy=0.749, seed=3)
+    lens = [(i * 37) % 2000 for i in range(4000)]
+    got = [pred.predict(n) for n in lens]
+    true = [n // 200 for n in lens]
+    hits = sum(g == t for g, t in zip(got, true, strict=True)) / len(lens)
+    assert 0.72 < hits < 0.78
+    assert all(abs(g - t) <= 1 for g, t in zip(got, true, strict=True))
+    again = EmulatedPredictor(granularity=200, num_buckets=11, accuracy=0.749, seed=3)
+    assert [again.predict(n) for n in lens] == got
+
+
+def test_sim_package_imports_no_torch() -> None:
+    code = ("import json, sys\nimport tetri_server.sim, tetri_server.sim.cli, "
+            "tetri_server.sim.paper\nprint(json.dumps([m for m in ('torch', 'cupy', "
+            "'transformers') if m in sys.modules]))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == []

@@ -1,0 +1,187 @@
+"""``tetri-server sim``: the simulator's command line.
+
+    tetri-server sim --hardware V100-32GB --model OPT-13B --workload Mixed --rate 1 \
+        --num-requests 128 --compare coupled,coupled-chunked --json out.json
+    tetri-server sim --paper --json paper.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from tetri_server.bench.workload import WORKLOADS, WorkloadSpec
+from tetri_server.sim.cluster import MODES, SimConfig
+from tetri_server.sim.cost import CostModel, knee_chunk_size
+from tetri_server.sim.profiles import load_hardware, load_model
+from tetri_server.sim.run import compare_configs, predict, simulate
+from tetri_server.sim.workload import from_trace, from_workload
+
+# config.toml (section, key) -> SimConfig field
+CONFIG_KEYS = {
+    ("cluster", "mode"): "mode", ("cluster", "prefill_workers"): "num_prefill",
+    ("cluster", "decode_workers"): "num_decode", ("cluster", "workers"): "num_instances",
+    ("kv", "block_size"): "block_size", ("kv", "num_blocks"): "num_kv_blocks",
+    ("prefill", "chunk_size"): "chunk_size", ("prefill", "policy"): "prefill_policy",
+    ("prefill", "sched_batch"): "sched_batch", ("prefill", "token_budget"): "token_budget",
+    ("decode", "policy"): "decode_policy", ("decode", "max_batch"): "max_batch",
+    ("predictor", "heavy_decode_tokens"): "heavy_decode_tokens",
+    ("dispatch", "policy"): "dispatch", ("dispatch", "seed"): "seed",
+    ("monitor", "interval_ms"): "monitor_interval_ms",
+    ("flip", "enabled"): "flip", ("flip", "window_s"): "flip_window_s",
+    ("flip", "idle_s"): "flip_idle_s", ("flip", "low_load"): "flip_low_load",
+    ("flip", "min_interval_s"): "flip_min_interval_s",
+}
+# --flag -> SimConfig field (None = not given)
+FLAGS = {
+    "mode": "mode", "prefill_instances": "num_prefill", "decode_instances": "num_decode",
+    "instances": "num_instances", "block_size": "block_size", "kv_blocks": "num_kv_blocks",
+    "chunk_size": "chunk_size", "prefill_policy": "prefill_policy",
+    "sched_batch": "sched_batch", "token_budget": "token_budget",
+    "decode_policy": "decode_policy", "max_batch": "max_batch", "granularity": "granularity",
+    "predictor_accuracy": "predictor_accuracy", "predictor_model": "predictor_model",
+    "dispatch": "dispatch", "seed": "seed", "monitor_interval_ms": "monitor_interval_ms",
+    "flip": "flip", "flip_window_s": "flip_window_s", "flip_min_interval_s": "flip_min_interval_s",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tetri-server sim", description=(
+        "Discrete-event simulation of a tetri_server cluster: the server's own policy objects "
+        "driven by a roofline cost model."))
+    p.add_argument("--paper", action="store_true",
+                   help="the paper's five workloads on V100/OPT-13B, TetriInfer vs vLLM-like")
+    p.add_argument("--paper-load", type=float, default=float("inf"),
+                   help="--paper: arrival rate as a multiple of one vLLM-like instance's "
+                        "capacity per workload (default inf: a burst)")
+    p.add_argument("--config", help="config.toml: cluster, kv, prefill, decode, dispatch, "
+                                    "monitor sections (flags win)")
+    p.add_argument("--hardware", default="V100-32GB",
+                   help="V100-32GB | A100-80GB | H100 | H200 | this-cpu | PROFILE.json")
+    p.add_argument("--model", default="OPT-13B",
+                   help="OPT-13B | Llama-2-7B | Llama-3-8B | bench | tiny | SHAPE.json")
+    p.add_argument("--link", help="KV link of the hardware profile (default: its default_link)")
+    p.add_argument("--mode", choices=MODES)
+    p.add_argument("--prefill-instances", type=int)
+    p.add_argument("--decode-instances", type=int)
+    p.add_argument("--instances", type=int, help="instances of a coupled mode")
+    p.add_argument("--workload", choices=[w for w in WORKLOADS if w not in ("Arena",)])
+    p.add_argument("--rate", type=float, help="requests/s (Poisson unless --arrival)")
+    p.add_argument("--arrival", default="poisson", help="poisson | constant | a trace name")
+    p.add_argument("--num-requests", type=int, default=100)
+    p.add_argument("--max-model-len", type=int, help="default: the model's")
+    p.add_argument("--fixed-lens", help="Fixed workload: PROMPT,OUTPUT")
+    p.add_argument("--data-dir", help="workload data folder (default ../shared/data)")
+    p.add_argument("--trace", help="JSONL: arrival_s, prompt_tokens, output_tokens per line")
+    p.add_argument("--compare", default="", help="more modes on the same requests, e.g. "
+                                                 "coupled,coupled-chunked (equal hardware "
+                                                 "unless --instances)")
+    p.add_argument("--block-size", type=int)
+    p.add_argument("--kv-blocks", type=int, help="per instance; default: what fits")
+    p.add_argument("--chunk-size", type=int, help="0 = the cost model's knee")
+    p.add_argument("--prefill-policy", choices=("fcfs", "sjf", "ljf"))
+    p.add_argument("--sched-batch", type=int)
+    p.add_argument("--token-budget", type=int)
+    p.add_argument("--decode-policy", choices=("greedy", "reserve-static", "reserve-dynamic"))
+    p.add_argument("--max-batch", type=int)
+    p.add_argument("--granularity", type=int)
+    p.add_argument("--predictor-accuracy", type=float, help="1.0 = oracle")
+    p.add_argument("--predictor-model", help="e.g. OPT-125M: its prefill runs in-line")
+    p.add_argument("--dispatch", choices=("power-of-two", "round-robin"))
+    p.add_argument("--seed", type=int)
+    p.add_argument("--monitor-interval-ms", type=float)
+    p.add_argument("--flip", action="store_true", default=None,
+                   help="instance flip on (policy.FlipPolicy every monitor tick)")
+    p.add_argument("--flip-window-s", type=float, help="flip window and idle window")
+    p.add_argument("--flip-min-interval-s", type=float, help="cooldown between flips")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--json", required=True, metavar="OUT.json")
+    return p
+
+
+def sim_config(args: argparse.Namespace, cost: CostModel) -> SimConfig:
+    values: dict[str, Any] = {"max_model_len": args.max_model_len or cost.model.max_model_len}
+    if args.config:
+        from tetri_server.config import load_config
+
+        cfg = load_config(args.config).to_dict()
+        for (section, key), name in CONFIG_KEYS.items():
+            if key in cfg.get(section, {}):
+                values[name] = cfg[section][key]
+    for attr, name in FLAGS.items():
+        if getattr(args, attr) is not None:
+            values[name] = getattr(args, attr)
+    if args.flip_window_s is not None:
+        values["flip_idle_s"] = args.flip_window_s
+    if values.get("chunk_size", 512) == 0:
+        values["chunk_size"] = knee_chunk_size(cost)
+    if values.get("num_kv_blocks") is None:
+        values["num_kv_blocks"] = 0
+    return SimConfig(**values)
+
+
+def load_requests(args: argparse.Namespace, cfg: SimConfig) -> tuple[list[Any], dict[str, Any]]:
+    if args.trace:
+        if args.workload:
+            raise ValueError("give --workload or --trace, not both")
+        return from_trace(args.trace, cfg.max_model_len), {"trace": args.trace}
+    if not args.workload:
+        raise ValueError("give --workload W --rate R --num-requests N, or --trace FILE.jsonl")
+    fixed = tuple(int(x) for x in args.fixed_lens.split(",")) if args.fixed_lens else None
+    spec = WorkloadSpec(name=args.workload, num_requests=args.num_requests,
+                        seed=cfg.seed, max_model_len=cfg.max_model_len, arrival=args.arrival,
+                        rate_rps=args.rate, fixed_lens=fixed)  # type: ignore[arg-type]
+    return from_workload(spec, args.data_dir), {"workload": spec.to_dict()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.paper:
+            from tetri_server.sim.paper import paper_table
+
+            out: dict[str, Any] = paper_table(load=args.paper_load, data_folder=args.data_dir)
+        else:
+            hw = load_hardware(args.hardware)
+            cost = CostModel(hw, load_model(args.model), hw.link(args.link))
+            cfg = sim_config(args, cost)
+            requests, source = load_requests(args, cfg)
+            predict(requests, cfg)
+            modes = [m.strip() for m in args.compare.split(",") if m.strip()]
+            bad = [m for m in modes if m not in MODES]
+            if bad:
+                raise ValueError(f"--compare: unknown modes {bad}; modes: {MODES}")
+            out = {"modes": {}, "config": {
+                "hardware": dataclasses.asdict(hw), "model": dataclasses.asdict(cost.model),
+                "link": dataclasses.asdict(cost.link), "sim": cfg.to_dict(), **source}}
+            for run_cfg in compare_configs(cfg, modes, args.instances):
+                out["modes"][run_cfg.mode] = simulate(run_cfg, cost, requests,
+                                                      progress=not args.no_progress)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"tetri-server sim: {e}", file=sys.stderr)
+        return 2
+    Path(args.json).write_text(json.dumps(out, indent=1))
+    _print(out)
+    return 0
+
+
+def _print(out: dict[str, Any]) -> None:
+    def f(x: Any) -> str:
+        return "-" if x is None else f"{x:.3f}" if isinstance(x, float) else str(x)
+
+    if "modes" in out:
+        print("mode               ttft_mean_s ttft_p90_s jct_mean_s jct_p90_s tpot_mean_s "
+              "resource_s")
+        for mode, m in out["modes"].items():
+            print(f"{mode:18} {f(m['ttft_mean_s']):>11} {f(m['ttft_p90_s']):>10} "
+                  f"{f(m['jct_mean_s']):>10} {f(m['jct_p90_s']):>9} {f(m['tpot_mean_s']):>11} "
+                  f"{f(m['resource_s']):>10}")
+        return
+    print("workload  ttft_delta_pct jct_delta_pct resource_delta_pct (paper sizing)")
+    for name, row in out.items():
+        print(f"{name:9} {f(row['ttft_delta_pct']):>14} {f(row['jct_delta_pct']):>13} "
+              f"{f(row['resource_delta_pct']):>18}")

@@ -1,0 +1,262 @@
+"""A simulated cluster: instances, the global pick, the cluster monitor and the KV links on
+one event loop. ``Simulation(cfg, cost, requests).run()`` -> ``SimResult``.
+
+Control as in ``control/``: a new request goes to the least-loaded entry instance
+(``LeastLoadedPicker`` fed by load reports, as ``Monitor.pick``); every ``monitor_interval_ms``
+each instance's ``LoadReport`` is taken and the decode view is broadcast to the prefill
+instances (``Monitor.decode_view``). Messages through the control star cost no time; a KV
+hand-off occupies the receiving decode instance's inbound link for bytes / bandwidth + latency.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+
+from tetri_server.messages import DecodeInstanceView, DecodeView, LoadReport
+from tetri_server.policy import (
+    DECODE_POLICIES,
+    PREFILL_ORDERS,
+    DecodePolicyName,
+    FlipPlan,
+    FlipPolicy,
+    LeastLoadedPicker,
+    PrefillOrder,
+)
+from tetri_server.sim.cost import CostModel
+from tetri_server.sim.coupled import CoupledInstance
+from tetri_server.sim.events import EventLoop
+from tetri_server.sim.instances import (
+    DecodeInstance,
+    Instance,
+    PrefillInstance,
+    SimRequest,
+    SimSeq,
+)
+
+MODES = ("disaggregated", "coupled", "coupled-chunked")
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """What the simulated cluster runs; written beside every result."""
+
+    mode: str = "disaggregated"
+    num_prefill: int = 1  # disaggregated
+    num_decode: int = 1  # disaggregated
+    num_instances: int = 1  # coupled modes
+    block_size: int = 16
+    num_kv_blocks: int = 0  # per instance; 0 = what fits beside the weights (cost model)
+    chunk_size: int = 512  # TetriInfer ChunkSize
+    prefill_policy: PrefillOrder = "fcfs"
+    sched_batch: int = 16  # PrefillSchedBatch
+    token_budget: int = 512  # coupled-chunked
+    decode_policy: DecodePolicyName = "reserve-dynamic"
+    max_batch: int = 256
+    granularity: int = 200
+    heavy_decode_tokens: int = 128
+    predictor_accuracy: float = 1.0  # 1.0 = oracle
+    predictor_model: str = ""  # e.g. "OPT-125M": its prefill time runs in-line; "" = free
+    dispatch: str = "power-of-two"  # or "round-robin"
+    seed: int = 0
+    monitor_interval_ms: float = 100.0
+    max_model_len: int = 2048
+    flip: bool = False  # instance flip (disaggregated): policy.FlipPolicy on every monitor tick
+    flip_window_s: float = 60.0  # [flip] window_s
+    flip_idle_s: float = 60.0  # [flip] idle_s
+    flip_low_load: float = 0.1  # [flip] low_load
+    flip_min_interval_s: float = 120.0  # [flip] min_interval_s (the policy's cooldown)
+    flip_switch_s: float = 0.006  # drained -> serving in the new role (paper: 5-7 ms)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if min(self.num_prefill, self.num_decode, self.num_instances, self.block_size,
+               self.chunk_size, self.sched_batch, self.token_budget, self.max_batch) < 1:
+            raise ValueError("instance counts, sizes and budgets must be >= 1")
+        if self.prefill_policy not in PREFILL_ORDERS:
+            raise ValueError(f"prefill_policy must be one of {PREFILL_ORDERS}")
+        if self.decode_policy not in DECODE_POLICIES:
+            raise ValueError(f"decode_policy must be one of {DECODE_POLICIES}")
+        if self.dispatch not in ("power-of-two", "round-robin"):
+            raise ValueError("dispatch must be power-of-two or round-robin")
+        if self.monitor_interval_ms <= 0:
+            raise ValueError("monitor_interval_ms must be > 0")
+
+    @property
+    def num_held_instances(self) -> int:
+        if self.mode == "disaggregated":
+            return self.num_prefill + self.num_decode
+        return self.num_instances
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+@dataclass
+class SimResult:
+    requests: list[SimRequest]
+    instances: list[dict[str, object]]  # per instance: id, role, busy_s, steps, preemptions
+    duration_s: float  # virtual: 0 to the last request's end
+    num_events: int
+    wall_s: float  # real seconds the simulation took
+    flips: list[dict[str, object]] = field(default_factory=list)  # time_s, worker, from, to
+
+
+class Simulation:
+    def __init__(self, cfg: SimConfig, cost: CostModel, requests: Sequence[SimRequest],
+                 predictor_cost: CostModel | None = None,
+                 on_finished: Callable[[SimRequest], None] | None = None) -> None:
+        self.cfg = cfg
+        self.cost = cost
+        self.predictor_cost = predictor_cost
+        self.on_finished = on_finished  # e.g. a progress bar
+        self.loop = EventLoop()
+        self.requests = list(requests)
+        num_blocks = cfg.num_kv_blocks or cost.num_kv_blocks(cfg.block_size)
+        self.instances: list[Instance] = []
+        if cfg.mode == "disaggregated":
+            for wid in range(cfg.num_prefill):
+                self.instances.append(PrefillInstance(self, wid, num_blocks))
+            for wid in range(cfg.num_prefill, cfg.num_prefill + cfg.num_decode):
+                self.instances.append(DecodeInstance(self, wid, num_blocks))
+        else:
+            chunked = cfg.mode == "coupled-chunked"
+            self.instances = [CoupledInstance(self, wid, num_blocks, chunked=chunked)
+                              for wid in range(cfg.num_instances)]
+        self.prefills = [i for i in self.instances if isinstance(i, PrefillInstance)]
+        self.picker = LeastLoadedPicker(coupled=cfg.mode != "disaggregated")
+        self.flip_policy = (FlipPolicy(window_s=cfg.flip_window_s, idle_window_s=cfg.flip_idle_s,
+                                       low_util=cfg.flip_low_load,
+                                       cooldown_s=cfg.flip_min_interval_s)
+                            if cfg.flip and cfg.mode == "disaggregated" else None)
+        self.draining: dict[int, FlipPlan] = {}  # flipping instances: no new work
+        self._switching: set[int] = set()  # drained, switch under way
+        self.flips: list[dict[str, object]] = []
+        self._view_seq = 0
+        self._num_done = 0
+        self.parked: list[SimRequest] = []
+
+    # ------------------------------------------------------------------ control
+
+    def run(self) -> SimResult:
+        wall0 = time.perf_counter()
+        for inst in self.instances:
+            self.picker.on_report(inst.load_report())  # Monitor.on_ready: an empty report
+        for req in self.requests:
+            self.loop.at(req.arrival_s, functools.partial(self.arrive, req))
+        self.loop.at(0.0, self.tick)
+        self.loop.run()
+        stuck = [r for r in self.requests if r.end_s is None and r.error is None]
+        for req in stuck:  # nothing left to happen, yet unfinished: a bug or a deadlock
+            req.error = "never finished (simulation ran out of events)"
+        ends = [r.end_s for r in self.requests if r.end_s is not None]
+        return SimResult(
+            requests=self.requests,
+            instances=[dict(id=i.worker_id, role=i.role, busy_s=i.busy_s, steps=i.num_steps,
+                            preemptions=_num_preemptions(i)) for i in self.instances],
+            duration_s=max(ends, default=0.0),
+            num_events=self.loop.num_handled,
+            wall_s=time.perf_counter() - wall0,
+            flips=self.flips,
+        )
+
+    def arrive(self, req: SimRequest) -> None:
+        wid = self.picker.pick(req.prompt_len, exclude=self.draining)
+        if wid is None:
+            self.parked.append(req)
+            return
+        self.instances[wid].deliver(("add", req))
+
+    def tick(self) -> None:
+        """The monitor: every instance reports, the decode view goes to the prefill side."""
+        reports = [inst.load_report() for inst in self.instances]
+        for r in reports:
+            self.picker.on_report(r)
+        serving = [r for r in reports if r.worker_id not in self.draining]
+        if self.flip_policy is not None:
+            self.flip_step(serving)
+        if self.prefills:
+            self._view_seq += 1
+            view = decode_view(self._view_seq, serving)
+            for inst in self.prefills:
+                inst.deliver(("view", view))
+        if self._num_done < len(self.requests):
+            self.loop.after(self.cfg.monitor_interval_ms / 1000.0, self.tick)
+
+    def send(self, dst: Instance, msg: tuple[object, ...]) -> None:
+        """Instance -> control -> instance: delivered by the loop (no time passes), never inside
+        the sender's handler, as on the rings (a reply cannot change what its sender is
+        iterating over)."""
+        self.loop.after(0.0, functools.partial(dst.deliver, msg))
+
+    def handoff(self, src: PrefillInstance, seq: SimSeq, decode_worker: int) -> None:
+        dst = self.instances[decode_worker]
+        if decode_worker in self.draining or not isinstance(dst, DecodeInstance):
+            self.send(src, ("rejected", seq.req.req_id))  # Router.forward_handoff: draining
+            return
+        self.send(dst, ("handoff", src, seq.req))
+
+    # ------------------------------------------------------------------ instance flip
+
+    def flip_step(self, serving: list[LoadReport]) -> None:
+        """``FlipController.on_tick`` and the drain: a flipping instance gets no new work;
+        once drained it switches role in place (same id and pool) after ``flip_switch_s``."""
+        assert self.flip_policy is not None
+        now = self.loop.now_s
+        for wid, plan in self.draining.items():
+            inst = self.instances[wid]
+            if wid in self._switching or inst.busy or not inst.is_drained():
+                continue
+            self._switching.add(wid)
+            self.loop.after(self.cfg.flip_switch_s, functools.partial(self._switch, wid, plan))
+        decided = self.flip_policy.plan(serving, now)
+        if decided is not None:
+            self.draining[decided.worker_id] = decided
+
+    def _switch(self, wid: int, plan: FlipPlan) -> None:
+        old = self.instances[wid]
+        cls = DecodeInstance if plan.to_role == "decode" else PrefillInstance
+        new = cls(self, wid, old.alloc.num_blocks)
+        new.alloc, new.busy_s, new.num_steps = old.alloc, old.busy_s, old.num_steps
+        self.instances[wid] = new
+        self.prefills = [i for i in self.instances if isinstance(i, PrefillInstance)]
+        del self.draining[wid]
+        self._switching.discard(wid)
+        self.picker.on_report(new.load_report())
+        assert self.flip_policy is not None
+        self.flip_policy.on_done(plan, self.loop.now_s)
+        self.flips.append({"time_s": self.loop.now_s, "worker": wid,
+                           "from": plan.from_role, "to": plan.to_role})
+
+    def pull(self, dst: DecodeInstance, req_id: int, num_tokens: int) -> None:
+        """The KV of ``num_tokens`` crosses ``dst``'s inbound link, after what is on it."""
+        start_s = max(self.loop.now_s, dst.link_free_s)
+        dst.link_free_s = start_s + self.cost.handoff_s(num_tokens)
+        self.loop.at(dst.link_free_s, functools.partial(dst.deliver, ("kv_ready", req_id)))
+
+    def predictor_s(self, prompt_lens: Sequence[int]) -> float:
+        if self.predictor_cost is None or not prompt_lens:
+            return 0.0
+        return self.predictor_cost.step_s([(n, 0) for n in prompt_lens])
+
+    def finished(self, req: SimRequest) -> None:
+        self._num_done += 1
+        if self.on_finished is not None:
+            self.on_finished(req)
+
+
+def _num_preemptions(inst: Instance) -> int:
+    admission = getattr(inst, "admission", None)
+    return 0 if admission is None else admission.load().num_preemptions
+
+
+def decode_view(seq: int, reports: list[LoadReport]) -> DecodeView:
+    """``Monitor.decode_view`` from the decode instances' latest reports."""
+    return DecodeView(seq, [DecodeInstanceView(r.worker_id, r.num_free_blocks,
+                                               r.num_total_blocks, r.num_heavy, r.num_light,
+                                               r.predicted_demand_blocks)
+                            for r in sorted(reports, key=lambda r: r.worker_id)
+                            if r.role == "decode"])

@@ -1,0 +1,132 @@
+"""The simulated coupled instance: ``CoupledLoop`` (``workers/coupled.py``) over a simulated
+pool. Its planning is ``CoupledLoop.plan`` line for line (``tests/unit/test_sim_golden.py``
+holds it to the real loop's golden decision traces)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from tetri_server.kv.blocks import blocks_for
+from tetri_server.messages import LoadReport
+from tetri_server.policy import (
+    DecodeAdmission,
+    DecodeStepPlan,
+    PrefillQueue,
+    coupled_chunked_plan,
+    prefill_first_plan,
+)
+from tetri_server.policy.chunker import ChunkSlice
+from tetri_server.sim.instances import SimRequest, SimSeq, _Decoding, release, reserve
+
+if TYPE_CHECKING:
+    from tetri_server.sim.cluster import Simulation
+
+
+class CoupledInstance(_Decoding):
+    """``CoupledLoop``: a PrefillQueue and a greedy DecodeAdmission in one step loop;
+    prefill-first whole prompts (vLLM-like) or chunks riding on decode steps (Sarathi-like)."""
+
+    role = "coupled"
+
+    def __init__(self, sim: Simulation, worker_id: int, num_blocks: int, *,
+                 chunked: bool) -> None:
+        super().__init__(sim, worker_id, num_blocks)
+        cfg = sim.cfg
+        self.chunked = chunked
+        self.token_budget = cfg.token_budget
+        self.max_batch = cfg.max_batch
+        self.max_prefill_tokens = max(cfg.max_model_len, cfg.token_budget)
+        self.queue = PrefillQueue("fcfs")
+        self.admission = DecodeAdmission("greedy", block_size=self.block_size,
+                                         num_total_blocks=num_blocks, max_batch=cfg.max_batch)
+        self.seqs = {}
+        self._step: tuple[DecodeStepPlan | None, tuple[ChunkSlice, ...]] | None = None
+
+    def handle(self, msg: tuple[Any, ...]) -> None:
+        if msg[0] != "add":
+            return super().handle(msg)
+        req: SimRequest = msg[1]
+        self.seqs[req.req_id] = SimSeq(req, req.prompt_len)
+        self.queue.add(req.req_id, req.prompt_len, req.arrival_s)
+
+    def plan(self) -> tuple[DecodeStepPlan | None, tuple[ChunkSlice, ...]]:
+        """``CoupledLoop.plan``, over the simulated pool."""
+        free = self.alloc.num_free
+        room = max(0, self.max_batch - len(self.admission))
+        bs = self.block_size
+        if not self.chunked:
+            slices = prefill_first_plan(self.queue, (), self.max_prefill_tokens, max_seqs=room,
+                                        num_free_blocks=free, block_size=bs).slices
+            return (None if slices else self.admission.plan(free)), slices
+        decode = self.admission.plan(free)
+        step_blocks = sum(blocks_for(self.seqs[r].num_tokens, bs) - len(self.seqs[r].blocks)
+                          for r in decode.run_ids if r not in decode.preempt.req_ids)
+        freed = sum(len(self.seqs[r].blocks) for r in decode.preempt.req_ids)
+        slices = coupled_chunked_plan(self.queue, decode.run_ids, self.token_budget,
+                                      max_seqs=room + len(decode.run_ids),
+                                      num_free_blocks=free + freed - step_blocks,
+                                      block_size=bs).slices
+        return decode, slices
+
+    def start_step(self) -> float | None:
+        free = self.alloc.num_free
+        decode, planned = self.plan()
+        self.num_planned += 1
+        if self.decisions is not None:
+            d = decode
+            self.decisions({
+                "step": self.num_planned, "kind": "coupled_step",
+                "run": [] if d is None else list(d.run_ids),
+                "admit": [] if d is None else list(d.admit.req_ids),
+                "recompute": [] if d is None else list(d.admit.recompute_ids),
+                "preempt": [] if d is None else list(d.preempt.req_ids),
+                "slices": [[p.req_id, p.start, p.num_tokens] for p in planned],
+                "pad": 0, "free": free})
+        items = [] if decode is None else self.decode_items(decode)
+        num_decode = len(items)
+        slices = []
+        for piece in planned:
+            seq = self.seqs[piece.req_id]
+            if piece.is_first and not reserve(self.alloc, seq, seq.req.prompt_len,
+                                              self.block_size):
+                break
+            slices.append(piece)
+            items.append((piece.num_tokens, piece.start))
+        if not items:
+            if decode is not None:
+                self.admission.on_done(decode, set())
+            return None
+        self._step = (decode, tuple(slices))
+        num_sampled = num_decode + sum(p.is_last for p in slices)
+        return self.cost.step_s(items, 0, num_sampled)
+
+    def finish_step(self) -> None:
+        assert self._step is not None
+        (decode, slices), self._step = self._step, None
+        if decode is not None:
+            self.decode_done(decode)
+        now = self.sim.loop.now_s
+        for req_id in self.queue.advance(slices):
+            seq = self.seqs[req_id]
+            seq.num_computed = seq.num_tokens
+            seq.num_tokens += 1
+            seq.req.first_token_s = now
+            if seq.req.output_len <= 1:
+                release(self.alloc, seq)
+                del self.seqs[req_id]
+                seq.req.end_s = now
+                self.sim.finished(seq.req)
+            else:
+                self.admission.add(req_id, seq.req.prompt_len, seq.num_tokens, 0,
+                                   seq.req.output_len)
+
+    def load_report(self) -> LoadReport:
+        load = self.admission.load()
+        return LoadReport(worker_id=self.worker_id, role="coupled",
+                          num_waiting=len(self.queue) + load.num_waiting,
+                          num_running=load.num_running,
+                          num_queued_prompt_tokens=self.queue.num_queued_tokens,
+                          num_free_blocks=self.alloc.num_free,
+                          num_total_blocks=self.alloc.num_blocks, num_heavy=0, num_light=0,
+                          predicted_demand_blocks=0, busy_s=self.busy_s,
+                          num_preemptions=load.num_preemptions)

@@ -1,0 +1,413 @@
+"""Simulated instances: the glue of ``workers/prefill.py`` and ``workers/decode.py`` (and, in
+``sim/coupled.py``, of ``workers/coupled.py``'s ``CoupledLoop``) around the SAME policy
+objects, with a cost model in place of the model runner and a virtual clock in place of the
+wall clock.
+
+Every instance runs the worker loop's shape: handle messages, plan a step with the policies,
+"execute" it (the step ends ``cost.step_s(...)`` later), update the policies. Messages that
+arrive while a step runs wait in the inbox until it ends, as on a real worker, which drains its
+inbox between steps. Blocks come from the real ``BlockAllocator``; the simulator does not model
+extents (a sequence may hold scattered blocks, as if compaction were free).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from tetri_server.kv.blocks import BlockAllocator, blocks_for
+from tetri_server.messages import LoadReport
+from tetri_server.policy import (
+    Chunker,
+    ChunkPlan,
+    DecodeAdmission,
+    DecodeStepPlan,
+    PrefillQueue,
+    RoundRobinDispatcher,
+    TetriDispatcher,
+)
+from tetri_server.policy.chunker import ChunkSlice
+from tetri_server.policy.dispatch import Dispatcher, DispatchPlan
+
+if TYPE_CHECKING:
+    from tetri_server.sim.cluster import Simulation
+
+
+@dataclass
+class SimRequest:
+    """One request and what happened to it (times on the virtual clock, seconds)."""
+
+    req_id: int
+    prompt_len: int
+    output_len: int  # generated exactly (ignore_eos, as the benchmark sends)
+    arrival_s: float
+    kind: str = ""
+    bucket: int = 0  # predicted output-length bucket
+    first_token_s: float | None = None
+    end_s: float | None = None
+    error: str | None = None
+
+
+@dataclass
+class SimSeq:
+    """One instance's state of a request. ``num_tokens`` = prompt + generated; the KV of the
+    first ``num_computed`` is in ``blocks``."""
+
+    req: SimRequest
+    num_tokens: int
+    num_computed: int = 0
+    blocks: list[int] = field(default_factory=list)
+
+
+def reserve(alloc: BlockAllocator, seq: SimSeq, num_tokens: int, block_size: int) -> bool:
+    """Make ``seq`` hold blocks for ``num_tokens`` tokens (grow in place, else anywhere)."""
+    need = blocks_for(num_tokens, block_size) - len(seq.blocks)
+    if need <= 0:
+        return True
+    if need > alloc.num_free:
+        return False
+    if seq.blocks and alloc.extend(seq.blocks, need):
+        return True
+    while need > 0:
+        num = min(need, alloc.largest_free_run())
+        seq.blocks.extend(alloc.allocate(num))
+        need -= num
+    return True
+
+
+def release(alloc: BlockAllocator, seq: SimSeq) -> None:
+    alloc.free(seq.blocks)
+    seq.blocks = []
+
+
+class Instance:
+    """The worker loop on the virtual clock."""
+
+    role = ""
+
+    def __init__(self, sim: Simulation, worker_id: int, num_blocks: int) -> None:
+        self.sim = sim
+        self.cost = sim.cost
+        self.worker_id = worker_id
+        self.block_size = sim.cfg.block_size
+        self.alloc = BlockAllocator(num_blocks)
+        self.busy = False
+        self.busy_s = 0.0
+        self.num_steps = 0
+        self.inbox: list[tuple[Any, ...]] = []
+        self._kick_pending = False
+        self._retry_pending = False
+        # decision log hook: gets the records a worker's DecisionLog writes (workers/trace.py)
+        self.decisions: Callable[[dict[str, Any]], None] | None = None
+        self.num_planned = 0  # DecisionLog.step: every planning round, ran or not
+
+    def deliver(self, msg: tuple[Any, ...]) -> None:
+        """A message arrives: handled now when idle (a step starts once the messages of this
+        instant are in), else after the running step."""
+        if self.busy:
+            self.inbox.append(msg)
+            return
+        self.handle(msg)
+        self.kick()
+
+    def kick(self) -> None:
+        if not (self.busy or self._kick_pending):
+            self._kick_pending = True
+            self.sim.loop.after(0.0, self._start)
+
+    def _start(self) -> None:
+        self._kick_pending = False
+        if self.busy:
+            return
+        duration_s = self.start_step()
+        if duration_s is None:
+            # Nothing ran. The worker waits on its inbox until its next report and tries again
+            # (a plan that only preempted runs its batch only then); a message wakes it sooner.
+            if self.has_work() and not self._retry_pending:
+                self._retry_pending = True
+                interval_s = self.sim.cfg.monitor_interval_ms / 1000.0
+                wait_s = interval_s - self.sim.loop.now_s % interval_s
+                if wait_s < 1e-6 * interval_s:  # on a report instant (float rounding)
+                    wait_s += interval_s
+                self.sim.loop.after(wait_s, self._retry)
+            return
+        self.busy = True
+        self.busy_s += duration_s
+        self.num_steps += 1
+        self.sim.loop.after(duration_s, self._finish)
+
+    def _retry(self) -> None:
+        self._retry_pending = False
+        self._start()
+
+    def _finish(self) -> None:
+        self.finish_step()
+        self.busy = False
+        inbox, self.inbox = self.inbox, []
+        for msg in inbox:
+            self.handle(msg)
+        self.kick()
+
+    # the role: overridden
+    def handle(self, msg: tuple[Any, ...]) -> None:
+        raise ValueError(f"{self.role} instance {self.worker_id}: unexpected message {msg[0]!r}")
+
+    def has_work(self) -> bool:
+        raise NotImplementedError
+
+    def is_drained(self) -> bool:
+        """Nothing held: the instance may switch role."""
+        raise NotImplementedError
+
+    def start_step(self) -> float | None:
+        raise NotImplementedError
+
+    def finish_step(self) -> None:
+        raise NotImplementedError
+
+    def load_report(self) -> LoadReport:
+        raise NotImplementedError
+
+
+class PrefillInstance(Instance):
+    """``workers/prefill.py``: predictor bucket -> PrefillQueue -> Chunker passes -> first
+    token -> dispatcher on the last DecodeView -> hand-off; blocks held until KV pulled."""
+
+    role = "prefill"
+
+    def __init__(self, sim: Simulation, worker_id: int, num_blocks: int) -> None:
+        super().__init__(sim, worker_id, num_blocks)
+        cfg = sim.cfg
+        self.queue = PrefillQueue(cfg.prefill_policy, cfg.sched_batch)
+        self.chunker = Chunker(cfg.chunk_size, block_size=self.block_size)
+        self.dispatcher: Dispatcher = (
+            TetriDispatcher(random.Random(cfg.seed + worker_id), block_size=self.block_size,
+                            granularity=cfg.granularity, heavy_threshold=cfg.heavy_decode_tokens)
+            if cfg.dispatch == "power-of-two"
+            else RoundRobinDispatcher(block_size=self.block_size, granularity=cfg.granularity,
+                                      heavy_threshold=cfg.heavy_decode_tokens))
+        self.seqs: dict[int, SimSeq] = {}  # queued or prefilling
+        self.unpredicted: list[SimSeq] = []
+        self.undispatched: list[SimSeq] = []  # prefilled, waiting for room on a decode instance
+        self.handed_off: dict[int, SimSeq] = {}  # hand-off sent, blocks held until pulled
+        self.plans: dict[int, DispatchPlan] = {}
+        self.await_view = False
+        self.num_rejected = 0  # hand-offs refused by a decode instance
+        self._chunk: ChunkPlan | None = None
+
+    def handle(self, msg: tuple[Any, ...]) -> None:
+        kind = msg[0]
+        if kind == "add":
+            req: SimRequest = msg[1]
+            seq = SimSeq(req, req.prompt_len)
+            self.seqs[req.req_id] = seq
+            self.unpredicted.append(seq)
+        elif kind == "view":
+            self.await_view = False
+            if self.dispatcher.on_view(msg[1]):
+                self.dispatch_held()
+        elif kind == "pulled":
+            self.plans.pop(msg[1], None)
+            pulled = self.handed_off.pop(msg[1], None)
+            if pulled is not None:
+                release(self.alloc, pulled)
+                self.kick()  # freed blocks may let the head prompt start
+        elif kind == "rejected":
+            held = self.handed_off.pop(msg[1], None)
+            if held is not None:
+                self.num_rejected += 1
+                plan = self.plans.pop(msg[1], None)
+                if plan is not None:
+                    self.dispatcher.on_rejected(plan)
+                self.undispatched.append(held)
+                self.await_view = True  # the view that chose that instance is stale
+        else:
+            super().handle(msg)
+
+    def has_work(self) -> bool:
+        return bool(self.unpredicted or len(self.queue))
+
+    def is_drained(self) -> bool:
+        return not (self.has_work() or self.undispatched or self.handed_off)
+
+    def predict_new(self) -> float:
+        """Bucket every new arrival (the bucket was drawn per request up front, so every mode
+        sees the same predictions); returns the predictor's time, run in-line as the worker
+        does."""
+        if not self.unpredicted:
+            return 0.0
+        batch, self.unpredicted = self.unpredicted, []
+        for seq in batch:
+            self.queue.add(seq.req.req_id, seq.req.prompt_len, seq.req.arrival_s)
+        return self.sim.predictor_s([seq.req.prompt_len for seq in batch])
+
+    def start_step(self) -> float | None:
+        predict_s = self.predict_new()
+        chunk = self.chunker.plan(self.queue, self.alloc.num_free)
+        if chunk is None:
+            return None
+        kept: list[ChunkSlice] = []
+        for piece in chunk.slices:
+            seq = self.seqs[piece.req_id]
+            if piece.is_first and not reserve(self.alloc, seq, seq.req.prompt_len,
+                                              self.block_size):
+                break
+            kept.append(piece)
+        if not kept:
+            return None
+        num_real = sum(p.num_tokens for p in kept)
+        self._chunk = ChunkPlan(tuple(kept), chunk.chunk_size - num_real, chunk.chunk_size)
+        items = [(p.num_tokens, p.start) for p in kept]
+        num_sampled = sum(p.is_last for p in kept)
+        return self.cost.step_s(items, self._chunk.num_pad, num_sampled) + predict_s
+
+    def finish_step(self) -> None:
+        assert self._chunk is not None
+        now = self.sim.loop.now_s
+        for req_id in self.chunker.on_done(self.queue, self._chunk):
+            seq = self.seqs.pop(req_id)
+            seq.num_computed = seq.num_tokens
+            seq.num_tokens += 1  # the first output token
+            seq.req.first_token_s = now
+            if seq.req.output_len <= 1:
+                release(self.alloc, seq)
+                seq.req.end_s = now
+                self.sim.finished(seq.req)
+            else:
+                self.undispatched.append(seq)
+        self._chunk = None
+        self.dispatch_held()
+
+    def dispatch_held(self) -> None:
+        if self.await_view:
+            return
+        still: list[SimSeq] = []
+        for seq in self.undispatched:
+            req = seq.req
+            plan = self.dispatcher.plan(req.req_id, req.prompt_len, req.bucket)
+            if plan is None:
+                still.append(seq)
+                continue
+            self.handed_off[req.req_id] = seq
+            self.plans[req.req_id] = plan
+            self.sim.handoff(self, seq, plan.decode_worker)
+        self.undispatched = still
+
+    def load_report(self) -> LoadReport:
+        held = len(self.undispatched) + len(self.handed_off)
+        return LoadReport(self.worker_id, "prefill", len(self.queue) + len(self.unpredicted),
+                          held, self.queue.num_queued_tokens, self.alloc.num_free,
+                          self.alloc.num_blocks, 0, 0, 0, self.busy_s)
+
+
+class _Decoding(Instance):
+    """Shared by decode and coupled instances: carry out a ``DecodeStepPlan``."""
+
+    admission: DecodeAdmission
+    seqs: dict[int, SimSeq]
+
+    def has_work(self) -> bool:
+        return bool(self.seqs)
+
+    def is_drained(self) -> bool:
+        return not (self.seqs or getattr(self, "pulling", None))
+
+    def decode_items(self, plan: DecodeStepPlan) -> list[tuple[int, int]]:
+        """Preempt (drop KV), fail what never fits, reserve the batch; (new, prefix) items."""
+        for req_id in plan.preempt.req_ids:
+            seq = self.seqs[req_id]
+            release(self.alloc, seq)
+            seq.num_computed = 0
+        for req_id in plan.fail_ids:
+            seq = self.seqs.pop(req_id)
+            release(self.alloc, seq)
+            seq.req.error = "request no longer fits this instance's KV pool"
+            self.sim.finished(seq.req)
+        items = []
+        for req_id in plan.run_ids:
+            seq = self.seqs[req_id]
+            if not reserve(self.alloc, seq, seq.num_tokens, self.block_size):
+                raise RuntimeError(f"admission planned request {req_id} but its blocks do not "
+                                   "fit: allocator and policy disagree")
+            num_new = seq.num_tokens - seq.num_computed  # 1, or all after a preemption
+            items.append((num_new, seq.num_computed))
+        return items
+
+    def decode_done(self, plan: DecodeStepPlan) -> None:
+        """Every request of the batch gained one token; the finished ones leave."""
+        now = self.sim.loop.now_s
+        finished: set[int] = set()
+        for req_id in plan.run_ids:
+            seq = self.seqs[req_id]
+            seq.num_computed = seq.num_tokens
+            seq.num_tokens += 1
+            if seq.num_tokens - seq.req.prompt_len >= seq.req.output_len:
+                finished.add(req_id)
+                release(self.alloc, seq)
+                del self.seqs[req_id]
+                seq.req.end_s = now
+                self.sim.finished(seq.req)
+        self.admission.on_done(plan, finished)
+
+
+class DecodeInstance(_Decoding):
+    """``workers/decode.py``: hand-off -> blocks for the prompt's KV -> pull over the link ->
+    KV pulled (the prefill side frees) -> DecodeAdmission -> one token per step."""
+
+    role = "decode"
+
+    def __init__(self, sim: Simulation, worker_id: int, num_blocks: int) -> None:
+        super().__init__(sim, worker_id, num_blocks)
+        cfg = sim.cfg
+        self.admission = DecodeAdmission(
+            cfg.decode_policy, block_size=self.block_size, num_total_blocks=num_blocks,
+            granularity=cfg.granularity, max_batch=cfg.max_batch,
+            heavy_threshold=cfg.heavy_decode_tokens)
+        self.seqs = {}
+        self.pulling: dict[int, tuple[SimSeq, PrefillInstance]] = {}
+        self.link_free_s = 0.0  # the inbound link carries one hand-off at a time
+        self._plan: DecodeStepPlan | None = None
+
+    def handle(self, msg: tuple[Any, ...]) -> None:
+        kind = msg[0]
+        if kind == "handoff":
+            src: PrefillInstance = msg[1]
+            req: SimRequest = msg[2]
+            seq = SimSeq(req, req.prompt_len + 1, num_computed=req.prompt_len)
+            if not reserve(self.alloc, seq, seq.num_computed, self.block_size):
+                self.sim.send(src, ("rejected", req.req_id))
+                return
+            self.pulling[req.req_id] = (seq, src)
+            self.sim.pull(self, req.req_id, seq.num_computed)
+        elif kind == "kv_ready":
+            seq, src = self.pulling.pop(msg[1])
+            self.sim.send(src, ("pulled", msg[1]))
+            self.seqs[msg[1]] = seq
+            req = seq.req
+            self.admission.add(req.req_id, req.prompt_len, seq.num_tokens, req.bucket,
+                               req.output_len)
+        else:
+            super().handle(msg)
+
+    def start_step(self) -> float | None:
+        plan = self.admission.plan(self.alloc.num_free)
+        items = self.decode_items(plan)
+        if not items:
+            self.admission.on_done(plan, set())
+            return None
+        self._plan = plan
+        return self.cost.step_s(items)
+
+    def finish_step(self) -> None:
+        assert self._plan is not None
+        plan, self._plan = self._plan, None
+        self.decode_done(plan)
+
+    def load_report(self) -> LoadReport:
+        load = self.admission.load()
+        return LoadReport(self.worker_id, "decode", load.num_waiting, load.num_running, 0,
+                          self.alloc.num_free, self.alloc.num_blocks, load.num_heavy,
+                          load.num_light, load.predicted_demand_blocks, self.busy_s,
+                          load.num_preemptions)
