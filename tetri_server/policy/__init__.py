@@ -15,6 +15,7 @@ from tetri_server.policy.chunker import (
     prefill_first_plan,
     take_slices,
 )
+from tetri_server.policy.coupled import coupled_step_plan
 from tetri_server.policy.decode import (
     DECODE_POLICIES,
     AdmitPlan,
@@ -70,6 +71,7 @@ __all__ = [
     "RoundRobinDispatcher",
     "TetriDispatcher",
     "coupled_chunked_plan",
+    "coupled_step_plan",
     "num_blocks_for",
     "pick_chunk_size",
     "prefill_first_plan",

@@ -210,6 +210,17 @@ class DecodeAdmission:
             fail_ids=tuple(failed),
         )
 
+    def free_after(self, plan: DecodeStepPlan, num_free_blocks: int) -> int:
+        """Free blocks once ``plan`` is carried out: preempted requests give back what they
+        hold, the batch takes what its step needs (a recomputed request its whole context)."""
+        seqs = {s.req_id: s for s in (*self._running.values(), *self._waiting)}
+        dropped = set(plan.preempt.req_ids) | set(plan.fail_ids)
+        free = num_free_blocks + sum(seqs[r].num_held_blocks for r in dropped if r in seqs)
+        for r in plan.run_ids:
+            held = 0 if r in dropped else seqs[r].num_held_blocks
+            free -= num_blocks_for(seqs[r].num_tokens, self.block_size) - held
+        return free
+
     def _evict_waiting(self, running: list[DecodeSeq], victims: list[int],
                        free: int) -> list[int]:
         """With nothing running, a head of the queue that does not fit would wait forever

@@ -1,19 +1,17 @@
 """The simulated coupled instance: ``CoupledLoop`` (``workers/coupled.py``) over a simulated
-pool. Its planning is ``CoupledLoop.plan`` line for line (``tests/unit/test_sim_golden.py``
+pool. It plans with the same ``policy.coupled_step_plan`` (``tests/unit/test_sim_golden.py``
 holds it to the real loop's golden decision traces)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from tetri_server.kv.blocks import blocks_for
 from tetri_server.messages import LoadReport
 from tetri_server.policy import (
     DecodeAdmission,
     DecodeStepPlan,
     PrefillQueue,
-    coupled_chunked_plan,
-    prefill_first_plan,
+    coupled_step_plan,
 )
 from tetri_server.policy.chunker import ChunkSlice
 from tetri_server.sim.instances import SimRequest, SimSeq, _Decoding, release, reserve
@@ -50,23 +48,12 @@ class CoupledInstance(_Decoding):
         self.queue.add(req.req_id, req.prompt_len, req.arrival_s)
 
     def plan(self) -> tuple[DecodeStepPlan | None, tuple[ChunkSlice, ...]]:
-        """``CoupledLoop.plan``, over the simulated pool."""
-        free = self.alloc.num_free
-        room = max(0, self.max_batch - len(self.admission))
-        bs = self.block_size
-        if not self.chunked:
-            slices = prefill_first_plan(self.queue, (), self.max_prefill_tokens, max_seqs=room,
-                                        num_free_blocks=free, block_size=bs).slices
-            return (None if slices else self.admission.plan(free)), slices
-        decode = self.admission.plan(free)
-        step_blocks = sum(blocks_for(self.seqs[r].num_tokens, bs) - len(self.seqs[r].blocks)
-                          for r in decode.run_ids if r not in decode.preempt.req_ids)
-        freed = sum(len(self.seqs[r].blocks) for r in decode.preempt.req_ids)
-        slices = coupled_chunked_plan(self.queue, decode.run_ids, self.token_budget,
-                                      max_seqs=room + len(decode.run_ids),
-                                      num_free_blocks=free + freed - step_blocks,
-                                      block_size=bs).slices
-        return decode, slices
+        """The coupled worker's plan (``policy.coupled_step_plan``), over the simulated pool."""
+        return coupled_step_plan(self.queue, self.admission, self.alloc.num_free,
+                                 chunked=self.chunked, token_budget=self.token_budget,
+                                 max_batch=self.max_batch,
+                                 max_prefill_tokens=self.max_prefill_tokens,
+                                 block_size=self.block_size)
 
     def start_step(self) -> float | None:
         free = self.alloc.num_free

@@ -22,7 +22,6 @@ from tetri_server.engine.runner import ModelRunner, ScheduledSeq, StepPlan
 from tetri_server.engine.sampling import make_generator
 from tetri_server.engine.sequence import SeqStatus, Sequence
 from tetri_server.engine.stops import append_token, emit
-from tetri_server.kv.blocks import blocks_for
 from tetri_server.kv.manager import KVCacheManager
 from tetri_server.messages import (
     AddRequest,
@@ -37,8 +36,7 @@ from tetri_server.policy import (
     DecodeAdmission,
     DecodeStepPlan,
     PrefillQueue,
-    coupled_chunked_plan,
-    prefill_first_plan,
+    coupled_step_plan,
 )
 from tetri_server.workers.base import Role, Worker
 from tetri_server.workers.trace import DecisionLog
@@ -106,21 +104,12 @@ class CoupledLoop:
 
     def plan(self) -> CoupledStepPlan:
         """This step's decisions, from the policies. Pure: nothing is reserved or changed."""
-        free = self.kv.allocator.num_free
-        room = max(0, self.max_batch - len(self.admission))
-        bs = self.block_size
-        if not self.chunked:
-            slices = prefill_first_plan(self.queue, (), self.max_prefill_tokens, max_seqs=room,
-                                        num_free_blocks=free, block_size=bs).slices
-            return CoupledStepPlan(None if slices else self.admission.plan(free), slices)
-        decode = self.admission.plan(free)
-        step_blocks = sum(blocks_for(self.seqs[r].num_tokens, bs) - len(self.seqs[r].blocks)
-                          for r in decode.run_ids if r not in decode.preempt.req_ids)
-        freed = sum(len(self.seqs[r].blocks) for r in decode.preempt.req_ids)
-        slices = coupled_chunked_plan(self.queue, decode.run_ids, self.token_budget,
-                                      max_seqs=room + len(decode.run_ids),
-                                      num_free_blocks=free + freed - step_blocks,
-                                      block_size=bs).slices
+        decode, slices = coupled_step_plan(
+            self.queue, self.admission, self.kv.allocator.num_free, chunked=self.chunked,
+            token_budget=self.token_budget, max_batch=self.max_batch,
+            max_prefill_tokens=self.max_prefill_tokens, block_size=self.block_size)
+        if decode is None:
+            return CoupledStepPlan(None, slices)
         num_pad = 0
         if self.pad_chunks and slices and not decode.run_ids:
             num_pad = self.token_budget - sum(p.num_tokens for p in slices)
