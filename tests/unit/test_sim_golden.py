@@ -6,12 +6,12 @@ line. Timing cannot change these decisions: arrivals are counted in steps."""
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.unit.test_decision_trace import trace  # the same fixed trace
 from tetri_server.sim.cluster import SimConfig, Simulation
 from tetri_server.sim.cost import CostModel
 from tetri_server.sim.coupled import CoupledInstance
@@ -19,16 +19,6 @@ from tetri_server.sim.instances import SimRequest
 from tetri_server.sim.profiles import load_hardware, load_model
 
 GOLDEN = Path(__file__).resolve().parent.parent / "golden"
-
-
-def trace() -> list[tuple[int, int, int, int]]:
-    """The same trace as test_decision_trace.trace()."""
-    rng = random.Random(2401)
-    out, step = [], 0
-    for req_id in range(24):
-        step += rng.choice((0, 0, 1, 2, 5))
-        out.append((step, req_id, rng.choice((5, 40, 120, 300, 700)), rng.randint(1, 60)))
-    return out
 
 
 def replay(mode: str) -> list[dict[str, Any]]:
