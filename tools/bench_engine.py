@@ -68,7 +68,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tetri_server.bench.cpu import core_busy
+from tetri_server.bench.cpu import Timer, core_busy
 from tetri_server.engine import llama as llama_mod
 from tetri_server.engine import opt as opt_mod
 from tetri_server.engine import runner as runner_mod
@@ -108,55 +108,11 @@ def pin(cpu: int | None) -> int:
     return cpu
 
 
-@dataclass
-class CpuShare:
-    """Process CPU seconds per wall second over the measured regions of one section."""
-
-    wall_s: float = 0.0
-    cpu_s: float = 0.0
-    sys_s: float = 0.0  # kernel time (here mostly first-touch page faults of fresh memory)
-
-    @property
-    def share(self) -> float:
-        return self.cpu_s / self.wall_s if self.wall_s > 0 else float("nan")
-
-    @property
-    def sys_share(self) -> float:
-        return self.sys_s / self.cpu_s if self.cpu_s > 0 else float("nan")
-
-
-SHARE: dict[str, CpuShare] = {}
-
-
-@dataclass
-class Clock:
-    """``cpu``: process CPU time (what the code costs on an unshared core: time slices lost to
-    other processes on our core are not counted); ``wall``: perf_counter."""
-
-    kind: str = "cpu"
-
-    def pick(self, wall_s: float, cpu_s: float) -> float:
-        return cpu_s if self.kind == "cpu" else wall_s
-
-
-CLOCK = Clock()
-
-
-def account(section: str, wall_s: float, cpu_s: float, sys_s: float = 0.0) -> None:
-    acc = SHARE.setdefault(section, CpuShare())
-    acc.wall_s += wall_s
-    acc.cpu_s += cpu_s
-    acc.sys_s += sys_s
+TIMER = Timer()  # the tool's one clock; --clock sets its kind
 
 
 def timed(fn: Callable[[], object], section: str) -> float:
-    """Seconds (on ``CLOCK``) of one call of ``fn``; CPU share is accounted to ``section``."""
-    s0 = resource.getrusage(resource.RUSAGE_SELF).ru_stime
-    c0, t0 = time.process_time(), time.perf_counter()
-    fn()
-    t1, c1 = time.perf_counter(), time.process_time()
-    account(section, t1 - t0, c1 - c0, resource.getrusage(resource.RUSAGE_SELF).ru_stime - s0)
-    return CLOCK.pick(t1 - t0, c1 - c0)
+    return TIMER.timed(fn, section)
 
 
 # ---------------------------------------------------------------------------- baselines
@@ -399,9 +355,9 @@ class HF:
                 max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                 logits_processor=[timer], pad_token_id=self.pad_id, **{self.cache_kw: cache})
         del cache
-        account(section, timer.stamps[-1] - timer.stamps[0], timer.cpu[-1] - timer.cpu[0],
+        TIMER.account(section, timer.stamps[-1] - timer.stamps[0], timer.cpu[-1] - timer.cpu[0],
                 timer.sys[-1] - timer.sys[0])
-        stamps = timer.cpu if CLOCK.kind == "cpu" else timer.stamps
+        stamps = timer.cpu if TIMER.kind == "cpu" else timer.stamps
         return [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
 
 
@@ -550,11 +506,7 @@ def knee_of(samples: list[tuple[int, float]]) -> int:
 
 
 def fmt_share(section: str) -> str:
-    """CPU share of the section, and the part of its CPU time spent in the kernel."""
-    acc = SHARE.get(section)
-    if not acc:
-        return "n/a"
-    return f"{acc.share:.2f} (kernel {100 * acc.sys_share:.0f}% of CPU time)"
+    return TIMER.share_text(section)
 
 
 # ---------------------------------------------------------------------------- sections
@@ -611,7 +563,7 @@ def bench_prefill(ours: Ours, hf: HF, base: Baselines, p: Params) -> tuple[list[
     knee = knee_of([(int(r["c"]), r["pack"]) for r in rows])
     peak = base.peak
     out = [
-        f"Prefill ({CLOCK.kind} time, best of {p.prefill_reps}): packed = prompts of {p.pack_len} "
+        f"Prefill ({TIMER.kind} time, best of {p.prefill_reps}): packed = prompts of {p.pack_len} "
         f"tokens packed into one step of C tokens; 1-seq = one prompt of C tokens; "
         f"matmul peak {peak:.1f} GFLOP/s; CPU share ours {fmt_share('prefill-ours')}, HF "
         f"{fmt_share('prefill-hf')}",
@@ -656,7 +608,7 @@ def bench_decode(ours: Ours, hf: HF, base: Baselines,
                 f"| {b / t_hf:.0f} | **{t_hf / t_ours:.2f}x** | {gbps:.1f} "
                 f"| {100 * gbps / base.bandwidth:.0f}% | {1e3 * roof:.1f} | {t_hf / roof:.1f}x |")
     out = [
-        f"Decode: median step ({CLOCK.kind} time) of {p.decode_steps} engine.step() calls "
+        f"Decode: median step ({TIMER.kind} time) of {p.decode_steps} engine.step() calls "
         f"(ours) and of the {p.hf_new_tokens - 1} step intervals of HF generate() (greedy, "
         f"prefix cached); memcpy {base.bandwidth:.1f} GB/s; CPU share ours "
         f"{fmt_share('decode-ours')} / HF {fmt_share('decode-hf')}. Roofline = max(FLOPs / "
@@ -717,7 +669,7 @@ def bench_attention_op(ours: Ours, base: Baselines, p: Params,
                     times[name].append(timed(run, "attention"))
     rows.append(f"| prefill C={knee} packed "
                 + cells({name: min(ts[1:]) for name, ts in times.items()}, None))
-    out = [f"Before/after ({CLOCK.kind} time; decode median of {2 * p.decode_steps} steps, "
+    out = [f"Before/after ({TIMER.kind} time; decode median of {2 * p.decode_steps} steps, "
            f"prefill best of {p.prefill_reps}). before = per-sequence SDPA loop + F.linear; "
            "op = one `tetri::ragged_attention` call per layer + F.linear; after = the op + "
            "prepacked oneDNN linears. Interleaved; roofline as in the decode table; CPU share "
@@ -739,7 +691,7 @@ def bench_layout(ours: Ours, p: Params) -> list[str]:
         ("gather the batch into a padded tensor, one SDPA per layer", make_batched_gather(
             ours.block_size)),
     ]
-    out = [f"KV layout: decode step ({CLOCK.kind} time, median) with each attention path over "
+    out = [f"KV layout: decode step ({TIMER.kind} time, median) with each attention path over "
            f"the same pool; CPU share {{share}}", "",
            "| batch | ctx | KV MB | attention over | step ms | vs ours |",
            "|---:|---:|---:|---|---:|---:|"]
@@ -786,10 +738,10 @@ INSIDE_FORWARD = ("linear (matmuls)", "attention (one op per layer)",
 
 @contextmanager
 def phase_timers(ours: Ours) -> Iterator[dict[str, float]]:
-    """Wrap the engine's phases with accumulators on ``CLOCK`` (cheap; no profiler)."""
+    """Wrap the engine's phases with accumulators on ``TIMER`` (cheap; no profiler)."""
     acc: dict[str, float] = {}
     eng = ours.eng
-    now = time.process_time if CLOCK.kind == "cpu" else time.perf_counter
+    now = time.process_time if TIMER.kind == "cpu" else time.perf_counter
 
     def wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def inner(*a: Any, **k: Any) -> Any:
@@ -843,7 +795,7 @@ def phase_rows(acc: dict[str, float], steps: int, step_s: float) -> list[str]:
 def profile_section(ours: Ours, knee: int, p: Params) -> list[str]:
     from torch.profiler import ProfilerActivity, profile
 
-    out = [f"Profile ({CLOCK.kind} time per step; the phases inside `model forward` are "
+    out = [f"Profile ({TIMER.kind} time per step; the phases inside `model forward` are "
            "indented; torch.profiler's table is wall time and inflated when the core is shared)",
            ""]
     for ctx in p.contexts:
@@ -917,7 +869,7 @@ def main(argv: list[str] | None = None) -> int:
                   env)
     p = QUICK if args.quick else FULL
     skip = set(filter(None, args.skip.split(",")))
-    CLOCK.kind = args.clock
+    TIMER.kind = args.clock
 
     t_start = time.perf_counter()
     busy = core_busy()
@@ -936,7 +888,7 @@ def main(argv: list[str] | None = None) -> int:
         f"`{' '.join(['tools/bench_engine.py', *sys.argv[1:]])}` on "
         f"{datetime.date.today().isoformat()}, {platform.processor() or platform.machine()}, "
         f"ISA {torch.backends.cpu.get_cpu_capability()}, torch {torch.__version__}, "
-        f"1 thread pinned to cpu {cpu}, {CLOCK.kind} time, glibc "
+        f"1 thread pinned to cpu {cpu}, {TIMER.kind} time, glibc "
         f"malloc {'tuned' if os.environ.get('GLIBC_TUNABLES') else 'default'} "
         f"(CPU busy before start: {', '.join(f'cpu{c} {100 * b:.0f}%' for c, b in busy.items())})",
         "",

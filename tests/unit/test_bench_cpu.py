@@ -46,3 +46,18 @@ def test_a_window_attributes_our_cpu_and_the_others() -> None:
     w.stop()
     assert t > 0 and w.shares["self"] > 0
     assert w.others_cores >= 0 and CLK_TCK > 0
+
+
+def test_the_timer_accounts_sections_and_interleaves_contenders() -> None:
+    from tetri_server.bench.cpu import Timer
+
+    timer = Timer("cpu")
+    order: list[str] = []
+    times = timer.interleaved({"a": lambda: order.append("a"), "b": lambda: order.append("b")},
+                              rounds=3, section="demo")
+    assert order == ["a", "b"] * 3  # round robin: load changes hit both alike
+    assert [len(v) for v in times.values()] == [3, 3]
+    assert all(t >= 0 for v in times.values() for t in v)
+    assert timer.shares["demo"].wall_s > 0
+    assert timer.share_text("missing") == "n/a" and "kernel" in timer.share_text("demo")
+    assert Timer("wall").pick(2.0, 1.0) == 2.0 and timer.pick(2.0, 1.0) == 1.0

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import resource
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -155,3 +157,69 @@ class CpuClock:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+
+
+@dataclass
+class CpuShare:
+    """Process CPU seconds per wall second over the measured regions of one section."""
+
+    wall_s: float = 0.0
+    cpu_s: float = 0.0
+    sys_s: float = 0.0  # kernel time (mostly first-touch page faults of fresh memory)
+
+    @property
+    def share(self) -> float:
+        return self.cpu_s / self.wall_s if self.wall_s > 0 else float("nan")
+
+    @property
+    def sys_share(self) -> float:
+        return self.sys_s / self.cpu_s if self.cpu_s > 0 else float("nan")
+
+
+@dataclass
+class Timer:
+    """Times calls on one clock and accounts each section's CPU share. ``kind = "cpu"``:
+    process CPU time (what the code costs on an unshared core: slices other processes took
+    from ours are not counted); ``"wall"``: perf_counter."""
+
+    kind: str = "cpu"
+    shares: dict[str, CpuShare] = field(default_factory=dict)
+
+    def pick(self, wall_s: float, cpu_s: float) -> float:
+        return cpu_s if self.kind == "cpu" else wall_s
+
+    def now(self) -> float:
+        return time.process_time() if self.kind == "cpu" else time.perf_counter()
+
+    def account(self, section: str, wall_s: float, cpu_s: float, sys_s: float = 0.0) -> None:
+        acc = self.shares.setdefault(section, CpuShare())
+        acc.wall_s += wall_s
+        acc.cpu_s += cpu_s
+        acc.sys_s += sys_s
+
+    def timed(self, fn: Callable[[], object], section: str) -> float:
+        """Seconds (on this clock) of one call of ``fn``; its CPU share goes to ``section``."""
+        s0 = resource.getrusage(resource.RUSAGE_SELF).ru_stime
+        c0, t0 = time.process_time(), time.perf_counter()
+        fn()
+        t1, c1 = time.perf_counter(), time.process_time()
+        self.account(section, t1 - t0, c1 - c0,
+                     resource.getrusage(resource.RUSAGE_SELF).ru_stime - s0)
+        return self.pick(t1 - t0, c1 - c0)
+
+    def share_text(self, section: str) -> str:
+        """CPU share of the section, and the part of its CPU time spent in the kernel."""
+        acc = self.shares.get(section)
+        if not acc:
+            return "n/a"
+        return f"{acc.share:.2f} (kernel {100 * acc.sys_share:.0f}% of CPU time)"
+
+    def interleaved(self, fns: dict[str, Callable[[], object]], rounds: int,
+                    section: str) -> dict[str, list[float]]:
+        """Each function once per round, round robin, so that a change in the machine's load
+        hits every contender alike; the times of each."""
+        times: dict[str, list[float]] = {name: [] for name in fns}
+        for _ in range(rounds):
+            for name, fn in fns.items():
+                times[name].append(self.timed(fn, section))
+        return times
