@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import sys
 import time
@@ -239,26 +240,27 @@ def _server_config(arg: str | None) -> dict[str, Any]:
     return loaded
 
 
-def cmd_run(args: argparse.Namespace) -> int:
-    built = build_requests(args)
+def _client_config(args: argparse.Namespace, label: str) -> ClientConfig:
+    """The client for ``--url``: the served model (asked of the server unless given)."""
     base_url = args.url.rstrip("/")
     try:
         model = args.model_name or asyncio.run(fetch_model_name(base_url))
     except (aiohttp.ClientError, TimeoutError) as exc:
         raise SystemExit(f"cannot list models at {base_url}/v1/models: {exc}") from exc
+    return ClientConfig(base_url, model, args.max_concurrency, args.request_timeout_s,
+                        api_key=args.api_key, progress=not args.no_progress, label=label,
+                        send_true_output_len=args.send_true_output_len)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    built = build_requests(args)
+    base_url = args.url.rstrip("/")
+    base = _client_config(args, args.label)
+    model = base.model
     slo = SLO(args.slo_ttft_s, args.slo_tpot_s)
     results = []
     for spec, requests in built:
-        cfg = ClientConfig(
-            base_url,
-            model,
-            args.max_concurrency,
-            args.request_timeout_s,
-            api_key=args.api_key,
-            progress=not args.no_progress,
-            label=f"{args.label}/{spec.name}",
-            send_true_output_len=args.send_true_output_len,
-        )
+        cfg = dataclasses.replace(base, label=f"{args.label}/{spec.name}")
         run = asyncio.run(run_benchmark(requests, cfg))
         summary = summarize(run, slo, args.num_workers)
         config = {"url": base_url, "served_model": model, **_server_config(args.server_config)}
@@ -338,20 +340,8 @@ def _sweep_one_url(
     args: argparse.Namespace, built: _Built, vocab: tuple[int, frozenset[int]], measure: bool
 ) -> ModeSweep:
     base_url = args.url.rstrip("/")
-    try:
-        model = args.model_name or asyncio.run(fetch_model_name(base_url))
-    except (aiohttp.ClientError, TimeoutError) as exc:
-        raise SystemExit(f"cannot list models at {base_url}/v1/models: {exc}") from exc
-    cfg = ClientConfig(
-        base_url,
-        model,
-        args.max_concurrency,
-        args.request_timeout_s,
-        api_key=args.api_key,
-        progress=not args.no_progress,
-        label=args.label,
-        send_true_output_len=args.send_true_output_len,
-    )
+    cfg = _client_config(args, args.label)
+    model = cfg.model
     config = {"url": base_url, "served_model": model, **_server_config(args.server_config)}
     return sweep_url(cfg, built, vocab, measure, args.seed, args.num_workers, config)
 
