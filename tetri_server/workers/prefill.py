@@ -62,9 +62,9 @@ class PrefillRole(Role):
         self.seqs: dict[int, Sequence] = {}  # queued or prefilling
         self.unpredicted: list[tuple[Sequence, AddRequest]] = []
         self.undispatched: list[Sequence] = []  # prefilled, waiting for room on a decode worker
-        self.handed_off: dict[int, Sequence] = {}  # Handoff sent, blocks pinned until KVPulled
+        # Handoff sent, with the plan that chose its decode worker; blocks pinned until KVPulled
+        self.handed_off: dict[int, tuple[Sequence, DispatchPlan]] = {}
         self.await_view = False  # a hand-off was refused: dispatch again on the next view
-        self.plans: dict[int, DispatchPlan] = {}  # of the hand-offs in handed_off
 
     def chunk_size(self) -> int:
         return self._chunk_size
@@ -83,26 +83,24 @@ class PrefillRole(Role):
             if self.dispatcher.on_view(msg):
                 self.dispatch_held()
         elif isinstance(msg, KVPulled):
-            self.plans.pop(msg.req_id, None)
-            seq = self.handed_off.pop(msg.req_id, None)
-            if seq is not None:
-                self.w.kv.free(seq)
+            held = self.handed_off.pop(msg.req_id, None)
+            if held is not None:
+                self.w.kv.free(held[0])
         elif isinstance(msg, HandoffRejected):
-            seq = self.handed_off.pop(msg.req_id, None)
-            if seq is not None:
+            held = self.handed_off.pop(msg.req_id, None)
+            if held is not None:
+                seq, plan = held
                 log.info("request %d rejected by decode: %s", msg.req_id, msg.reason)
                 self.w.kv.unpin(seq)  # nobody reads its blocks now; a new Handoff names them anew
-                plan = self.plans.pop(msg.req_id, None)
-                if plan is not None:
-                    self.dispatcher.on_rejected(plan)  # not counted against that worker
+                self.dispatcher.on_rejected(plan)  # not counted against that worker
                 self.undispatched.append(seq)
                 self.await_view = True  # the view that chose that worker is stale
         else:
             super().handle(msg)
 
     def abort(self, req_id: int) -> None:
-        self.plans.pop(req_id, None)
-        seq = self.seqs.pop(req_id, None) or self.handed_off.pop(req_id, None)
+        held = self.handed_off.pop(req_id, None)
+        seq = self.seqs.pop(req_id, None) or (held[0] if held is not None else None)
         if seq is None:
             seq = next((s for s in self.undispatched if s.req_id == req_id), None)
             if seq is not None:
@@ -205,8 +203,7 @@ class PrefillRole(Role):
             if plan is None:
                 still.append(seq)
                 continue
-            self.handed_off[seq.req_id] = seq
-            self.plans[seq.req_id] = plan
+            self.handed_off[seq.req_id] = (seq, plan)
             self.w.decisions.record("dispatch", req=seq.req_id, to=plan.decode_worker,
                                     blocks=plan.num_blocks, heavy=plan.heavy)
             self.w.kv.pin(seq)  # the decode worker reads these block ids until KVPulled
