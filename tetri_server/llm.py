@@ -8,11 +8,12 @@ import time
 import torch
 
 from tetri_server.config import Config
-from tetri_server.engine.loader import load_model, resolve_model_path
+from tetri_server.engine.loader import load_model
 from tetri_server.engine.runner import ModelRunner
 from tetri_server.kv.blocks import BlockAllocator, blocks_for
 from tetri_server.kv.manager import KVCacheManager
 from tetri_server.messages import SamplingParams, TokenDelta
+from tetri_server.modelinfo import resolve_model_path
 
 DEFAULT_KV_GB = 1.0  # pool size in-process when kv.num_blocks and kv.memory_gb are 0
 

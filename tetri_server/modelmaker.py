@@ -240,10 +240,3 @@ def builtin_model_path(name: str = "tiny", cache_dir: str | os.PathLike[str] | N
         raise RuntimeError(f"could not install builtin model at {final}")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-def resolve_model_path(spec: str) -> Path:
-    """A model spec from config or CLI: 'builtin:<[family-]size>' or a checkpoint folder."""
-    if spec.startswith("builtin:"):
-        return builtin_model_path(spec)
-    return Path(spec)

@@ -62,9 +62,8 @@ import numpy as np
 import torch
 
 from tetri_server.bench.cpu import CpuClock, CpuWindow, others_cores
-from tetri_server.channel import new_run_id
+from tetri_server.channel import SHM_DIR, new_run_id, unlink_segment
 from tetri_server.control.requests import Stream
-from tetri_server.kv.shm import SHM_DIR, unlink_segment
 from tetri_server.kv.transport import KVTransport, PoolGeometry, make_transport
 from tetri_server.messages import PoolHandle, SamplingParams
 

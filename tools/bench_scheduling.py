@@ -17,9 +17,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from tetri_server.engine.loader import resolve_model_path  # noqa: E402
 from tetri_server.llm import make_engine  # noqa: E402
 from tetri_server.messages import SamplingParams  # noqa: E402
+from tetri_server.modelinfo import resolve_model_path  # noqa: E402
 from tetri_server.policy import pick_chunk_size  # noqa: E402
 from tetri_server.workers.calibrate import SIZES, measure  # noqa: E402
 

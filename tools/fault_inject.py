@@ -309,7 +309,7 @@ def hf_check(model: str, pool: list[Item], refs: list[str], n: int) -> list[str]
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tetri_server.engine.loader import resolve_model_path
+    from tetri_server.modelinfo import resolve_model_path
 
     path = str(resolve_model_path(model))
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

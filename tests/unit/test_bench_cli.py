@@ -12,14 +12,8 @@ from pathlib import Path
 import pytest
 
 from tetri_server.bench import cli
-from tetri_server.bench.compare import (
-    ServerSpec,
-    cpu_delta,
-    free_port,
-    machine_busy_cpu_s,
-    running_server,
-    session_cpu_s,
-)
+from tetri_server.bench.compare import ServerSpec, cpu_delta, free_port, running_server
+from tetri_server.bench.cpu import machine_busy_cpu_s, session_cpu_s
 
 # argv: mode port [health_status] [pid_file]. Tokens come TOKEN_GAP_S[mode] apart; every
 # request adds busy seconds to two workers, so perf/$ and resource usage are measurable.

@@ -467,7 +467,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if spawns and not args.model:
         raise SystemExit(f"{args.command} needs --model (the folder every server loads)")
     if args.model and args.model.startswith("builtin:"):
-        from tetri_server.modelmaker import resolve_model_path  # makes the model on first use
+        from tetri_server.modelinfo import resolve_model_path  # makes the model on first use
 
         args.model = str(resolve_model_path(args.model))
     commands = {"run": cmd_run, "compare": cmd_compare, "sweep": cmd_sweep}

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from tetri_server.bench.client import ClientConfig, fetch_model_name, run_benchmark
-from tetri_server.bench.cpu import machine_busy_cpu_s, session_cpu_s  # noqa: F401 - re-exported
+from tetri_server.bench.cpu import machine_busy_cpu_s, session_cpu_s
 from tetri_server.bench.metrics import SLO, summarize
 from tetri_server.bench.report import BenchResult
 from tetri_server.bench.workload import BenchRequest, WorkloadSpec

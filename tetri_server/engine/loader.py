@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from tetri_server.engine.llama import LlamaModel
 from tetri_server.engine.opt import OPTModel
 from tetri_server.engine.spec import LLAMA_FAMILY, ModelSpec, spec_from_hf_config
-from tetri_server.modelinfo import resolve_model_path  # noqa: F401 - re-exported
+from tetri_server.modelinfo import resolve_model_path
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CausalLM = LlamaModel | OPTModel

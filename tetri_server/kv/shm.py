@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from tetri_server.channel import reserve_shm, unlink_segment  # noqa: F401 - re-exported
+from tetri_server.channel import reserve_shm, unlink_segment
 from tetri_server.kv.transport import DTYPE_NAMES, PoolGeometry, copy_extent_runs
 from tetri_server.messages import PoolHandle
 
