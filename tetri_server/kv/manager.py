@@ -84,14 +84,14 @@ class KVCacheManager:
                           if id(s) not in self._pinned and s.blocks and s is not last),
                          key=lambda s: s.blocks[0])
         moving_last = last is not None and bool(last.blocks) and id(last) not in self._pinned
-        order: list[HasBlocks] = movable + ([last] if last is not None and moving_last else [])
-        targets = self._plan_compaction(order, last, room)
+        moved_last = last if moving_last else None
+        order: list[HasBlocks] = movable + ([moved_last] if moved_last is not None else [])
+        targets = self._plan_compaction(order, moved_last, room)
         if targets is None:
             return False
         saved = None
-        if moving_last:  # others may slide over it: keep a copy
-            assert last is not None
-            saved = self._tokens(last.blocks[0], last.num_computed).clone()
+        if moved_last is not None:  # others may slide over it: keep a copy
+            saved = self._tokens(moved_last.blocks[0], moved_last.num_computed).clone()
         for seq in order:
             self.allocator.free(seq.blocks)
         for seq, start in zip(order, targets, strict=True):
@@ -108,7 +108,9 @@ class KVCacheManager:
                          room: int) -> list[int] | None:
         """Target start block of each extent in ``order``, on a scratch allocator: first fit
         in address order. Each target is at or left of the extent's old start (its old place
-        is free when its turn comes), which makes the in-place moves safe."""
+        is free when its turn comes), which makes the in-place moves safe. ``last`` (the final
+        entry of ``order``, or None) needs ``room`` free blocks after it; with no ``last``, a
+        free run of ``room`` blocks must remain."""
         scratch = self.allocator.copy()
         for seq in order:
             scratch.free(seq.blocks)
@@ -120,9 +122,8 @@ class KVCacheManager:
                 return None
             scratch.allocate_at(start, len(seq.blocks))
             targets.append(start)
-        if (last is None or not order or order[-1] is not last) and room:
-            if scratch.first_fit(room) is None:
-                return None
+        if last is None and room and scratch.first_fit(room) is None:
+            return None
         return targets
 
     def _tokens(self, block: int, num_tokens: int) -> torch.Tensor:

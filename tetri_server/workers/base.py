@@ -153,7 +153,7 @@ class Worker:
                 if self.role.has_work():
                     t0 = time.monotonic()
                     ran = self.step()
-                    if ran:  # busy_s feeds the flip rule: only forwards count
+                    if ran:  # busy_s feeds the flip rule: waiting steps do not count
                         self.busy_s += time.monotonic() - t0
                 elif self.pending_role is not None and self.role.is_drained():
                     self.switch_role(self.pending_role)
@@ -174,7 +174,7 @@ class Worker:
             self.outbox.close()
 
     def step(self) -> bool:
-        """One step of the role; True if it ran a forward. If it raises, the requests of the
+        """One step of the role; True if it made progress. If it raises, the requests of the
         forward pass it ran are named to the control process (``StepFailed``) before the worker
         dies: a request that crashes workers must fail alone, not be re-run until every worker
         is dead."""
@@ -259,8 +259,9 @@ class Role:
         return not self.has_work()
 
     def step(self) -> bool:
-        """Plan, execute, update. True if a forward ran; False if nothing could run now (the
-        worker then waits for a message, bounded by the report interval, instead of spinning)."""
+        """Plan, execute, update. True if it made progress (ran a forward, or preempted or
+        failed requests); False if nothing could run now (the worker then waits for a message,
+        bounded by the report interval, instead of spinning)."""
         raise NotImplementedError
 
     def load_report(self) -> LoadReport:

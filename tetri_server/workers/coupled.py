@@ -80,7 +80,7 @@ class CoupledLoop:
         self.seqs: dict[int, Sequence] = {}
         self.failed: list[RequestFailed] = []  # for the caller to report, then clear
         self.decisions = decisions or DecisionLog()
-        self.last_step_ran = False
+        self.last_step_ran = False  # the last step made progress (a forward, or preemptions)
 
     def add(self, req_id: int, prompt_ids: list[int], params: SamplingParams,
             arrival_s: float) -> None:
