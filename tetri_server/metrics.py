@@ -3,14 +3,20 @@
 Every metric carries a ``model_name`` label (the served name), so dashboards built for vLLM
 (which filter on ``{model_name="$model_name"}``) work with the ``vllm:`` prefix changed to
 ``tetri_``: token counters, prompt/generation length histograms, TTFT, inter-token latency,
-per-request TPOT, e2e latency, success by ``finished_reason``, running/waiting requests and
-``kv_cache_usage_perc``; the standard ``process_*``/``python_*`` collectors are registered too.
-Older tetri names (``tetri_requests_total{finish_reason}``, ``tetri_requests_running``,
-``tetri_time_per_output_token_seconds``, ...) are kept beside their vLLM-shaped twins.
+per-request TPOT, e2e latency, decode time, success by ``finished_reason``, running/waiting
+requests and ``kv_cache_usage_perc``; the standard ``process_*``/``python_*`` collectors are
+registered too. Older tetri names (``tetri_requests_total{finish_reason}``,
+``tetri_requests_running``, ``tetri_time_per_output_token_seconds``, ...) are kept beside their
+vLLM-shaped twins. vLLM's queue time and prefill time are one histogram here,
+``tetri_request_queue_prefill_time_seconds`` (arrival -> first token, as the control process sees
+them): no worker reports when a request was first scheduled. TetriInfer's own: phases, flips and
+roles, hand-off bytes, predictor outcomes (predicted vs actual length bucket).
 
 Who writes what:
     backend (control process)  ``set_requests``, ``set_worker``, ``set_chunk_size``,
-                               ``inc_restarts``, ``inc_stalls``, ``set_up``
+                               ``inc_restarts``, ``inc_stalls``, ``set_up``, ``set_role``,
+                               ``observe_phase``, ``observe_handoff_bytes``, ``observe_flip``,
+                               ``observe_request_times``, ``observe_prediction``
     API layer                  ``observe_first_token``, ``observe_tokens``, ``observe_finished``,
                                ``inc_error``
     GET /metrics               ``render``
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -46,7 +53,10 @@ ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 
 E2E_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 # tokens per request, 1-2-5 steps as vLLM's, up to 1M
 LENGTH_BUCKETS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5))
+FLIP_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 FINISHED_REASONS = ("stop", "length", "abort")
+ROLES = ("prefill", "decode", "coupled")
+OUTCOMES = ("exact", "under", "over")  # predicted bucket = / < / > the actual one
 MODEL = "model_name"
 # exported again as vllm:<suffix> when asked (server.vllm_metric_names)
 VLLM_ALIASED = (
@@ -55,6 +65,7 @@ VLLM_ALIASED = (
     "tetri_request_generation_tokens", "tetri_time_to_first_token_seconds",
     "tetri_inter_token_latency_seconds", "tetri_request_time_per_output_token_seconds",
     "tetri_e2e_request_latency_seconds", "tetri_request_success",
+    "tetri_request_decode_time_seconds",
 )
 
 
@@ -183,7 +194,48 @@ class Metrics:
             "Disaggregated phases per request: prefill (arrival to the Handoff: queue, chunks, "
             "dispatch hold) and handoff (Handoff forwarded to KVPulled: the KV copy).",
             TTFT_BUCKETS_S, "phase")
+        self._add_control_metrics(gauge, counter, histogram)
         self._workers: dict[str, _WorkerTotals] = {}
+
+    def _add_control_metrics(self, gauge: Any, counter: Any, histogram: Any) -> None:
+        """What only the control process sees: request times, flips, hand-offs, predictions."""
+        m = self.model_name
+        self.queue_prefill = histogram(
+            "tetri_request_queue_prefill_time_seconds",
+            "Arrival at the control process to the first token: queue + prefill (vLLM's "
+            "request_queue_time + request_prefill_time; workers do not report the split).",
+            TTFT_BUCKETS_S).labels(m)
+        self.decode_time = histogram(
+            "tetri_request_decode_time_seconds",
+            "First token to last token of requests that finished (stop or length).",
+            E2E_BUCKETS_S).labels(m)
+        self.worker_role = gauge("tetri_worker_role",
+                                 "1 for the role each worker has now, 0 for the others.",
+                                 "worker", "role")
+        self.flips = counter("tetri_flips", "Instance flips completed.", "from_role", "to_role")
+        self.flip_seconds = histogram(
+            "tetri_flip_seconds",
+            "Flip durations: total (decision to serving in the new role) and switch (drained to "
+            "serving).", FLIP_BUCKETS_S, "part")
+        for a, b in (("prefill", "decode"), ("decode", "prefill")):
+            self.flips.labels(m, a, b)  # present at 0, so rate() works before the first flip
+        for part in ("total", "switch"):
+            self.flip_seconds.labels(m, part)
+        self.handoff_bytes = counter(
+            "tetri_handoff_bytes",
+            "KV bytes handed from prefill to decode workers (whole blocks, as copied).").labels(m)
+        self.predictor_outcomes = counter(
+            "tetri_predictor_outcomes",
+            "Finished requests by predicted vs actual output-length bucket: exact, under "
+            "(predicted < actual), over; for finished_reason=length the actual length is a cap.",
+            "outcome", "finished_reason")
+        for outcome in OUTCOMES:
+            for reason in ("stop", "length"):
+                self.predictor_outcomes.labels(m, outcome, reason)
+        self.predictor_buckets = counter(
+            "tetri_predictor_buckets",
+            "Finished requests by predicted and actual output-length bucket.",
+            "predicted_bucket", "actual_bucket", "finished_reason")
 
     # ------------------------------------------------------------------ backend side
 
@@ -218,6 +270,39 @@ class Metrics:
     def observe_phase(self, phase: str, seconds: float) -> None:
         """One request's time in ``phase`` (``prefill`` or ``handoff``)."""
         self.phase.labels(self.model_name, phase).observe(seconds)
+
+    def set_role(self, worker: int | str, role: str) -> None:
+        """The worker's role now (at start-up, a restart, a flip)."""
+        key = str(worker)
+        for r in ROLES:
+            self.worker_role.labels(self.model_name, key, r).set(1 if r == role else 0)
+
+    def observe_flip(self, from_role: str, to_role: str, *, total_s: float,
+                     switch_s: float) -> None:
+        """A flip completed (``FlipResult``)."""
+        m = self.model_name
+        self.flips.labels(m, from_role, to_role).inc()
+        self.flip_seconds.labels(m, "total").observe(total_s)
+        self.flip_seconds.labels(m, "switch").observe(switch_s)
+
+    def observe_handoff_bytes(self, num_bytes: int) -> None:
+        """One request's KV handed to a decode worker."""
+        self.handoff_bytes.inc(num_bytes)
+
+    def observe_request_times(self, *, queue_prefill_s: float, decode_s: float) -> None:
+        """A request finished (stop or length): arrival -> first token, first -> last token."""
+        self.queue_prefill.observe(queue_prefill_s)
+        self.decode_time.observe(decode_s)
+
+    def observe_prediction(self, predicted_bucket: int, actual_bucket: int,
+                           finish_reason: str) -> None:
+        """A finished request's predicted output-length bucket against its actual one."""
+        m = self.model_name
+        outcome = ("exact" if predicted_bucket == actual_bucket
+                   else "under" if predicted_bucket < actual_bucket else "over")
+        self.predictor_outcomes.labels(m, outcome, finish_reason).inc()
+        self.predictor_buckets.labels(m, str(predicted_bucket), str(actual_bucket),
+                                      finish_reason).inc()
 
     def set_chunk_size(self, worker: int | str, chunk_size: int) -> None:
         """A prefill worker's chunk size (from its ``Ready``; after calibration)."""

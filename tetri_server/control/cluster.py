@@ -22,6 +22,7 @@ from typing import Any
 
 from tetri_server.channel import cleanup_stale_segments, new_run_id
 from tetri_server.config import Config
+from tetri_server.control.accounting import RequestAccounting
 from tetri_server.control.flip import FlipController
 from tetri_server.control.monitor import Monitor, NullMetrics
 from tetri_server.control.protocol import (
@@ -73,8 +74,9 @@ class Cluster:
         self.requests = self.table.requests
         self.monitor = Monitor(self.cfg, self.workers, self.draining, self.metrics)
         self.reports = self.monitor.reports
+        self.accounting = RequestAccounting(self.cfg, self.metrics)
         self.router = Router(self.cfg, self.workers, self.draining, self.table, self.monitor,
-                             self.metrics)
+                             self.accounting)
         self.flipper = FlipController(self)
         self._tick: asyncio.TimerHandle | None = None
         self._handlers: dict[type, Callable[[WorkerHandle, Any], None]] = {
@@ -180,11 +182,13 @@ class Cluster:
         self._handlers[type(msg)](h, msg)
 
     def _on_step_output(self, h: WorkerHandle, msg: StepOutput) -> None:
+        now = time.monotonic()
         for d in msg.deltas:
             req = self.table.get(d.req_id)
             if req is None:
                 continue
             req.output_ids.extend(d.token_ids)
+            self.accounting.on_delta(req, d, now)
             req.queue.put_nowait(d)
             if d.finish_reason is not None:
                 self.table.finish(req)

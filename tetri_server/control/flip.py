@@ -15,7 +15,7 @@ import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from tetri_server.config import Config
 from tetri_server.control.supervisor import WorkerHandle
@@ -32,6 +32,7 @@ class FlipHost(Protocol):
     workers: Mapping[int, WorkerHandle]
     draining: set[int]  # the controller adds a flipping worker, and removes it when done
     reports: Mapping[int, LoadReport]
+    metrics: Any  # Metrics or NullMetrics
 
 log = logging.getLogger("tetri.flip")
 
@@ -117,6 +118,7 @@ class FlipController:
             c.draining.discard(worker_id)
         result = FlipResult(worker_id, from_role, role, time.monotonic() - t0, switch_s)
         self.history.append(result)
+        c.metrics.observe_flip(from_role, role, total_s=result.total_s, switch_s=switch_s)
         log.warning("flip: worker %d is now %s (%.3f s in all, %.3f s after drain)",
                     worker_id, role, result.total_s, switch_s)
         return result

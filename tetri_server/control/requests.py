@@ -42,6 +42,8 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     num_reruns: int = 0
     handoff_s: float = 0.0  # monotonic time the Handoff was forwarded
+    first_token_s: float | None = None  # monotonic time its first token reached control
+    predicted_bucket: int = -1  # output-length bucket the prefill worker predicted (Handoff)
     # Waiting for a worker of a role that has none live (restarting): fail with 503 at this
     # monotonic time unless it got past that role by then. None: not waiting.
     wait_deadline_s: float | None = None

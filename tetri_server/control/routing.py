@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from typing import Any
 
 import msgspec
 
 from tetri_server.config import Config
+from tetri_server.control.accounting import RequestAccounting
 from tetri_server.control.monitor import Monitor
 from tetri_server.control.requests import ReqState, Request
 from tetri_server.control.supervisor import WorkerHandle
@@ -23,14 +23,15 @@ MAX_RERUNS = 3
 
 class Router:
     def __init__(self, cfg: Config, workers: Mapping[int, WorkerHandle], draining: set[int],
-                 table: RequestTable, monitor: Monitor, metrics: Any) -> None:
+                 table: RequestTable, monitor: Monitor, accounting: RequestAccounting) -> None:
         self.cfg = cfg
         self.disaggregated = cfg.cluster.mode == "disaggregated"
         self.workers = workers
         self.draining = draining
         self.table = table
         self.monitor = monitor
-        self.metrics = metrics
+        self.accounting = accounting
+        self.metrics = accounting.metrics
 
     def route(self, req: Request) -> None:
         """Send to the least-loaded prefill (or coupled) worker; the prompt of a re-run
@@ -85,6 +86,7 @@ class Router:
         req.handoff_s = time.monotonic()
         req.wait_deadline_s = None
         self.metrics.observe_phase("prefill", req.handoff_s - req.arrival_s)
+        self.accounting.on_handoff(req, msg, src.pool)
         dst.post(msg)
 
     def on_kv_pulled(self, h: WorkerHandle, msg: KVPulled) -> None:

@@ -1,0 +1,127 @@
+"""What the control process adds to the metrics (``RequestAccounting``, roles, flips): the
+numbers a dashboard user reads are the ones the requests had."""
+
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from tetri_server.config import load_config
+from tetri_server.control.accounting import RequestAccounting, block_bytes
+from tetri_server.control.requests import Request
+from tetri_server.messages import Handoff, PoolHandle, SamplingParams, TokenDelta
+from tetri_server.metrics import Metrics
+
+POOL = PoolHandle(worker_id=0, transport="shm", name="x", num_layers=2, num_blocks=64,
+                  block_size=16, num_kv_heads=4, head_dim=8, dtype="float32")
+
+
+def _samples(m: Metrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    out = {}
+    for fam in text_string_to_metric_families(m.render().decode()):
+        for s in fam.samples:
+            labels = {k: v for k, v in s.labels.items() if k != "model_name"}
+            out[(s.name, tuple(sorted(labels.items())))] = s.value
+    return out
+
+
+def _request(req_id: int, arrival_s: float) -> Request:
+    return Request(req_id, [5] * 10, SamplingParams(max_tokens=300), "", None,
+                   arrival_s=arrival_s)
+
+
+def _handoff(req: Request, num_blocks: int, bucket: int) -> Handoff:
+    return Handoff(req.req_id, 0, list(range(num_blocks)), req.prompt_ids + [7],
+                   len(req.prompt_ids), req.params, bucket, bucket * 200, req.arrival_s)
+
+
+def _run(acc: RequestAccounting, req: Request, times_s: list[float], reason: str) -> None:
+    """One token at each time; the last delta finishes the request."""
+    for i, t in enumerate(times_s):
+        last = i == len(times_s) - 1
+        d = TokenDelta(req.req_id, [9], finish_reason=reason if last else None)
+        req.output_ids.extend(d.token_ids)
+        acc.on_delta(req, d, t)
+
+
+def test_queue_prefill_and_decode_time_come_from_first_and_last_token() -> None:
+    m = Metrics("m")
+    acc = RequestAccounting(load_config(None, []), m)
+    a, b = _request(0, arrival_s=10.0), _request(1, arrival_s=20.0)
+    _run(acc, a, [10.5, 11.0, 12.5], "length")  # 0.5 s to the first token, 2 s of decode
+    _run(acc, b, [21.0, 21.5], "stop")
+    c = _request(2, arrival_s=30.0)
+    _run(acc, c, [30.2, 30.4], "abort")  # aborted: no finished-request times
+    s = _samples(m)
+    assert s[("tetri_request_queue_prefill_time_seconds_count", ())] == 2
+    assert s[("tetri_request_queue_prefill_time_seconds_sum", ())] == 1.5
+    assert s[("tetri_request_decode_time_seconds_count", ())] == 2
+    assert s[("tetri_request_decode_time_seconds_sum", ())] == 2.5
+
+
+def test_predictor_outcomes_compare_the_handed_off_bucket_with_the_true_length() -> None:
+    m = Metrics("m")
+    acc = RequestAccounting(load_config(None, []), m)
+    g = acc.buckets.granularity
+    cases = [(0, g // 2, "stop"), (0, g + 1, "stop"), (2, g + 1, "length"), (1, g, "length")]
+    for i, (bucket, length, reason) in enumerate(cases):
+        req = _request(i, arrival_s=0.0)
+        acc.on_handoff(req, _handoff(req, num_blocks=3, bucket=bucket), POOL)
+        _run(acc, req, [1.0 + k * 0.01 for k in range(length)], reason)
+    coupled = _request(9, arrival_s=0.0)  # never handed off: no prediction to judge
+    _run(acc, coupled, [1.0, 1.1], "stop")
+    s = _samples(m)
+
+    def outcome(o: str, r: str) -> float:
+        return s[("tetri_predictor_outcomes_total", (("finished_reason", r), ("outcome", o)))]
+
+    assert outcome("exact", "stop") == 1 and outcome("under", "stop") == 1
+    assert outcome("over", "length") == 1 and outcome("exact", "length") == 1
+    assert outcome("over", "stop") == 0 and outcome("under", "length") == 0
+    key = (("actual_bucket", "1"), ("finished_reason", "length"), ("predicted_bucket", "2"))
+    assert s[("tetri_predictor_buckets_total", key)] == 1
+    # every hand-off moved 3 whole blocks of POOL
+    assert s[("tetri_handoff_bytes_total", ())] == 4 * 3 * block_bytes(POOL)
+    assert block_bytes(POOL) == 2 * 2 * 4 * 16 * 8 * 4
+
+
+def test_roles_show_the_current_role_only_and_flips_count_with_durations() -> None:
+    m = Metrics("m")
+    s = _samples(m)
+    assert s[("tetri_flips_total", (("from_role", "prefill"), ("to_role", "decode")))] == 0
+    m.set_role(0, "prefill")
+    m.set_role(1, "prefill")
+    m.set_role(1, "decode")  # flipped
+    m.observe_flip("prefill", "decode", total_s=2.0, switch_s=0.25)
+    s = _samples(m)
+    role = {(w, r): s[("tetri_worker_role", (("role", r), ("worker", w)))]
+            for w in "01" for r in ("prefill", "decode", "coupled")}
+    assert role == {("0", "prefill"): 1, ("0", "decode"): 0, ("0", "coupled"): 0,
+                    ("1", "prefill"): 0, ("1", "decode"): 1, ("1", "coupled"): 0}
+    assert s[("tetri_flips_total", (("from_role", "prefill"), ("to_role", "decode")))] == 1
+    assert s[("tetri_flip_seconds_sum", (("part", "total"),))] == 2.0
+    assert s[("tetri_flip_seconds_sum", (("part", "switch"),))] == 0.25
+
+
+def test_itl_counts_every_token_after_the_first_and_kv_usage_stays_in_0_1() -> None:
+    m = Metrics("m")
+    lengths = [1, 4, 7]
+    for n in lengths:
+        m.observe_tokens(1, None)  # the first token: its wait is the TTFT
+        for _ in range(n - 1):
+            m.observe_tokens(1, 0.01)
+    m.observe_tokens(3, 0.03)  # a delta of 3 tokens: 3 gaps of 0.01 s
+    m.set_worker(0, "decode", blocks_used=0, blocks_total=10, busy_s=0.0)
+    m.set_worker(1, "decode", blocks_used=10, blocks_total=10, busy_s=0.0)
+    m.set_worker(2, "prefill", blocks_used=0, blocks_total=0, busy_s=0.0)  # no pool yet
+    s = _samples(m)
+    assert s[("tetri_generation_tokens_total", ())] == sum(lengths) + 3
+    assert s[("tetri_inter_token_latency_seconds_count", ())] == sum(lengths) - len(lengths) + 3
+    assert abs(s[("tetri_inter_token_latency_seconds_sum", ())] - 0.01 * (9 + 3)) < 1e-9
+    usage = {w: s[("tetri_kv_cache_usage_perc", (("worker", w),))] for w in "012"}
+    assert usage == {"0": 0.0, "1": 1.0, "2": 0.0}
+
+
+def test_decode_time_has_a_vllm_alias_and_queue_prefill_does_not() -> None:
+    text = Metrics("m", vllm_aliases=True).render().decode()
+    assert "vllm:request_decode_time_seconds_count" in text
+    assert "vllm:request_queue_prefill" not in text  # not vLLM's quantity: no vLLM name

@@ -1,0 +1,53 @@
+"""Per-request metrics that only the control process can take, from what it sees of a request:
+its arrival, its first token, the hand-off (the predicted length bucket and the KV blocks
+moved) and its last token. Called on the control loop by the router and the cluster.
+
+Honest about what it cannot see: no worker reports when a request was first scheduled, so
+queue time and prefill time are one number (arrival -> first token).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tetri_server.config import Config
+from tetri_server.control.requests import Request
+from tetri_server.messages import Handoff, PoolHandle, TokenDelta
+from tetri_server.predictor import LengthPredictor, load_predictor
+
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}  # PoolHandle.dtype -> bytes
+FINISHED = ("stop", "length")  # finished with a known output length (abort: not)
+
+
+def block_bytes(pool: PoolHandle) -> int:
+    """Bytes of one KV block of ``pool`` (keys and values of every layer)."""
+    return (pool.num_layers * 2 * pool.num_kv_heads * pool.block_size * pool.head_dim
+            * ITEMSIZE.get(pool.dtype, 4))
+
+
+class RequestAccounting:
+    """Turns request events into ``Metrics`` calls; ``metrics`` may be ``NullMetrics``."""
+
+    def __init__(self, cfg: Config, metrics: Any) -> None:
+        self.metrics = metrics
+        # the prefill workers' bucketing (granularity, bucket count) without their classifier
+        self.buckets: LengthPredictor = load_predictor("none", cfg.predictor.artifact or None)
+
+    def on_handoff(self, req: Request, msg: Handoff, src_pool: PoolHandle | None) -> None:
+        """The Handoff of ``req`` is forwarded to its decode worker."""
+        req.predicted_bucket = msg.predicted_bucket
+        if src_pool is not None:
+            self.metrics.observe_handoff_bytes(len(msg.src_block_ids) * block_bytes(src_pool))
+
+    def on_delta(self, req: Request, delta: TokenDelta, now_s: float) -> None:
+        """New tokens of ``req`` reached control at ``now_s`` (``req.output_ids`` has them)."""
+        if delta.token_ids and req.first_token_s is None:
+            req.first_token_s = now_s
+        reason = delta.finish_reason
+        if reason not in FINISHED or req.first_token_s is None:
+            return
+        self.metrics.observe_request_times(queue_prefill_s=req.first_token_s - req.arrival_s,
+                                           decode_s=now_s - req.first_token_s)
+        if req.predicted_bucket >= 0:
+            actual = self.buckets.bucket_of(len(req.output_ids))
+            self.metrics.observe_prediction(req.predicted_bucket, actual, reason)
