@@ -85,8 +85,7 @@ def replay() -> list[str]:
         pending.append((step, req_id, rng.choice((5, 40, 120, 300)), rng.randint(1, 80)))
     seq = 0
     step = 0
-    while pending or prefill.has_work() or prefill.undispatched or prefill.handed_off \
-            or any(d.has_work() for d in decodes):
+    while pending or not prefill.is_drained() or any(d.has_work() for d in decodes):
         while pending and pending[0][0] <= step:
             _, req_id, n, out = pending.pop(0)
             prefill.handle(AddRequest(req_id, [5 + (req_id + i) % 90 for i in range(n)],

@@ -41,6 +41,7 @@ from tetri_server.policy.prefill import (
     PrefillQueue,
     QueuedPrompt,
 )
+from tetri_server.policy.prefill_book import PrefillBook, Stage
 from tetri_server.policy.views import DecodeInstance, DecodeInstanceLoad, DecodeSnapshot, WorkerLoad
 
 __all__ = [
@@ -65,10 +66,12 @@ __all__ = [
     "LeastLoadedPicker",
     "MixedStepPlan",
     "PreemptPlan",
+    "PrefillBook",
     "PrefillOrder",
     "PrefillQueue",
     "QueuedPrompt",
     "RoundRobinDispatcher",
+    "Stage",
     "TetriDispatcher",
     "coupled_chunked_plan",
     "coupled_step_plan",

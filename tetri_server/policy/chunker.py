@@ -41,6 +41,11 @@ class ChunkPlan:
     def req_ids(self) -> tuple[int, ...]:
         return tuple(piece.req_id for piece in self.slices)
 
+    def prefix(self, num_slices: int) -> ChunkPlan:
+        """This pass cut short after its first ``num_slices`` slices (the rest become pad)."""
+        kept = self.slices[:num_slices]
+        return ChunkPlan(kept, self.chunk_size - sum(p.num_tokens for p in kept), self.chunk_size)
+
 
 @dataclass(frozen=True)
 class MixedStepPlan:

@@ -28,8 +28,8 @@ from tetri_server.policy import (
     RoundRobinDispatcher,
     TetriDispatcher,
 )
-from tetri_server.policy.chunker import ChunkSlice
-from tetri_server.policy.dispatch import Dispatcher, DispatchPlan
+from tetri_server.policy.dispatch import Dispatcher
+from tetri_server.policy.prefill_book import PrefillBook, Stage
 
 if TYPE_CHECKING:
     from tetri_server.sim.cluster import Simulation
@@ -180,20 +180,15 @@ class PrefillInstance(Instance):
     def __init__(self, sim: Simulation, worker_id: int, num_blocks: int) -> None:
         super().__init__(sim, worker_id, num_blocks)
         cfg = sim.cfg
-        self.queue = PrefillQueue(cfg.prefill_policy, cfg.sched_batch)
         self.chunker = Chunker(cfg.chunk_size, block_size=self.block_size)
-        self.dispatcher: Dispatcher = (
+        dispatcher: Dispatcher = (
             TetriDispatcher(random.Random(cfg.seed + worker_id), block_size=self.block_size,
                             granularity=cfg.granularity, heavy_threshold=cfg.heavy_decode_tokens)
             if cfg.dispatch == "power-of-two"
             else RoundRobinDispatcher(block_size=self.block_size, granularity=cfg.granularity,
                                       heavy_threshold=cfg.heavy_decode_tokens))
-        self.seqs: dict[int, SimSeq] = {}  # queued or prefilling
-        self.unpredicted: list[SimSeq] = []
-        self.undispatched: list[SimSeq] = []  # prefilled, waiting for room on a decode instance
-        self.handed_off: dict[int, SimSeq] = {}  # hand-off sent, blocks held until pulled
-        self.plans: dict[int, DispatchPlan] = {}
-        self.await_view = False
+        self.book: PrefillBook[SimSeq] = PrefillBook(
+            PrefillQueue(cfg.prefill_policy, cfg.sched_batch), dispatcher)
         self.num_rejected = 0  # hand-offs refused by a decode instance
         self._chunk: ChunkPlan | None = None
 
@@ -201,105 +196,84 @@ class PrefillInstance(Instance):
         kind = msg[0]
         if kind == "add":
             req: SimRequest = msg[1]
-            seq = SimSeq(req, req.prompt_len)
-            self.seqs[req.req_id] = seq
-            self.unpredicted.append(seq)
+            self.book.add(req.req_id, SimSeq(req, req.prompt_len), req.prompt_len, req.arrival_s)
         elif kind == "view":
-            self.await_view = False
-            if self.dispatcher.on_view(msg[1]):
+            if self.book.on_view(msg[1]):
                 self.dispatch_held()
         elif kind == "pulled":
-            self.plans.pop(msg[1], None)
-            pulled = self.handed_off.pop(msg[1], None)
+            pulled = self.book.pulled(msg[1])
             if pulled is not None:
                 release(self.alloc, pulled)
                 self.kick()  # freed blocks may let the head prompt start
         elif kind == "rejected":
-            held = self.handed_off.pop(msg[1], None)
-            if held is not None:
+            if self.book.rejected(msg[1]) is not None:
                 self.num_rejected += 1
-                plan = self.plans.pop(msg[1], None)
-                if plan is not None:
-                    self.dispatcher.on_rejected(plan)
-                self.undispatched.append(held)
-                self.await_view = True  # the view that chose that instance is stale
         else:
             super().handle(msg)
 
     def has_work(self) -> bool:
-        return bool(self.unpredicted or len(self.queue))
+        return self.book.has_work()
 
     def is_drained(self) -> bool:
-        return not (self.has_work() or self.undispatched or self.handed_off)
+        return not self.book
 
     def predict_new(self) -> float:
         """Bucket every new arrival (the bucket was drawn per request up front, so every mode
         sees the same predictions); returns the predictor's time, run in-line as the worker
         does."""
-        if not self.unpredicted:
+        batch = self.book.new()
+        if not batch:
             return 0.0
-        batch, self.unpredicted = self.unpredicted, []
-        for seq in batch:
-            self.queue.add(seq.req.req_id, seq.req.prompt_len, seq.req.arrival_s)
-        return self.sim.predictor_s([seq.req.prompt_len for seq in batch])
+        for e in batch:
+            self.book.predicted(e.req_id, e.req.req.bucket)
+        return self.sim.predictor_s([e.num_prompt for e in batch])
 
     def start_step(self) -> float | None:
         predict_s = self.predict_new()
-        chunk = self.chunker.plan(self.queue, self.alloc.num_free)
+        chunk = self.chunker.plan(self.book.queue, self.alloc.num_free)
         if chunk is None:
             return None
-        kept: list[ChunkSlice] = []
-        for piece in chunk.slices:
-            seq = self.seqs[piece.req_id]
+        num_kept = len(chunk.slices)
+        for i, piece in enumerate(chunk.slices):
+            seq = self.book.get(piece.req_id)
             if piece.is_first and not reserve(self.alloc, seq, seq.req.prompt_len,
                                               self.block_size):
+                num_kept = i
                 break
-            kept.append(piece)
-        if not kept:
+        if not num_kept:
             return None
-        num_real = sum(p.num_tokens for p in kept)
-        self._chunk = ChunkPlan(tuple(kept), chunk.chunk_size - num_real, chunk.chunk_size)
-        items = [(p.num_tokens, p.start) for p in kept]
-        num_sampled = sum(p.is_last for p in kept)
+        self._chunk = chunk.prefix(num_kept)
+        items = [(p.num_tokens, p.start) for p in self._chunk.slices]
+        num_sampled = sum(p.is_last for p in self._chunk.slices)
         return self.cost.step_s(items, self._chunk.num_pad, num_sampled) + predict_s
 
     def finish_step(self) -> None:
         assert self._chunk is not None
         now = self.sim.loop.now_s
-        for req_id in self.chunker.on_done(self.queue, self._chunk):
-            seq = self.seqs.pop(req_id)
+        for req_id in self.chunker.on_done(self.book.queue, self._chunk):
+            seq = self.book.get(req_id)
             seq.num_computed = seq.num_tokens
             seq.num_tokens += 1  # the first output token
             seq.req.first_token_s = now
             if seq.req.output_len <= 1:
+                self.book.remove(req_id)
                 release(self.alloc, seq)
                 seq.req.end_s = now
                 self.sim.finished(seq.req)
             else:
-                self.undispatched.append(seq)
+                self.book.prefilled(req_id)
         self._chunk = None
         self.dispatch_held()
 
     def dispatch_held(self) -> None:
-        if self.await_view:
-            return
-        still: list[SimSeq] = []
-        for seq in self.undispatched:
-            req = seq.req
-            plan = self.dispatcher.plan(req.req_id, req.prompt_len, req.bucket)
-            if plan is None:
-                still.append(seq)
-                continue
-            self.handed_off[req.req_id] = seq
-            self.plans[req.req_id] = plan
+        for seq, plan in self.book.dispatch():
             self.sim.handoff(self, seq, plan.decode_worker)
-        self.undispatched = still
 
     def load_report(self) -> LoadReport:
-        held = len(self.undispatched) + len(self.handed_off)
-        return LoadReport(self.worker_id, "prefill", len(self.queue) + len(self.unpredicted),
-                          held, self.queue.num_queued_tokens, self.alloc.num_free,
-                          self.alloc.num_blocks, 0, 0, 0, self.busy_s)
+        book = self.book
+        return LoadReport(self.worker_id, "prefill", book.count(Stage.NEW, Stage.QUEUED),
+                          book.count(Stage.HELD, Stage.HANDED_OFF), book.queue.num_queued_tokens,
+                          self.alloc.num_free, self.alloc.num_blocks, 0, 0, 0, self.busy_s)
 
 
 class _Decoding(Instance):

@@ -1,10 +1,11 @@
 """Prefill worker (disaggregated mode): fixed-size chunked prefill, length prediction, dispatch.
 
-Life of a request here: AddRequest -> predicted bucket -> PrefillQueue -> chunks of exactly
-``chunk_size`` tokens (packed with others) -> first token sampled and streamed (TTFT) ->
-dispatcher picks a decode worker -> Handoff (via control). Blocks stay held until that worker
-answers KVPulled; on HandoffRejected or no room in the view the request waits for the next
-DecodeView and is dispatched again. Nothing is dropped.
+Life of a request here (its stage in ``policy.PrefillBook``, the one table of requests this
+worker owns): AddRequest (NEW) -> predicted bucket -> PrefillQueue (QUEUED) -> chunks of
+exactly ``chunk_size`` tokens (packed with others) -> first token sampled and streamed (TTFT;
+HELD) -> dispatcher picks a decode worker -> Handoff via control (HANDED_OFF). Blocks stay held
+until that worker answers KVPulled; on HandoffRejected or no room in the view the request is
+HELD again until the next DecodeView. Nothing is dropped.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ from tetri_server.policy import (
     RoundRobinDispatcher,
     TetriDispatcher,
 )
-from tetri_server.policy.dispatch import Dispatcher, DispatchPlan
+from tetri_server.policy.dispatch import Dispatcher
+from tetri_server.policy.prefill_book import Entry, PrefillBook, Stage
 from tetri_server.predictor import PredictorError
 from tetri_server.workers.base import Role, Worker
 from tetri_server.workers.calibrate import resolve_chunk_size
@@ -48,23 +50,18 @@ class PrefillRole(Role):
         super().__init__(w)
         cfg = self.w.cfg
         self._chunk_size = resolve_chunk_size(w, cfg.prefill.chunk_size)
-        self.queue = PrefillQueue(cfg.prefill.policy, cfg.prefill.sched_batch)
         self.chunker = Chunker(self._chunk_size, block_size=self.w.block_size)
         self.predictor = w.predictor()
         gran = self.predictor.granularity
         heavy = cfg.predictor.heavy_decode_tokens
-        self.dispatcher: Dispatcher = (
+        dispatcher: Dispatcher = (
             TetriDispatcher(random.Random(cfg.dispatch.seed + self.w.worker_id),
                             block_size=self.w.block_size, granularity=gran, heavy_threshold=heavy)
             if cfg.dispatch.policy == "power-of-two"
             else RoundRobinDispatcher(block_size=self.w.block_size, granularity=gran,
                                       heavy_threshold=heavy))
-        self.seqs: dict[int, Sequence] = {}  # queued or prefilling
-        self.unpredicted: list[tuple[Sequence, AddRequest]] = []
-        self.undispatched: list[Sequence] = []  # prefilled, waiting for room on a decode worker
-        # Handoff sent, with the plan that chose its decode worker; blocks pinned until KVPulled
-        self.handed_off: dict[int, tuple[Sequence, DispatchPlan]] = {}
-        self.await_view = False  # a hand-off was refused: dispatch again on the next view
+        self.book: PrefillBook[Sequence] = PrefillBook(
+            PrefillQueue(cfg.prefill.policy, cfg.prefill.sched_batch), dispatcher)
 
     def chunk_size(self) -> int:
         return self._chunk_size
@@ -76,81 +73,68 @@ class PrefillRole(Role):
             seq = Sequence(msg.req_id, list(msg.prompt_ids), len(msg.prompt_ids), msg.sampling,
                            arrival_s=msg.arrival_s,
                            generator=make_generator(msg.sampling.seed, self.w.device))
-            self.seqs[seq.req_id] = seq
-            self.unpredicted.append((seq, msg))
+            self.book.add(seq.req_id, seq, seq.num_prompt, msg.arrival_s,
+                          prompt_text=msg.prompt_text, true_output_len=msg.true_output_len)
         elif isinstance(msg, DecodeView):
-            self.await_view = False
-            if self.dispatcher.on_view(msg):
+            if self.book.on_view(msg):
                 self.dispatch_held()
         elif isinstance(msg, KVPulled):
-            held = self.handed_off.pop(msg.req_id, None)
-            if held is not None:
-                self.w.kv.free(held[0])
+            seq = self.book.pulled(msg.req_id)
+            if seq is not None:
+                self.w.kv.free(seq)
         elif isinstance(msg, HandoffRejected):
-            held = self.handed_off.pop(msg.req_id, None)
-            if held is not None:
-                seq, plan = held
+            seq = self.book.rejected(msg.req_id)  # held again; dispatched after the next view
+            if seq is not None:
                 log.info("request %d rejected by decode: %s", msg.req_id, msg.reason)
                 self.w.kv.unpin(seq)  # nobody reads its blocks now; a new Handoff names them anew
-                self.dispatcher.on_rejected(plan)  # not counted against that worker
-                self.undispatched.append(seq)
-                self.await_view = True  # the view that chose that worker is stale
         else:
             super().handle(msg)
 
     def abort(self, req_id: int) -> None:
-        held = self.handed_off.pop(req_id, None)
-        seq = self.seqs.pop(req_id, None) or (held[0] if held is not None else None)
-        if seq is None:
-            seq = next((s for s in self.undispatched if s.req_id == req_id), None)
-            if seq is not None:
-                self.undispatched.remove(seq)
-        self.unpredicted = [(s, m) for s, m in self.unpredicted if s.req_id != req_id]
-        self.queue.remove(req_id)
+        seq = self.book.remove(req_id)
         if seq is not None:
             self.w.kv.free(seq)
 
     # ------------------------------------------------------------------ the step
 
     def has_work(self) -> bool:
-        return bool(self.unpredicted or len(self.queue))
+        return self.book.has_work()
 
     def is_drained(self) -> bool:
-        return not (self.has_work() or self.undispatched or self.handed_off)
+        return not self.book
 
     def predict_new(self) -> None:
         """Batch-predict the output-length bucket of every newly arrived request."""
-        if not self.unpredicted:
+        batch = self.book.new()
+        if not batch:
             return
-        batch, self.unpredicted = self.unpredicted, []
         try:
-            buckets = self.predictor.predict([m.prompt_text for _, m in batch],
-                                             [m.true_output_len for _, m in batch])
+            buckets = self.predictor.predict([e.prompt_text for e in batch],
+                                             [e.true_output_len for e in batch])
         except PredictorError:
             batch, buckets = self._predict_one_by_one(batch)
-        for (seq, msg), bucket in zip(batch, buckets, strict=True):
-            seq.predicted_bucket = bucket
-            seq.predicted_len = self.predictor.lower_bound(bucket)
-            self.queue.add(seq.req_id, seq.num_prompt, msg.arrival_s)
+        for e, bucket in zip(batch, buckets, strict=True):
+            e.req.predicted_bucket = bucket
+            e.req.predicted_len = self.predictor.lower_bound(bucket)
+            self.book.predicted(e.req_id, bucket)
 
     def _predict_one_by_one(
-            self, batch: list[tuple[Sequence, AddRequest]]
-    ) -> tuple[list[tuple[Sequence, AddRequest]], list[int]]:
+            self, batch: list[Entry[Sequence]]) -> tuple[list[Entry[Sequence]], list[int]]:
         """A batch the predictor refused (e.g. ``oracle`` without a true length): fail the
         requests it cannot answer, keep the others."""
         kept, buckets = [], []
-        for seq, msg in batch:
+        for e in batch:
             try:
-                buckets += self.predictor.predict([msg.prompt_text], [msg.true_output_len])
-                kept.append((seq, msg))
-            except PredictorError as e:
-                del self.seqs[seq.req_id]
-                self.w.send(RequestFailed(seq.req_id, f"length predictor: {e}"))
+                buckets += self.predictor.predict([e.prompt_text], [e.true_output_len])
+                kept.append(e)
+            except PredictorError as err:
+                self.book.remove(e.req_id)
+                self.w.send(RequestFailed(e.req_id, f"length predictor: {err}"))
         return kept, buckets
 
     def step(self) -> bool:
         self.predict_new()
-        chunk = self.chunker.plan(self.queue, self.w.allocator.num_free)
+        chunk = self.chunker.plan(self.book.queue, self.w.allocator.num_free)
         if chunk is None:
             return False  # no blocks for the head request: wait for an ack or an abort
         chunk, items = self._reserve(chunk)
@@ -161,7 +145,7 @@ class PrefillRole(Role):
                                                  for p in chunk.slices], pad=chunk.num_pad)
         # Padding is bookkeeping only: on CPU, computing pad tokens is pure waste.
         result = self.w.runner.execute(StepPlan(items))
-        done = set(self.chunker.on_done(self.queue, chunk))
+        done = set(self.chunker.on_done(self.book.queue, chunk))
         deltas = []
         for item, tok, lp in zip(items, result.sampled, result.logprobs, strict=True):
             seq = item.seq
@@ -170,11 +154,11 @@ class PrefillRole(Role):
             reason = append_token(seq, tok, lp, self.w.model_spec.eos_token_ids,
                                   self.w.max_model_len)
             deltas.append(emit(seq, reason))
-            del self.seqs[seq.req_id]
             if reason is not None:
+                self.book.remove(seq.req_id)
                 self.w.kv.free(seq)
             else:
-                self.undispatched.append(seq)
+                self.book.prefilled(seq.req_id)
         if deltas:
             self.w.send(StepOutput(self.w.worker_id, deltas))
         self.dispatch_held()
@@ -186,37 +170,26 @@ class PrefillRole(Role):
         stops before the first request that does not fit (no overtaking) and it waits."""
         items = []
         for i, piece in enumerate(chunk.slices):
-            seq = self.seqs[piece.req_id]
+            seq = self.book.get(piece.req_id)
             if piece.is_first and not self.w.kv.reserve(seq, seq.num_prompt):
-                kept = chunk.slices[:i]
-                num_real = sum(p.num_tokens for p in kept)
-                return ChunkPlan(kept, chunk.chunk_size - num_real, chunk.chunk_size), items
+                return chunk.prefix(i), items
             items.append(ScheduledSeq(seq, piece.num_tokens))
         return chunk, items
 
     def dispatch_held(self) -> None:
-        if self.await_view:
-            return
-        still: list[Sequence] = []
-        for seq in self.undispatched:
-            plan = self.dispatcher.plan(seq.req_id, seq.num_prompt, seq.predicted_bucket)
-            if plan is None:
-                still.append(seq)
-                continue
-            self.handed_off[seq.req_id] = (seq, plan)
+        for seq, plan in self.book.dispatch():
             self.w.decisions.record("dispatch", req=seq.req_id, to=plan.decode_worker,
                                     blocks=plan.num_blocks, heavy=plan.heavy)
             self.w.kv.pin(seq)  # the decode worker reads these block ids until KVPulled
             self.w.send(Handoff(seq.req_id, self.w.worker_id, list(seq.blocks), list(seq.token_ids),
                               seq.num_prompt, seq.params, seq.predicted_bucket,
                               seq.predicted_len, seq.arrival_s, dst_worker=plan.decode_worker))
-        self.undispatched = still
 
     def load_report(self) -> LoadReport:
-        held = len(self.undispatched) + len(self.handed_off)
-        a = self.w.allocator
+        a, book = self.w.allocator, self.book
         return LoadReport(worker_id=self.w.worker_id, role="prefill",
-                          num_waiting=len(self.queue) + len(self.unpredicted), num_running=held,
-                          num_queued_prompt_tokens=self.queue.num_queued_tokens,
+                          num_waiting=book.count(Stage.NEW, Stage.QUEUED),
+                          num_running=book.count(Stage.HELD, Stage.HANDED_OFF),
+                          num_queued_prompt_tokens=book.queue.num_queued_tokens,
                           num_free_blocks=a.num_free, num_total_blocks=a.num_blocks, num_heavy=0,
                           num_light=0, predicted_demand_blocks=0, busy_s=self.w.busy_s)

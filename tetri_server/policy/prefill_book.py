@@ -1,0 +1,161 @@
+"""Every request a prefill worker owns, in one table with its stage, and the dispatch loop.
+
+Stages, in order::
+
+    NEW         arrived; waits for its output-length prediction
+    QUEUED      in the ``PrefillQueue``: waiting for, or in the middle of, its chunks
+    HELD        prompt done, first token sampled; waits for room on a decode worker
+    HANDED_OFF  a hand-off named a decode worker; its KV stays here until that worker pulls it
+
+The real prefill role and the simulator's prefill instance both keep their requests here, so
+they make the same dispatch decisions by construction. ``PrefillBook`` is generic over what the
+worker keeps per request (a ``Sequence`` on a worker, a ``SimSeq`` in the simulator); it never
+touches KV blocks: the caller frees, pins and unpins them on the transitions it is told about.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from tetri_server.policy.dispatch import Dispatcher, DispatchPlan
+from tetri_server.policy.prefill import PrefillQueue
+from tetri_server.policy.views import DecodeSnapshot
+
+T = TypeVar("T")
+
+
+class Stage(enum.Enum):
+    NEW = "new"
+    QUEUED = "queued"
+    HELD = "held"
+    HANDED_OFF = "handed_off"
+
+
+@dataclass(eq=False)
+class Entry(Generic[T]):
+    req_id: int
+    req: T
+    num_prompt: int
+    arrival_s: float
+    prompt_text: str = ""  # the predictor's inputs (the simulator's buckets are drawn up front)
+    true_output_len: int | None = None
+    stage: Stage = Stage.NEW
+    bucket: int = 0
+    plan: DispatchPlan | None = None  # set while HANDED_OFF
+
+
+class PrefillBook(Generic[T]):
+    """The per-request state of one prefill worker. A request is in exactly one stage; the
+    ``HELD`` ones are dispatched in the order they became held (a refused hand-off goes to the
+    back)."""
+
+    def __init__(self, queue: PrefillQueue, dispatcher: Dispatcher) -> None:
+        self.queue = queue
+        self.dispatcher = dispatcher
+        self._entries: dict[int, Entry[T]] = {}
+        self._await_view = False  # a hand-off was refused: dispatch again on the next view
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, req_id: int) -> bool:
+        return req_id in self._entries
+
+    def get(self, req_id: int) -> T:
+        return self._entries[req_id].req
+
+    def count(self, *stages: Stage) -> int:
+        return sum(e.stage in stages for e in self._entries.values())
+
+    def has_work(self) -> bool:
+        """A prediction or a chunk is due (held and handed-off requests need no step)."""
+        return bool(len(self.queue)) or any(e.stage is Stage.NEW for e in self._entries.values())
+
+    # ------------------------------------------------------------------ transitions
+
+    def add(self, req_id: int, req: T, num_prompt: int, arrival_s: float, *,
+            prompt_text: str = "", true_output_len: int | None = None) -> None:
+        if req_id in self._entries:
+            raise ValueError(f"request {req_id} is already on this prefill worker")
+        self._entries[req_id] = Entry(req_id, req, num_prompt, arrival_s, prompt_text,
+                                      true_output_len)
+
+    def new(self) -> list[Entry[T]]:
+        """The requests waiting for a prediction, in arrival order."""
+        return [e for e in self._entries.values() if e.stage is Stage.NEW]
+
+    def predicted(self, req_id: int, bucket: int) -> None:
+        """NEW -> QUEUED with its predicted bucket."""
+        e = self._entry(req_id, Stage.NEW)
+        e.stage, e.bucket = Stage.QUEUED, bucket
+        self.queue.add(req_id, e.num_prompt, e.arrival_s)
+
+    def prefilled(self, req_id: int) -> T:
+        """QUEUED -> HELD: the prompt is done and the request continues on a decode worker."""
+        e = self._entry(req_id, Stage.QUEUED)
+        e.stage = Stage.HELD
+        self.queue.remove(req_id)  # normally gone already: the chunker's on_done advanced it
+        self._entries[req_id] = self._entries.pop(req_id)  # to the back of the held order
+        return e.req
+
+    def dispatch(self) -> list[tuple[T, DispatchPlan]]:
+        """HELD -> HANDED_OFF for every held request the dispatcher finds room for, in order;
+        the caller sends the hand-offs. Nothing while a refusal waits for a fresh view."""
+        if self._await_view:
+            return []
+        sent = []
+        for req_id, e in list(self._held()):
+            plan = self.dispatcher.plan(req_id, e.num_prompt, e.bucket)
+            if plan is not None:
+                e.stage, e.plan = Stage.HANDED_OFF, plan
+                sent.append((e.req, plan))
+        return sent
+
+    def on_view(self, view: DecodeSnapshot) -> bool:
+        """A decode view arrived; returns whether it is new (the caller then dispatches)."""
+        self._await_view = False
+        return self.dispatcher.on_view(view)
+
+    def pulled(self, req_id: int) -> T | None:
+        """HANDED_OFF -> gone: the decode worker has the KV. None if not handed off here."""
+        e = self._entries.get(req_id)
+        if e is None or e.stage is not Stage.HANDED_OFF:
+            return None
+        del self._entries[req_id]
+        return e.req
+
+    def rejected(self, req_id: int) -> T | None:
+        """HANDED_OFF -> HELD (at the back): the decode worker refused the hand-off. The plan
+        is undone in the dispatcher, and nothing is dispatched until the next view."""
+        e = self._entries.get(req_id)
+        if e is None or e.stage is not Stage.HANDED_OFF:
+            return None
+        assert e.plan is not None
+        self.dispatcher.on_rejected(e.plan)
+        e.stage, e.plan = Stage.HELD, None
+        self._entries[req_id] = self._entries.pop(req_id)
+        self._await_view = True
+        return e.req
+
+    def remove(self, req_id: int) -> T | None:
+        """Any stage -> gone (finished at its first token, failed or aborted)."""
+        e = self._entries.pop(req_id, None)
+        if e is None:
+            return None
+        if e.stage is Stage.QUEUED:
+            self.queue.remove(req_id)
+        return e.req
+
+    # ------------------------------------------------------------------ helpers
+
+    def _held(self) -> Iterator[tuple[int, Entry[T]]]:
+        return ((rid, e) for rid, e in self._entries.items() if e.stage is Stage.HELD)
+
+    def _entry(self, req_id: int, stage: Stage) -> Entry[T]:
+        e = self._entries[req_id]
+        if e.stage is not stage:
+            raise ValueError(f"request {req_id} is {e.stage.value}, not {stage.value}")
+        return e
