@@ -7,8 +7,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tetri_server.config import load_config
 from tetri_server.control.accounting import RequestAccounting, block_bytes
+from tetri_server.control.monitor import Monitor
 from tetri_server.control.requests import Request
-from tetri_server.messages import Handoff, PoolHandle, SamplingParams, TokenDelta
+from tetri_server.messages import Handoff, LoadReport, PoolHandle, SamplingParams, TokenDelta
 from tetri_server.metrics import Metrics
 
 POOL = PoolHandle(worker_id=0, transport="shm", name="x", num_layers=2, num_blocks=64,
@@ -125,3 +126,19 @@ def test_decode_time_has_a_vllm_alias_and_queue_prefill_does_not() -> None:
     text = Metrics("m", vllm_aliases=True).render().decode()
     assert "vllm:request_decode_time_seconds_count" in text
     assert "vllm:request_queue_prefill" not in text  # not vLLM's quantity: no vLLM name
+
+
+def test_waiting_from_stale_reports_never_makes_running_negative() -> None:
+    m = Metrics("m")
+    monitor = Monitor(load_config(None, []), {}, set(), m)
+    monitor.reports[0] = LoadReport(worker_id=0, role="prefill", num_waiting=3, num_running=0,
+                                    num_queued_prompt_tokens=0, num_free_blocks=8,
+                                    num_total_blocks=8, num_heavy=0, num_light=0,
+                                    predicted_demand_blocks=0, busy_s=0.0)
+    monitor.count_requests(1)  # the report counts two requests that finished since
+    s = _samples(m)
+    assert s[("tetri_num_requests_running", ())] == 0
+    assert s[("tetri_num_requests_waiting", ())] == 1
+    monitor.count_requests(5)
+    s = _samples(m)
+    assert (s[("tetri_num_requests_running", ())], s[("tetri_num_requests_waiting", ())]) == (2, 3)

@@ -93,7 +93,10 @@ class Monitor:
         return DecodeView(self._view_seq, decodes)
 
     def count_requests(self, num_requests: int) -> None:
-        waiting = sum(r.num_waiting for r in self.reports.values())
+        """Running and waiting of the ``num_requests`` live ones. The reports are up to one
+        interval old: a request they count as waiting may have finished since, so waiting is
+        capped at the live count (running never goes below 0)."""
+        waiting = min(num_requests, sum(r.num_waiting for r in self.reports.values()))
         self.metrics.set_requests(running=num_requests - waiting, waiting=waiting)
 
     def check_stalls(self, now_s: float) -> None:
