@@ -69,10 +69,9 @@ import torch
 import torch.nn.functional as F
 
 from tetri_server.bench.cpu import Timer, core_busy
-from tetri_server.engine import llama as llama_mod
-from tetri_server.engine import opt as opt_mod
-from tetri_server.engine import runner as runner_mod
+from tetri_server.bench.phases import INSIDE_FORWARD, engine_phases
 from tetri_server.engine.attention import BatchMetadata, paged_attention, ragged_attention
+from tetri_server.engine.kernels import Kernels, unpacked_linear
 from tetri_server.engine.ops.linear import linear, pack_weight
 from tetri_server.engine.runner import ScheduledSeq, StepPlan
 from tetri_server.engine.sequence import SeqStatus
@@ -108,43 +107,40 @@ def pin(cpu: int | None) -> int:
     return cpu
 
 
-TIMER = Timer()  # the tool's one clock; --clock sets its kind
-
-
-def timed(fn: Callable[[], object], section: str) -> float:
-    return TIMER.timed(fn, section)
-
-
 # ---------------------------------------------------------------------------- baselines
 
 
-def matmul_peak_gflops(n: int, reps: int, dtype: torch.dtype = torch.float32) -> float:
+def matmul_peak_gflops(timer: Timer, n: int, reps: int,
+                       dtype: torch.dtype = torch.float32) -> float:
     """``torch.mm`` of n x n by n x n on the current thread count, best of ``reps``."""
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     out = torch.empty(n, n, dtype=dtype)
     torch.mm(a, b, out=out)
-    best = min(timed(lambda: torch.mm(a, b, out=out), "baselines") for _ in range(reps))
+    best = min(timer.timed(lambda: torch.mm(a, b, out=out), "baselines") for _ in range(reps))
     return 2 * n**3 / best / 1e9
 
 
-def memcpy_gbps(nbytes: int, reps: int) -> float:
+def memcpy_gbps(timer: Timer, nbytes: int, reps: int) -> float:
     """``np.copyto`` of ``nbytes`` into a pre-touched destination (bytes copied per second)."""
     src = np.full(nbytes // 8, 1.0)
     dst = np.full(nbytes // 8, 2.0)  # touched: no first-touch page faults in the timing
     np.copyto(dst, src)
-    best = min(timed(lambda: np.copyto(dst, src), "baselines") for _ in range(reps))
+    best = min(timer.timed(lambda: np.copyto(dst, src), "baselines") for _ in range(reps))
     return nbytes / best / 1e9
 
 
 @dataclass
 class Baselines:
+    timer: Timer
     dtype: torch.dtype = torch.float32
     peak_gflops: list[float] = field(default_factory=list)
     mem_gbps: list[float] = field(default_factory=list)
 
     def measure(self, quick: bool) -> None:
-        self.peak_gflops.append(matmul_peak_gflops(2048, 3 if quick else 5, self.dtype))
-        self.mem_gbps.append(memcpy_gbps((256 if quick else 1024) << 20, 3 if quick else 5))
+        self.peak_gflops.append(matmul_peak_gflops(self.timer, 2048, 3 if quick else 5,
+                                                   self.dtype))
+        self.mem_gbps.append(memcpy_gbps(self.timer, (256 if quick else 1024) << 20,
+                                         3 if quick else 5))
 
     @property
     def peak(self) -> float:
@@ -201,8 +197,9 @@ class Shape:
 class Ours:
     """One engine (pool sized for the largest decode configuration) driven below the API."""
 
-    def __init__(self, model_path: Path, max_batch: int, max_ctx: int, extra: int,
+    def __init__(self, timer: Timer, model_path: Path, max_batch: int, max_ctx: int, extra: int,
                  dtype: str = "float32") -> None:
+        self.timer = timer
         block_size = 16
         per_seq = blocks_for(max_ctx + extra, block_size) + 1
         num_blocks = max(int(max_batch * per_seq * 1.25), blocks_for(4096, block_size) * 2)
@@ -229,6 +226,18 @@ class Ours:
                   num_computed=computed)
         self.next_id += 1
         return seq
+
+    @contextmanager
+    def kernels(self, attention: AttentionFn = ragged_attention,
+                packed: bool = True) -> Iterator[None]:
+        """The model runs ``attention`` and prepacked (or plain ``F.linear``) matmuls."""
+        model, saved = self.eng.model, self.eng.model.kernels
+        model.kernels = Kernels(attention=attention,
+                                linear=linear if packed else unpacked_linear)
+        try:
+            yield
+        finally:
+            model.kernels = saved
 
     # -- prefill: one runner step of exactly sum(prompt_lens) tokens
 
@@ -287,7 +296,7 @@ class Ours:
         with self.decoding(batch, ctx, steps + warmup) as run:
             for _ in range(warmup):
                 run()
-            return [timed(run, section) for _ in range(steps)]
+            return [self.timer.timed(run, section) for _ in range(steps)]
 
 
 # ---------------------------------------------------------------------------- transformers
@@ -309,7 +318,8 @@ class StepTimer:
 
 
 class HF:
-    def __init__(self, model_path: Path, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, timer: Timer, model_path: Path,
+                 dtype: torch.dtype = torch.float32) -> None:
         from transformers import AutoModelForCausalLM
 
         with warnings.catch_warnings():
@@ -321,6 +331,7 @@ class HF:
         self.cache_kw = "cache" if "cache" in params else "past_key_values"
         self.pad_id = self.model.generation_config.pad_token_id
         self.prefix: dict[int, tuple[torch.Tensor, Any]] = {}
+        self.timer = timer
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor) -> None:
@@ -355,9 +366,9 @@ class HF:
                 max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                 logits_processor=[timer], pad_token_id=self.pad_id, **{self.cache_kw: cache})
         del cache
-        TIMER.account(section, timer.stamps[-1] - timer.stamps[0], timer.cpu[-1] - timer.cpu[0],
-                timer.sys[-1] - timer.sys[0])
-        stamps = timer.cpu if TIMER.kind == "cpu" else timer.stamps
+        self.timer.account(section, timer.stamps[-1] - timer.stamps[0],
+                           timer.cpu[-1] - timer.cpu[0], timer.sys[-1] - timer.sys[0])
+        stamps = timer.cpu if self.timer.kind == "cpu" else timer.stamps
         return [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
 
 
@@ -439,34 +450,6 @@ def make_batched_gather(block_size: int) -> AttentionFn:
     return batched_gather
 
 
-@contextmanager
-def attention_patched(fn: AttentionFn) -> Iterator[None]:
-    saved = llama_mod.ragged_attention, opt_mod.ragged_attention
-    llama_mod.ragged_attention = fn
-    opt_mod.ragged_attention = fn
-    try:
-        yield
-    finally:
-        llama_mod.ragged_attention, opt_mod.ragged_attention = saved
-
-
-def _unpacked_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
-                     packed: torch.Tensor | None = None) -> torch.Tensor:
-    return F.linear(x, w, b)
-
-
-@contextmanager
-def linear_patched(packed: bool) -> Iterator[None]:
-    """``packed=False``: the models' matmuls run plain ``F.linear`` (before prepacking)."""
-    saved = llama_mod.linear, opt_mod.linear
-    if not packed:
-        llama_mod.linear = opt_mod.linear = _unpacked_linear
-    try:
-        yield
-    finally:
-        llama_mod.linear, opt_mod.linear = saved
-
-
 # ---------------------------------------------------------------------------- helpers
 
 
@@ -503,10 +486,6 @@ def knee_of(samples: list[tuple[int, float]]) -> int:
         best = max(n / s for n, s in samples)
         return min(n for n, s in samples if n / s >= 0.95 * best)
     return pick_chunk_size(samples)
-
-
-def fmt_share(section: str) -> str:
-    return TIMER.share_text(section)
 
 
 # ---------------------------------------------------------------------------- sections
@@ -553,20 +532,21 @@ def bench_prefill(ours: Ours, hf: HF, base: Baselines, p: Params) -> tuple[list[
             run_hf()
             lin()
             for _ in range(p.prefill_reps):  # round robin: all variants see the same load
-                t_pack.append(timed(run_pack, "prefill-ours"))
-                t_one.append(timed(run_one, "prefill-ours"))
-                t_hf.append(timed(run_hf, "prefill-hf"))
-                t_lin.append(timed(lin, "prefill-lin"))
+                t_pack.append(ours.timer.timed(run_pack, "prefill-ours"))
+                t_one.append(ours.timer.timed(run_one, "prefill-ours"))
+                t_hf.append(ours.timer.timed(run_hf, "prefill-hf"))
+                t_lin.append(ours.timer.timed(lin, "prefill-lin"))
         rows.append(dict(c=c, pack=min(t_pack), one=min(t_one), hf=min(t_hf), lin=min(t_lin),
                          f_pack=sh.prefill_flops(lens), f_one=sh.prefill_flops([c]),
                          f_lin=2 * sh.matmul_params * c + 2 * sh.head_params * len(lens)))
     knee = knee_of([(int(r["c"]), r["pack"]) for r in rows])
     peak = base.peak
+    share = ours.timer.share_text
     out = [
-        f"Prefill ({TIMER.kind} time, best of {p.prefill_reps}): packed = prompts of {p.pack_len} "
-        f"tokens packed into one step of C tokens; 1-seq = one prompt of C tokens; "
-        f"matmul peak {peak:.1f} GFLOP/s; CPU share ours {fmt_share('prefill-ours')}, HF "
-        f"{fmt_share('prefill-hf')}",
+        f"Prefill ({ours.timer.kind} time, best of {p.prefill_reps}): packed = prompts of "
+        f"{p.pack_len} tokens packed into one step of C tokens; 1-seq = one prompt of C tokens; "
+        f"matmul peak {peak:.1f} GFLOP/s; CPU share ours {share('prefill-ours')}, HF "
+        f"{share('prefill-hf')}",
         "",
         "| chunk C | ours packed tok/s | GFLOP/s | % peak | matmul-only % peak "
         "| ours 1-seq tok/s | HF 1-seq tok/s | ours/HF (1-seq) |",
@@ -608,10 +588,11 @@ def bench_decode(ours: Ours, hf: HF, base: Baselines,
                 f"| {b / t_hf:.0f} | **{t_hf / t_ours:.2f}x** | {gbps:.1f} "
                 f"| {100 * gbps / base.bandwidth:.0f}% | {1e3 * roof:.1f} | {t_hf / roof:.1f}x |")
     out = [
-        f"Decode: median step ({TIMER.kind} time) of {p.decode_steps} engine.step() calls "
+        f"Decode: median step ({ours.timer.kind} time) of {p.decode_steps} engine.step() calls "
         f"(ours) and of the {p.hf_new_tokens - 1} step intervals of HF generate() (greedy, "
         f"prefix cached); memcpy {base.bandwidth:.1f} GB/s; CPU share ours "
-        f"{fmt_share('decode-ours')} / HF {fmt_share('decode-hf')}. Roofline = max(FLOPs / "
+        f"{ours.timer.share_text('decode-ours')} / HF {ours.timer.share_text('decode-hf')}. "
+        "Roofline = max(FLOPs / "
         "matmul peak, weight+KV bytes / memcpy GB/s); HF/roofline bounds what any engine could "
         "gain over HF.",
         "",
@@ -653,7 +634,7 @@ def bench_attention_op(ours: Ours, base: Baselines, p: Params,
         for _ in range(2):
             log(f"attention op and linears, before/after: decode ctx={ctx} B={batch}")
             for name, fn, packed in variants:
-                with attention_patched(fn), linear_patched(packed):
+                with ours.kernels(fn, packed):
                     times[name] += ours.decode_step_times(batch, ctx, p.decode_steps,
                                                           p.decode_warmup, "attention")
         med = {name: statistics.median(ts) for name, ts in times.items()}
@@ -665,15 +646,15 @@ def bench_attention_op(ours: Ours, base: Baselines, p: Params,
         times = {name: [] for name, _, _ in variants}
         for _ in range(p.prefill_reps + 1):
             for name, fn, packed in variants:
-                with attention_patched(fn), linear_patched(packed):
-                    times[name].append(timed(run, "attention"))
+                with ours.kernels(fn, packed):
+                    times[name].append(ours.timer.timed(run, "attention"))
     rows.append(f"| prefill C={knee} packed "
                 + cells({name: min(ts[1:]) for name, ts in times.items()}, None))
-    out = [f"Before/after ({TIMER.kind} time; decode median of {2 * p.decode_steps} steps, "
+    out = [f"Before/after ({ours.timer.kind} time; decode median of {2 * p.decode_steps} steps, "
            f"prefill best of {p.prefill_reps}). before = per-sequence SDPA loop + F.linear; "
            "op = one `tetri::ragged_attention` call per layer + F.linear; after = the op + "
            "prepacked oneDNN linears. Interleaved; roofline as in the decode table; CPU share "
-           f"{fmt_share('attention')}", "",
+           f"{ours.timer.share_text('attention')}", "",
            "| step | before ms | op ms | after ms | before/after | roofline ms "
            "| before/roofline | after/roofline |",
            "|---|---:|---:|---:|---:|---:|---:|---:|", *rows]
@@ -691,7 +672,7 @@ def bench_layout(ours: Ours, p: Params) -> list[str]:
         ("gather the batch into a padded tensor, one SDPA per layer", make_batched_gather(
             ours.block_size)),
     ]
-    out = [f"KV layout: decode step ({TIMER.kind} time, median) with each attention path over "
+    out = [f"KV layout: decode step ({ours.timer.kind} time, median) with each attention path over "
            f"the same pool; CPU share {{share}}", "",
            "| batch | ctx | KV MB | attention over | step ms | vs ours |",
            "|---:|---:|---:|---|---:|---:|"]
@@ -701,14 +682,14 @@ def bench_layout(ours: Ours, p: Params) -> list[str]:
         for _ in range(2):  # interleave the variants twice
             log(f"layout B={batch} ctx={ctx}")
             for (_, fn), ts in zip(variants, times, strict=True):
-                with attention_patched(fn):
+                with ours.kernels(fn):
                     ts += ours.decode_step_times(batch, ctx, p.layout_steps, 1, "layout")
         med = [statistics.median(ts) for ts in times]
         kv_mb = ours.shape.kv_bytes(batch, ctx) / 1e6
         for (name, _), t in zip(variants, med, strict=True):
             out.append(f"| {batch} | {ctx} | {kv_mb:.0f} | {name} | {1e3 * t:.1f} "
                        f"| {t / med[0]:.2f}x |")
-    out[0] = out[0].format(share=fmt_share("layout"))
+    out[0] = out[0].format(share=ours.timer.share_text("layout"))
     return out
 
 
@@ -732,61 +713,21 @@ def check_attention(ours: Ours, fns: list[AttentionFn], batch: int, ctx: int) ->
 # ---------------------------------------------------------------------------- profiling
 
 
-INSIDE_FORWARD = ("linear (matmuls)", "attention (one op per layer)",
-                  "write_kv (index_copy_)")
-
-
 @contextmanager
 def phase_timers(ours: Ours) -> Iterator[dict[str, float]]:
-    """Wrap the engine's phases with accumulators on ``TIMER`` (cheap; no profiler)."""
-    acc: dict[str, float] = {}
-    eng = ours.eng
-    now = time.process_time if TIMER.kind == "cpu" else time.perf_counter
-
-    def wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def inner(*a: Any, **k: Any) -> Any:
-            t0 = now()
-            try:
-                return fn(*a, **k)
-            finally:
-                acc[name] = acc.get(name, 0.0) + now() - t0
-
-        return inner
-
-    saved_sched, saved_build = eng.loop.plan, eng.runner._build
-    saved_fwd = eng.model.forward
-    saved = (llama_mod.ragged_attention, opt_mod.ragged_attention, llama_mod.write_kv,
-             opt_mod.write_kv, runner_mod.sample, llama_mod.linear)
-    eng.loop.plan = wrap("schedule", saved_sched)  # type: ignore[method-assign]
-    eng.runner._build = wrap("build metadata", saved_build)  # type: ignore[method-assign]
-    eng.model.forward = wrap("model forward", saved_fwd)  # type: ignore[method-assign]
-    attn = wrap("attention (one op per layer)", saved[0])
-    llama_mod.ragged_attention = opt_mod.ragged_attention = attn
-    wkv = wrap("write_kv (index_copy_)", llama_mod.write_kv)
-    llama_mod.write_kv = opt_mod.write_kv = wkv
-    runner_mod.sample = wrap("sample", saved[4])
-    llama_mod.linear = opt_mod.linear = wrap("linear (matmuls)", saved[5])
-    try:
+    """The runner's phases and the model's kernels timed on the tool's clock (cheap; no
+    profiler)."""
+    with engine_phases(ours.eng.runner, ours.timer.now) as acc:
         yield acc
-        inner_s = sum(v for k, v in acc.items() if k in INSIDE_FORWARD)
-        acc["rest of forward: norms, RoPE, SiLU, residuals, per-layer Python"] = (
-            acc.get("model forward", 0.0) - inner_s)
-    finally:
-        eng.loop.plan = saved_sched  # type: ignore[method-assign]
-        eng.runner._build = saved_build  # type: ignore[method-assign]
-        eng.model.forward = saved_fwd  # type: ignore[method-assign]
-        (llama_mod.ragged_attention, opt_mod.ragged_attention, llama_mod.write_kv,
-         opt_mod.write_kv, runner_mod.sample, llama_mod.linear) = saved
-        opt_mod.linear = llama_mod.linear
 
 
 def phase_rows(acc: dict[str, float], steps: int, step_s: float) -> list[str]:
     def key(item: tuple[str, float]) -> tuple[bool, float]:
-        return (item[0] in INSIDE_FORWARD or item[0].startswith("rest"), -item[1])
+        return (item[0] in INSIDE_FORWARD, -item[1])
 
     rows = []
     for name, s in sorted(acc.items(), key=key):
-        inside = name in INSIDE_FORWARD or name.startswith("rest")
+        inside = name in INSIDE_FORWARD
         label = f"&nbsp;&nbsp;↳ {name}" if inside else name
         rows.append(f"| {label} | {1e3 * s / steps:.2f} | {100 * s / steps / step_s:.0f}% |")
     return rows
@@ -795,7 +736,7 @@ def phase_rows(acc: dict[str, float], steps: int, step_s: float) -> list[str]:
 def profile_section(ours: Ours, knee: int, p: Params) -> list[str]:
     from torch.profiler import ProfilerActivity, profile
 
-    out = [f"Profile ({TIMER.kind} time per step; the phases inside `model forward` are "
+    out = [f"Profile ({ours.timer.kind} time per step; the phases inside `model forward` are "
            "indented; torch.profiler's table is wall time and inflated when the core is shared)",
            ""]
     for ctx in p.contexts:
@@ -804,14 +745,14 @@ def profile_section(ours: Ours, knee: int, p: Params) -> list[str]:
         steps = 8
         with ours.decoding(batch, ctx, 2 * steps + 2) as run:
             run()
-            t_step = statistics.median(timed(run, "profile") for _ in range(steps))
+            t_step = statistics.median(ours.timer.timed(run, "profile") for _ in range(steps))
             with phase_timers(ours) as acc:
-                wall = sum(timed(run, "profile") for _ in range(steps)) / steps
+                wall = sum(ours.timer.timed(run, "profile") for _ in range(steps)) / steps
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 for _ in range(2):
                     run()
-        acc["engine bookkeeping (step() minus the phases)"] = wall * steps - sum(
-            v for k, v in acc.items() if k not in INSIDE_FORWARD and not k.startswith("rest"))
+        acc["schedule and bookkeeping (step() minus the runner phases)"] = wall * steps - sum(
+            v for k, v in acc.items() if k not in INSIDE_FORWARD)
         out += [f"Decode B={batch} ctx={ctx}: step {1e3 * t_step:.1f} ms unwrapped, "
                 f"{1e3 * wall:.1f} ms with phase timers", "",
                 "| phase | ms/step | % of step |", "|---|---:|---:|"]
@@ -822,7 +763,7 @@ def profile_section(ours: Ours, knee: int, p: Params) -> list[str]:
     with ours.prefill(packed_lens(knee, p.pack_len)) as run:
         run()
         with phase_timers(ours) as acc:
-            wall = timed(run, "profile")
+            wall = ours.timer.timed(run, "profile")
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             run()
     out += [f"Prefill C={knee} (packed): {1e3 * wall:.1f} ms with phase timers", "",
@@ -869,7 +810,7 @@ def main(argv: list[str] | None = None) -> int:
                   env)
     p = QUICK if args.quick else FULL
     skip = set(filter(None, args.skip.split(",")))
-    TIMER.kind = args.clock
+    timer = Timer(kind=args.clock)
 
     t_start = time.perf_counter()
     busy = core_busy()
@@ -877,18 +818,18 @@ def main(argv: list[str] | None = None) -> int:
     path = model_path(args.family, args.models_dir)
     log(f"pinned to cpu {cpu}; model {path}")
     dtype = getattr(torch, args.dtype)
-    base = Baselines(dtype)
+    base = Baselines(timer, dtype)
     base.measure(args.quick)
-    ours = Ours(path, max(p.batches), max(p.contexts),
+    ours = Ours(timer, path, max(p.batches), max(p.contexts),
                 max(p.decode_steps, p.layout_steps) + p.decode_warmup + 2, args.dtype)
-    hf = HF(path, dtype)
+    hf = HF(timer, path, dtype)
     sh = ours.shape
 
     report = [
         f"`{' '.join(['tools/bench_engine.py', *sys.argv[1:]])}` on "
         f"{datetime.date.today().isoformat()}, {platform.processor() or platform.machine()}, "
         f"ISA {torch.backends.cpu.get_cpu_capability()}, torch {torch.__version__}, "
-        f"1 thread pinned to cpu {cpu}, {TIMER.kind} time, glibc "
+        f"1 thread pinned to cpu {cpu}, {timer.kind} time, glibc "
         f"malloc {'tuned' if os.environ.get('GLIBC_TUNABLES') else 'default'} "
         f"(CPU busy before start: {', '.join(f'cpu{c} {100 * b:.0f}%' for c, b in busy.items())})",
         "",
@@ -917,7 +858,7 @@ def main(argv: list[str] | None = None) -> int:
         f"Baselines (start / end of the run, the max is used): {args.dtype} matmul 2048^3 "
         f"{' / '.join(f'{g:.1f}' for g in base.peak_gflops)} GFLOP/s; np.copyto "
         f"{' / '.join(f'{g:.1f}' for g in base.mem_gbps)} GB/s; CPU share "
-        f"{fmt_share('baselines')}",
+        f"{timer.share_text('baselines')}",
         "",
     ]
     targets = []

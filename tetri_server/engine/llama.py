@@ -7,8 +7,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tetri_server.engine.attention import BatchMetadata, ragged_attention, write_kv
-from tetri_server.engine.ops.linear import linear, pack_weight
+from tetri_server.engine.attention import BatchMetadata
+from tetri_server.engine.kernels import Kernels
+from tetri_server.engine.ops.linear import pack_weight
 from tetri_server.engine.spec import ModelSpec
 
 
@@ -66,9 +67,11 @@ class LlamaLayer(nn.Module):
         self.packed = {n: pack_weight(getattr(self, n)) for n in ("qkv", "o", "gate_up", "down")}
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                pool_k: torch.Tensor, pool_v: torch.Tensor, meta: BatchMetadata) -> torch.Tensor:
+                pool_k: torch.Tensor, pool_v: torch.Tensor, meta: BatchMetadata,
+                kern: Kernels) -> torch.Tensor:
         s = self.spec
         t = x.shape[0]
+        linear = kern.linear
         h = rms_norm(x, self.input_norm, s.eps)
         pk = self.packed
         qkv = linear(h, self.qkv, self.qkv_bias, pk.get("qkv"))
@@ -77,8 +80,8 @@ class LlamaLayer(nn.Module):
         k = qkv[:, nq:nq + nkv].view(t, s.num_kv_heads, s.head_dim)
         v = qkv[:, nq + nkv:].view(t, s.num_kv_heads, s.head_dim)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        write_kv(pool_k, pool_v, k, v, meta)
-        attn = ragged_attention(q, pool_k, pool_v, meta, window=self.window)
+        kern.write_kv(pool_k, pool_v, k, v, meta)
+        attn = kern.attention(q, pool_k, pool_v, meta, window=self.window)
         x = x + linear(attn.reshape(t, nq), self.o, None, pk.get("o"))
         h = rms_norm(x, self.post_norm, s.eps)
         gate, up = linear(h, self.gate_up, None, pk.get("gate_up")).chunk(2, dim=-1)
@@ -102,6 +105,7 @@ class LlamaModel(nn.Module):
             torch.empty(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device),
             requires_grad=False)
         self.lm_head_packed: torch.Tensor | None = None
+        self.kernels = Kernels()
         inv_freq, self.rope_scale = rope_inv_freq(spec, hf_config)
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
 
@@ -114,9 +118,9 @@ class LlamaModel(nn.Module):
         cos = (emb.cos() * self.rope_scale).to(x.dtype)[:, None, :]  # [T, 1, D]
         sin = (emb.sin() * self.rope_scale).to(x.dtype)[:, None, :]
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv[i, 0], kv[i, 1], meta)
+            x = layer(x, cos, sin, kv[i, 0], kv[i, 1], meta, self.kernels)
         x = rms_norm(x[logits_indices], self.norm, self.spec.eps)
-        return linear(x, self.lm_head, None, self.lm_head_packed).float()
+        return self.kernels.linear(x, self.lm_head, None, self.lm_head_packed).float()
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """HF names (``model.layers.N.self_attn.q_proj.weight`` ...) -> fused parameters."""

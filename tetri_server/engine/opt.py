@@ -7,8 +7,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tetri_server.engine.attention import BatchMetadata, ragged_attention, write_kv
-from tetri_server.engine.ops.linear import linear, pack_weight
+from tetri_server.engine.attention import BatchMetadata
+from tetri_server.engine.kernels import Kernels
+from tetri_server.engine.ops.linear import pack_weight
 from tetri_server.engine.spec import ModelSpec
 
 POSITION_OFFSET = 2  # OPT's learned position table starts at index 2
@@ -29,15 +30,16 @@ class _LayerNorm(nn.Module):
 
 
 class _Linear(nn.Linear):
-    """nn.Linear whose weight ``pack()`` prepacks (after loading) for ``ops.linear``."""
+    """nn.Linear whose weight ``pack()`` prepacks (after loading) for ``ops.linear``; called
+    with the model's ``Kernels``."""
 
     packed: torch.Tensor | None = None
 
     def pack(self) -> None:
         self.packed = pack_weight(self.weight)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed)
+    def forward(self, x: torch.Tensor, kern: Kernels) -> torch.Tensor:
+        return kern.linear(x, self.weight, self.bias, self.packed)
 
 
 def _linear(n_in: int, n_out: int, dtype: torch.dtype, device: torch.device,
@@ -61,17 +63,17 @@ class OPTLayer(nn.Module):
         self.act = ACTIVATIONS[spec.activation]
 
     def forward(self, x: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor,
-                meta: BatchMetadata) -> torch.Tensor:
+                meta: BatchMetadata, kern: Kernels) -> torch.Tensor:
         s, t = self.spec, x.shape[0]
         pre = s.do_layer_norm_before
         h = self.attn_norm(x) if pre else x
-        q, k, v = self.qkv(h).view(t, 3, s.num_heads, s.head_dim).unbind(1)
-        write_kv(pool_k, pool_v, k, v, meta)
-        x = x + self.out(ragged_attention(q, pool_k, pool_v, meta).reshape(t, s.hidden_size))
+        q, k, v = self.qkv(h, kern).view(t, 3, s.num_heads, s.head_dim).unbind(1)
+        kern.write_kv(pool_k, pool_v, k, v, meta)
+        x = x + self.out(kern.attention(q, pool_k, pool_v, meta).reshape(t, s.hidden_size), kern)
         if not pre:
             x = self.attn_norm(x)
         h = self.mlp_norm(x) if pre else x
-        x = x + self.fc2(self.act(self.fc1(h)))
+        x = x + self.fc2(self.act(self.fc1(h, kern)), kern)
         return x if pre else self.mlp_norm(x)
 
 
@@ -93,24 +95,26 @@ class OPTModel(nn.Module):
         self.project_out = _linear(spec.hidden_size, e, dtype, device, bias=False) if proj else None
         self.layers = nn.ModuleList(OPTLayer(spec, dtype, device) for _ in range(spec.num_layers))
         self.embed_packed: torch.Tensor | None = None  # the LM head's (tied) oneDNN copy
+        self.kernels = Kernels()
         self.final_norm = (_LayerNorm(spec.hidden_size, spec.eps, dtype, device)
                            if spec.do_layer_norm_before and not spec.remove_final_layer_norm
                            else None)
 
     def forward(self, input_ids: torch.Tensor, meta: BatchMetadata, kv: torch.Tensor,
                 logits_indices: torch.Tensor) -> torch.Tensor:
+        kern = self.kernels
         x = F.embedding(input_ids, self.embed)
         if self.project_in is not None:
-            x = self.project_in(x)
+            x = self.project_in(x, kern)
         x = x + F.embedding(meta.positions + POSITION_OFFSET, self.positions)  # [T, hidden]
         for i, layer in enumerate(self.layers):
-            x = layer(x, kv[i, 0], kv[i, 1], meta)
+            x = layer(x, kv[i, 0], kv[i, 1], meta, kern)
         x = x[logits_indices]
         if self.final_norm is not None:
             x = self.final_norm(x)
         if self.project_out is not None:
-            x = self.project_out(x)
-        return linear(x, self.embed, None, self.embed_packed).float()
+            x = self.project_out(x, kern)
+        return kern.linear(x, self.embed, None, self.embed_packed).float()
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         w = {k.removeprefix("model.").removeprefix("decoder."): v for k, v in weights.items()}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -52,6 +54,9 @@ class ModelRunner:
         self.kv = kv
         self.block_size = block_size
         self.device = device
+        # A benchmark sets these to split execute()'s time: name -> seconds, added per call.
+        self.phases: dict[str, float] | None = None
+        self.clock: Callable[[], float] = time.perf_counter
 
     def _build(self, plan: StepPlan) -> tuple[torch.Tensor, BatchMetadata, list[int], list[int]]:
         ids: list[int] = []
@@ -90,9 +95,12 @@ class ModelRunner:
         """Run the forward, advance ``num_computed`` of every item, sample where a sequence's
         tokens are all computed. The caller appends the sampled tokens."""
         self.last_plan = plan  # a worker whose step raises names these requests (StepFailed)
+        t = self.clock()
         ids, meta, rows, items = self._build(plan)
         rows_t = torch.tensor(rows, dtype=torch.long, device=self.device)
+        t = self._lap("build metadata", t)
         logits = self.model(ids, meta, self.kv, rows_t)
+        t = self._lap("model forward", t)
         for item in plan.items:
             item.seq.num_computed += item.num_tokens
         sampled: list[int | None] = [None] * len(plan.items)
@@ -103,4 +111,11 @@ class ModelRunner:
             for j, n in enumerate(items):
                 sampled[n] = toks[j]
                 logprobs[n] = lps[j] if lps is not None else None
+        self._lap("sample", t)
         return StepResult(sampled, logprobs)
+
+    def _lap(self, phase: str, t0: float) -> float:
+        t = self.clock()
+        if self.phases is not None:
+            self.phases[phase] = self.phases.get(phase, 0.0) + t - t0
+        return t

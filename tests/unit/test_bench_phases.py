@@ -1,0 +1,47 @@
+"""The engine's swappable kernels and the phase timing built on them: another attention path
+is one assignment (same greedy output), and timing the phases changes nothing and leaves
+nothing behind."""
+
+from __future__ import annotations
+
+from tests.conftest import random_prompts
+from tetri_server.bench.phases import INSIDE_FORWARD, KERNEL_PHASES, REST_OF_FORWARD, engine_phases
+from tetri_server.engine.attention import paged_attention
+from tetri_server.engine.kernels import Kernels, unpacked_linear
+from tetri_server.llm import make_engine
+from tetri_server.messages import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+def test_swapped_kernels_give_the_same_tokens_and_phases_add_up(model_dir):
+    eng = make_engine(str(model_dir("llama")), "kv.num_blocks=200")
+    prompts = random_prompts(4, 8000, (3, 40), seed=5)
+    ref = eng.generate(prompts, GREEDY)
+    calls: list[str] = []
+
+    def counting(name, fn):
+        def call(*a, **k):
+            calls.append(name)
+            return fn(*a, **k)
+        return call
+
+    eng.model.kernels = Kernels(attention=paged_attention, linear=unpacked_linear).wrapped(counting)
+    assert eng.generate(prompts, GREEDY) == ref  # the reference loop and plain F.linear
+    num_attention = calls.count("attention")
+    assert num_attention == calls.count("write_kv") and num_attention >= eng.spec.num_layers
+    eng.model.kernels = Kernels()
+
+    ticks = iter(range(10**6))  # a fake clock: every reading is one tick later
+    with engine_phases(eng.runner, lambda: float(next(ticks))) as acc:
+        assert eng.generate(prompts, GREEDY) == ref
+    steps = {"build metadata", "model forward", "sample"}
+    assert steps | set(INSIDE_FORWARD) == set(acc)
+    assert all(v > 0 for v in acc.values())
+    # the forward contains its kernels: what is left of it is never negative
+    kernels_s = sum(acc[p] for p in KERNEL_PHASES.values())
+    assert acc[REST_OF_FORWARD] == acc["model forward"] - kernels_s
+    assert acc[REST_OF_FORWARD] >= 0
+    # restored: default kernels, no accumulator
+    assert eng.model.kernels == Kernels() and eng.runner.phases is None
+    assert eng.generate(prompts, GREEDY) == ref

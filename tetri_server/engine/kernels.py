@@ -1,0 +1,43 @@
+"""The primitives a model's forward calls, as one set the model holds (``model.kernels``).
+
+A benchmark or a test that wants another attention path, plain matmuls or timed calls builds a
+``Kernels`` and assigns it to the model; nothing patches modules. ``Kernels()`` is what serving
+runs: the one attention op per layer, ``index_copy_`` into the pool, prepacked linears.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from tetri_server.engine.attention import BatchMetadata, ragged_attention, write_kv
+from tetri_server.engine.ops.linear import linear
+
+# (q, pool_k, pool_v, meta, scale=None, window=0) -> out
+AttentionFn = Callable[..., torch.Tensor]
+WriteKVFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, BatchMetadata],
+                     None]
+# (x, w, b=None, packed=None) -> x @ w.T + b
+LinearFn = Callable[..., torch.Tensor]
+
+
+def unpacked_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
+                    packed: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` whatever the weight's prepacked copy (the engine before prepacking)."""
+    return F.linear(x, w, b)
+
+
+@dataclass(frozen=True)
+class Kernels:
+    attention: AttentionFn = ragged_attention
+    write_kv: WriteKVFn = write_kv
+    linear: LinearFn = linear
+
+    def wrapped(self, wrap: Callable[[str, Callable[..., Any]], Callable[..., Any]]) -> Kernels:
+        """Every primitive replaced by ``wrap(name, fn)`` (e.g. a timer around it)."""
+        return replace(self, **{f.name: wrap(f.name, getattr(self, f.name))
+                                for f in fields(self)})
