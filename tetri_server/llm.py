@@ -8,6 +8,7 @@ import time
 import torch
 
 from tetri_server.config import Config
+from tetri_server.engine.grammar import Grammars
 from tetri_server.engine.loader import load_model
 from tetri_server.engine.runner import ModelRunner
 from tetri_server.kv.blocks import BlockAllocator, blocks_for
@@ -54,7 +55,8 @@ class LLMEngine:
                               dtype=dtype, device=self.device)
         self.allocator = BlockAllocator(num_blocks)
         self.kv_manager = KVCacheManager(self.allocator, self.kv, bs)
-        self.runner = ModelRunner(self.model, s, self.kv, bs, self.device)
+        self.grammars = Grammars(path, s.vocab_size, s.eos_token_ids)
+        self.runner = ModelRunner(self.model, s, self.kv, bs, self.device, self.grammars)
         from tetri_server.workers.coupled import CoupledLoop
 
         budget = cfg.prefill.token_budget
@@ -74,6 +76,8 @@ class LLMEngine:
                              f"{self.max_model_len}")
         if req_id in self.seqs:
             raise ValueError(f"duplicate request id {req_id}")
+        if params is not None and params.guide is not None:
+            self.grammars.compile(params.guide)  # GuideError (a ValueError) if it is bad
         self.loop.add(req_id, prompt_ids, params or SamplingParams(), time.monotonic())
 
     def abort(self, req_id: int) -> None:

@@ -24,6 +24,19 @@ Role = Literal["prefill", "decode", "coupled"]
 """What a worker does: the one name of roles shared by messages, policies and control."""
 FLIP_ROLES: tuple[Role, ...] = ("prefill", "decode")  # the roles an instance flips between
 
+class Guide(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """A constraint on the reply (structured output: ``response_format``, vLLM's ``guided_*``,
+    forced tool calls). It travels inside the request's ``SamplingParams`` (AddRequest,
+    Handoff), so every worker that samples compiles it (cached per spec) and replays the tokens
+    already generated; the control process never compiles it (the grammar library imports
+    torch). A spec that does not compile fails the request with ``RequestFailed.invalid``."""
+
+    kind: Literal["json_object", "json_schema", "regex", "choice", "grammar"]
+    # json_schema: the schema as JSON text; regex: the pattern; choice: a JSON list of strings;
+    # grammar: EBNF (GBNF) text with a ``root`` rule; json_object: empty (any JSON object)
+    spec: str = ""
+
+
 class SamplingParams(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """How to pick tokens. Stop *strings* are matched by the control process on detokenized
     text; workers only see token-level stops."""
@@ -44,6 +57,7 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True, gc=False):
     min_p: float = 0.0  # drop tokens with probability < min_p * the top probability
     logit_bias: dict[int, float] = {}  # token id -> added to its logit (API: ids < vocab, capped)
     top_logprobs: int = 0  # alternatives reported per token (API caps at 20)
+    guide: Guide | None = None  # structured output: only tokens the grammar allows are sampled
 
     @property
     def penalized(self) -> bool:
@@ -199,6 +213,7 @@ class RequestFailed(msgspec.Struct, tag=True, array_like=True):
 
     req_id: int
     error: str
+    invalid: bool = False  # the request itself is bad (its guide does not compile): a 400
 
 
 class StepFailed(msgspec.Struct, tag=True, array_like=True):

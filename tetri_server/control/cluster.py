@@ -27,6 +27,7 @@ from tetri_server.control.flip import FlipController
 from tetri_server.control.monitor import Monitor, NullMetrics
 from tetri_server.control.protocol import (
     GenerationError,
+    InvalidRequestError,
     RequestTooLargeError,
     WorkerUnavailableError,
 )
@@ -196,7 +197,7 @@ class Cluster:
     def _on_request_failed(self, h: WorkerHandle, msg: RequestFailed) -> None:
         req = self.table.get(msg.req_id)
         if req is not None:
-            self.fail(req, msg.error)
+            self.fail(req, InvalidRequestError(msg.error) if msg.invalid else msg.error)
 
     def _on_step_failed(self, h: WorkerHandle, msg: StepFailed) -> None:
         """A step raised on ``h`` (it exits next). Requests of a step of one, or of a second

@@ -32,6 +32,11 @@ class RequestTooLargeError(GenerationError):
     gets 413; retrying the same request cannot work."""
 
 
+class InvalidRequestError(GenerationError):
+    """A worker found the request itself bad (its guide does not compile): the client gets a
+    400 naming the field the guide came from; retrying the same request cannot work."""
+
+
 class QueueFullError(Exception):
     """Admission limit reached: the client gets 429 with ``Retry-After``."""
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from tetri_server.engine.attention import BatchMetadata, metadata_tensors
+from tetri_server.engine.grammar import Grammars
 from tetri_server.engine.loader import CausalLM
 from tetri_server.engine.sampling import sample
 from tetri_server.engine.sequence import Sequence
@@ -47,8 +48,9 @@ class ModelRunner:
     """Owns the model and the KV pool tensor of one worker. Not thread-safe."""
 
     def __init__(self, model: CausalLM, spec: ModelSpec, kv: torch.Tensor, block_size: int,
-                 device: torch.device) -> None:
+                 device: torch.device, grammars: Grammars | None = None) -> None:
         self.last_plan: StepPlan | None = None
+        self.grammars = grammars  # structured output; None: guided requests are refused
         self.model = model
         self.spec = spec
         self.kv = kv
@@ -107,6 +109,10 @@ class ModelRunner:
         logprobs: list[float | None] = [None] * len(plan.items)
         if items:
             seqs = [plan.items[n].seq for n in items]
+            if any(s.params.guide is not None for s in seqs):
+                if self.grammars is None:
+                    raise RuntimeError("a guided request reached a runner without grammars")
+                self.grammars.bind(seqs)
             toks, lps = sample(logits, seqs)
             for j, n in enumerate(items):
                 sampled[n] = toks[j]

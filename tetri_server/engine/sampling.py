@@ -2,8 +2,9 @@
 per-request seeds, chosen-token logprobs and the top alternatives.
 
 Order per row (vLLM's): logit bias, repetition / frequency / presence penalties (counts from the
-``Sequence``'s own tokens, so every worker that samples applies them identically), then greedy
-or temperature -> min-p -> top-k -> top-p -> draw. Logprobs are of the raw model output (vLLM's
+``Sequence``'s own tokens, so every worker that samples applies them identically), the grammar
+mask of a guided request (structured output, ``engine/grammar.py``), then greedy or
+temperature -> min-p -> top-k -> top-p -> draw. Logprobs are of the raw model output (vLLM's
 default ``raw_logprobs``). Neutral parameters leave the logits untouched (no copy).
 
 ``sample`` is total: whatever the parameters and whatever the model produced (inf, NaN), every row
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from tetri_server.engine.grammar import allowed_tokens
 from tetri_server.engine.sequence import Sequence
 
 # Below this temperature sampling is greedy up to ties, and logits / T can overflow float32: such
@@ -62,6 +64,22 @@ def penalize(row: torch.Tensor, seq: Sequence) -> torch.Tensor:
     return row
 
 
+def constrain(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """logits: [S, V]; returns them with every token a guided row's grammar forbids at -inf
+    (other rows untouched). A guided row whose allowed tokens are all -inf or NaN samples
+    uniformly among them, so a draw never leaves the grammar."""
+    rows = [i for i, s in enumerate(seqs) if s.guide is not None]
+    guides = [seqs[i].guide for i in rows]
+    allowed = allowed_tokens(guides, logits.shape[-1]).to(logits.device)  # type: ignore[arg-type]
+    idx = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    masked = _sanitize(logits[idx]).masked_fill(~allowed, _NEG_INF)
+    dead = ~masked.isfinite().any(dim=-1, keepdim=True)
+    masked = torch.where(dead & allowed, 0.0, masked)
+    out = logits.float().clone()
+    out[idx] = masked
+    return out
+
+
 def _filter(logits: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
     """logits: [V] (already scaled by temperature); masked entries become -inf. The top entry is
     never masked, so any top_k, top_p and min_p (0, negative, NaN, > 1) leave a row to sample
@@ -100,6 +118,8 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[
         for i, seq in enumerate(seqs):
             if seq.params.penalized:
                 logits[i] = penalize(logits[i], seq)
+    if any(s.guide is not None for s in seqs):
+        logits = constrain(logits, seqs)
     tokens = logits.argmax(dim=-1)  # greedy; a row with no finite entry falls back to this
     for i, seq in enumerate(seqs):
         p = seq.params

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from tetri_server.messages import SamplingParams
+
+if TYPE_CHECKING:
+    from tetri_server.engine.grammar import GuideState
 
 
 class SeqStatus(enum.Enum):
@@ -38,6 +42,9 @@ class Sequence:
     num_emitted: int = 0  # output tokens already reported to the caller
     predicted_bucket: int = 0
     predicted_len: int = 0
+    # the matcher of a guided request (params.guide), built where it is first sampled
+    # (ModelRunner -> Grammars.bind, replaying output_ids) and advanced by stops.append_token
+    guide: GuideState | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -13,6 +13,8 @@ def append_token(seq: Sequence, token: int, logprob: float | None, eos_ids: tupl
     seq.token_ids.append(token)
     if logprob is not None:
         seq.logprobs.append(logprob)
+    if seq.guide is not None and seq.guide.advance(token):
+        return "stop"  # the grammar is complete: the reply ends, whatever min_tokens says
     p = seq.params
     n = seq.num_output
     if n >= p.min_tokens:

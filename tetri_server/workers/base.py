@@ -14,6 +14,7 @@ import torch
 
 from tetri_server.channel import Channel
 from tetri_server.config import Config
+from tetri_server.engine.grammar import Grammars
 from tetri_server.engine.loader import load_model
 from tetri_server.engine.runner import ModelRunner
 from tetri_server.kv.blocks import BlockAllocator, blocks_for
@@ -91,7 +92,10 @@ class Worker:
                                         self.device, spec.kv_segment)
         self.allocator = BlockAllocator(num_blocks)
         self.kv = KVCacheManager(self.allocator, self.transport.kv, bs)
-        self.runner = ModelRunner(self.model, s, self.transport.kv, bs, self.device)
+        self.grammars = Grammars(mcfg.path, s.vocab_size, s.eos_token_ids,
+                                 num_threads=spec.num_threads)
+        self.runner = ModelRunner(self.model, s, self.transport.kv, bs, self.device,
+                                  self.grammars)
         self.block_size = bs
         self.busy_s = 0.0
         self.stopping = False
@@ -211,6 +215,9 @@ class Worker:
         elif isinstance(msg, SetRole):
             # SetRole to the current role cancels a pending flip (control gave up waiting).
             self.pending_role = None if msg.role == self.role.name else msg.role
+        elif isinstance(msg, AddRequest) and (err := self.grammars.check(msg.sampling.guide)):
+            # a guide that does not compile fails its request alone, before any work (a 400)
+            self.send(RequestFailed(msg.req_id, err, invalid=True))
         else:
             self.role.handle(msg)
 
