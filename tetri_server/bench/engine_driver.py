@@ -1,0 +1,237 @@
+"""The in-process engine driven below the API, for measurements: one runner step of exactly
+C prompt tokens, or ``LLMEngine.step()`` over B running sequences whose KV (random values) is
+already in the pool; plus the machine baselines (matmul peak, memcpy bandwidth) and the model's
+shape in FLOPs and bytes. Used by ``tools/bench_engine.py`` and ``tetri-server sim fit``.
+Imports torch: never import it from ``policy/`` or ``sim/`` at module level."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tetri_server.bench.cpu import Timer, core_busy
+from tetri_server.engine.attention import ragged_attention
+from tetri_server.engine.kernels import Kernels, unpacked_linear
+from tetri_server.engine.ops.linear import linear
+from tetri_server.engine.runner import ScheduledSeq, StepPlan
+from tetri_server.engine.sequence import SeqStatus
+from tetri_server.engine.sequence import Sequence as Seq
+from tetri_server.kv.blocks import blocks_for
+from tetri_server.llm import LLMEngine, make_engine
+from tetri_server.messages import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=1 << 30, temperature=0.0, ignore_eos=True)
+AttentionFn = Callable[..., torch.Tensor]
+
+# ---------------------------------------------------------------------------- CPU & timing
+
+
+def pin(cpu: int | None) -> int:
+    """Pin this process to one CPU (the least busy allowed one when ``cpu`` is None)."""
+    allowed = sorted(os.sched_getaffinity(0))
+    if cpu is None:
+        busy = core_busy()
+        cpu = min(allowed, key=lambda c: busy.get(c, 1.0))
+    os.sched_setaffinity(0, {cpu})
+    torch.set_num_threads(1)
+    return cpu
+
+
+# ---------------------------------------------------------------------------- baselines
+
+
+def matmul_peak_gflops(timer: Timer, n: int, reps: int,
+                       dtype: torch.dtype = torch.float32) -> float:
+    """``torch.mm`` of n x n by n x n on the current thread count, best of ``reps``."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    out = torch.empty(n, n, dtype=dtype)
+    torch.mm(a, b, out=out)
+    best = min(timer.timed(lambda: torch.mm(a, b, out=out), "baselines") for _ in range(reps))
+    return 2 * n**3 / best / 1e9
+
+
+def memcpy_gbps(timer: Timer, nbytes: int, reps: int) -> float:
+    """``np.copyto`` of ``nbytes`` into a pre-touched destination (bytes copied per second)."""
+    src = np.full(nbytes // 8, 1.0)
+    dst = np.full(nbytes // 8, 2.0)  # touched: no first-touch page faults in the timing
+    np.copyto(dst, src)
+    best = min(timer.timed(lambda: np.copyto(dst, src), "baselines") for _ in range(reps))
+    return nbytes / best / 1e9
+
+
+@dataclass
+class Baselines:
+    timer: Timer
+    dtype: torch.dtype = torch.float32
+    peak_gflops: list[float] = field(default_factory=list)
+    mem_gbps: list[float] = field(default_factory=list)
+
+    def measure(self, quick: bool) -> None:
+        self.peak_gflops.append(matmul_peak_gflops(self.timer, 2048, 3 if quick else 5,
+                                                   self.dtype))
+        self.mem_gbps.append(memcpy_gbps(self.timer, (256 if quick else 1024) << 20,
+                                         3 if quick else 5))
+
+    @property
+    def peak(self) -> float:
+        return max(self.peak_gflops)
+
+    @property
+    def bandwidth(self) -> float:
+        return max(self.mem_gbps)
+
+
+# ---------------------------------------------------------------------------- model shape
+
+
+@dataclass(frozen=True)
+class Shape:
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    matmul_params: int  # per token: all 2-D weights of the layers (+ OPT project_in/out)
+    head_params: int  # LM head, per sampled row
+    weight_bytes: int  # weights a decode step reads (matmuls + head + norms/biases)
+    dtype_bytes: int
+
+    @classmethod
+    def of(cls, eng: LLMEngine) -> Shape:
+        s, m = eng.spec, eng.model
+        per_token = sum(p.numel() for p in m.layers.parameters() if p.ndim == 2)
+        per_token += sum(p.numel() for n, p in m.named_parameters()
+                         if n.startswith(("project_in", "project_out")))
+        small = sum(p.numel() for p in m.layers.parameters() if p.ndim == 1)
+        head = m.embed.numel()
+        nbytes = m.embed.element_size()
+        return cls(s.num_layers, s.num_heads, s.num_kv_heads, s.head_dim, per_token, head,
+                   (per_token + head + small) * nbytes, nbytes)
+
+    def prefill_flops(self, prompt_lens: Sequence[int]) -> float:
+        tokens = sum(prompt_lens)
+        attn = sum(4 * self.heads * self.head_dim * n * (n + 1) / 2 for n in prompt_lens)
+        return (2 * self.matmul_params * tokens + 2 * self.head_params * len(prompt_lens)
+                + self.layers * attn)
+
+    def decode_flops(self, batch: int, ctx: int) -> float:
+        attn = self.layers * 4 * self.heads * self.head_dim * (ctx + 1)
+        return batch * (2 * self.matmul_params + 2 * self.head_params + attn)
+
+    def kv_bytes(self, batch: int, ctx: int) -> int:
+        return batch * ctx * self.layers * 2 * self.kv_heads * self.head_dim * self.dtype_bytes
+
+
+# ---------------------------------------------------------------------------- our engine
+
+
+class EngineDriver:
+    """One engine (pool sized for the largest decode configuration) driven below the API."""
+
+    def __init__(self, timer: Timer, model_path: Path, max_batch: int, max_ctx: int, extra: int,
+                 dtype: str = "float32") -> None:
+        self.timer = timer
+        block_size = 16
+        per_seq = blocks_for(max_ctx + extra, block_size) + 1
+        num_blocks = max(int(max_batch * per_seq * 1.25), blocks_for(4096, block_size) * 2)
+        self.eng = make_engine(str(model_path), f"model.dtype={dtype}",
+                               "cluster.mode=coupled-chunked", f"kv.block_size={block_size}",
+                               f"kv.num_blocks={num_blocks}", f"decode.max_batch={max_batch}")
+        self.dtype = self.eng.kv.dtype
+        self.shape = Shape.of(self.eng)
+        self.vocab = self.eng.spec.vocab_size
+        self.block_size = block_size
+        self.gen = torch.Generator().manual_seed(1234)
+        self.next_id = 0
+        s = self.eng.spec
+        # Random KV to copy into decode sequences' extents (values do not change the timing,
+        # but zeros would make attention uniform; random is closer to a real context).
+        self.kv_template = torch.randn(s.num_layers, 2, s.num_kv_heads, max_ctx, s.head_dim,
+                                       generator=self.gen).mul_(0.5).to(self.dtype)
+
+    def tokens(self, n: int) -> list[int]:
+        return torch.randint(3, self.vocab, (n,), generator=self.gen).tolist()
+
+    def new_seq(self, prompt_len: int, computed: int = 0) -> Seq:
+        seq = Seq(self.next_id, self.tokens(prompt_len), prompt_len, GREEDY,
+                  num_computed=computed)
+        self.next_id += 1
+        return seq
+
+    @contextmanager
+    def kernels(self, attention: AttentionFn = ragged_attention,
+                packed: bool = True) -> Iterator[None]:
+        """The model runs ``attention`` and prepacked (or plain ``F.linear``) matmuls."""
+        model, saved = self.eng.model, self.eng.model.kernels
+        model.kernels = Kernels(attention=attention,
+                                linear=linear if packed else unpacked_linear)
+        try:
+            yield
+        finally:
+            model.kernels = saved
+
+    # -- prefill: one runner step of exactly sum(prompt_lens) tokens
+
+    @contextmanager
+    def prefill(self, prompt_lens: Sequence[int]) -> Iterator[Callable[[], None]]:
+        seqs = [self.new_seq(n) for n in prompt_lens]
+        for seq in seqs:
+            if not self.eng.kv_manager.reserve(seq, seq.num_tokens):
+                raise RuntimeError("KV pool too small for the prefill benchmark")
+        plan_items = [ScheduledSeq(seq, seq.num_tokens) for seq in seqs]
+
+        def run() -> None:
+            for seq in seqs:
+                seq.num_computed = 0
+            self.eng.runner.execute(StepPlan(list(plan_items)))
+
+        try:
+            yield run
+        finally:
+            for seq in seqs:
+                self.eng.kv_manager.free(seq)
+
+    # -- decode: engine.step() over B running sequences with ``ctx`` tokens of KV
+
+    @contextmanager
+    def decoding(self, batch: int, ctx: int, max_steps: int) -> Iterator[Callable[[], None]]:
+        eng = self.eng
+        seqs: list[Seq] = []
+        try:
+            for _ in range(batch):
+                seq = self.new_seq(ctx + 1, computed=ctx)
+                seq.num_prompt = ctx  # one token already sampled: the step's input
+                # Reserve the whole run up front, so no relocation lands in a timed step.
+                if not eng.kv_manager.reserve(seq, ctx + max_steps + 2):
+                    raise RuntimeError("KV pool too small for the decode benchmark")
+                base = seq.blocks[0] * self.block_size
+                eng.kv[:, :, :, base:base + ctx].copy_(self.kv_template[:, :, :, :ctx])
+                seq.status = SeqStatus.RUNNING
+                eng.loop.seqs[seq.req_id] = seq
+                eng.loop.admission.add(seq.req_id, seq.num_prompt, seq.num_tokens, 0,
+                                       seq.params.max_tokens)
+                seqs.append(seq)
+
+            def run() -> None:
+                deltas = eng.step()
+                if len(deltas) != batch:
+                    raise RuntimeError(f"decode step returned {len(deltas)} of {batch} tokens")
+
+            yield run
+        finally:
+            for seq in seqs:
+                eng.abort(seq.req_id)
+
+    def decode_step_times(self, batch: int, ctx: int, steps: int, warmup: int,
+                          section: str) -> list[float]:
+        with self.decoding(batch, ctx, steps + warmup) as run:
+            for _ in range(warmup):
+                run()
+            return [self.timer.timed(run, section) for _ in range(steps)]
+
+
