@@ -89,7 +89,9 @@ CASES: list[tuple[str, str, Any, int, str | None, str]] = [
         "logit_bias",
         "at most 1024",
     ),
-    ("guided-json", C, c(guided_json={"type": "object"}), 400, "guided_json", "not supported"),
+    ("guided-json-not-object", C, c(guided_json=3), 400, "guided_json", "JSON object"),
+    ("guided-whitespace", C, c(guided_whitespace_pattern=" "), 400, "guided_whitespace_pattern",
+     "not supported"),
     ("skip-special-string", C, c(skip_special_tokens="no"), 400, "skip_special_tokens", "true"),
     ("stop-token-id-negative", C, c(stop_token_ids=[-1]), 400, "stop_token_ids", "outside"),
     ("chat-missing-messages", CHAT, {"max_tokens": 2}, 400, "messages", "required"),
@@ -152,8 +154,11 @@ CASES: list[tuple[str, str, Any, int, str | None, str]] = [
      "expected"),
     ("chat-tools-too-many", CHAT, chat(tools=[TOOL] * 129), 400, "tools", "at most 128"),
     ("chat-tools-auto-no-parser", CHAT, chat(tools=[TOOL]), 400, "tool_choice", "parser"),
-    ("chat-tools-required", CHAT, chat(tools=[TOOL], tool_choice="required"), 400, "tool_choice",
-     "structured output"),
+    ("chat-tools-choice-unknown", CHAT, chat(tools=[TOOL], tool_choice="sometimes"), 400,
+     "tool_choice", "expected"),
+    ("chat-tools-named-missing", CHAT,
+     chat(tools=[TOOL], tool_choice={"type": "function", "function": {"name": "nope"}}), 400,
+     "tool_choice", "no tool named"),
 ]
 
 

@@ -17,7 +17,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from tetri_server.control.protocol import GenerationError, QueueFullError
+from tetri_server.control.protocol import GenerationError, InvalidRequestError, QueueFullError
+from tetri_server.engine.grammar import GuideError
 from tetri_server.messages import SamplingParams, TokenDelta
 from tetri_server.metrics import Metrics
 
@@ -129,14 +130,17 @@ class EngineBackend:
                 continue
             try:
                 self.engine.add_request(req_id, *arg)
+            except GuideError as e:  # as a worker reports it: RequestFailed(invalid=True)
+                self._fail(req_id, str(e), InvalidRequestError)
             except ValueError as e:
                 self._fail(req_id, str(e))
 
-    def _fail(self, req_id: int, reason: str) -> None:
+    def _fail(self, req_id: int, reason: str,
+              error: type[GenerationError] = GenerationError) -> None:
         stream = self._streams.pop(req_id, None)
         self.engine.abort(req_id)
         if stream is not None:
-            stream.queue.put_nowait(GenerationError(reason))
+            stream.queue.put_nowait(error(reason))
 
     def _timed_step(self) -> list[TokenDelta]:
         t0 = time.perf_counter()

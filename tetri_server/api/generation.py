@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from tetri_server.api.detokenizer import IncrementalDetokenizer, StopMatcher
 from tetri_server.api.errors import (
+    bad_param,
     generation_failed,
     queue_full,
     request_too_large,
@@ -24,6 +25,7 @@ from tetri_server.api.params import GenRequest
 from tetri_server.control.protocol import (
     Backend,
     GenerationError,
+    InvalidRequestError,
     QueueFullError,
     RequestStream,
     RequestTooLargeError,
@@ -110,6 +112,8 @@ class Generation:
             raise worker_unavailable(str(e), e.retry_after_s) from None
         except RequestTooLargeError as e:
             raise request_too_large(str(e)) from None
+        except InvalidRequestError as e:  # a worker could not compile the request's guide
+            raise bad_param(self.req.guide_param or "request", str(e)) from None
         except GenerationError as e:
             raise generation_failed(str(e)) from None
         raise generation_failed("the backend ended the request's stream without finishing it")

@@ -129,11 +129,12 @@ class GenerateHandlers:
         f = Fields(parse_json_object(raw))
         b = self.backend
         model = self.served.check(f)
-        tool_parser = None
+        tool_parser, forced_call = None, None
         if kind == "chat":
-            tools, parse_calls = parse_tools(f, self.served.tool_call_parser)
-            tool_parser = self.served.tool_call_parser if parse_calls else None
-            prompts = [chat_prompt(f, b.tokenizer, self._limits, tools)]
+            choice = parse_tools(f, self.served.tool_call_parser)
+            tool_parser = self.served.tool_call_parser if choice.parse_calls else None
+            forced_call = choice.forced
+            prompts = [chat_prompt(f, b.tokenizer, self._limits, choice.tools)]
         else:
             prompts = completion_prompts(f, b.tokenizer, self._limits)
         reqs = [
@@ -147,6 +148,7 @@ class GenerateHandlers:
                 extra_stop_ids=self._stop_ids[kind],
                 defaults=self.served.defaults,
                 tool_parser=tool_parser,
+                forced_call=forced_call,
             )
             for prompt in prompts
         ]

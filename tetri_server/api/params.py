@@ -4,6 +4,8 @@ Only what a client would notice is decided here: defaults (``max_tokens``: 16 on
 OpenAI and vLLM, the rest of the context on chat; sampling from generation_config.json when the
 request omits it), limits against ``max_model_len``, and clear 400s for fields we cannot honour.
 Token-level stops go to the workers in ``SamplingParams``; stop strings stay in the API layer.
+Structured output (``guides.py``) and forced tool calls (``tools.py``) become the request's
+``Guide``, also in ``SamplingParams``.
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ import msgspec
 
 from tetri_server.api.errors import APIError, bad_param
 from tetri_server.api.fields import Fields
+from tetri_server.api.guides import parse_guide
 from tetri_server.api.models import GenerationDefaults
-from tetri_server.messages import SamplingParams
+from tetri_server.api.tools import ForcedCall
+from tetri_server.messages import Guide, SamplingParams
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 512
@@ -28,8 +32,7 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's and vLLM's /v1/completions defaul
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 # vLLM request extras this server does not implement: a 400 naming them, never ignored
 UNSUPPORTED_EXTRAS = (
-    "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
-    "structured_outputs", "prompt_logprobs", "use_beam_search", "length_penalty",
+    "guided_whitespace_pattern", "prompt_logprobs", "use_beam_search", "length_penalty",
     "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "logits_processors",
     "functions", "function_call",
 )
@@ -63,6 +66,8 @@ class GenRequest:
     skip_special_tokens: bool = True
     echo: bool = False  # completions: the prompt text opens each choice
     tool_parser: str | None = None  # chat with tools and tool_choice=auto: parse replies
+    forced_call: ForcedCall | None = None  # tool_choice required / a named function
+    guide_param: str = ""  # the body field params.guide came from (a 400 names it)
 
     def choice_params(self, index: int) -> SamplingParams:
         """Choice ``index``'s parameters: a seeded request derives seed + index (wrapping in
@@ -83,10 +88,6 @@ def _reject_unsupported(f: Fields, kind: str) -> None:
         if f.boolean("echo", False) and f.has("logprobs"):
             raise bad_param("echo", "echo with logprobs (prompt logprobs) is not supported")
         f.require_absent("suffix", ("",), "suffix")
-    else:  # tools / tool_choice: tools.parse_tools
-        fmt = f.obj("response_format")
-        if fmt is not None and fmt.get("type", "text") != "text":
-            raise bad_param("response_format", "only {'type': 'text'} is supported")
 
 
 def _n(f: Fields) -> int:
@@ -166,7 +167,7 @@ def _max_tokens(
 
 def _sampling(
     f: Fields, kind: str, max_tokens: int, vocab_size: int, defaults: GenerationDefaults,
-    stop_ids: list[int], ignore_eos: bool,
+    stop_ids: list[int], ignore_eos: bool, guide: Guide | None,
 ) -> SamplingParams:
     d = defaults
     top_k = f.integer("top_k", d.top_k if d.top_k is not None else 0, low=-1)
@@ -188,6 +189,7 @@ def _sampling(
         min_p=f.number("min_p", _or(d.min_p, 0.0), low=0.0, high=1.0),
         logit_bias=_logit_bias(f, vocab_size),
         top_logprobs=top_logprobs,
+        guide=guide,
     )
 
 
@@ -206,10 +208,17 @@ def parse_request(
     extra_stop_ids: tuple[int, ...] = (),
     defaults: GenerationDefaults | None = None,
     tool_parser: str | None = None,
+    forced_call: ForcedCall | None = None,
 ) -> GenRequest:
     """Validate the sampling fields of ``f`` for an already tokenized ``prompt``."""
     defaults = defaults or GenerationDefaults()
     _reject_unsupported(f, kind)
+    guide, guide_param = parse_guide(f)
+    if forced_call is not None:
+        if guide is not None:
+            raise bad_param(guide_param, "cannot be combined with tool_choice 'required' or a "
+                                         "named function (the call is the structured output)")
+        guide, guide_param = forced_call.guide, "tools"
     n = _n(f)
     stream = f.boolean("stream", False)
     options = f.obj("stream_options")
@@ -223,7 +232,7 @@ def parse_request(
     stop_ids = f.token_ids("stop_token_ids", vocab_size=vocab_size, max_items=MAX_STOP_TOKEN_IDS)
     if not ignore_eos:
         stop_ids += [i for i in extra_stop_ids if i not in stop_ids]
-    params = _sampling(f, kind, max_tokens, vocab_size, defaults, stop_ids, ignore_eos)
+    params = _sampling(f, kind, max_tokens, vocab_size, defaults, stop_ids, ignore_eos, guide)
     f.string("user", None)
     return GenRequest(
         kind=kind,
@@ -241,4 +250,6 @@ def parse_request(
         skip_special_tokens=f.boolean("skip_special_tokens", True),
         echo=kind == "completion" and f.boolean("echo", False),
         tool_parser=tool_parser,
+        forced_call=forced_call,
+        guide_param=guide_param,
     )

@@ -13,7 +13,7 @@ from typing import Any
 from tetri_server.api.detokenizer import token_texts
 from tetri_server.api.generation import Piece
 from tetri_server.api.params import GenRequest
-from tetri_server.api.tools import HermesParser, ToolCall, make_parser
+from tetri_server.api.tools import ForcedCallParser, HermesParser, ToolCall, make_parser
 
 
 def usage(num_prompt: int, num_output: int) -> dict[str, int]:
@@ -37,9 +37,15 @@ class ResponseBuilder:
         self._tok = tokenizer
         self.num_choices = num_choices  # prompts x n
         self._text_offset = [0] * num_choices  # per choice
-        # chat with tool_choice=auto: each choice's reply parsed for calls
-        self._parsers: list[HermesParser] | None = None
-        if self.chat and req.tool_parser:
+        # chat with tool_choice=auto: each choice's reply parsed for calls; with a forced call
+        # the reply is the call (finish_reason: tool_calls, or stop for a named function)
+        self._parsers: list[HermesParser] | list[ForcedCallParser] | None = None
+        self._call_reason = "tool_calls"
+        if self.chat and req.forced_call is not None:
+            self._parsers = [ForcedCallParser(req.forced_call) for _ in range(num_choices)]
+            if req.forced_call.name is not None:
+                self._call_reason = "stop"
+        elif self.chat and req.tool_parser:
             self._parsers = [make_parser(req.tool_parser) for _ in range(num_choices)]
 
     def _head(self, obj: str) -> dict[str, Any]:
@@ -113,7 +119,7 @@ class ResponseBuilder:
             content, calls = self._parsers[index].feed(text, final=True)
             choice["message"] = {"role": "assistant", "content": content or None,
                                  "tool_calls": [c.as_dict() for c in calls]}
-            finish_reason = "tool_calls" if calls else finish_reason
+            finish_reason = self._call_reason if calls else finish_reason
         elif self.chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
@@ -166,7 +172,7 @@ class ResponseBuilder:
             if calls:
                 choice["delta"]["tool_calls"] = _call_deltas(calls, before)
             if reason is not None and parser.calls:
-                reason = "tool_calls"
+                reason = self._call_reason
             if not choice["delta"] and reason is None and logprobs is None:
                 return None  # held back: may be the start of a call
         elif self.chat:

@@ -3,8 +3,13 @@ for calls by the model family's parser (``model.tool_call_parser``, vLLM's
 ``--tool-call-parser``).
 
 ``tool_choice``: ``none`` (tools shown to the model, reply is text), ``auto`` (the default when
-tools are given; needs a parser). ``required`` and a named function need the reply constrained
-to a call (structured output), which this server does not have yet: 400.
+tools are given; needs a parser), ``required`` and a named function
+(``{"type": "function", "function": {"name": ...}}``): the reply is constrained to a call by a
+JSON schema built from the tools' ``parameters`` (structured output, as vLLM does): for
+``required`` a JSON array of ``{"name", "parameters"}`` (one item at most with
+``parallel_tool_calls: false``), for a named function its arguments object. No parser is needed
+for those; the reply is returned as ``tool_calls`` (``finish_reason`` ``tool_calls`` for
+``required``, ``stop`` for a named function, as OpenAI and vLLM).
 
 Parsers turn reply text into content and calls, whole or streamed: ``feed(text)`` returns the
 content that is safe to send and the calls completed so far; text that may open a call is held
@@ -21,6 +26,8 @@ from typing import Any
 
 from tetri_server.api.errors import bad_param
 from tetri_server.api.fields import Fields
+from tetri_server.api.guides import schema_guide
+from tetri_server.messages import Guide
 
 MAX_TOOLS = 128
 TOOL_PARSERS = ("hermes",)
@@ -55,23 +62,73 @@ def check_tools(f: Fields) -> list[dict[str, Any]] | None:
     return tools
 
 
-def parse_tools(f: Fields, parser: str) -> tuple[list[dict[str, Any]] | None, bool]:
-    """(tools for the chat template or None, whether replies are parsed for calls)."""
+@dataclass(frozen=True)
+class ForcedCall:
+    """``tool_choice`` ``required`` (``name`` None) or a named function, and the guide that
+    makes the reply a valid call."""
+
+    name: str | None
+    guide: Guide
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    """What ``parse_tools`` decided: tools for the template, whether replies are parsed for
+    calls (``auto``), and the forced call, if any."""
+
+    tools: list[dict[str, Any]] | None = None
+    parse_calls: bool = False
+    forced: ForcedCall | None = None
+
+
+def _parameters(tool: dict[str, Any]) -> Any:
+    return tool["function"].get("parameters") or {"type": "object", "properties": {}}
+
+
+def _forced(tools: list[dict[str, Any]], choice: Any, parallel: bool) -> ForcedCall:
+    if choice == "required":
+        items = [{"type": "object", "properties": {
+                     "name": {"type": "string", "enum": [t["function"]["name"]]},
+                     "parameters": _parameters(t)}, "required": ["name", "parameters"]}
+                 for t in tools]
+        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+        if not parallel:
+            schema["maxItems"] = 1
+        return ForcedCall(None, schema_guide(schema, "tools"))
+    fn = choice.get("function") if isinstance(choice, dict) else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if choice.get("type") != "function" or not isinstance(name, str):
+        raise bad_param("tool_choice", "expected 'none', 'auto', 'required' or "
+                                       "{'type': 'function', 'function': {'name': ...}}")
+    tool = next((t for t in tools if t["function"]["name"] == name), None)
+    if tool is None:
+        raise bad_param("tool_choice", f"no tool named {name!r} in tools")
+    params = _parameters(tool)
+    if not isinstance(params, dict):
+        raise bad_param("tools", f"the parameters of {name!r} must be a JSON schema object")
+    return ForcedCall(name, schema_guide(params, "tools"))
+
+
+def parse_tools(f: Fields, parser: str) -> ToolChoice:
+    """``tools``, ``tool_choice`` and ``parallel_tool_calls``, checked."""
     tools = check_tools(f)
     if tools is None:
         f.require_absent("tool_choice", ("none", "auto"), "a tool_choice without tools")
-        return None, False
+        return ToolChoice()
+    parallel = f.boolean("parallel_tool_calls", True)
     choice = f.raw("tool_choice")
     choice = "auto" if choice is None else choice
     if choice == "none":
-        return tools, False
+        return ToolChoice(tools)
+    if choice == "required" or isinstance(choice, dict):
+        return ToolChoice(tools, forced=_forced(tools, choice, parallel))
     if choice != "auto":
-        raise bad_param("tool_choice", "only 'none' and 'auto' are supported; 'required' and "
-                                       "named functions need structured output")
+        raise bad_param("tool_choice", "expected 'none', 'auto', 'required' or "
+                                       "{'type': 'function', 'function': {'name': ...}}")
     if parser == "none":
         raise bad_param("tool_choice", "'auto' needs a tool call parser: start the server "
                                        "with --tool-call-parser (model.tool_call_parser)")
-    return tools, True
+    return ToolChoice(tools, parse_calls=True)
 
 
 class HermesParser:
@@ -129,6 +186,32 @@ def _partial_suffix(text: str, tag: str) -> int:
         if tag.startswith(text[-n:]):
             return n
     return 0
+
+
+class ForcedCallParser:
+    """The reply of a forced call: JSON shaped by its guide, parsed whole when it ends. A reply
+    cut short (``max_tokens``) is returned as the text it is, with no call."""
+
+    def __init__(self, forced: ForcedCall) -> None:
+        self.forced = forced
+        self._text = ""
+        self.calls: list[ToolCall] = []
+
+    def feed(self, text: str, *, final: bool = False) -> tuple[str, list[ToolCall]]:
+        self._text += text
+        if not final:
+            return "", []
+        try:
+            obj = json.loads(self._text)
+            if self.forced.name is not None:
+                pairs = [(self.forced.name, obj)]
+            else:
+                pairs = [(c["name"], c["parameters"]) for c in obj]
+        except (ValueError, TypeError, KeyError):
+            return self._text, []
+        self.calls = [ToolCall(name, json.dumps(args, ensure_ascii=False),
+                               "chatcmpl-tool-" + uuid.uuid4().hex) for name, args in pairs]
+        return "", self.calls
 
 
 def make_parser(name: str) -> HermesParser:

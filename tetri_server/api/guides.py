@@ -1,0 +1,134 @@
+"""Structured-output fields -> one ``Guide`` for the workers, with the body field it came from.
+
+OpenAI's ``response_format`` (``text`` | ``json_object`` | ``json_schema``), vLLM's extras
+``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar`` and their newer
+form ``structured_outputs`` (``json`` | ``regex`` | ``choice`` | ``grammar`` | ``json_object``);
+a forced tool call builds its own (``tools.py``). At most one per request.
+
+Only shapes are checked here. Whether a schema, regex or grammar compiles is known in a worker
+(the grammar library imports torch, which the control process never does): one that does not
+comes back from the worker before any work as a 400 naming the same field (``GenRequest
+.guide_param``).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from tetri_server.api.body import json_type
+from tetri_server.api.errors import bad_param
+from tetri_server.api.fields import Fields
+from tetri_server.messages import Guide
+
+MAX_SPEC_CHARS = 65536  # a schema (as JSON text), regex or grammar
+MAX_CHOICES = 256
+BACKENDS = ("auto", "xgrammar")  # guided_decoding_backend values accepted (all mean xgrammar)
+GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+STRUCTURED_KEYS = {"json": "guided_json", "regex": "guided_regex", "choice": "guided_choice",
+                   "grammar": "guided_grammar"}
+
+
+def _spec(text: str, param: str) -> str:
+    if len(text) > MAX_SPEC_CHARS:
+        raise bad_param(param, f"at most {MAX_SPEC_CHARS} characters, got {len(text)}")
+    return text
+
+
+def schema_guide(schema: Any, param: str) -> Guide:
+    """A JSON schema given as an object or as JSON text."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError:
+            raise bad_param(param, "the schema is not valid JSON") from None
+    if not isinstance(schema, dict):
+        raise bad_param(param, f"the schema must be a JSON object, got {json_type(schema)}")
+    return Guide("json_schema", _spec(json.dumps(schema, ensure_ascii=False), param))
+
+
+def _text(value: Any, param: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise bad_param(param, "expected a non-empty string")
+    return _spec(value, param)
+
+
+def _choice(value: Any, param: str) -> Guide:
+    if (not isinstance(value, list) or not value
+            or not all(isinstance(c, str) and c for c in value)):
+        raise bad_param(param, "expected a non-empty list of non-empty strings")
+    if len(value) > MAX_CHOICES:
+        raise bad_param(param, f"at most {MAX_CHOICES} choices, got {len(value)}")
+    return Guide("choice", _spec(json.dumps(value, ensure_ascii=False), param))
+
+
+def _guided(kind: str, value: Any, param: str) -> Guide:
+    if kind == "guided_json":
+        return schema_guide(value, param)
+    if kind == "guided_regex":
+        return Guide("regex", _text(value, param))
+    if kind == "guided_choice":
+        return _choice(value, param)
+    return Guide("grammar", _text(value, param))
+
+
+def _response_format(fmt: dict[str, Any]) -> Guide | None:
+    kind = fmt.get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Guide("json_object")
+    if kind != "json_schema":
+        raise bad_param("response_format.type", "expected 'text', 'json_object' or "
+                                                f"'json_schema', got {kind!r}")
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict):
+        raise bad_param("response_format.json_schema",
+                        "expected an object with 'name' and 'schema'")
+    if spec.get("schema") is None:  # OpenAI's schema is optional: any JSON object
+        return Guide("json_object")
+    return schema_guide(spec["schema"], "response_format")
+
+
+def _structured(value: dict[str, Any]) -> Guide | None:
+    found: list[Guide] = []
+    for key, item in value.items():
+        param = f"structured_outputs.{key}"
+        if item is None or item is False:
+            continue
+        if key == "json_object":
+            if item is not True:
+                raise bad_param(param, "expected true or false")
+            found.append(Guide("json_object"))
+        elif key in STRUCTURED_KEYS:
+            found.append(_guided(STRUCTURED_KEYS[key], item, param))
+        else:
+            raise bad_param(param, "is not supported by this server")
+    if len(found) > 1:
+        raise bad_param("structured_outputs", "give only one of json, regex, choice, grammar "
+                                              "and json_object")
+    return found[0] if found else None
+
+
+def parse_guide(f: Fields) -> tuple[Guide | None, str]:
+    """(the request's guide or None, the field it came from)."""
+    backend = f.string("guided_decoding_backend", "auto")
+    if backend not in BACKENDS:
+        raise bad_param("guided_decoding_backend", f"only {' and '.join(BACKENDS)} "
+                                                   f"(xgrammar) are available, got {backend!r}")
+    found: list[tuple[Guide, str]] = []
+    fmt = f.obj("response_format")
+    guide = _response_format(fmt) if fmt is not None else None
+    if guide is not None:
+        found.append((guide, "response_format"))
+    for name in GUIDED:
+        if f.has(name):
+            found.append((_guided(name, f.raw(name), name), name))
+    structured = f.obj("structured_outputs")
+    guide = _structured(structured) if structured is not None else None
+    if guide is not None:
+        found.append((guide, "structured_outputs"))
+    if len(found) > 1:
+        raise bad_param(found[1][1], f"cannot be combined with {found[0][1]}: one structured "
+                                     "output constraint per request")
+    return found[0] if found else (None, "")
