@@ -17,6 +17,9 @@ import pytest
 
 from tests.unit.test_api_double import MODEL_NAME
 from tests.unit.test_api_support import ApiHarness, raw_request
+from tetri_server.api.fields import Fields
+from tetri_server.api.tools import ForcedCall, ForcedCallParser, parse_tools
+from tetri_server.messages import Guide
 
 pytest_plugins = ["tests.unit.test_api_support"]
 
@@ -208,3 +211,30 @@ def test_bad_structured_fields_are_400s_naming_the_field(
 ) -> None:
     status, got, message = _error(api, body)
     assert (status, got) == (400, param), message
+
+
+def test_required_schema_allows_parallel_calls_unless_turned_off() -> None:
+    def schema(**body: Any) -> dict[str, Any]:
+        forced = parse_tools(Fields({"tools": TOOLS, "tool_choice": "required", **body}),
+                             "none").forced
+        assert forced is not None and forced.name is None
+        return json.loads(forced.guide.spec)
+
+    assert schema()["minItems"] == 1 and "maxItems" not in schema()
+    assert schema(parallel_tool_calls=False)["maxItems"] == 1
+    items = schema()["items"]["anyOf"]
+    assert [i["properties"]["name"]["enum"] for i in items] == [["weather"], ["time"]]
+    assert items[1]["properties"]["parameters"] == TIME
+
+
+def test_forced_call_parser_two_calls_and_a_cut_off_reply() -> None:
+    forced = ForcedCall(None, Guide("json_object"))
+    reply = '[{"name": "time", "parameters": {"zone": "UTC"}}, {"name": "weather", ' \
+            '"parameters": {"city": "Oslo", "days": 2}}]'
+    parser = ForcedCallParser(forced)
+    assert parser.feed(reply[:20]) == ("", [])  # nothing until the reply ends
+    content, calls = parser.feed(reply[20:], final=True)
+    assert content == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("time", {"zone": "UTC"}), ("weather", {"city": "Oslo", "days": 2})]
+    cut = reply[:30]
+    assert ForcedCallParser(forced).feed(cut, final=True) == (cut, [])
