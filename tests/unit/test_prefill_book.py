@@ -83,10 +83,12 @@ def test_remove_from_any_stage_leaves_nothing_behind(stage: Stage) -> None:
     b.add(1, "r1", 16, 0.0)
     if stage is not Stage.NEW:
         b.predicted(1, 0)
-    if stage in (Stage.HELD, Stage.HANDED_OFF):
+    if stage in (Stage.HELD, Stage.HANDED_OFF, Stage.DECODING):
         b.prefilled(1)
     if stage is Stage.HANDED_OFF:
         assert b.dispatch()
+    if stage is Stage.DECODING:
+        b.keep(1)
     assert b.count(stage) == 1
     assert b.remove(1) == "r1"
     assert len(b) == 0 and len(b.queue) == 0 and not b.has_work()

@@ -270,11 +270,17 @@ class PrefillConfig(_Section):
     """Sort window: waiting requests reordered together by the policy."""
     token_budget: int = 512
     """coupled-chunked mode: tokens per step, decode tokens first, prompt chunks fill the rest."""
+    local_decode_batch: int = 0
+    """Elastic P/D (disaggregated mode): a prefill worker decodes up to this many of the
+    requests it prefilled itself, their rows riding in its chunks, while its prompt backlog fits
+    in one chunk and every decode worker holds more requests (``policy/elastic.py``). 0: the
+    strict split of the paper."""
 
     def _validate(self) -> None:
         self._at_least("chunk_size", 0)
         self._at_least("sched_batch", 1)
         self._at_least("token_budget", 1)
+        self._at_least("local_decode_batch", 0)
 
 
 @dataclass(frozen=True, kw_only=True)

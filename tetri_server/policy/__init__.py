@@ -31,6 +31,7 @@ from tetri_server.policy.dispatch import (
     RoundRobinDispatcher,
     TetriDispatcher,
 )
+from tetri_server.policy.elastic import LocalDecode
 from tetri_server.policy.flip import FlipPlan, FlipPolicy
 from tetri_server.policy.global_sched import LeastLoadedPicker
 from tetri_server.policy.knee import pick_chunk_size, throughput_curve
@@ -64,6 +65,7 @@ __all__ = [
     "FlipPlan",
     "FlipPolicy",
     "LeastLoadedPicker",
+    "LocalDecode",
     "MixedStepPlan",
     "PreemptPlan",
     "PrefillBook",

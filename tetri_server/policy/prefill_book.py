@@ -6,6 +6,7 @@ Stages, in order::
     QUEUED      in the ``PrefillQueue``: waiting for, or in the middle of, its chunks
     HELD        prompt done, first token sampled; waits for room on a decode worker
     HANDED_OFF  a hand-off named a decode worker; its KV stays here until that worker pulls it
+    DECODING    kept (elastic P/D, ``policy.LocalDecode``): decoded on this worker to the end
 
 The real prefill role and the simulator's prefill instance both keep their requests here, so
 they make the same dispatch decisions by construction. ``PrefillBook`` is generic over what the
@@ -32,6 +33,7 @@ class Stage(enum.Enum):
     QUEUED = "queued"
     HELD = "held"
     HANDED_OFF = "handed_off"
+    DECODING = "decoding"
 
 
 @dataclass(eq=False)
@@ -57,6 +59,7 @@ class PrefillBook(Generic[T]):
         self.dispatcher = dispatcher
         self._entries: dict[int, Entry[T]] = {}
         self._await_view = False  # a hand-off was refused: dispatch again on the next view
+        self.view: DecodeSnapshot | None = None  # the newest decode view adopted
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -70,9 +73,15 @@ class PrefillBook(Generic[T]):
     def count(self, *stages: Stage) -> int:
         return sum(e.stage in stages for e in self._entries.values())
 
+    def ids(self, stage: Stage) -> list[int]:
+        """The requests in ``stage``, in order (for HELD: the dispatch order)."""
+        return [rid for rid, e in self._entries.items() if e.stage is stage]
+
     def has_work(self) -> bool:
-        """A prediction or a chunk is due (held and handed-off requests need no step)."""
-        return bool(len(self.queue)) or any(e.stage is Stage.NEW for e in self._entries.values())
+        """A prediction, a chunk or a local decode is due (held and handed-off requests need
+        no step)."""
+        return bool(len(self.queue)) or any(e.stage in (Stage.NEW, Stage.DECODING)
+                                            for e in self._entries.values())
 
     # ------------------------------------------------------------------ transitions
 
@@ -114,10 +123,19 @@ class PrefillBook(Generic[T]):
                 sent.append((e.req, plan))
         return sent
 
+    def keep(self, req_id: int) -> T:
+        """HELD -> DECODING: this worker decodes the request itself."""
+        e = self._entry(req_id, Stage.HELD)
+        e.stage = Stage.DECODING
+        return e.req
+
     def on_view(self, view: DecodeSnapshot) -> bool:
         """A decode view arrived; returns whether it is new (the caller then dispatches)."""
         self._await_view = False
-        return self.dispatcher.on_view(view)
+        adopted = self.dispatcher.on_view(view)
+        if adopted:
+            self.view = view
+        return adopted
 
     def pulled(self, req_id: int) -> T | None:
         """HANDED_OFF -> gone: the decode worker has the KV. None if not handed off here."""

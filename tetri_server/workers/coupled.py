@@ -39,6 +39,7 @@ from tetri_server.policy import (
     coupled_step_plan,
 )
 from tetri_server.workers.base import Role, Worker
+from tetri_server.workers.decoding import carry_out
 from tetri_server.workers.trace import DecisionLog
 
 
@@ -172,25 +173,12 @@ class CoupledLoop:
                    pad=plan.num_pad, free=self.kv.allocator.num_free)
 
     def _decode_items(self, decode: DecodeStepPlan | None) -> list[ScheduledSeq]:
-        """Carry out the admission plan: preempt (drop KV; recomputed on re-admission), fail
-        what can never fit, reserve the batch's blocks."""
+        """Carry out the admission plan (preemptions, requests that can never fit, blocks)."""
         if decode is None:
             return []
-        for req_id in decode.preempt.req_ids:
-            seq = self.seqs[req_id]
-            self.kv.free(seq)
-            seq.num_computed = 0
-        for req_id in decode.fail_ids:
-            self.kv.free(self.seqs.pop(req_id))
-            self.failed.append(RequestFailed(req_id, "request no longer fits the KV pool"))
-        recompute = set(decode.admit.recompute_ids)
-        items = []
-        for req_id in decode.run_ids:
-            seq = self.seqs[req_id]
-            if not self.kv.reserve(seq, seq.num_tokens):
-                raise RuntimeError(f"admission planned request {req_id} but its blocks do not "
-                                   "fit: allocator and policy disagree")
-            items.append(ScheduledSeq(seq, seq.num_uncomputed if req_id in recompute else 1))
+        items, dropped = carry_out(decode, self.seqs, self.kv)
+        self.failed += [RequestFailed(req_id, "request no longer fits the KV pool")
+                        for req_id in dropped]
         return items
 
     def _append(self, seq: Sequence, tok: int, lp: float | None,

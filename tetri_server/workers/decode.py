@@ -8,7 +8,7 @@ Preempted requests lose their KV and are recomputed from their tokens when re-ad
 
 from __future__ import annotations
 
-from tetri_server.engine.runner import ScheduledSeq, StepPlan
+from tetri_server.engine.runner import StepPlan
 from tetri_server.engine.sampling import make_generator
 from tetri_server.engine.sequence import SeqStatus, Sequence
 from tetri_server.engine.stops import append_token, emit
@@ -23,6 +23,7 @@ from tetri_server.messages import (
 )
 from tetri_server.policy import DecodeAdmission
 from tetri_server.workers.base import Role, Worker
+from tetri_server.workers.decoding import carry_out
 
 
 class DecodeRole(Role):
@@ -84,22 +85,9 @@ class DecodeRole(Role):
             log.record("decode_step", run=list(plan.run_ids), admit=list(plan.admit.req_ids),
                        preempt=list(plan.preempt.req_ids), fail=list(plan.fail_ids),
                        free=self.w.allocator.num_free)
-        for req_id in plan.preempt.req_ids:
-            seq = self.seqs[req_id]
-            self.w.kv.free(seq)
-            seq.num_computed = 0
-        for req_id in plan.fail_ids:
-            seq = self.seqs.pop(req_id)
-            self.w.kv.free(seq)
+        items, dropped = carry_out(plan, self.seqs, self.w.kv)
+        for req_id in dropped:
             self.w.send(RequestFailed(req_id, "request no longer fits this worker's KV pool"))
-        recompute = set(plan.admit.recompute_ids)
-        items = []
-        for req_id in plan.run_ids:
-            seq = self.seqs[req_id]
-            if not self.w.kv.reserve(seq, seq.num_tokens):
-                raise RuntimeError(f"admission planned request {req_id} but its blocks do not "
-                                   "fit: allocator and policy disagree")
-            items.append(ScheduledSeq(seq, seq.num_uncomputed if req_id in recompute else 1))
         finished: set[int] = set()
         deltas: list[TokenDelta] = []
         if items:

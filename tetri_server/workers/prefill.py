@@ -15,7 +15,7 @@ import random
 
 from tetri_server.engine.runner import ScheduledSeq, StepPlan
 from tetri_server.engine.sampling import make_generator
-from tetri_server.engine.sequence import Sequence
+from tetri_server.engine.sequence import SeqStatus, Sequence
 from tetri_server.engine.stops import append_token, emit
 from tetri_server.messages import (
     AddRequest,
@@ -26,19 +26,24 @@ from tetri_server.messages import (
     LoadReport,
     RequestFailed,
     StepOutput,
+    TokenDelta,
 )
 from tetri_server.policy import (
     Chunker,
     ChunkPlan,
+    DecodeAdmission,
+    LocalDecode,
     PrefillQueue,
     RoundRobinDispatcher,
     TetriDispatcher,
+    coupled_chunked_plan,
 )
 from tetri_server.policy.dispatch import Dispatcher
 from tetri_server.policy.prefill_book import Entry, PrefillBook, Stage
 from tetri_server.predictor import PredictorError
 from tetri_server.workers.base import Role, Worker
 from tetri_server.workers.calibrate import resolve_chunk_size
+from tetri_server.workers.decoding import carry_out
 
 log = logging.getLogger("tetri.prefill")
 
@@ -62,6 +67,12 @@ class PrefillRole(Role):
                                       heavy_threshold=heavy))
         self.book: PrefillBook[Sequence] = PrefillBook(
             PrefillQueue(cfg.prefill.policy, cfg.prefill.sched_batch), dispatcher)
+        # elastic P/D: the requests this worker keeps and decodes itself (greedy admission)
+        num_local = cfg.prefill.local_decode_batch
+        self.local = LocalDecode(num_local) if num_local else None
+        self.admission = DecodeAdmission("greedy", block_size=w.block_size,
+                                         num_total_blocks=w.allocator.num_blocks,
+                                         max_batch=max(1, num_local))
 
     def chunk_size(self) -> int:
         return self._chunk_size
@@ -91,6 +102,7 @@ class PrefillRole(Role):
             super().handle(msg)
 
     def abort(self, req_id: int) -> None:
+        self.admission.remove(req_id)
         seq = self.book.remove(req_id)
         if seq is not None:
             self.w.kv.free(seq)
@@ -134,6 +146,8 @@ class PrefillRole(Role):
 
     def step(self) -> bool:
         self.predict_new()
+        if len(self.admission):
+            return self._mixed_step()
         chunk = self.chunker.plan(self.book.queue, self.w.allocator.num_free)
         if chunk is None:
             return False  # no blocks for the head request: wait for an ack or an abort
@@ -146,8 +160,60 @@ class PrefillRole(Role):
         # Padding is bookkeeping only: on CPU, computing pad tokens is pure waste.
         result = self.w.runner.execute(StepPlan(items))
         done = set(self.chunker.on_done(self.book.queue, chunk))
+        self._send(self._first_tokens(items, result.sampled, result.logprobs, done))
+        self.dispatch_held()
+        return True
+
+    def _mixed_step(self) -> bool:
+        """Elastic: the requests this worker kept decode one token each and prompt slices fill
+        the rest of the chunk (Sarathi-style), in one forward."""
+        free, book = self.w.allocator.num_free, self.book
+        decode = self.admission.plan(free)
+        slices = coupled_chunked_plan(book.queue, decode.run_ids, self._chunk_size,
+                                      num_free_blocks=self.admission.free_after(decode, free),
+                                      block_size=self.w.block_size).slices
+        self.w.decisions.step += 1
+        self.w.decisions.record("mixed_step", run=list(decode.run_ids),
+                                preempt=list(decode.preempt.req_ids), fail=list(decode.fail_ids),
+                                slices=[[p.req_id, p.start, p.num_tokens] for p in slices])
+        local = {rid: book.get(rid) for rid in book.ids(Stage.DECODING)}
+        items, dropped = carry_out(decode, local, self.w.kv)
+        for req_id in dropped:
+            book.remove(req_id)
+            self.w.send(RequestFailed(req_id, "request no longer fits this worker's KV pool"))
+        num_decode = len(items)
+        chunk, prompt_items = self._reserve(ChunkPlan(slices, 0, sum(p.num_tokens for p in slices)))
+        items += prompt_items
+        if not items:
+            self.admission.on_done(decode, set())
+            return bool(decode.preempt.req_ids or dropped)
+        result = self.w.runner.execute(StepPlan(items))
+        deltas, finished = [], set()
+        for item, tok, lp in zip(items[:num_decode], result.sampled, result.logprobs,
+                                 strict=False):
+            seq = item.seq
+            assert tok is not None
+            reason = append_token(seq, tok, lp, self.w.model_spec.eos_token_ids,
+                                  self.w.max_model_len)
+            deltas.append(emit(seq, reason))
+            if reason is not None:
+                finished.add(seq.req_id)
+                book.remove(seq.req_id)
+                self.w.kv.free(seq)
+        self.admission.on_done(decode, finished)
+        done = set(book.queue.advance(chunk.slices))
+        deltas += self._first_tokens(prompt_items, result.sampled[num_decode:],
+                                     result.logprobs[num_decode:], done)
+        self._send(deltas)
+        self.dispatch_held()
+        return True
+
+    def _first_tokens(self, items: list[ScheduledSeq], sampled: list[int | None],
+                      logprobs: list[float | None], done: set[int]) -> list[TokenDelta]:
+        """The first token of every prompt the step completed; each such request is then held
+        for dispatch, or finished."""
         deltas = []
-        for item, tok, lp in zip(items, result.sampled, result.logprobs, strict=True):
+        for item, tok, lp in zip(items, sampled, logprobs, strict=True):
             seq = item.seq
             if tok is None or seq.req_id not in done:
                 continue
@@ -159,10 +225,11 @@ class PrefillRole(Role):
                 self.w.kv.free(seq)
             else:
                 self.book.prefilled(seq.req_id)
+        return deltas
+
+    def _send(self, deltas: list[TokenDelta]) -> None:
         if deltas:
             self.w.send(StepOutput(self.w.worker_id, deltas))
-        self.dispatch_held()
-        return True
 
     def _reserve(self, chunk: ChunkPlan) -> tuple[ChunkPlan, list[ScheduledSeq]]:
         """Blocks for every request the chunk starts. The chunker counted free blocks, but
@@ -177,6 +244,8 @@ class PrefillRole(Role):
         return chunk, items
 
     def dispatch_held(self) -> None:
+        if self.local is not None:
+            self._keep_held(self.local)
         for seq, plan in self.book.dispatch():
             self.w.decisions.record("dispatch", req=seq.req_id, to=plan.decode_worker,
                                     blocks=plan.num_blocks, heavy=plan.heavy)
@@ -185,11 +254,25 @@ class PrefillRole(Role):
                               seq.num_prompt, seq.params, seq.predicted_bucket,
                               seq.predicted_len, seq.arrival_s, dst_worker=plan.decode_worker))
 
+    def _keep_held(self, local: LocalDecode) -> None:
+        """Elastic: keep held requests, in order, while the policy says decode is the busier
+        side; they decode here, in this worker's own steps."""
+        book = self.book
+        for req_id in book.ids(Stage.HELD):
+            if not local.keep(len(self.admission), book.queue.num_queued_tokens,
+                              self._chunk_size, book.view):
+                return
+            seq = book.keep(req_id)
+            seq.status = SeqStatus.RUNNING
+            self.admission.add(req_id, seq.num_prompt, seq.num_tokens, seq.predicted_bucket,
+                               seq.params.max_tokens)
+            self.w.decisions.record("keep", req=req_id)
+
     def load_report(self) -> LoadReport:
         a, book = self.w.allocator, self.book
         return LoadReport(worker_id=self.w.worker_id, role="prefill",
                           num_waiting=book.count(Stage.NEW, Stage.QUEUED),
-                          num_running=book.count(Stage.HELD, Stage.HANDED_OFF),
+                          num_running=book.count(Stage.HELD, Stage.HANDED_OFF, Stage.DECODING),
                           num_queued_prompt_tokens=book.queue.num_queued_tokens,
                           num_free_blocks=a.num_free, num_total_blocks=a.num_blocks, num_heavy=0,
                           num_light=0, predicted_demand_blocks=0, busy_s=self.w.busy_s)
