@@ -228,3 +228,13 @@ def test_compare_with_no_modes_starts_no_tetri_server(
     argv = ["compare", "--modes", "", "--no-vllm", "--model", str(model_dir), "--workload", "LPLD"]
     argv += ["--num-requests", "2", "--rate", "20", "--out", str(tmp_path / "o"), "--no-progress"]
     assert cli.main([*argv, "--no-plots"]) == 0 and started == []
+
+
+def test_the_elastic_preset_is_disaggregated_with_local_decodes():
+    from tetri_server.bench.compare import tetri_spec
+
+    spec = tetri_spec("elastic", "builtin:tiny", 8123, 2048, ["cluster.workers=2"])
+    sets = [spec.argv[i + 1] for i, a in enumerate(spec.argv) if a == "--set"]
+    assert spec.label == "elastic"
+    assert "cluster.mode=disaggregated" in sets and "prefill.local_decode_batch=16" in sets
+    assert sets[-1] == "cluster.workers=2"  # the caller's sets come last: they win

@@ -34,6 +34,8 @@ from tetri_server.bench.report import BenchResult
 from tetri_server.bench.workload import BenchRequest, WorkloadSpec
 
 TETRI_MODES = ("disaggregated", "coupled", "coupled-chunked")
+# Named variants a comparison may list beside the modes: (cluster.mode, extra key=value).
+MODE_PRESETS = {"elastic": ("disaggregated", ("prefill.local_decode_batch=16",))}
 VLLM_LABEL = "vllm-cpu"
 READY_POLL_S = 0.5
 STOP_GRACE_S = 30.0
@@ -74,11 +76,14 @@ def free_port() -> int:
 def tetri_spec(
     mode: str, model: str, port: int, max_model_len: int, sets: Sequence[str] = ()
 ) -> ServerSpec:
-    """tetri_server in ``mode``; ``sets`` (key=value) apply to every mode, e.g. worker counts
-    (config defaults give 2 workers in every mode: 1 prefill + 1 decode, or 2 coupled)."""
+    """tetri_server in ``mode`` (a cluster mode, or a ``MODE_PRESETS`` name such as
+    ``elastic``); ``sets`` (key=value) apply to every mode, e.g. worker counts (config defaults
+    give 2 workers in every mode: 1 prefill + 1 decode, or 2 coupled)."""
     argv = [sys.executable, "-m", "tetri_server", "serve"]
+    cluster_mode, preset = MODE_PRESETS.get(mode, (mode, ()))
     pinned = (
-        f"cluster.mode={mode}",
+        f"cluster.mode={cluster_mode}",
+        *preset,
         f"model.path={model}",
         "server.host=127.0.0.1",
         f"server.port={port}",
