@@ -3,6 +3,8 @@
     tetri-server sim --hardware V100-32GB --model OPT-13B --workload Mixed --rate 1 \
         --num-requests 128 --compare coupled,coupled-chunked --json out.json
     tetri-server sim --paper --json paper.json
+    tetri-server sim fit --model PATH --out PROFILE.json     (sim/fitting.py)
+    tetri-server sim compare --model PATH ...                 (sim/versus.py: sim vs real)
 """
 
 from __future__ import annotations
@@ -139,6 +141,14 @@ def load_requests(args: argparse.Namespace, cfg: SimConfig) -> tuple[list[Any], 
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv and argv[0] == "fit":
+        from tetri_server.sim.fitting import main as fit_main
+
+        return fit_main(argv[1:])
+    if argv and argv[0] == "compare":
+        from tetri_server.sim.versus import main as compare_main
+
+        return compare_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         if args.paper:

@@ -3,12 +3,15 @@
 A forward pass is a ragged batch of items ``(num_new_tokens, num_prefix_tokens)`` (a prompt
 chunk, or a decode row with ``num_new_tokens == 1``) plus padding slots. Its time is
 
-    max(FLOPs / (peak * eff(T)), bytes / (bandwidth * mem_eff)) + step_overhead_s
+    max(C, M) + (1 - overlap) x min(C, M) + step_overhead_s,
+    C = FLOPs / (peak * eff(T)),  M = bytes / (bandwidth * mem_eff)
 
 with T the tokens computed, ``eff(T) = compute_eff * T / (T + half_tokens)`` (small passes
 under-use the device: the prefill knee), FLOPs = 2 x matmul params x T + 2 x hidden x vocab per
 sampled row + causal attention (4 x layers x attention width per query-key pair), and bytes =
-the weights once + the KV read (every item's prefix and new tokens). A hand-off moves
+the weights once + the KV read (every item's prefix and new tokens). ``overlap`` is how much of
+the shorter side hides under the longer: 1 on a GPU (the roofline), less on a CPU core whose
+attention streams the KV after the matmuls are done (``sim fit`` fits it). A hand-off moves
 ``tokens x kv_bytes_per_token`` over the link: bytes / bandwidth + latency.
 """
 
@@ -39,10 +42,9 @@ class CostModel:
             raise ValueError(f"{self.model.name} does not fit {self.hw.name}: no room for KV")
         return num
 
-    def step_s(self, items: Iterable[tuple[int, int]], num_pad: int = 0,
-               num_sampled: int | None = None) -> float:
-        """One forward pass over ``items`` = (new tokens, prefix tokens) pairs. ``num_sampled``:
-        rows that go through the LM head (default: one per item)."""
+    def _parts(self, items: Iterable[tuple[int, int]], num_pad: int,
+               num_sampled: int | None) -> tuple[float, float]:
+        """(compute seconds, memory seconds) of one pass; (0, 0) for an empty one."""
         num_tokens = num_pairs = num_kv = num_items = 0
         for n, s in items:
             num_tokens += n
@@ -52,7 +54,7 @@ class CostModel:
         if self.hw.pads_compute:
             num_tokens += num_pad
         if num_tokens == 0:
-            return 0.0
+            return 0.0, 0.0
         sampled = num_items if num_sampled is None else num_sampled
         flops = (self._flops_per_token * num_tokens + self._flops_lm_head * sampled
                  + self._attn_flops_per_pair * num_pairs)
@@ -60,17 +62,22 @@ class CostModel:
         compute_s = flops / (self.hw.peak_flops * eff)
         memory_s = (self.model.weight_bytes + self._kv_bytes * num_kv) / (
             self.hw.mem_bw_Bps * self.hw.mem_eff)
-        return max(compute_s, memory_s) + self.hw.step_overhead_s
+        return compute_s, memory_s
+
+    def step_s(self, items: Iterable[tuple[int, int]], num_pad: int = 0,
+               num_sampled: int | None = None) -> float:
+        """One forward pass over ``items`` = (new tokens, prefix tokens) pairs. ``num_sampled``:
+        rows that go through the LM head (default: one per item)."""
+        compute_s, memory_s = self._parts(items, num_pad, num_sampled)
+        if compute_s == 0.0:
+            return 0.0
+        hidden = (1.0 - self.hw.overlap) * min(compute_s, memory_s)
+        return max(compute_s, memory_s) + hidden + self.hw.step_overhead_s
 
     def bound(self, items: Iterable[tuple[int, int]], num_pad: int = 0) -> str:
         """'compute' or 'memory': which side of the roofline the pass is on."""
-        items = list(items)
-        saved = self.hw.step_overhead_s
-        total = self.step_s(items, num_pad) - saved
-        num_kv = sum(s + n for n, s in items)
-        memory_s = (self.model.weight_bytes + self._kv_bytes * num_kv) / (
-            self.hw.mem_bw_Bps * self.hw.mem_eff)
-        return "memory" if abs(total - memory_s) < 1e-12 else "compute"
+        compute_s, memory_s = self._parts(items, num_pad, None)
+        return "memory" if memory_s >= compute_s else "compute"
 
     def prefill_s(self, num_tokens: int, num_prefix: int = 0) -> float:
         """One sequence's prompt chunk alone."""

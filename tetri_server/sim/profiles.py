@@ -8,14 +8,16 @@ memory for weights + KV, vLLM's gpu_memory_utilization), ``compute_eff`` / ``mem
 (the best fraction of peak / bandwidth reached), ``half_tokens`` (tokens per forward pass at
 which compute efficiency is half its best: the knee sits near 19x this), ``step_overhead_s``
 (per forward pass: launches, sampling, Python), ``pads_compute`` (padding slots of a chunk cost
-compute: GPUs run the padded shape, the CPU runner skips them), ``links`` (name ->
+compute: GPUs run the padded shape, the CPU runner skips them), ``overlap`` (optional, default
+1: how much of the shorter of compute and memory time hides under the longer; see
+``sim/cost.py``), ``links`` (name ->
 ``bandwidth_Bps``, ``latency_s``) and ``default_link``.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -93,12 +95,15 @@ class Hardware:
     pads_compute: bool
     default_link: str
     links: dict[str, dict[str, float]]
+    overlap: float = 1.0  # share of min(compute, memory) hidden under the other (1 = roofline)
 
     def __post_init__(self) -> None:
         if min(self.peak_flops, self.mem_bw_Bps, self.memory_bytes) <= 0:
             raise ValueError(f"{self.name}: peak_flops, mem_bw_Bps, memory_bytes must be > 0")
         if not (0 < self.compute_eff <= 1 and 0 < self.mem_eff <= 1):
             raise ValueError(f"{self.name}: efficiencies must be in (0, 1]")
+        if not 0 <= self.overlap <= 1:
+            raise ValueError(f"{self.name}: overlap must be in [0, 1]")
         if self.default_link not in self.links:
             raise ValueError(f"{self.name}: default_link {self.default_link!r} not in links")
 
@@ -148,11 +153,12 @@ class ModelShape:
 
 def _from_dict(cls: type, name: str, spec: dict[str, Any]) -> Any:
     names = {f.name for f in fields(cls)} - {"name"}
-    missing, extra = names - set(spec), set(spec) - names - {"name", "notes"}
+    required = {f.name for f in fields(cls) if f.default is MISSING} - {"name"}
+    missing, extra = required - set(spec), set(spec) - names - {"name", "notes", "fit"}
     if missing or extra:
         raise ValueError(f"profile {name!r}: missing keys {sorted(missing)}, "
                          f"unknown keys {sorted(extra)}")
-    return cls(name=spec.get("name", name), **{k: spec[k] for k in names})
+    return cls(name=spec.get("name", name), **{k: spec[k] for k in names if k in spec})
 
 
 def load_hardware(name_or_path: str) -> Hardware:
