@@ -68,9 +68,9 @@ def constrain(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """logits: [S, V]; returns them with every token a guided row's grammar forbids at -inf
     (other rows untouched). A guided row whose allowed tokens are all -inf or NaN samples
     uniformly among them, so a draw never leaves the grammar."""
-    rows = [i for i, s in enumerate(seqs) if s.guide is not None]
-    guides = [seqs[i].guide for i in rows]
-    allowed = allowed_tokens(guides, logits.shape[-1]).to(logits.device)  # type: ignore[arg-type]
+    guided = [(i, s.guide) for i, s in enumerate(seqs) if s.guide is not None]
+    rows = [i for i, _ in guided]
+    allowed = allowed_tokens([g for _, g in guided], logits.shape[-1]).to(logits.device)
     idx = torch.tensor(rows, dtype=torch.long, device=logits.device)
     masked = _sanitize(logits[idx]).masked_fill(~allowed, _NEG_INF)
     dead = ~masked.isfinite().any(dim=-1, keepdim=True)
