@@ -1,0 +1,170 @@
+"""``tetri-server sim compare``: one trace through the real server and through the simulator.
+
+    tetri-server sim compare --model models/llama-bench --workload Mixed --rate 0.3 \
+        --num-requests 60 --repeat 2 --json simreal.json
+
+The real side is ``tetri-server serve`` in disaggregated mode, 1 prefill + 1 decode worker
+(each pinned to its own core), started and stopped as ``tetri-server bench compare`` does
+(``bench/compare.py``), and sent the benchmark's workload (``bench/workload.py``: the same
+lengths and arrivals for the same seed). The simulated side runs the same requests on the
+``--hardware`` profile (default ``this-cpu``, fitted by ``tetri-server sim fit``) with the same
+settings: chunk size, sort window, admission, max batch, KV blocks per worker, monitor
+interval, the oracle predictor (the real server gets ``predictor.kind=oracle`` and each
+request's true length). ``--repeat`` runs the real server again on the same requests, to show
+the noise; the simulation is deterministic and runs once. Prints TTFT / TPOT / JCT mean and p90
+side by side with the relative error of the simulation, and the other tenants' load during each
+real run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from tetri_server.bench import data
+from tetri_server.bench.workload import BenchRequest, WorkloadSpec, build_workload
+from tetri_server.sim.cluster import SimConfig
+from tetri_server.sim.cost import CostModel
+from tetri_server.sim.instances import SimRequest
+from tetri_server.sim.profiles import load_hardware, load_model
+from tetri_server.sim.run import predict, simulate
+
+METRICS = ("ttft_mean_s", "ttft_p90_s", "tpot_mean_s", "tpot_p90_s", "jct_mean_s", "jct_p90_s")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tetri-server sim compare", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="checkpoint folder the server loads")
+    p.add_argument("--sim-model", default="bench", help="the simulator's model shape")
+    p.add_argument("--hardware", default="this-cpu", help="the simulator's profile")
+    p.add_argument("--workload", default="Mixed")
+    p.add_argument("--rate", type=float, default=0.3, help="requests/s, Poisson")
+    p.add_argument("--num-requests", type=int, default=60)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--chunk-size", type=int, default=512)
+    p.add_argument("--sched-batch", type=int, default=16)
+    p.add_argument("--decode-policy", default="reserve-dynamic")
+    p.add_argument("--max-batch", type=int, default=32)
+    p.add_argument("--kv-blocks", type=int, default=2048, help="per worker")
+    p.add_argument("--monitor-interval-ms", type=float, default=100.0)
+    p.add_argument("--repeat", type=int, default=1, help="real runs (the noise)")
+    p.add_argument("--data-dir")
+    p.add_argument("--out", type=Path, default=Path("bench_results/sim-compare"),
+                   help="server logs")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--json", type=Path, required=True, metavar="OUT.json")
+    return p
+
+
+def sim_config(args: argparse.Namespace) -> SimConfig:
+    return SimConfig(mode="disaggregated", num_prefill=1, num_decode=1, block_size=16,
+                     num_kv_blocks=args.kv_blocks, chunk_size=args.chunk_size,
+                     sched_batch=args.sched_batch, decode_policy=args.decode_policy,
+                     max_batch=args.max_batch, predictor_accuracy=1.0,
+                     monitor_interval_ms=args.monitor_interval_ms,
+                     max_model_len=args.max_model_len, seed=args.seed)
+
+
+def server_sets(args: argparse.Namespace) -> list[str]:
+    """The server settings the simulation mirrors (``sim_config``)."""
+    return ["cluster.prefill_workers=1", "cluster.decode_workers=1", "kv.block_size=16",
+            f"kv.num_blocks={args.kv_blocks}", f"prefill.chunk_size={args.chunk_size}",
+            f"prefill.sched_batch={args.sched_batch}", "prefill.policy=fcfs",
+            f"decode.policy={args.decode_policy}", f"decode.max_batch={args.max_batch}",
+            "predictor.kind=oracle", f"monitor.interval_ms={args.monitor_interval_ms:g}",
+            f"dispatch.seed={args.seed}"]
+
+
+def to_sim(requests: list[BenchRequest]) -> list[SimRequest]:
+    return [SimRequest(r.request_id, r.prompt_len, r.output_len, r.arrival_s, r.kind)
+            for r in requests]
+
+
+def real_metrics(summary: Any) -> dict[str, Any]:
+    s = summary
+    return {"ttft_mean_s": s.ttft_s.mean, "ttft_p90_s": s.ttft_s.p90,
+            "tpot_mean_s": s.tpot_s.mean, "tpot_p90_s": s.tpot_s.p90,
+            "jct_mean_s": s.jct_s.mean, "jct_p90_s": s.jct_s.p90,
+            "num_completed": s.num_completed, "num_requests": s.num_requests,
+            "duration_s": s.duration_s, "busy_s": s.busy_s,
+            "others_cores": (s.other_cpu_s / s.duration_s
+                             if s.other_cpu_s is not None and s.duration_s else None),
+            "server_cpu_s": s.server_cpu_s_total}
+
+
+def rel_err(sim: float | None, real: float | None) -> float | None:
+    if sim is None or real is None or real == 0:
+        return None
+    return sim / real - 1.0
+
+
+def table(sim: dict[str, Any], reals: list[dict[str, Any]]) -> str:
+    head = "| metric | sim | " + " | ".join(
+        f"real #{i + 1} | sim vs #{i + 1}" for i in range(len(reals))) + " |"
+    rows = [head, "|" + "---|" * (2 + 2 * len(reals))]
+    for key in METRICS:
+        cells = [key, f"{sim[key]:.3f}"]
+        for real in reals:
+            err = rel_err(sim[key], real[key])
+            cells += [f"{real[key]:.3f}", "-" if err is None else f"{100 * err:+.0f}%"]
+        rows.append("| " + " | ".join(cells) + " |")
+    load = ["others' load (cores)", "-"]
+    for real in reals:
+        o = real["others_cores"]
+        load += ["-" if o is None else f"{o:.2f}", ""]
+    rows.append("| " + " | ".join(load) + " |")
+    return "\n".join(rows)
+
+
+def run_real(args: argparse.Namespace, wspec: WorkloadSpec,
+             requests: list[BenchRequest], label: str) -> dict[str, Any]:
+    from tetri_server.bench.compare import CompareOptions, free_port, run_against, tetri_spec
+
+    spec = tetri_spec("disaggregated", args.model, free_port(), args.max_model_len,
+                      server_sets(args))
+    spec = replace(spec, label=label)
+    opts = CompareOptions(args.out, progress=not args.no_progress, send_true_output_len=True)
+    (result,) = run_against(spec, [(wspec, requests)], opts)
+    return real_metrics(result.summary)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from tetri_server.bench.prompts import model_vocab
+    from tetri_server.modelinfo import resolve_model_path
+
+    args.model = str(resolve_model_path(args.model))
+    wspec = WorkloadSpec(name=args.workload, num_requests=args.num_requests, seed=args.seed,
+                         max_model_len=args.max_model_len, rate_rps=args.rate)
+    requests = build_workload(wspec, data.data_dir(args.data_dir),
+                              vocab=model_vocab(args.model))
+    cfg = sim_config(args)
+    hw = load_hardware(args.hardware)
+    cost = CostModel(hw, load_model(args.sim_model))
+    sim_reqs = to_sim(requests)
+    predict(sim_reqs, cfg)
+    sim = simulate(cfg, cost, sim_reqs)
+    reals = []
+    for i in range(args.repeat):
+        started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+        real = run_real(args, wspec, requests, f"real-{i + 1}")
+        real["started"] = started
+        reals.append(real)
+        print(f"real run {i + 1}: {real['num_completed']}/{real['num_requests']} completed, "
+              f"others' load {real['others_cores']}", file=sys.stderr)
+    out = {"workload": wspec.to_dict(), "server_sets": server_sets(args),
+           "sim_config": cfg.to_dict(), "hardware": args.hardware, "sim_model": args.sim_model,
+           "sim": {k: v for k, v in sim.items() if k not in ("instances", "summary")},
+           "real": reals,
+           "rel_error": [{k: rel_err(sim[k], r[k]) for k in METRICS} for r in reals]}
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(out, indent=1, default=str))
+    print(table(sim, reals))
+    return 0 if all(r["num_completed"] == r["num_requests"] for r in reals) else 1
