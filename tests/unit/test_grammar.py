@@ -30,6 +30,7 @@ def grammars() -> Grammars:
 
 def seq(grammars: Grammars, guide: Guide | None = REGEX, seed: int | None = None,
         output: tuple[int, ...] = (), **params: object) -> Sequence:
+    params.setdefault("temperature", 0.0)  # greedy unless a test draws
     s = Sequence(0, [X, *output], 1, SamplingParams(guide=guide, **params),
                  generator=make_generator(seed, CPU))
     grammars.bind([s])
