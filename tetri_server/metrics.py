@@ -56,11 +56,11 @@ LENGTH_BUCKETS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5))
 FLIP_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 FINISHED_REASONS = ("stop", "length", "abort")
 ROLES = ("prefill", "decode", "coupled")
-OUTCOMES = ("exact", "under", "over")
+OUTCOMES = ("exact", "under", "over")  # predicted bucket = / < / > the actual one
 # APIError codes present at 0 from the start: rate() misses a counter's first increment when
 # the series only appears with it
 ERROR_KINDS = ("invalid_parameter", "rate_limit_exceeded", "timeout", "request_too_large",
-               "service_unavailable", "generation_failed")  # predicted bucket = / < / > the actual one
+               "service_unavailable", "generation_failed")
 MODEL = "model_name"
 # exported again as vllm:<suffix> when asked (server.vllm_metric_names)
 VLLM_ALIASED = (
