@@ -12,7 +12,7 @@ from tetri_server.bench.workload import WorkloadSpec
 from tetri_server.sim.cli import main
 from tetri_server.sim.cluster import MODES, SimConfig, Simulation
 from tetri_server.sim.cost import CostModel
-from tetri_server.sim.instances import SimRequest
+from tetri_server.sim.instances import PrefillInstance, SimRequest
 from tetri_server.sim.profiles import load_hardware, load_model
 from tetri_server.sim.run import predict, simulate
 from tetri_server.sim.workload import from_trace, from_workload
@@ -194,3 +194,25 @@ def test_a_handoff_on_a_stale_view_is_rejected_and_dispatched_again() -> None:
     assert all(r.error is None and r.end_s is not None for r in reqs)
     assert max(r.end_s for r in reqs) > 2.0  # the views of 1 s and 2 s: room only at 2 s
     assert all(i.alloc.num_free == i.alloc.num_blocks for i in sim.instances)
+
+
+def test_elastic_prefill_decodes_part_of_a_decode_heavy_load_itself() -> None:
+    """LPHD on 1 prefill + 1 decode instance: the strict split queues every decode on one
+    instance while the prefill one idles; with local decodes the prefill instance keeps some
+    requests (never more than its batch), every request still finishes and the pools end
+    empty, and the mean JCT drops."""
+    hw = load_hardware("this-cpu")
+    cost = CostModel(hw, load_model("bench"))
+    cfg = SimConfig(decode_policy="greedy", max_model_len=1024, chunk_size=512)
+    reqs = from_workload(WorkloadSpec("LPHD", 120, 1, 1024, rate_rps=0.4))
+    strict = simulate(cfg, cost, reqs)
+    sim = Simulation(dataclasses.replace(cfg, local_decode_batch=4), cost,
+                     [dataclasses.replace(r) for r in reqs])
+    sim.run()
+    assert all(r.error is None and r.end_s is not None for r in sim.requests)
+    assert all(i.alloc.num_free == i.alloc.num_blocks for i in sim.instances)
+    prefill = sim.instances[0]
+    assert isinstance(prefill, PrefillInstance)
+    assert 0 < prefill.num_kept < len(reqs) and prefill.max_kept <= 4
+    elastic_jct = sum(r.end_s - r.arrival_s for r in sim.requests) / len(reqs)
+    assert elastic_jct < strict["jct_mean_s"]

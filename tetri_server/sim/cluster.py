@@ -53,6 +53,7 @@ class SimConfig:
     prefill_policy: PrefillOrder = "fcfs"
     sched_batch: int = 16  # PrefillSchedBatch
     token_budget: int = 512  # coupled-chunked
+    local_decode_batch: int = 0  # elastic: requests a prefill instance decodes itself
     decode_policy: DecodePolicyName = "reserve-dynamic"
     max_batch: int = 256
     granularity: int = 200
