@@ -58,6 +58,10 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True, gc=False):
     logit_bias: dict[int, float] = {}  # token id -> added to its logit (API: ids < vocab, capped)
     top_logprobs: int = 0  # alternatives reported per token (API caps at 20)
     guide: Guide | None = None  # structured output: only tokens the grammar allows are sampled
+    # logprobs of the prompt's own tokens and this many alternatives per position (None: off;
+    # 0: the prompt token alone). Computed by the worker that prefills, in its chunks; a
+    # re-run whose prompt holds streamed tokens has it off (the client already has them).
+    prompt_logprobs: int | None = None
 
     @property
     def penalized(self) -> bool:
@@ -189,9 +193,20 @@ class Ready(msgspec.Struct, tag=True, array_like=True):
     switch_s: float = 0.0  # after a SetRole: seconds from drained to serving in the new role
 
 
+class PromptLogprobs(msgspec.Struct, array_like=True, gc=False):
+    """Logprobs of prompt tokens 1 .. n-1 (token 0 has none), one entry per token: from the
+    logits of the position before it, raw (no sampling parameters applied)."""
+
+    logprobs: list[float]  # of the prompt's own token
+    ranks: list[int]  # its rank among the vocabulary, 1 = the most likely
+    top: list[list[tuple[int, float]]]  # (token id, logprob) best first; [] when k = 0
+
+
 class TokenDelta(msgspec.Struct, array_like=True, gc=False):
     """New tokens of one request since the last StepOutput. ``finish_reason`` is set on the
-    last delta of a request: ``stop`` | ``length`` | ``abort``."""
+    last delta of a request: ``stop`` | ``length`` | ``abort``. The worker that prefilled a
+    request fills the ``first delta`` fields on the first delta it sends for it (the defaults
+    elsewhere); control keeps the first it receives."""
 
     req_id: int
     token_ids: list[int]
@@ -199,6 +214,14 @@ class TokenDelta(msgspec.Struct, array_like=True, gc=False):
     finish_reason: str | None = None
     # per token of token_ids, when sampling.top_logprobs > 0: [(token id, logprob), ...] best first
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    # first delta: the prompt's logprobs, when sampling.prompt_logprobs asked for them
+    prompt_logprobs: PromptLogprobs | None = None
+    # first delta: time.monotonic() (one clock for every process of the host) when the
+    # request's first prompt chunk was scheduled: arrival -> this is queue time, this -> the
+    # first token prefill time
+    scheduled_s: float | None = None
+    # first delta of a prefill worker: the output-length bucket it predicted (-1: none)
+    predicted_bucket: int = -1
 
 
 class StepOutput(msgspec.Struct, tag=True, array_like=True, gc=False):

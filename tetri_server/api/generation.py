@@ -31,6 +31,7 @@ from tetri_server.control.protocol import (
     RequestTooLargeError,
     WorkerUnavailableError,
 )
+from tetri_server.messages import PromptLogprobs, TokenDelta
 from tetri_server.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ class Piece:
     finish_reason: str | None
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per token, best first
     index: int = 0  # the choice (n > 1)
+    prompt_logprobs: PromptLogprobs | None = None  # on the first piece, when asked for
 
 
 class Generation:
@@ -71,6 +73,7 @@ class Generation:
         self.num_output_tokens = 0
         self.finish_reason: str | None = None
         self._echo_pending = req.echo
+        self._first_delta = True
         self._backend_done = False  # the backend sent its last delta: nothing to abort
         self._first_s: float | None = None
         self._last_s: float | None = None
@@ -101,8 +104,7 @@ class Generation:
         assert self._stream is not None, "submit() first"
         try:
             async for delta in self._stream:
-                piece = self._on_delta(delta.token_ids, delta.logprobs, delta.finish_reason,
-                                       delta.top_logprobs)
+                piece = self._on_delta(delta)
                 if piece.finish_reason == "stop" and delta.finish_reason is None:
                     await self._abort()  # a stop string matched: the backend may stop now
                 yield piece
@@ -118,11 +120,16 @@ class Generation:
             raise generation_failed(str(e)) from None
         raise generation_failed("the backend ended the request's stream without finishing it")
 
-    def _on_delta(
-        self, token_ids: list[int], logprobs: list[float] | None, backend_reason: str | None,
-        top_logprobs: list[list[tuple[int, float]]] | None = None,
-    ) -> Piece:
+    def _on_delta(self, delta: TokenDelta) -> Piece:
         now = time.monotonic()
+        token_ids, logprobs, top_logprobs = delta.token_ids, delta.logprobs, delta.top_logprobs
+        backend_reason = delta.finish_reason
+        prompt = delta.prompt_logprobs if self._first_delta else None
+        self._first_delta = False
+        if self.req.prompt_only:  # echo with max_tokens=0: the one sampled token is dropped
+            token_ids, logprobs, top_logprobs = [], None, None
+            if backend_reason not in (None, "abort"):
+                backend_reason = "length"
         if token_ids:
             gap_s = None if self._last_s is None else now - self._last_s
             if self._first_s is None:
@@ -143,7 +150,7 @@ class Generation:
             self._finish(reason, now)
         if not self.req.logprobs:
             logprobs = top_logprobs = None
-        return Piece(text, list(token_ids), logprobs, reason, top_logprobs, self.index)
+        return Piece(text, list(token_ids), logprobs, reason, top_logprobs, self.index, prompt)
 
     def _finish(self, reason: str, now: float) -> None:
         self.finish_reason = reason

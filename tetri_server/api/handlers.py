@@ -217,7 +217,8 @@ class GenerateHandlers:
             raise
         finally:
             await self._close(gens, client_gone)
-        builder = ResponseBuilder(gens[0].req, self.backend.tokenizer, len(gens))
+        builder = ResponseBuilder(gens[0].req, self.backend.tokenizer, len(gens),
+                                  [g.req.prompt_ids for g in gens])
         choices = []
         for gen, own in zip(gens, pieces, strict=True):
             assert gen.finish_reason is not None
@@ -230,7 +231,8 @@ class GenerateHandlers:
         """SSE. Headers go out with the first chunk, so a request that fails before producing
         anything gets a real HTTP error status; later failures are an SSE error event."""
         req = gens[0].req
-        builder = ResponseBuilder(req, self.backend.tokenizer, len(gens))
+        builder = ResponseBuilder(req, self.backend.tokenizer, len(gens),
+                                  [g.req.prompt_ids for g in gens])
         sse = EventStream(request, builder.role_chunks())
         client_gone = False
         try:

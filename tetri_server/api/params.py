@@ -32,7 +32,7 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's and vLLM's /v1/completions defaul
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 # vLLM request extras this server does not implement: a 400 naming them, never ignored
 UNSUPPORTED_EXTRAS = (
-    "guided_whitespace_pattern", "prompt_logprobs", "use_beam_search", "length_penalty",
+    "guided_whitespace_pattern", "use_beam_search", "length_penalty",
     "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "logits_processors",
     "functions", "function_call",
 )
@@ -65,6 +65,10 @@ class GenRequest:
     include_stop_str: bool = False  # include_stop_str_in_output
     skip_special_tokens: bool = True
     echo: bool = False  # completions: the prompt text opens each choice
+    # completions echo + logprobs=N: the prompt's tokens open the logprobs, N alternatives each
+    echo_top: int | None = None
+    prompt_top: int | None = None  # vLLM's prompt_logprobs=N: choice.prompt_logprobs
+    prompt_only: bool = False  # echo with max_tokens=0: the prompt alone, no output token
     tool_parser: str | None = None  # chat with tools and tool_choice=auto: parse replies
     forced_call: ForcedCall | None = None  # tool_choice required / a named function
     guide_param: str = ""  # the body field params.guide came from (a 400 names it)
@@ -85,9 +89,9 @@ def _reject_unsupported(f: Fields, kind: str) -> None:
         if f.has(name):
             raise bad_param(name, "is not supported by this server")
     if kind == "completion":
-        if f.boolean("echo", False) and f.has("logprobs"):
-            raise bad_param("echo", "echo with logprobs (prompt logprobs) is not supported")
         f.require_absent("suffix", ("",), "suffix")
+    elif f.has("prompt_logprobs"):
+        raise bad_param("prompt_logprobs", "is only supported on /v1/completions")
 
 
 def _n(f: Fields) -> int:
@@ -141,8 +145,10 @@ def context_exceeded(num_tokens: int, max_model_len: int, param: str) -> APIErro
 
 
 def _max_tokens(
-    f: Fields, kind: str, prompt: Prompt, max_model_len: int, defaults: GenerationDefaults
+    f: Fields, kind: str, prompt: Prompt, max_model_len: int, defaults: GenerationDefaults,
+    echo: bool = False,
 ) -> int:
+    """The output budget; 0 only for an echo (the prompt and its logprobs, vLLM's rule)."""
     room = max_model_len - len(prompt.ids)
     if room <= 0:
         raise context_exceeded(len(prompt.ids), max_model_len, prompt.param)
@@ -153,8 +159,8 @@ def _max_tokens(
     if value is None:  # vLLM: completions 16, chat the rest; both capped by max_new_tokens
         default = DEFAULT_COMPLETION_MAX_TOKENS if kind == "completion" else room
         return min(default, room, defaults.max_tokens or room)
-    if value < 1:
-        raise bad_param(name, f"must be >= 1, got {value}")
+    if value < (0 if echo else 1):
+        raise bad_param(name, f"must be >= {0 if echo else 1}, got {value}")
     if value > room:
         raise APIError(
             f"{name}: {value} output tokens plus the prompt's {len(prompt.ids)} tokens exceed "
@@ -165,15 +171,23 @@ def _max_tokens(
     return value
 
 
+def _prompt_logprobs(f: Fields, kind: str, echo: bool) -> tuple[int | None, int | None]:
+    """(echo_top, prompt_top): completions echo + logprobs=N, and vLLM's prompt_logprobs=N."""
+    if kind != "completion":
+        return None, None
+    echo_top = f.integer("logprobs", None, low=0, high=MAX_LOGPROBS) if echo else None
+    return echo_top, f.integer("prompt_logprobs", None, low=0, high=MAX_LOGPROBS)
+
+
 def _sampling(
     f: Fields, kind: str, max_tokens: int, vocab_size: int, defaults: GenerationDefaults,
-    stop_ids: list[int], ignore_eos: bool, guide: Guide | None,
+    stop_ids: list[int], ignore_eos: bool, guide: Guide | None, prompt_logprobs: int | None,
 ) -> SamplingParams:
     d = defaults
     top_k = f.integer("top_k", d.top_k if d.top_k is not None else 0, low=-1)
     logprobs, top_logprobs = _logprobs(f, kind)
     return SamplingParams(
-        max_tokens=max_tokens,
+        max_tokens=max(1, max_tokens),  # 0 (echo only): one token is sampled and dropped
         temperature=f.number("temperature", _or(d.temperature, 1.0), low=0.0),
         top_p=f.number("top_p", _or(d.top_p, 1.0), low=0.0, high=1.0, low_open=True),
         top_k=max(0, top_k or 0),
@@ -190,6 +204,7 @@ def _sampling(
         logit_bias=_logit_bias(f, vocab_size),
         top_logprobs=top_logprobs,
         guide=guide,
+        prompt_logprobs=prompt_logprobs,
     )
 
 
@@ -227,12 +242,16 @@ def parse_request(
     include_usage = (options or {}).get("include_usage") or False
     if not isinstance(include_usage, bool):
         raise bad_param("stream_options.include_usage", "expected true or false")
-    max_tokens = _max_tokens(f, kind, prompt, max_model_len, defaults)
+    echo = kind == "completion" and f.boolean("echo", False)
+    max_tokens = _max_tokens(f, kind, prompt, max_model_len, defaults, echo)
     ignore_eos = f.boolean("ignore_eos", False)
     stop_ids = f.token_ids("stop_token_ids", vocab_size=vocab_size, max_items=MAX_STOP_TOKEN_IDS)
     if not ignore_eos:
         stop_ids += [i for i in extra_stop_ids if i not in stop_ids]
-    params = _sampling(f, kind, max_tokens, vocab_size, defaults, stop_ids, ignore_eos, guide)
+    echo_top, prompt_top = _prompt_logprobs(f, kind, echo)
+    wanted = [k for k in (echo_top, prompt_top) if k is not None]
+    params = _sampling(f, kind, max_tokens, vocab_size, defaults, stop_ids, ignore_eos, guide,
+                       max(wanted) if wanted else None)
     f.string("user", None)
     return GenRequest(
         kind=kind,
@@ -248,7 +267,10 @@ def parse_request(
         n=n,
         include_stop_str=f.boolean("include_stop_str_in_output", False),
         skip_special_tokens=f.boolean("skip_special_tokens", True),
-        echo=kind == "completion" and f.boolean("echo", False),
+        echo=echo,
+        echo_top=echo_top,
+        prompt_top=prompt_top,
+        prompt_only=max_tokens == 0,
         tool_parser=tool_parser,
         forced_call=forced_call,
         guide_param=guide_param,

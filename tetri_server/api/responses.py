@@ -14,6 +14,9 @@ from tetri_server.api.detokenizer import token_texts
 from tetri_server.api.generation import Piece
 from tetri_server.api.params import GenRequest
 from tetri_server.api.tools import ForcedCallParser, HermesParser, ToolCall, make_parser
+from tetri_server.messages import PromptLogprobs
+
+Echoed = tuple[list[str], list[float | None], list[dict[str, float] | None]]
 
 
 def usage(num_prompt: int, num_output: int) -> dict[str, int]:
@@ -28,8 +31,11 @@ class ResponseBuilder:
     """Builds the JSON objects of one request's response (``dict``s, encoded by the caller);
     ``num_choices`` choices (prompts x n), told apart by ``Piece.index``."""
 
-    def __init__(self, req: GenRequest, tokenizer: Any, num_choices: int = 1) -> None:
+    def __init__(self, req: GenRequest, tokenizer: Any, num_choices: int = 1,
+                 prompt_ids: list[list[int]] | None = None) -> None:
         self.req = req
+        # each choice's prompt (a completions batch has several; default: req's for all)
+        self._prompt_ids = prompt_ids or [req.prompt_ids] * num_choices
         self.chat = req.kind == "chat"
         prefix = "chatcmpl-" if self.chat else "cmpl-"
         self.id = prefix + uuid.uuid4().hex
@@ -51,15 +57,52 @@ class ResponseBuilder:
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.req.model}
 
+    def _echoed(self, index: int, prompt: PromptLogprobs | None) -> Echoed | None:
+        """Completions echo + logprobs=N: the prompt's tokens, logprobs and N alternatives
+        (OpenAI's and vLLM's shape: the first token has none)."""
+        k = self.req.echo_top
+        if k is None or prompt is None:
+            return None
+        texts = token_texts(self._tok, self._prompt_ids[index])
+        tops: list[dict[str, float] | None] = [None]
+        for t, lp, row in zip(texts[1:], prompt.logprobs, prompt.top, strict=True):
+            alts = row[:k]
+            d = dict(zip(token_texts(self._tok, [i for i, _ in alts]), [v for _, v in alts],
+                         strict=True))
+            d.setdefault(t, lp)  # the prompt's own token is always among them
+            tops.append(d)
+        return texts, [None, *prompt.logprobs], tops
+
+    def _prompt_logprobs(self, index: int, prompt: PromptLogprobs | None) -> list[Any] | None:
+        """vLLM's ``prompt_logprobs=N``: per prompt token (the first: null) a map of token id ->
+        {logprob, rank, decoded_token}, the token itself and its N best alternatives."""
+        if prompt is None:
+            return None
+        ids = self._prompt_ids[index]
+        out: list[Any] = [None]
+        k = self.req.prompt_top or 0
+        for tok, lp, rank, row in zip(ids[1:], prompt.logprobs, prompt.ranks, prompt.top,
+                                      strict=True):
+            entry = {str(tok): {"logprob": lp, "rank": rank,
+                                "decoded_token": token_texts(self._tok, [tok])[0]}}
+            for r, (alt, v) in enumerate(row[:k], start=1):
+                entry.setdefault(str(alt), {"logprob": v, "rank": r,
+                                            "decoded_token": token_texts(self._tok, [alt])[0]})
+            out.append(entry)
+        return out
+
     def _logprobs(
         self,
         index: int,
         token_ids: list[int],
         logprobs: list[float] | None,
         top: list[list[tuple[int, float]]] | None,
+        prompt: PromptLogprobs | None = None,
     ) -> Any:
-        if logprobs is None:
+        echoed = None if self.chat else self._echoed(index, prompt)
+        if logprobs is None and echoed is None:
             return None
+        logprobs = logprobs if logprobs is not None else []
         texts = token_texts(self._tok, token_ids)
         # alternatives per token; without them (a backend that does not report them) the chosen
         # token alone, as before
@@ -87,18 +130,22 @@ class ResponseBuilder:
                     for t, lp, alt in zip(texts, logprobs, alts, strict=True)
                 ]
             }
-        offsets = []
-        for t in texts:
-            offsets.append(self._text_offset[index])
-            self._text_offset[index] += len(t)
-        top_dicts = []
+        top_dicts: list[dict[str, float] | None] = []
         for t, lp, alt in zip(texts, logprobs, alts, strict=True):
             d = dict(alt)
             d.setdefault(t, lp)  # OpenAI: the chosen token is always in its own top_logprobs
             top_dicts.append(d)
+        all_lps: list[float | None] = list(logprobs)
+        if echoed is not None:
+            texts, all_lps, top_dicts = (echoed[0] + texts, echoed[1] + all_lps,
+                                         echoed[2] + top_dicts)
+        offsets = []
+        for t in texts:
+            offsets.append(self._text_offset[index])
+            self._text_offset[index] += len(t)
         return {
             "tokens": texts,
-            "token_logprobs": list(logprobs),
+            "token_logprobs": all_lps,
             "top_logprobs": top_dicts,
             "text_offset": offsets,
         }
@@ -109,11 +156,12 @@ class ResponseBuilder:
         """One whole choice from its pieces."""
         text = "".join(p.text for p in pieces)
         logprobs = None
+        prompt = pieces[0].prompt_logprobs if pieces else None
         if self.req.logprobs:
             ids = [t for p in pieces for t in p.token_ids]
             lps = [x for p in pieces for x in (p.logprobs or [])]
             tops = [x for p in pieces for x in (p.top_logprobs or [])]
-            logprobs = self._logprobs(index, ids, lps[: len(ids)], tops or None)
+            logprobs = self._logprobs(index, ids, lps[: len(ids)], tops or None, prompt)
         choice: dict[str, Any] = {"index": index}
         if self._parsers is not None:
             content, calls = self._parsers[index].feed(text, final=True)
@@ -126,6 +174,8 @@ class ResponseBuilder:
             choice["text"] = text
         choice["logprobs"] = logprobs
         choice["finish_reason"] = finish_reason
+        if self.req.prompt_top is not None:
+            choice["prompt_logprobs"] = self._prompt_logprobs(index, prompt)
         return choice
 
     def full(
@@ -155,13 +205,15 @@ class ResponseBuilder:
 
     def chunk(self, piece: Piece) -> dict[str, Any] | None:
         """The SSE chunk for one piece, or None when it carries nothing a client would see."""
-        has_logprobs = piece.logprobs is not None and bool(piece.token_ids)
+        prompt = piece.prompt_logprobs
+        has_logprobs = ((piece.logprobs is not None and bool(piece.token_ids))
+                        or (prompt is not None and self.req.echo_top is not None))
         if not piece.text and not has_logprobs and piece.finish_reason is None:
             return None
         logprobs = None
         if has_logprobs:
             logprobs = self._logprobs(piece.index, piece.token_ids, piece.logprobs,
-                                      piece.top_logprobs)
+                                      piece.top_logprobs, prompt)
         choice: dict[str, Any] = {"index": piece.index}
         reason = piece.finish_reason
         if self._parsers is not None:
@@ -181,6 +233,8 @@ class ResponseBuilder:
             choice["text"] = piece.text
         choice["logprobs"] = logprobs
         choice["finish_reason"] = reason
+        if prompt is not None and self.req.prompt_top is not None:
+            choice["prompt_logprobs"] = self._prompt_logprobs(piece.index, prompt)
         return self._chunk(choice)
 
     def usage_chunk(self, num_prompt: int, num_output: int) -> dict[str, Any]:

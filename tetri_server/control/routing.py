@@ -44,8 +44,11 @@ class Router:
             return
         done = len(req.output_ids)
         p = req.params
+        # a re-run after streamed tokens: its prompt holds them, and the client already has
+        # the prompt logprobs (first delta)
         params = p if done == 0 else msgspec.structs.replace(
-            p, max_tokens=p.max_tokens - done, min_tokens=max(0, p.min_tokens - done))
+            p, max_tokens=p.max_tokens - done, min_tokens=max(0, p.min_tokens - done),
+            prompt_logprobs=None)
         req.owner, req.src, req.state = wid, -1, ReqState.PREFILL
         req.wait_deadline_s = None if self.has_live("decode") else self.deadline()
         self.workers[wid].post(AddRequest(req.req_id, prompt, params, req.arrival_s,

@@ -11,7 +11,7 @@ import torch
 from tetri_server.engine.attention import BatchMetadata, metadata_tensors
 from tetri_server.engine.grammar import Grammars
 from tetri_server.engine.loader import CausalLM
-from tetri_server.engine.sampling import sample
+from tetri_server.engine.sampling import PromptSpan, add_prompt_logprobs, sample
 from tetri_server.engine.sequence import Sequence
 from tetri_server.engine.spec import ModelSpec
 
@@ -60,17 +60,28 @@ class ModelRunner:
         self.phases: dict[str, float] | None = None
         self.clock: Callable[[], float] = time.perf_counter
 
-    def _build(self, plan: StepPlan) -> tuple[torch.Tensor, BatchMetadata, list[int], list[int]]:
+    def _build(self, plan: StepPlan) -> tuple[torch.Tensor, BatchMetadata, list[int], list[int],
+                                              list[PromptSpan]]:
+        """The batch's tensors; the rows to sample (one per item whose tokens are all computed)
+        and the spans of prompt rows whose logprobs a sequence asked for (rows after those)."""
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         q_starts, q_lens, ctx_lens, kv_starts, sample_rows, sample_items = [], [], [], [], [], []
+        spans: list[PromptSpan] = []
+        now_s = time.monotonic()  # the clock control stamps arrivals with
         for n, item in enumerate(plan.items):
             seq, k = item.seq, item.num_tokens
             start, end = seq.num_computed, seq.num_computed + k
             assert end <= seq.num_tokens and k > 0, (seq.req_id, start, k, seq.num_tokens)
             base = seq.blocks[0] * self.block_size
             assert len(seq.blocks) * self.block_size >= end, "blocks not reserved"
+            if seq.scheduled_s is None:
+                seq.scheduled_s = now_s
+            if seq.wants_prompt_logprobs:
+                last = min(end, seq.num_prompt - 1)  # the row at num_prompt - 1 samples
+                if last > start:
+                    spans.append(PromptSpan(seq, start, len(ids), last - start))
             q_starts.append(len(ids))
             q_lens.append(k)
             ctx_lens.append(end)
@@ -90,7 +101,8 @@ class ModelRunner:
             positions=torch.tensor(positions, dtype=torch.long, device=dev),
             num_real=len(slots),
             seq_tensors=metadata_tensors(q_starts, q_lens, ctx_lens, kv_starts, dev))
-        return torch.tensor(ids, dtype=torch.long, device=dev), meta, sample_rows, sample_items
+        return (torch.tensor(ids, dtype=torch.long, device=dev), meta, sample_rows, sample_items,
+                spans)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
@@ -98,11 +110,17 @@ class ModelRunner:
         tokens are all computed. The caller appends the sampled tokens."""
         self.last_plan = plan  # a worker whose step raises names these requests (StepFailed)
         t = self.clock()
-        ids, meta, rows, items = self._build(plan)
+        ids, meta, rows, items, spans = self._build(plan)
+        num_sample = len(rows)
+        for span in spans:  # zero cost unless a sequence asked for prompt logprobs
+            rows += range(span.row, span.row + span.num_rows)
         rows_t = torch.tensor(rows, dtype=torch.long, device=self.device)
         t = self._lap("build metadata", t)
-        logits = self.model(ids, meta, self.kv, rows_t)
+        logits = self.model(ids, meta, self.kv, rows_t)  # [num_sample + prompt rows, vocab]
         t = self._lap("model forward", t)
+        if spans:
+            add_prompt_logprobs(logits[num_sample:], spans)
+            logits = logits[:num_sample]
         for item in plan.items:
             item.seq.num_computed += item.num_tokens
         sampled: list[int | None] = [None] * len(plan.items)

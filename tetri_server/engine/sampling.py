@@ -13,10 +13,13 @@ there is a device assert that kills the worker)."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from tetri_server.engine.grammar import allowed_tokens
 from tetri_server.engine.sequence import Sequence
+from tetri_server.messages import PromptLogprobs
 
 # Below this temperature sampling is greedy up to ties, and logits / T can overflow float32: such
 # rows take the argmax, ties broken exactly as temperature 0 breaks them.
@@ -142,3 +145,37 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[
             top = torch.topk(all_logp[i], k)
             store.append(list(zip(top.indices.tolist(), top.values.tolist(), strict=True)))
     return token_list, logp.tolist()
+
+
+class PromptSpan(NamedTuple):
+    """``num_rows`` prompt positions of ``seq`` from ``position`` on, at batch row ``row``: the
+    logits of position p score the prompt token at p + 1."""
+
+    seq: Sequence
+    position: int
+    row: int
+    num_rows: int
+
+
+def add_prompt_logprobs(logits: torch.Tensor, spans: list[PromptSpan]) -> None:
+    """logits: [sum of num_rows, V] raw, the spans' rows in order. Appends each position's
+    prompt-token logprob, rank and top ``params.prompt_logprobs`` to ``seq.prompt_logprobs``
+    (one span at a time: at most a chunk of [rows, V] float32 copies alive)."""
+    first = 0
+    for seq, position, _, num in spans:
+        logp = torch.log_softmax(_sanitize(logits[first:first + num]), dim=-1)  # [num, V]
+        first += num
+        targets = torch.tensor(seq.token_ids[position + 1:position + 1 + num],
+                               dtype=torch.long, device=logp.device)
+        own = logp.gather(1, targets[:, None])  # [num, 1]
+        out = seq.prompt_logprobs or PromptLogprobs([], [], [])
+        out.logprobs += own[:, 0].tolist()
+        out.ranks += ((logp > own).sum(dim=-1) + 1).tolist()
+        k = min(seq.params.prompt_logprobs or 0, logp.shape[-1])
+        if k > 0:
+            top = torch.topk(logp, k)
+            out.top += [list(zip(i, v, strict=True))
+                        for i, v in zip(top.indices.tolist(), top.values.tolist(), strict=True)]
+        else:
+            out.top += [[] for _ in range(num)]
+        seq.prompt_logprobs = out

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tetri_server.messages import SamplingParams
+from tetri_server.messages import PromptLogprobs, SamplingParams
 
 if TYPE_CHECKING:
     from tetri_server.engine.grammar import GuideState
@@ -45,6 +45,10 @@ class Sequence:
     # the matcher of a guided request (params.guide), built where it is first sampled
     # (ModelRunner -> Grammars.bind, replaying output_ids) and advanced by stops.append_token
     guide: GuideState | None = None
+    # params.prompt_logprobs: the prompt's logprobs, filled chunk by chunk by the runner during
+    # the first prefill and sent (then dropped) with the first delta
+    prompt_logprobs: PromptLogprobs | None = None
+    scheduled_s: float | None = None  # time.monotonic() its first tokens were scheduled
 
     @property
     def num_tokens(self) -> int:
@@ -57,6 +61,12 @@ class Sequence:
     @property
     def num_uncomputed(self) -> int:
         return len(self.token_ids) - self.num_computed
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt logprobs are computed in this sequence's chunks: asked for, and this is its
+        first prefill (a recompute after preemption holds output tokens)."""
+        return self.params.prompt_logprobs is not None and self.num_output == 0
 
     @property
     def output_ids(self) -> list[int]:

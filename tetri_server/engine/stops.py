@@ -4,7 +4,7 @@ detokenized text by the control process)."""
 from __future__ import annotations
 
 from tetri_server.engine.sequence import Sequence
-from tetri_server.messages import TokenDelta
+from tetri_server.messages import PromptLogprobs, TokenDelta
 
 
 def append_token(seq: Sequence, token: int, logprob: float | None, eos_ids: tuple[int, ...],
@@ -33,5 +33,11 @@ def emit(seq: Sequence, reason: str | None) -> TokenDelta:
     lps = seq.logprobs[len(seq.logprobs) - len(new):] if seq.params.logprobs else None
     tops = (seq.top_logprobs[len(seq.top_logprobs) - len(new):]
             if seq.params.logprobs and seq.params.top_logprobs else None)
+    delta = TokenDelta(seq.req_id, new, lps, reason, tops)
+    if seq.num_emitted == 0:  # this worker prefilled it: the first delta's fields
+        delta.scheduled_s = seq.scheduled_s
+        if seq.params.prompt_logprobs is not None:
+            delta.prompt_logprobs = seq.prompt_logprobs or PromptLogprobs([], [], [])
+            seq.prompt_logprobs = None  # sent; a recompute does not fill it again
     seq.num_emitted = seq.num_output
-    return TokenDelta(seq.req_id, new, lps, reason, tops)
+    return delta

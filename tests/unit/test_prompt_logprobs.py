@@ -1,0 +1,113 @@
+"""Prompt logprobs (echo + logprobs, vLLM's prompt_logprobs): the worker that prefills scores
+every prompt token from the logits before it, in its own chunks. Whatever the mode and the chunk
+size, the numbers equal transformers' log_softmax of the full-prompt logits (within float
+tolerance), a request that does not ask gets nothing, and the first delta carries them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import random_prompts
+from tetri_server.llm import make_engine
+from tetri_server.messages import PromptLogprobs, SamplingParams
+
+K = 3
+PARAMS = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, prompt_logprobs=K)
+MODES = [("coupled", 2048), ("coupled-chunked", 64), ("coupled-chunked", 7)]
+
+
+def hf_prompt_logprobs(path, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """Per prompt: [len - 1, V] log_softmax of transformers' logits at positions 0 .. len-2."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    with torch.inference_mode():
+        return [torch.log_softmax(model(torch.tensor([p])).logits[0, :-1].float(), dim=-1)
+                for p in prompts]
+
+
+def first_deltas(eng, prompts, params) -> dict[int, object]:
+    for i, p in enumerate(prompts):
+        eng.add_request(i, p, params)
+    first: dict[int, object] = {}
+    while eng.has_unfinished():
+        for d in eng.step():
+            first.setdefault(d.req_id, d)
+    return first
+
+
+@pytest.fixture(scope="module")
+def case(model_dir):
+    path = model_dir("llama")
+    prompts = random_prompts(6, 8000, (1, 150), seed=7) + [[11, 12]]
+    return path, prompts, hf_prompt_logprobs(path, prompts)
+
+
+def check(got: PromptLogprobs, ref: torch.Tensor, prompt: list[int]) -> None:
+    n = len(prompt) - 1
+    assert len(got.logprobs) == len(got.ranks) == len(got.top) == n
+    if n == 0:
+        return
+    own = ref.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+    assert torch.allclose(torch.tensor(got.logprobs), own, atol=1e-3, rtol=0)
+    ranks = (ref > own[:, None]).sum(-1) + 1
+    # a rank may move by a near-tie within the tolerance; almost all must be exact
+    assert sum(int(a != b) for a, b in zip(got.ranks, ranks.tolist(), strict=True)) <= n // 20
+    top = torch.topk(ref, K)
+    for pos, (row, vals) in enumerate(zip(got.top, top.values.tolist(), strict=True)):
+        assert len(row) == K
+        assert torch.allclose(torch.tensor([v for _, v in row]), torch.tensor(vals), atol=1e-3)
+        for tok, v in row:  # each alternative's logprob is its own (near-ties may swap ids)
+            assert abs(ref[pos, tok].item() - v) < 1e-3
+    assert all(row == sorted(row, key=lambda x: -x[1]) for row in got.top)
+
+
+@pytest.mark.parametrize(("mode", "chunk"), MODES)
+def test_prompt_logprobs_equal_transformers_in_every_chunking(case, mode, chunk):
+    path, prompts, ref = case
+    eng = make_engine(str(path), f"cluster.mode={mode}", f"prefill.token_budget={chunk}",
+                      "kv.num_blocks=400")
+    first = first_deltas(eng, prompts, PARAMS)
+    for i, p in enumerate(prompts):
+        got = first[i].prompt_logprobs
+        assert got is not None, f"prompt {i}: no prompt logprobs on the first delta"
+        check(got, ref[i], p)
+        assert first[i].scheduled_s is not None
+    assert eng.allocator.num_free == eng.allocator.num_blocks
+
+
+def test_prompt_logprobs_zero_gives_the_prompt_tokens_alone(case):
+    path, prompts, ref = case
+    eng = make_engine(str(path), "cluster.mode=coupled-chunked", "prefill.token_budget=16",
+                      "kv.num_blocks=400")
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    first = first_deltas(eng, prompts[:2], params)
+    for i in range(2):
+        got = first[i].prompt_logprobs
+        assert all(row == [] for row in got.top)
+        own = ref[i].gather(1, torch.tensor(prompts[i][1:])[:, None])[:, 0]
+        assert torch.allclose(torch.tensor(got.logprobs), own, atol=1e-3, rtol=0)
+
+
+def test_requests_that_do_not_ask_get_none_and_the_same_tokens(case):
+    """Mixed in one batch: the asking request has them, the other not; greedy tokens are the
+    same as without any prompt logprobs in the batch."""
+    path, prompts, _ = case
+    plain = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    asks = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
+    eng = make_engine(str(path), "cluster.mode=coupled-chunked", "prefill.token_budget=32",
+                      "kv.num_blocks=400")
+    base = eng.generate(prompts[:4], plain)
+    eng.add_request(0, prompts[0], asks)
+    eng.add_request(1, prompts[1], plain)
+    got: dict[int, list[int]] = {0: [], 1: []}
+    firsts: dict[int, object] = {}
+    while eng.has_unfinished():
+        for d in eng.step():
+            got[d.req_id].extend(d.token_ids)
+            firsts.setdefault(d.req_id, d)
+            if d.req_id in firsts and d is not firsts[d.req_id]:
+                assert d.prompt_logprobs is None  # only the first delta carries them
+    assert got[0] == base[0] and got[1] == base[1]
+    assert firsts[0].prompt_logprobs is not None and firsts[1].prompt_logprobs is None
