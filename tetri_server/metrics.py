@@ -7,9 +7,9 @@ per-request TPOT, e2e latency, decode time, success by ``finished_reason``, runn
 requests and ``kv_cache_usage_perc``; the standard ``process_*``/``python_*`` collectors are
 registered too. Older tetri names (``tetri_requests_total{finish_reason}``,
 ``tetri_requests_running``, ``tetri_time_per_output_token_seconds``, ...) are kept beside their
-vLLM-shaped twins. vLLM's queue time and prefill time are one histogram here,
-``tetri_request_queue_prefill_time_seconds`` (arrival -> first token, as the control process sees
-them): no worker reports when a request was first scheduled. TetriInfer's own: phases, flips and
+vLLM-shaped twins. Queue time (arrival -> first chunk scheduled) and prefill time (-> first
+token) split at the time stamp the prefilling worker sends with a request's first delta;
+``tetri_request_queue_prefill_time_seconds`` is their sum. TetriInfer's own: phases, flips and
 roles, hand-off bytes, predictor outcomes (predicted vs actual length bucket).
 
 Who writes what:
@@ -69,7 +69,8 @@ VLLM_ALIASED = (
     "tetri_request_generation_tokens", "tetri_time_to_first_token_seconds",
     "tetri_inter_token_latency_seconds", "tetri_request_time_per_output_token_seconds",
     "tetri_e2e_request_latency_seconds", "tetri_request_success",
-    "tetri_request_decode_time_seconds",
+    "tetri_request_decode_time_seconds", "tetri_request_queue_time_seconds",
+    "tetri_request_prefill_time_seconds",
 )
 
 
@@ -208,8 +209,15 @@ class Metrics:
         m = self.model_name
         self.queue_prefill = histogram(
             "tetri_request_queue_prefill_time_seconds",
-            "Arrival at the control process to the first token: queue + prefill (vLLM's "
-            "request_queue_time + request_prefill_time; workers do not report the split).",
+            "Arrival at the control process to the first token: queue + prefill.",
+            TTFT_BUCKETS_S).labels(m)
+        self.queue_time = histogram(
+            "tetri_request_queue_time_seconds",
+            "Arrival at the control process to the first prompt chunk scheduled on a worker.",
+            TTFT_BUCKETS_S).labels(m)
+        self.prefill_time = histogram(
+            "tetri_request_prefill_time_seconds",
+            "First prompt chunk scheduled to the first token at the control process.",
             TTFT_BUCKETS_S).labels(m)
         self.decode_time = histogram(
             "tetri_request_decode_time_seconds",
@@ -295,10 +303,17 @@ class Metrics:
         """One request's KV handed to a decode worker."""
         self.handoff_bytes.inc(num_bytes)
 
-    def observe_request_times(self, *, queue_prefill_s: float, decode_s: float) -> None:
-        """A request finished (stop or length): arrival -> first token, first -> last token."""
+    def observe_request_times(self, *, queue_prefill_s: float, decode_s: float,
+                              queue_s: float | None = None) -> None:
+        """A request finished (stop or length): arrival -> first token, first -> last token,
+        and, when its worker stamped it, arrival -> first chunk scheduled (the rest of
+        ``queue_prefill_s`` is prefill time)."""
         self.queue_prefill.observe(queue_prefill_s)
         self.decode_time.observe(decode_s)
+        if queue_s is not None:
+            queue_s = min(max(0.0, queue_s), queue_prefill_s)
+            self.queue_time.observe(queue_s)
+            self.prefill_time.observe(queue_prefill_s - queue_s)
 
     def observe_prediction(self, predicted_bucket: int, actual_bucket: int,
                            finish_reason: str) -> None:

@@ -86,16 +86,21 @@ def test_after_n_requests_the_counters_are_the_requests_own(api: ApiHarness) -> 
     assert s[("tetri_inter_token_latency_seconds_count", ())] == output_total - num
     assert s[("tetri_request_success_total", (("finished_reason", "length"),))] == num
     for name in ("tetri_time_to_first_token_seconds", "tetri_e2e_request_latency_seconds",
-                 "tetri_request_queue_prefill_time_seconds", "tetri_request_decode_time_seconds"):
+                 "tetri_request_queue_prefill_time_seconds", "tetri_request_decode_time_seconds",
+                 "tetri_request_queue_time_seconds", "tetri_request_prefill_time_seconds"):
         assert s[(f"{name}_count", ())] == num, name
-    # a request of max_tokens 1 finishes on the prefill worker: no hand-off, no prediction
+    assert (s[("tetri_request_queue_time_seconds_sum", ())]
+            + s[("tetri_request_prefill_time_seconds_sum", ())]
+            == pytest.approx(s[("tetri_request_queue_prefill_time_seconds_sum", ())]))
+    # a request of max_tokens 1 finishes on the prefill worker: no hand-off
     handed_off = sum(n > 1 for _, n in REQUESTS)
     assert handed_off < num
     assert s[("tetri_request_phase_seconds_count", (("phase", "handoff"),))] == handed_off
     assert s[("tetri_handoff_bytes_total", ())] > 0
-    # predictor.kind = none says bucket 0, and every output is shorter than one bucket
+    # predictor.kind = none says bucket 0, and every output is shorter than one bucket; the
+    # bucket rides on the first delta, so the requests that never hand off count too
     assert s[("tetri_predictor_outcomes_total",
-              (("finished_reason", "length"), ("outcome", "exact")))] == handed_off
+              (("finished_reason", "length"), ("outcome", "exact")))] == num
     roles = {(w, r) for (name, labels), v in s.items() if name == "tetri_worker_role" and v == 1
              for w, r in [(dict(labels)["worker"], dict(labels)["role"])]}
     assert roles == {("0", "prefill"), ("1", "decode")}

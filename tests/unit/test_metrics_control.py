@@ -59,6 +59,36 @@ def test_queue_prefill_and_decode_time_come_from_first_and_last_token() -> None:
     assert s[("tetri_request_decode_time_seconds_sum", ())] == 2.5
 
 
+def test_queue_and_prefill_time_split_at_the_workers_scheduled_stamp() -> None:
+    m = Metrics("m")
+    acc = RequestAccounting(load_config(None, []), m)
+    a = _request(0, arrival_s=10.0)
+    for t, first in ((10.5, TokenDelta(0, [9], scheduled_s=10.2)),
+                     (11.0, TokenDelta(0, [9], finish_reason="stop", scheduled_s=99.0))):
+        a.output_ids.extend(first.token_ids)
+        acc.on_delta(a, first, t)  # the second stamp is ignored: only the first delta counts
+    _run(acc, _request(1, arrival_s=0.0), [1.0, 2.0], "stop")  # no stamp: no split
+    s = _samples(m)
+    assert s[("tetri_request_queue_time_seconds_count", ())] == 1
+    assert abs(s[("tetri_request_queue_time_seconds_sum", ())] - 0.2) < 1e-9
+    assert abs(s[("tetri_request_prefill_time_seconds_sum", ())] - 0.3) < 1e-9
+    assert s[("tetri_request_queue_prefill_time_seconds_count", ())] == 2
+
+
+def test_a_bucket_on_the_first_delta_is_judged_without_a_handoff() -> None:
+    """Requests a prefill worker finishes or decodes itself (elastic) never hand off."""
+    m = Metrics("m")
+    acc = RequestAccounting(load_config(None, []), m)
+    req = _request(0, arrival_s=0.0)
+    first = TokenDelta(0, [9], predicted_bucket=0)
+    req.output_ids.extend(first.token_ids)
+    acc.on_delta(req, first, 1.0)
+    _run(acc, req, [1.1], "stop")
+    s = _samples(m)
+    assert s[("tetri_predictor_outcomes_total", (("finished_reason", "stop"),
+                                                 ("outcome", "exact")))] == 1
+
+
 def test_predictor_outcomes_compare_the_handed_off_bucket_with_the_true_length() -> None:
     m = Metrics("m")
     acc = RequestAccounting(load_config(None, []), m)
@@ -122,9 +152,10 @@ def test_itl_counts_every_token_after_the_first_and_kv_usage_stays_in_0_1() -> N
     assert usage == {"0": 0.0, "1": 1.0, "2": 0.0}
 
 
-def test_decode_time_has_a_vllm_alias_and_queue_prefill_does_not() -> None:
+def test_decode_queue_prefill_times_have_vllm_aliases_and_their_sum_does_not() -> None:
     text = Metrics("m", vllm_aliases=True).render().decode()
-    assert "vllm:request_decode_time_seconds_count" in text
+    for name in ("decode", "queue", "prefill"):
+        assert f"vllm:request_{name}_time_seconds_count" in text
     assert "vllm:request_queue_prefill" not in text  # not vLLM's quantity: no vLLM name
 
 

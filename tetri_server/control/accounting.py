@@ -1,9 +1,10 @@
 """Per-request metrics that only the control process can take, from what it sees of a request:
-its arrival, its first token, the hand-off (the predicted length bucket and the KV blocks
-moved) and its last token. Called on the control loop by the router and the cluster.
+its arrival, its first delta (the first token, when the prefilling worker scheduled its first
+chunk, the length bucket it predicted), the hand-off (the KV blocks moved) and its last token.
+Called on the control loop by the router and the cluster.
 
-Honest about what it cannot see: no worker reports when a request was first scheduled, so
-queue time and prefill time are one number (arrival -> first token).
+Queue time is arrival -> the worker's ``scheduled_s`` (both ``time.monotonic()``, one clock for
+the host), prefill time the rest up to the first token at control (it includes the ring hop).
 """
 
 from __future__ import annotations
@@ -40,14 +41,19 @@ class RequestAccounting:
             self.metrics.observe_handoff_bytes(len(msg.src_block_ids) * block_bytes(src_pool))
 
     def on_delta(self, req: Request, delta: TokenDelta, now_s: float) -> None:
-        """New tokens of ``req`` reached control at ``now_s`` (``req.output_ids`` has them)."""
+        """New tokens of ``req`` reached control at ``now_s`` (``req.output_ids`` has them).
+        The first delta's fields count once: a re-run's first delta does not replace them."""
         if delta.token_ids and req.first_token_s is None:
             req.first_token_s = now_s
+            req.scheduled_s = delta.scheduled_s
+        if req.predicted_bucket < 0 <= delta.predicted_bucket:  # also what never hands off
+            req.predicted_bucket = delta.predicted_bucket
         reason = delta.finish_reason
         if reason not in FINISHED or req.first_token_s is None:
             return
+        queue_s = None if req.scheduled_s is None else req.scheduled_s - req.arrival_s
         self.metrics.observe_request_times(queue_prefill_s=req.first_token_s - req.arrival_s,
-                                           decode_s=now_s - req.first_token_s)
+                                           decode_s=now_s - req.first_token_s, queue_s=queue_s)
         if req.predicted_bucket >= 0:
             actual = self.buckets.bucket_of(len(req.output_ids))
             self.metrics.observe_prediction(req.predicted_bucket, actual, reason)

@@ -43,7 +43,9 @@ class Request:
     num_reruns: int = 0
     handoff_s: float = 0.0  # monotonic time the Handoff was forwarded
     first_token_s: float | None = None  # monotonic time its first token reached control
-    predicted_bucket: int = -1  # output-length bucket the prefill worker predicted (Handoff)
+    scheduled_s: float | None = None  # monotonic time its worker scheduled its first chunk
+    # output-length bucket the prefill worker predicted (first delta, Handoff); -1: none
+    predicted_bucket: int = -1
     # Waiting for a worker of a role that has none live (restarting): fail with 503 at this
     # monotonic time unless it got past that role by then. None: not waiting.
     wait_deadline_s: float | None = None

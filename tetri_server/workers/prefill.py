@@ -220,6 +220,7 @@ class PrefillRole(Role):
             reason = append_token(seq, tok, lp, self.w.model_spec.eos_token_ids,
                                   self.w.max_model_len)
             deltas.append(emit(seq, reason))
+            deltas[-1].predicted_bucket = seq.predicted_bucket  # also for what never hands off
             if reason is not None:
                 self.book.remove(seq.req_id)
                 self.w.kv.free(seq)
