@@ -177,3 +177,38 @@ async def test_a_sliding_window_model_is_served_right_past_its_window(model_dir,
         assert got == ref
     finally:
         await cluster.stop()
+
+
+@pytest.mark.parametrize("mode", ["disaggregated", "coupled-chunked"])
+async def test_prompt_logprobs_come_from_the_prefilling_worker_in_every_mode(tiny_llama, mode):
+    """Prompts split across 64-token chunks and packed with others: their logprobs equal
+    transformers' log_softmax of the whole prompt, then decoding goes on as usual."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    prompts = random_prompts(6, 8000, (2, 150), seed=21)
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32).eval()
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=2)
+    cluster = make_cluster(tiny_llama, mode)
+    await cluster.start()
+
+    async def first_and_tokens(p):
+        first, out = None, []
+        async for d in cluster.submit(p, params):
+            first = first or d
+            out.extend(d.token_ids)
+        return first, out
+
+    try:
+        got = await asyncio.wait_for(asyncio.gather(*(first_and_tokens(p) for p in prompts)), 120)
+    finally:
+        await cluster.stop()
+    assert [out for _, out in got] == hf_greedy(tiny_llama, prompts, 4)
+    for p, (first, _) in zip(prompts, got, strict=True):
+        with torch.inference_mode():
+            logp = torch.log_softmax(hf(torch.tensor([p])).logits[0, :-1].float(), dim=-1)
+        own = logp.gather(1, torch.tensor(p[1:])[:, None])[:, 0]
+        assert first.scheduled_s is not None
+        lp = first.prompt_logprobs
+        assert torch.allclose(torch.tensor(lp.logprobs), own, atol=1e-3, rtol=0)
+        assert [len(r) for r in lp.top] == [2] * (len(p) - 1)
