@@ -56,7 +56,9 @@ FLAGS = {
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tetri-server sim", description=(
         "Discrete-event simulation of a tetri_server cluster: the server's own policy objects "
-        "driven by a roofline cost model."))
+        "driven by a roofline cost model. Also: 'tetri-server sim fit --help' (fit a hardware "
+        "profile to this machine's engine), 'tetri-server sim compare --help' (the same "
+        "workload through the real server and the simulator)."))
     p.add_argument("--paper", action="store_true",
                    help="the paper's five workloads on V100/OPT-13B, TetriInfer vs vLLM-like")
     p.add_argument("--paper-load", type=float, default=float("inf"),
