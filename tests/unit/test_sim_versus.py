@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tetri_server.config import load_config
 from tetri_server.sim.versus import build_parser, rel_err, server_sets, sim_config, table
 
@@ -32,3 +34,17 @@ def test_table_shows_relative_error_of_the_simulation_per_real_run() -> None:
     assert "| ttft_mean_s | 1.100 | 1.000 | +10% | 2.200 | -50% |" in text
     assert "0.50" in text
     assert rel_err(None, 1.0) is None and rel_err(1.0, 0.0) is None
+
+
+def test_by_class_means_count_only_completed_requests() -> None:
+    from tetri_server.bench.client import RequestRecord
+    from tetri_server.sim.versus import by_class
+
+    def rec(i: int, kind: str, first: float, end: float | None) -> RequestRecord:
+        return RequestRecord(request_id=i, kind=kind, prompt_len=10, output_len=5, arrival_s=0.0,
+                             send_s=0.0, first_token_s=first, end_s=end, num_output_tokens=5)
+
+    out = by_class([rec(0, "LPLD", 0.1, 1.0), rec(1, "LPLD", 0.3, 2.0),
+                    rec(2, "HPHD", 0.5, None)])
+    assert out == {"LPLD": {"num": 2, "ttft_mean_s": pytest.approx(0.2),
+                            "jct_mean_s": pytest.approx(1.5)}}

@@ -27,12 +27,15 @@ from pathlib import Path
 from typing import Any
 
 from tetri_server.bench import data
+from tetri_server.bench.client import RequestRecord
+from tetri_server.bench.metrics import jct_s, ttft_s
 from tetri_server.bench.workload import BenchRequest, WorkloadSpec, build_workload
-from tetri_server.sim.cluster import SimConfig
+from tetri_server.sim.cluster import SimConfig, Simulation
 from tetri_server.sim.cost import CostModel
 from tetri_server.sim.instances import SimRequest
 from tetri_server.sim.profiles import load_hardware, load_model
-from tetri_server.sim.run import predict, simulate
+from tetri_server.sim.report import mode_metrics, records
+from tetri_server.sim.run import predict
 
 METRICS = ("ttft_mean_s", "ttft_p90_s", "tpot_mean_s", "tpot_p90_s", "jct_mean_s", "jct_p90_s")
 
@@ -99,6 +102,31 @@ def real_metrics(summary: Any) -> dict[str, Any]:
             "server_cpu_s": s.server_cpu_s_total}
 
 
+def by_class(recs: list[RequestRecord]) -> dict[str, dict[str, float]]:
+    """Mean TTFT and JCT per length class (LPLD, ...) of the completed requests."""
+    out: dict[str, dict[str, float]] = {}
+    for kind in sorted({r.kind for r in recs}):
+        done = [r for r in recs if r.kind == kind and r.ok]
+        if done:
+            out[kind] = {"num": len(done),
+                         "ttft_mean_s": sum(map(ttft_s, done)) / len(done),
+                         "jct_mean_s": sum(map(jct_s, done)) / len(done)}
+    return out
+
+
+def class_table(sim: dict[str, Any], reals: list[dict[str, Any]]) -> str:
+    rows = ["| class | sim TTFT / JCT (s) | " + " | ".join(
+        f"real #{i + 1} TTFT / JCT (s)" for i in range(len(reals))) + " |",
+        "|" + "---|" * (2 + len(reals))]
+    for kind, s in sim["by_class"].items():
+        cells = [f"{kind} ({s['num']})", f"{s['ttft_mean_s']:.3f} / {s['jct_mean_s']:.2f}"]
+        for real in reals:
+            r = real["by_class"].get(kind)
+            cells.append("-" if r is None else f"{r['ttft_mean_s']:.3f} / {r['jct_mean_s']:.2f}")
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
 def rel_err(sim: float | None, real: float | None) -> float | None:
     if sim is None or real is None or real == 0:
         return None
@@ -132,7 +160,7 @@ def run_real(args: argparse.Namespace, wspec: WorkloadSpec,
     spec = replace(spec, label=label)
     opts = CompareOptions(args.out, progress=not args.no_progress, send_true_output_len=True)
     (result,) = run_against(spec, [(wspec, requests)], opts)
-    return real_metrics(result.summary)
+    return {**real_metrics(result.summary), "by_class": by_class(result.run.records)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -150,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     cost = CostModel(hw, load_model(args.sim_model))
     sim_reqs = to_sim(requests)
     predict(sim_reqs, cfg)
-    sim = simulate(cfg, cost, sim_reqs)
+    result = Simulation(cfg, cost, sim_reqs).run()
+    sim = {**mode_metrics(result, cfg), "by_class": by_class(records(result))}
     reals = []
     for i in range(args.repeat):
         started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
@@ -167,4 +196,6 @@ def main(argv: list[str] | None = None) -> int:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(out, indent=1, default=str))
     print(table(sim, reals))
+    print()
+    print(class_table(sim, reals))
     return 0 if all(r["num_completed"] == r["num_requests"] for r in reals) else 1
