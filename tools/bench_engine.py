@@ -401,15 +401,16 @@ def roofline_s(sh: Shape, base: Baselines, batch: int, ctx: int) -> float:
 def bench_attention_op(ours: Ours, base: Baselines, p: Params,
                        knee: int) -> tuple[list[str], dict[int, float]]:
     """Decode at batch 32 and the packed prefill at the knee, before (per-sequence SDPA loop,
-    F.linear) and after (one attention op per layer, prepacked linears), with the op alone in
-    between; interleaved round robin over the same sequences."""
-    variants: list[tuple[str, AttentionFn, bool]] = [
-        ("before", paged_attention, False), ("op", ragged_attention, False),
-        ("after", ragged_attention, True)]
+    F.linear, eager norms/RoPE/SiLU) and after (one attention op per layer, prepacked linears,
+    fused layer ops), adding one change at a time in between; interleaved round robin over the
+    same sequences."""
+    variants: list[tuple[str, AttentionFn, bool, bool]] = [
+        ("before", paged_attention, False, False), ("op", ragged_attention, False, False),
+        ("packed", ragged_attention, True, False), ("after", ragged_attention, True, True)]
 
     def cells(t: dict[str, float], roof: float | None) -> str:
-        row = (f"| {1e3 * t['before']:.1f} | {1e3 * t['op']:.1f} | {1e3 * t['after']:.1f} "
-               f"| **{t['before'] / t['after']:.2f}x** |")
+        row = (f"| {1e3 * t['before']:.1f} | {1e3 * t['op']:.1f} | {1e3 * t['packed']:.1f} "
+               f"| {1e3 * t['after']:.1f} | **{t['before'] / t['after']:.2f}x** |")
         if roof is None:
             return row + " | | |"
         return (row + f" {1e3 * roof:.1f} | {t['before'] / roof:.2f}x "
@@ -418,11 +419,11 @@ def bench_attention_op(ours: Ours, base: Baselines, p: Params,
     rows, ratios = [], {}
     batch = 32
     for ctx in p.contexts:
-        times: dict[str, list[float]] = {name: [] for name, _, _ in variants}
+        times: dict[str, list[float]] = {name: [] for name, *_ in variants}
         for _ in range(2):
             log(f"attention op and linears, before/after: decode ctx={ctx} B={batch}")
-            for name, fn, packed in variants:
-                with ours.kernels(fn, packed):
+            for name, fn, packed, fused in variants:
+                with ours.kernels(fn, packed, fused):
                     times[name] += ours.decode_step_times(batch, ctx, p.decode_steps,
                                                           p.decode_warmup, "attention")
         med = {name: statistics.median(ts) for name, ts in times.items()}
@@ -431,21 +432,22 @@ def bench_attention_op(ours: Ours, base: Baselines, p: Params,
         rows.append(f"| decode B={batch} ctx={ctx} " + cells(med, roof))
     log(f"attention op and linears, before/after: prefill C={knee}")
     with ours.prefill(packed_lens(knee, p.pack_len)) as run:
-        times = {name: [] for name, _, _ in variants}
+        times = {name: [] for name, *_ in variants}
         for _ in range(p.prefill_reps + 1):
-            for name, fn, packed in variants:
-                with ours.kernels(fn, packed):
+            for name, fn, packed, fused in variants:
+                with ours.kernels(fn, packed, fused):
                     times[name].append(ours.timer.timed(run, "attention"))
     rows.append(f"| prefill C={knee} packed "
                 + cells({name: min(ts[1:]) for name, ts in times.items()}, None))
     out = [f"Before/after ({ours.timer.kind} time; decode median of {2 * p.decode_steps} steps, "
-           f"prefill best of {p.prefill_reps}). before = per-sequence SDPA loop + F.linear; "
-           "op = one `tetri::ragged_attention` call per layer + F.linear; after = the op + "
-           "prepacked oneDNN linears. Interleaved; roofline as in the decode table; CPU share "
-           f"{ours.timer.share_text('attention')}", "",
-           "| step | before ms | op ms | after ms | before/after | roofline ms "
+           f"prefill best of {p.prefill_reps}). before = per-sequence SDPA loop + F.linear + "
+           "eager norms/RoPE/SiLU; op = one `tetri::ragged_attention` call per layer; packed = "
+           "+ prepacked oneDNN linears; after = + the fused layer ops (`tetri::rms_norm`, "
+           "`add_rms_norm`, `rope_`, `silu_mul`). Interleaved; roofline as in the decode table; "
+           f"CPU share {ours.timer.share_text('attention')}", "",
+           "| step | before ms | op ms | packed ms | after ms | before/after | roofline ms "
            "| before/roofline | after/roofline |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|", *rows]
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|", *rows]
     return out, ratios
 
 

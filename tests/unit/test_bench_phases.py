@@ -6,8 +6,7 @@ from __future__ import annotations
 
 from tests.conftest import random_prompts
 from tetri_server.bench.phases import INSIDE_FORWARD, KERNEL_PHASES, REST_OF_FORWARD, engine_phases
-from tetri_server.engine.attention import paged_attention
-from tetri_server.engine.kernels import Kernels, unpacked_linear
+from tetri_server.engine.kernels import REFERENCE, Kernels
 from tetri_server.llm import make_engine
 from tetri_server.messages import SamplingParams
 
@@ -26,8 +25,8 @@ def test_swapped_kernels_give_the_same_tokens_and_phases_add_up(model_dir):
             return fn(*a, **k)
         return call
 
-    eng.model.kernels = Kernels(attention=paged_attention, linear=unpacked_linear).wrapped(counting)
-    assert eng.generate(prompts, GREEDY) == ref  # the reference loop and plain F.linear
+    eng.model.kernels = REFERENCE.wrapped(counting)
+    assert eng.generate(prompts, GREEDY) == ref  # eager PyTorch for every kernel
     num_attention = calls.count("attention")
     assert num_attention == calls.count("write_kv") and num_attention >= eng.spec.num_layers
     eng.model.kernels = Kernels()

@@ -6,6 +6,7 @@ Imports torch: never import it from ``policy/`` or ``sim/`` at module level."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -17,7 +18,7 @@ import torch
 
 from tetri_server.bench.cpu import Timer, core_busy
 from tetri_server.engine.attention import ragged_attention
-from tetri_server.engine.kernels import Kernels, unpacked_linear
+from tetri_server.engine.kernels import REFERENCE, Kernels, unpacked_linear
 from tetri_server.engine.ops.linear import linear
 from tetri_server.engine.runner import ScheduledSeq, StepPlan
 from tetri_server.engine.sequence import SeqStatus
@@ -164,12 +165,14 @@ class EngineDriver:
         return seq
 
     @contextmanager
-    def kernels(self, attention: AttentionFn = ragged_attention,
-                packed: bool = True) -> Iterator[None]:
-        """The model runs ``attention`` and prepacked (or plain ``F.linear``) matmuls."""
+    def kernels(self, attention: AttentionFn = ragged_attention, packed: bool = True,
+                fused: bool = True) -> Iterator[None]:
+        """The model runs ``attention``, prepacked (or plain ``F.linear``) matmuls and the fused
+        (or eager PyTorch) norm/RoPE/SiLU ops."""
         model, saved = self.eng.model, self.eng.model.kernels
-        model.kernels = Kernels(attention=attention,
-                                linear=linear if packed else unpacked_linear)
+        layer_ops = Kernels() if fused else REFERENCE
+        model.kernels = dataclasses.replace(layer_ops, attention=attention,
+                                            linear=linear if packed else unpacked_linear)
         try:
             yield
         finally:

@@ -2,7 +2,8 @@
 
 A benchmark or a test that wants another attention path, plain matmuls or timed calls builds a
 ``Kernels`` and assigns it to the model; nothing patches modules. ``Kernels()`` is what serving
-runs: the one attention op per layer, ``index_copy_`` into the pool, prepacked linears.
+runs: the one attention op per layer, ``index_copy_`` into the pool, prepacked linears, and the
+fused norm/RoPE/SiLU ops of ``ops/layer.py``; ``REFERENCE`` is eager PyTorch for all of them.
 """
 
 from __future__ import annotations
@@ -14,7 +15,22 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tetri_server.engine.attention import BatchMetadata, ragged_attention, write_kv
+from tetri_server.engine.attention import (
+    BatchMetadata,
+    paged_attention,
+    ragged_attention,
+    write_kv,
+)
+from tetri_server.engine.ops.layer import (
+    add_rms_norm,
+    add_rms_norm_ref,
+    rms_norm,
+    rms_norm_ref,
+    rope,
+    rope_ref,
+    silu_mul,
+    silu_mul_ref,
+)
 from tetri_server.engine.ops.linear import linear
 
 # (q, pool_k, pool_v, meta, scale=None, window=0) -> out
@@ -36,8 +52,17 @@ class Kernels:
     attention: AttentionFn = ragged_attention
     write_kv: WriteKVFn = write_kv
     linear: LinearFn = linear
+    # Llama-family layers (ops/layer.py: fused on CPU float32, else eager PyTorch)
+    rms_norm: Callable[..., torch.Tensor] = rms_norm  # (x, weight, eps)
+    add_rms_norm: Callable[..., torch.Tensor] = add_rms_norm  # (x!, delta, weight, eps)
+    rope: Callable[..., None] = rope  # (q!, k!, cos, sin)
+    silu_mul: Callable[..., torch.Tensor] = silu_mul  # (gate_up)
 
     def wrapped(self, wrap: Callable[[str, Callable[..., Any]], Callable[..., Any]]) -> Kernels:
         """Every primitive replaced by ``wrap(name, fn)`` (e.g. a timer around it)."""
         return replace(self, **{f.name: wrap(f.name, getattr(self, f.name))
                                 for f in fields(self)})
+
+
+REFERENCE = Kernels(attention=paged_attention, linear=unpacked_linear, rms_norm=rms_norm_ref,
+                    add_rms_norm=add_rms_norm_ref, rope=rope_ref, silu_mul=silu_mul_ref)

@@ -13,13 +13,6 @@ from tetri_server.engine.ops.linear import pack_weight
 from tetri_server.engine.spec import ModelSpec
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Same order of operations as transformers' LlamaRMSNorm (fp32 statistics).
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
 def rope_inv_freq(spec: ModelSpec, hf_config: object) -> tuple[torch.Tensor, float]:
     """Inverse frequencies [head_dim/2] and the cos/sin scale, incl. scaling from the config."""
     rope_type = spec.rope.get("rope_type", "default")
@@ -31,13 +24,6 @@ def rope_inv_freq(spec: ModelSpec, hf_config: object) -> tuple[torch.Tensor, flo
 
     inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](hf_config, None)
     return inv_freq.float(), float(scale)
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, D]; cos/sin: [T, 1, D] (rotate-half convention)."""
-    half = x.shape[-1] // 2
-    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rot * sin
 
 
 class LlamaLayer(nn.Module):
@@ -72,20 +58,20 @@ class LlamaLayer(nn.Module):
         s = self.spec
         t = x.shape[0]
         linear = kern.linear
-        h = rms_norm(x, self.input_norm, s.eps)
+        h = kern.rms_norm(x, self.input_norm, s.eps)
         pk = self.packed
         qkv = linear(h, self.qkv, self.qkv_bias, pk.get("qkv"))
         nq, nkv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         q = qkv[:, :nq].view(t, s.num_heads, s.head_dim)
         k = qkv[:, nq:nq + nkv].view(t, s.num_kv_heads, s.head_dim)
         v = qkv[:, nq + nkv:].view(t, s.num_kv_heads, s.head_dim)
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        kern.rope(q, k, cos, sin)  # in place, in qkv
         kern.write_kv(pool_k, pool_v, k, v, meta)
         attn = kern.attention(q, pool_k, pool_v, meta, window=self.window)
-        x = x + linear(attn.reshape(t, nq), self.o, None, pk.get("o"))
-        h = rms_norm(x, self.post_norm, s.eps)
-        gate, up = linear(h, self.gate_up, None, pk.get("gate_up")).chunk(2, dim=-1)
-        return x + linear(F.silu(gate) * up, self.down, None, pk.get("down"))
+        h = kern.add_rms_norm(x, linear(attn.reshape(t, nq), self.o, None, pk.get("o")),
+                              self.post_norm, s.eps)  # x += attention output
+        up = kern.silu_mul(linear(h, self.gate_up, None, pk.get("gate_up")))
+        return x.add_(linear(up, self.down, None, pk.get("down")))
 
 
 class LlamaModel(nn.Module):
@@ -119,7 +105,7 @@ class LlamaModel(nn.Module):
         sin = (emb.sin() * self.rope_scale).to(x.dtype)[:, None, :]
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, kv[i, 0], kv[i, 1], meta, self.kernels)
-        x = rms_norm(x[logits_indices], self.norm, self.spec.eps)
+        x = self.kernels.rms_norm(x[logits_indices].contiguous(), self.norm, self.spec.eps)
         return self.kernels.linear(x, self.lm_head, None, self.lm_head_packed).float()
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:

@@ -3,9 +3,11 @@
 ``ragged_attention_op(device_type)`` gives one attention call per layer over the KV pool:
 ``torch.ops.tetri.ragged_attention`` on CPU (source in ``ragged_attention.cpp``), the Triton
 kernel with the same arguments on CUDA (``triton_attention.py``), or None; a None is logged once
-as a WARNING, naming the slower path the caller takes instead.
+as a WARNING, naming the slower path the caller takes instead. The same library holds the
+fused per-layer ops of ``layer_ops.cpp`` (RMSNorm, add + RMSNorm, RoPE, SiLU-and-mul; their
+references and the dispatch are in ``layer.py``).
 
-The C++ source is compiled with ninja and the host compiler through
+The C++ sources are compiled with ninja and the host compiler through
 ``torch.utils.cpp_extension.load``, once per CPU capability that ATen reports
 (``torch.backends.cpu.get_cpu_capability()``) with that capability's flags, never
 ``-march=native``: a cache shared by an AVX2 and an AVX-512 machine holds one build for each.
@@ -31,6 +33,7 @@ import torch
 
 log = logging.getLogger("tetri.ops")
 SOURCE = Path(__file__).with_name("ragged_attention.cpp")
+SOURCES = (SOURCE, Path(__file__).with_name("layer_ops.cpp"))  # one library: tetri::*
 # ATen's Vectorized<float> width follows CPU_CAPABILITY_*; the -m flags are inductor's for the
 # same capability (torch/_inductor/cpu_vec_isa.py).
 ISA_FLAGS = {
@@ -65,7 +68,8 @@ def build_spec() -> tuple[str, list[str], Path]:
     isa = torch.backends.cpu.get_cpu_capability()
     flags = BASE_FLAGS + ISA_FLAGS.get(isa, ["-DCPU_CAPABILITY=DEFAULT"])
     name = "tetri_ops_" + "".join(c if c.isalnum() else "_" for c in isa.lower())
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()[:12]
+    code = b"".join(src.read_bytes() for src in SOURCES)
+    digest = hashlib.sha256(code + " ".join(flags).encode()).hexdigest()[:12]
     return name, flags, cache_root() / f"{name}-torch{torch.__version__}-{digest}"
 
 
@@ -111,10 +115,11 @@ def load_cpu_ops() -> bool:
             if built:  # the folder's name covers source, flags and torch: it is current
                 torch.ops.load_library(str(folder / f"{name}.so"))
             else:
-                load(name, [str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                     build_directory=str(folder), is_python_module=False, verbose=False)
+                load(name, [str(src) for src in SOURCES], extra_cflags=flags,
+                     extra_ldflags=["-fopenmp"], build_directory=str(folder),
+                     is_python_module=False, verbose=False)
         if not built:
-            log.info("built tetri::ragged_attention for %s in %.1f s (%s)",
+            log.info("built the tetri:: ops for %s in %.1f s (%s)",
                      torch.backends.cpu.get_cpu_capability(), time.monotonic() - t0, folder)
         return True
     except Exception as e:  # noqa: BLE001 - any build failure means: warn and take the loop
