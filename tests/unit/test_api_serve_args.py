@@ -5,6 +5,7 @@ resolved from the local cache only (a fake cache laid out as huggingface_hub lay
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 import pytest
@@ -83,6 +84,12 @@ def test_served_model_accepts_names_path_and_folder_and_lists_names(model_dir) -
     served = ServedModel.from_config(cfg.model, "a", root=folder, given_path=given)
     assert served.names == ("a", "b") and served.root == folder
     assert {"a", "b", folder, Path(folder).name} <= served.accepted
+    # started with a relative path, named by its absolute one (guidellm model=/abs/path)
+    rel = os.path.relpath(folder)
+    cfg, given = build_config(parse(rel), {})
+    served = ServedModel.from_config(cfg.model, rel, root=rel, given_path=given)
+    assert {rel, os.path.abspath(folder)} <= served.accepted
+    assert served.root == os.path.abspath(folder)  # /v1/models root loads from any folder
 
 
 def test_hugging_face_id_resolves_from_the_local_cache(tmp_path: Path, model_dir) -> None:

@@ -2,7 +2,8 @@
 
 ``/v1/models`` lists ``names`` (``served_name`` first, then ``served_aliases``) with ``root`` =
 the model folder, as vLLM does (``vllm bench serve`` loads its tokenizer from ``root``).
-Requests may also name the model by the path it was given as or by that path's folder name.
+Requests may also name the model by the path it was given as (relative or absolute) or by
+that path's folder name.
 
 ``generation_config.json`` in the folder supplies the default sampling a request omits
 (vLLM's ``--generation-config auto``): temperature, top_p, top_k, min_p, repetition_penalty,
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path, PurePath
 from typing import Any
@@ -87,7 +89,7 @@ class ServedModel:
     """What the API says about the model and which names it accepts. Built once at start-up."""
 
     names: tuple[str, ...]  # /v1/models ids; names[0] is the backend's model_name
-    root: str  # the model folder
+    root: str  # the model folder (absolute)
     defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
     accepted: frozenset[str] = frozenset()  # names plus the path given and folder names
     tool_call_parser: str = "none"  # model.tool_call_parser
@@ -100,8 +102,14 @@ class ServedModel:
         generation_config.json there unless ``model.use_generation_config`` is false."""
         names = tuple(dict.fromkeys((served_name, *model.served_aliases)))
         given = given_path or model.path
+        if os.path.isdir(root):  # a client started in another folder loads its tokenizer here
+            root = os.path.abspath(root)
         others = {given, _folder_name(given), model.path, _folder_name(model.path), root,
                   _folder_name(root)}
+        # the folder as an absolute path too (a client started elsewhere, e.g. guidellm's
+        # model=/abs/models/x for a server started as `serve models/x`); no file access
+        others |= {os.path.abspath(p) for p in (given, model.path, root)
+                   if p and not p.startswith(BUILTIN_PREFIX)}
         defaults = GenerationDefaults.read(root) if model.use_generation_config else None
         return cls(names, root, defaults or GenerationDefaults(),
                    frozenset(names) | {n for n in others if n}, model.tool_call_parser)
