@@ -179,9 +179,12 @@ async def test_a_sliding_window_model_is_served_right_past_its_window(model_dir,
         await cluster.stop()
 
 
-@pytest.mark.parametrize("mode", ["disaggregated", "coupled-chunked"])
-async def test_prompt_logprobs_come_from_the_prefilling_worker_in_every_mode(tiny_llama, mode):
-    """Prompts split across 64-token chunks and packed with others: their logprobs equal
+@pytest.mark.parametrize(("mode", "extra"), [("disaggregated", ()), ("coupled-chunked", ()),
+                                             ("disaggregated", ("prefill.local_decode_batch=3",))])
+async def test_prompt_logprobs_come_from_the_prefilling_worker_in_every_mode(tiny_llama, mode,
+                                                                             extra):
+    """Prompts split across 64-token chunks and packed with others (elastic on too: rows of
+    requests the prefill worker keeps may share its chunks): their logprobs equal
     transformers' log_softmax of the whole prompt, then decoding goes on as usual."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -189,7 +192,7 @@ async def test_prompt_logprobs_come_from_the_prefilling_worker_in_every_mode(tin
     prompts = random_prompts(6, 8000, (2, 150), seed=21)
     hf = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32).eval()
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=2)
-    cluster = make_cluster(tiny_llama, mode)
+    cluster = make_cluster(tiny_llama, mode, *extra)
     await cluster.start()
 
     async def first_and_tokens(p):

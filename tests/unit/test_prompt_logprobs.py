@@ -40,7 +40,9 @@ def first_deltas(eng, prompts, params) -> dict[int, object]:
 @pytest.fixture(scope="module")
 def case(model_dir):
     path = model_dir("llama")
-    prompts = random_prompts(6, 8000, (1, 150), seed=7) + [[11, 12]]
+    # one prompt longer than sampling.PROMPT_ROWS_AT_ONCE: scored in slices
+    prompts = (random_prompts(6, 8000, (1, 150), seed=7) + [[11, 12]]
+               + random_prompts(1, 8000, (600, 600), seed=8))
     return path, prompts, hf_prompt_logprobs(path, prompts)
 
 

@@ -157,25 +157,36 @@ class PromptSpan(NamedTuple):
     num_rows: int
 
 
+PROMPT_ROWS_AT_ONCE = 256  # bounds the float32 [rows, V] copies alive while scoring
+
+
 def add_prompt_logprobs(logits: torch.Tensor, spans: list[PromptSpan]) -> None:
     """logits: [sum of num_rows, V] raw, the spans' rows in order. Appends each position's
-    prompt-token logprob, rank and top ``params.prompt_logprobs`` to ``seq.prompt_logprobs``
-    (one span at a time: at most a chunk of [rows, V] float32 copies alive)."""
+    prompt-token logprob, rank and top ``params.prompt_logprobs`` to ``seq.prompt_logprobs``,
+    ``PROMPT_ROWS_AT_ONCE`` rows at a time."""
     first = 0
-    for seq, position, _, num in spans:
-        logp = torch.log_softmax(_sanitize(logits[first:first + num]), dim=-1)  # [num, V]
-        first += num
-        targets = torch.tensor(seq.token_ids[position + 1:position + 1 + num],
-                               dtype=torch.long, device=logp.device)
-        own = logp.gather(1, targets[:, None])  # [num, 1]
-        out = seq.prompt_logprobs or PromptLogprobs([], [], [])
-        out.logprobs += own[:, 0].tolist()
-        out.ranks += ((logp > own).sum(dim=-1) + 1).tolist()
-        k = min(seq.params.prompt_logprobs or 0, logp.shape[-1])
-        if k > 0:
-            top = torch.topk(logp, k)
-            out.top += [list(zip(i, v, strict=True))
-                        for i, v in zip(top.indices.tolist(), top.values.tolist(), strict=True)]
-        else:
-            out.top += [[] for _ in range(num)]
-        seq.prompt_logprobs = out
+    for seq, position, _, num_rows in spans:
+        for start in range(0, num_rows, PROMPT_ROWS_AT_ONCE):
+            num = min(PROMPT_ROWS_AT_ONCE, num_rows - start)
+            _score(seq, position + start, logits[first + start:first + start + num])
+        first += num_rows
+
+
+def _score(seq: Sequence, position: int, logits: torch.Tensor) -> None:
+    """logits: [num, V], of prompt positions ``position`` .. ``position + num - 1``."""
+    num = logits.shape[0]
+    logp = torch.log_softmax(_sanitize(logits), dim=-1)  # [num, V]
+    targets = torch.tensor(seq.token_ids[position + 1:position + 1 + num],
+                           dtype=torch.long, device=logp.device)
+    own = logp.gather(1, targets[:, None])  # [num, 1]
+    out = seq.prompt_logprobs or PromptLogprobs([], [], [])
+    out.logprobs += own[:, 0].tolist()
+    out.ranks += ((logp > own).sum(dim=-1) + 1).tolist()
+    k = min(seq.params.prompt_logprobs or 0, logp.shape[-1])
+    if k > 0:
+        top = torch.topk(logp, k)
+        out.top += [list(zip(i, v, strict=True))
+                    for i, v in zip(top.indices.tolist(), top.values.tolist(), strict=True)]
+    else:
+        out.top += [[] for _ in range(num)]
+    seq.prompt_logprobs = out
