@@ -8,7 +8,7 @@ import asyncio
 import json
 
 from tests.conftest import hf_greedy, random_prompts
-from tests.integration.conftest import collect, make_cluster, segments
+from tests.integration.conftest import collect, make_cluster, segments, until
 from tests.integration.test_cluster import wait_all_free
 from tetri_server.messages import SamplingParams
 
@@ -16,16 +16,27 @@ GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
 
 async def test_kept_and_handed_off_requests_both_equal_transformers(tiny_llama, tmp_path):
-    prompts = random_prompts(20, 8000, (1, 200), seed=23)
-    ref = hf_greedy(tiny_llama, prompts, GREEDY.max_tokens)
+    """A long first request decodes on one side (kept if the prefill worker has no view of the
+    decode worker yet, else handed off); once the view shows it, the next one goes to the other
+    side; then a crowd. All equal transformers, and no request takes both paths."""
+    long_one = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
+    first, second = random_prompts(2, 8000, (10, 30), seed=22)
+    crowd = random_prompts(16, 8000, (1, 200), seed=23)
+    ref_first = hf_greedy(tiny_llama, [first], long_one.max_tokens)
+    ref = hf_greedy(tiny_llama, [second, *crowd], GREEDY.max_tokens)
     log = tmp_path / "decisions"
     cluster = make_cluster(tiny_llama, "disaggregated", "prefill.local_decode_batch=3",
-                           f"monitor.decision_log={log}")
+                           "monitor.interval_ms=20", f"monitor.decision_log={log}")
     await cluster.start()
     try:
+        run_first = asyncio.ensure_future(collect(cluster, first, long_one))
+        await until(lambda: any(r.num_running for r in cluster.reports.values()), 60,
+                    "the first request decoding")
+        await asyncio.sleep(1.0)  # >= 25 view broadcasts: the prefill worker sees it there
         got = await asyncio.wait_for(
-            asyncio.gather(*(collect(cluster, p, GREEDY) for p in prompts)), 180)
+            asyncio.gather(*(collect(cluster, p, GREEDY) for p in [second, *crowd])), 180)
         assert got == ref
+        assert [await asyncio.wait_for(run_first, 180)] == ref_first
         usage = await wait_all_free(cluster)
         assert all(u == 0 for u, _ in usage.values()), usage
     finally:
@@ -35,8 +46,36 @@ async def test_kept_and_handed_off_requests_both_equal_transformers(tiny_llama, 
     records = [json.loads(line) for line in (tmp_path / "decisions.w0.jsonl").open()]
     kept = {r["req"] for r in records if r["kind"] == "keep"}
     sent = {r["req"] for r in records if r["kind"] == "dispatch"}
-    # both paths ran (20 concurrent requests, a local batch of 3), and never for one request
+    first_id = min(kept | sent)
+    assert (first_id in sent) == (first_id + 1 in kept)  # the second went the other way
     assert kept and sent and not kept & sent
-    assert any(r["kind"] == "mixed_step" and r["run"] and r["slices"] for r in records), \
-        "no step carried local decodes and prompt slices together"
+    assert any(r["kind"] == "mixed_step" and r["run"] for r in records)
     assert max(len(r["run"]) for r in records if r["kind"] == "mixed_step") <= 3
+
+
+async def test_light_prompts_prefilled_on_the_decode_worker_equal_transformers(tiny_llama,
+                                                                               tmp_path):
+    """With the prefill worker backlogged by long prompts, light prompts go to the decode
+    worker, which prefills them in slices riding in its decode steps."""
+    heavy = random_prompts(6, 8000, (300, 400), seed=31)
+    light = random_prompts(8, 8000, (1, 48), seed=32)
+    ref = hf_greedy(tiny_llama, heavy + light, GREEDY.max_tokens)
+    log = tmp_path / "decisions"
+    cluster = make_cluster(tiny_llama, "disaggregated", "decode.local_prefill_tokens=48",
+                           "monitor.interval_ms=20", f"monitor.decision_log={log}")
+    await cluster.start()
+    try:
+        heavy_runs = [asyncio.ensure_future(collect(cluster, p, GREEDY)) for p in heavy]
+        await until(lambda: cluster.reports[0].num_queued_prompt_tokens > 64, 60,
+                    "a report of the prefill worker's backlog")
+        light_runs = [asyncio.ensure_future(collect(cluster, p, GREEDY)) for p in light]
+        got = await asyncio.wait_for(asyncio.gather(*heavy_runs, *light_runs), 180)
+        assert got == ref
+        usage = await wait_all_free(cluster)
+        assert all(u == 0 for u, _ in usage.values()), usage
+    finally:
+        await cluster.stop()
+    records = [json.loads(line) for line in (tmp_path / "decisions.w1.jsonl").open()]
+    prefilled = {s[0] for r in records for s in r.get("slices", [])}
+    assert prefilled, "no prompt was prefilled on the decode worker"
+    assert all(n <= 48 for r in records for _, _, n in r.get("slices", []))

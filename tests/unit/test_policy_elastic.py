@@ -6,6 +6,7 @@ from __future__ import annotations
 from tetri_server.messages import DecodeInstanceView, DecodeView
 from tetri_server.policy import (
     LocalDecode,
+    LocalPrefill,
     PrefillBook,
     PrefillQueue,
     RoundRobinDispatcher,
@@ -52,3 +53,27 @@ def test_a_kept_request_is_never_dispatched_and_leaves_on_remove():
     assert [r for r, _ in book.dispatch()] == ["r2"]
     assert book.pulled(1) is None and book.rejected(1) is None
     assert book.remove(1) == "r1" and book.ids(Stage.DECODING) == []
+
+
+class Load:
+    def __init__(self, wid: int, queued: int = 0, running: int = 0, role: str = "decode"):
+        self.worker_id, self.role = wid, role
+        self.num_queued_prompt_tokens, self.num_running, self.num_waiting = queued, running, 0
+        self.busy_s = 0.0
+
+
+def test_a_light_prompt_goes_to_the_decode_worker_only_behind_a_backlog():
+    local = LocalPrefill(max_prompt_tokens=64)
+    backlogged, idle = Load(0, queued=900, role="prefill"), Load(0, queued=40, role="prefill")
+    assert local.pick(30, backlogged, 256, [Load(1), Load(2, running=5)]) == 1
+    assert local.pick(30, idle, 256, [Load(1)]) is None  # starts in the next chunk anyway
+    assert local.pick(65, backlogged, 256, [Load(1)]) is None  # not light
+    assert local.pick(30, backlogged, 256, []) is None  # no decode worker serving
+    assert local.pick(30, None, 256, [Load(1)]) is None  # no report of the prefill worker yet
+
+
+def test_the_decode_worker_with_the_smallest_prompt_backlog_and_only_if_sooner():
+    local = LocalPrefill(max_prompt_tokens=64)
+    p = Load(0, queued=300, role="prefill")
+    assert local.pick(30, p, 256, [Load(1, queued=120), Load(2, queued=40, running=9)]) == 2
+    assert local.pick(30, p, 256, [Load(1, queued=280)]) is None  # 280 + 30 >= 300

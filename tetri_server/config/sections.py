@@ -293,9 +293,15 @@ class DecodeConfig(_Section):
     """Admission: greedy (while blocks are free), reserve-static or reserve-dynamic."""
     max_batch: int = 32
     """Most requests decoded together in one step."""
+    local_prefill_tokens: int = 0
+    """Elastic P/D (disaggregated mode): control may send a prompt of at most this many tokens
+    to a decode worker while the prefill worker it would go to has over one chunk queued; the
+    decode worker prefills it in slices of at most this many tokens riding in its decode steps
+    (``policy/elastic.py``). 0: the strict split of the paper."""
 
     def _validate(self) -> None:
         self._at_least("max_batch", 1)
+        self._at_least("local_prefill_tokens", 0)
 
 
 @dataclass(frozen=True, kw_only=True)

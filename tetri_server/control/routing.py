@@ -17,6 +17,7 @@ from tetri_server.control.requests import ReqState, Request
 from tetri_server.control.supervisor import WorkerHandle
 from tetri_server.control.table import RequestTable
 from tetri_server.messages import Abort, AddRequest, Handoff, HandoffRejected, KVPulled
+from tetri_server.policy import LocalPrefill
 
 MAX_RERUNS = 3
 
@@ -32,6 +33,8 @@ class Router:
         self.monitor = monitor
         self.accounting = accounting
         self.metrics = accounting.metrics
+        n = cfg.decode.local_prefill_tokens
+        self.local_prefill = LocalPrefill(n) if n and self.disaggregated else None
 
     def route(self, req: Request) -> None:
         """Send to the least-loaded prefill (or coupled) worker; the prompt of a re-run
@@ -42,6 +45,8 @@ class Router:
         if wid is None:
             self.table.park(req, self.deadline())
             return
+        if self.local_prefill is not None:
+            wid = self._elastic(wid, len(prompt), self.local_prefill)
         done = len(req.output_ids)
         p = req.params
         # a re-run after streamed tokens: its prompt holds them, and the client already has
@@ -53,6 +58,16 @@ class Router:
         req.wait_deadline_s = None if self.has_live("decode") else self.deadline()
         self.workers[wid].post(AddRequest(req.req_id, prompt, params, req.arrival_s,
                                           req.true_output_len, req.prompt_text))
+
+    def _elastic(self, wid: int, num_prompt_tokens: int, local: LocalPrefill) -> int:
+        """The picked prefill worker, or a serving decode worker that will start this light
+        prompt sooner (``policy.LocalPrefill``)."""
+        reports = self.monitor.reports
+        decodes = [r for d, r in reports.items() if r.role == "decode" and d in self.workers
+                   and self.workers[d].is_ready and d not in self.draining]
+        chunk = self.workers[wid].chunk_size or 1
+        pick = local.pick(num_prompt_tokens, reports.get(wid), chunk, decodes)
+        return wid if pick is None else pick
 
     def rerun(self, req: Request) -> None:
         """Re-run a request whose worker died, from its prompt plus what was streamed."""

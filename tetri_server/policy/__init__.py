@@ -31,7 +31,7 @@ from tetri_server.policy.dispatch import (
     RoundRobinDispatcher,
     TetriDispatcher,
 )
-from tetri_server.policy.elastic import LocalDecode
+from tetri_server.policy.elastic import LocalDecode, LocalPrefill
 from tetri_server.policy.flip import FlipPlan, FlipPolicy
 from tetri_server.policy.global_sched import LeastLoadedPicker
 from tetri_server.policy.knee import pick_chunk_size, throughput_curve
@@ -66,6 +66,7 @@ __all__ = [
     "FlipPolicy",
     "LeastLoadedPicker",
     "LocalDecode",
+    "LocalPrefill",
     "MixedStepPlan",
     "PreemptPlan",
     "PrefillBook",

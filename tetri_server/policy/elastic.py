@@ -1,5 +1,8 @@
-"""Elastic P/D, the prefill side: when a prefill worker keeps a request it has prefilled and
-decodes it itself instead of handing it off.
+"""Elastic P/D: where a strict split of prefill and decode workers would leave one side idle
+while the other queues, the idle side lends a hand. Two pure rules, each off by default:
+
+``LocalDecode`` (the prefill side, ``prefill.local_decode_batch``): when a prefill worker keeps
+a request it has prefilled and decodes it itself instead of handing it off.
 
 At equal hardware a strict split loses whenever one side idles while the other queues (on a
 decode-heavy workload the prefill worker idles while one decode worker carries every request).
@@ -13,9 +16,10 @@ waits for them, and they finish where they are (no second hand-off).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tetri_server.policy.views import DecodeSnapshot
+from tetri_server.policy.views import DecodeSnapshot, WorkerLoad
 
 
 @dataclass(frozen=True)
@@ -31,3 +35,28 @@ class LocalDecode:
         if view is None or not view.decodes:
             return True  # no decode worker known (none up yet, or all restarting)
         return num_local < min(d.num_heavy + d.num_light for d in view.decodes)
+
+
+@dataclass(frozen=True)
+class LocalPrefill:
+    """The decode side (``decode.local_prefill_tokens``): control sends a light prompt (at most
+    ``max_prompt_tokens``) to a decode worker instead of the prefill worker it picked when that
+    worker's backlog is over one chunk (the prompt would wait behind others) and the decode
+    worker's own prompt backlog is smaller. The decode worker prefills it in slices riding in
+    its decode steps (``max_prompt_tokens`` a step), so its batch keeps a bounded gap."""
+
+    max_prompt_tokens: int
+
+    def pick(self, num_prompt_tokens: int, prefill: WorkerLoad | None, chunk_size: int,
+             decodes: Sequence[WorkerLoad]) -> int | None:
+        """The decode worker to prefill this prompt, or None: the prefill worker takes it."""
+        if num_prompt_tokens > self.max_prompt_tokens or prefill is None or not decodes:
+            return None
+        backlog = prefill.num_queued_prompt_tokens
+        if backlog <= chunk_size:
+            return None  # the prefill worker starts it within its next chunk
+        best = min(decodes, key=lambda d: (d.num_queued_prompt_tokens,
+                                           d.num_waiting + d.num_running, d.worker_id))
+        if best.num_queued_prompt_tokens + num_prompt_tokens >= backlog:
+            return None  # no sooner there
+        return best.worker_id

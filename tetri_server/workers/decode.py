@@ -4,15 +4,22 @@ Life of a request here: Handoff -> blocks for its computed tokens -> copy from t
 worker's pool (one strided copy per extent) -> KVPulled (the prefill worker may now free) ->
 DecodeAdmission (greedy / reserve-static / reserve-dynamic) -> one token per step until a stop.
 Preempted requests lose their KV and are recomputed from their tokens when re-admitted.
+
+Elastic (``decode.local_prefill_tokens``): control may route a light prompt here while the
+prefill side is backlogged (``policy.LocalPrefill``). It waits in a FCFS ``PrefillQueue`` and
+its slices ride in the decode steps, at most ``local_prefill_tokens`` prompt tokens a step (so
+the batch's inter-token gap stays bounded); its first token is streamed from here and it joins
+the admission like a handed-off request.
 """
 
 from __future__ import annotations
 
-from tetri_server.engine.runner import StepPlan
+from tetri_server.engine.runner import ScheduledSeq, StepPlan
 from tetri_server.engine.sampling import make_generator
 from tetri_server.engine.sequence import SeqStatus, Sequence
 from tetri_server.engine.stops import append_token, emit
 from tetri_server.messages import (
+    AddRequest,
     Handoff,
     HandoffRejected,
     KVPulled,
@@ -21,7 +28,9 @@ from tetri_server.messages import (
     StepOutput,
     TokenDelta,
 )
-from tetri_server.policy import DecodeAdmission
+from tetri_server.policy import DecodeAdmission, PrefillQueue, coupled_chunked_plan
+from tetri_server.policy.prefill import ChunkSlice
+from tetri_server.predictor import PredictorError
 from tetri_server.workers.base import Role, Worker
 from tetri_server.workers.decoding import carry_out
 
@@ -36,13 +45,33 @@ class DecodeRole(Role):
             num_total_blocks=self.w.allocator.num_blocks, granularity=w.predictor().granularity,
             max_batch=self.w.cfg.decode.max_batch,
             heavy_threshold=self.w.cfg.predictor.heavy_decode_tokens)
-        self.seqs: dict[int, Sequence] = {}
+        self.seqs: dict[int, Sequence] = {}  # handed off, and prompts routed here
+        self.queue = PrefillQueue("fcfs")  # elastic: prompts this worker prefills itself
+        self.prompt_budget = self.w.cfg.decode.local_prefill_tokens
 
     def handle(self, msg: object) -> None:
         if isinstance(msg, Handoff):
             self.receive(msg)
+        elif isinstance(msg, AddRequest):
+            self.add_prompt(msg)
         else:
             super().handle(msg)
+
+    def add_prompt(self, msg: AddRequest) -> None:
+        """Elastic: a prompt to prefill here (its bucket predicted here, as a prefill worker
+        would)."""
+        predictor = self.w.predictor()
+        try:
+            [bucket] = predictor.predict([msg.prompt_text], [msg.true_output_len])
+        except PredictorError as e:
+            self.w.send(RequestFailed(msg.req_id, f"length predictor: {e}"))
+            return
+        seq = Sequence(msg.req_id, list(msg.prompt_ids), len(msg.prompt_ids), msg.sampling,
+                       arrival_s=msg.arrival_s,
+                       generator=make_generator(msg.sampling.seed, self.w.device),
+                       predicted_bucket=bucket, predicted_len=predictor.lower_bound(bucket))
+        self.seqs[seq.req_id] = seq
+        self.queue.add(seq.req_id, seq.num_prompt, msg.arrival_s)
 
     def receive(self, h: Handoff) -> None:
         """Pull the request's KV into our pool and queue it for admission."""
@@ -71,6 +100,7 @@ class DecodeRole(Role):
     def abort(self, req_id: int) -> None:
         seq = self.seqs.pop(req_id, None)
         self.admission.remove(req_id)
+        self.queue.remove(req_id)
         if seq is not None:
             self.w.kv.free(seq)
 
@@ -78,42 +108,85 @@ class DecodeRole(Role):
         return bool(self.seqs)
 
     def step(self) -> bool:
-        plan = self.admission.plan(self.w.allocator.num_free)
+        free = self.w.allocator.num_free
+        plan = self.admission.plan(free)
+        slices: tuple[ChunkSlice, ...] = ()
+        if len(self.queue):
+            slices = coupled_chunked_plan(
+                self.queue, plan.run_ids, len(plan.run_ids) + self.prompt_budget,
+                num_free_blocks=self.admission.free_after(plan, free),
+                block_size=self.w.block_size).slices
         log = self.w.decisions
         log.step += 1
-        if log.enabled and (plan.run_ids or plan.preempt.req_ids or plan.fail_ids):
+        if log.enabled and (plan.run_ids or plan.preempt.req_ids or plan.fail_ids or slices):
             log.record("decode_step", run=list(plan.run_ids), admit=list(plan.admit.req_ids),
                        preempt=list(plan.preempt.req_ids), fail=list(plan.fail_ids),
-                       free=self.w.allocator.num_free)
+                       free=free, **({"slices": [[p.req_id, p.start, p.num_tokens]
+                                                 for p in slices]} if slices else {}))
         items, dropped = carry_out(plan, self.seqs, self.w.kv)
         for req_id in dropped:
             self.w.send(RequestFailed(req_id, "request no longer fits this worker's KV pool"))
+        num_decode = len(items)
+        slices = self._reserve_prompts(slices, items)
         finished: set[int] = set()
         deltas: list[TokenDelta] = []
         if items:
             result = self.w.runner.execute(StepPlan(items))
-            for item, tok, lp in zip(items, result.sampled, result.logprobs, strict=True):
+            for item, tok, lp in zip(items[:num_decode], result.sampled, result.logprobs,
+                                     strict=False):
                 seq = item.seq
                 assert tok is not None
-                reason = append_token(seq, tok, lp, self.w.model_spec.eos_token_ids,
-                                      self.w.max_model_len)
-                deltas.append(emit(seq, reason))
-                if reason is not None:
+                if self._append(seq, tok, lp, deltas):
                     finished.add(seq.req_id)
-                    self.w.kv.free(seq)
-                    del self.seqs[seq.req_id]
+            done = set(self.queue.advance(slices)) if slices else set()
+            for item, tok, lp in zip(items[num_decode:], result.sampled[num_decode:],
+                                     result.logprobs[num_decode:], strict=True):
+                seq = item.seq
+                if tok is None or seq.req_id not in done:
+                    continue
+                ended = self._append(seq, tok, lp, deltas)
+                deltas[-1].predicted_bucket = seq.predicted_bucket  # predicted here
+                if not ended:  # prefilled here: now it decodes
+                    seq.status = SeqStatus.RUNNING
+                    self.admission.add(seq.req_id, seq.num_prompt, seq.num_tokens,
+                                       seq.predicted_bucket, seq.params.max_tokens)
         self.admission.on_done(plan, finished)
         if deltas:
             self.w.send(StepOutput(self.w.worker_id, deltas))
         # a step that only preempted or failed requests made progress: plan again at once
         return bool(items or plan.preempt.req_ids or plan.fail_ids)
 
+    def _reserve_prompts(self, slices: tuple[ChunkSlice, ...],
+                         items: list[ScheduledSeq]) -> tuple[ChunkSlice, ...]:
+        """Blocks for each prompt a slice starts, in order; stop at the first that does not
+        fit (no overtaking). The kept slices' items are appended to ``items``."""
+        for i, piece in enumerate(slices):
+            seq = self.seqs[piece.req_id]
+            if piece.is_first and not self.w.kv.reserve(seq, seq.num_prompt):
+                return slices[:i]
+            items.append(ScheduledSeq(seq, piece.num_tokens))
+        return slices
+
+    def _append(self, seq: Sequence, tok: int, lp: float | None,
+                deltas: list[TokenDelta]) -> bool:
+        """Append a sampled token and its delta; True (and freed) if the request finished."""
+        reason = append_token(seq, tok, lp, self.w.model_spec.eos_token_ids,
+                              self.w.max_model_len)
+        deltas.append(emit(seq, reason))
+        if reason is None:
+            return False
+        self.w.kv.free(seq)
+        del self.seqs[seq.req_id]
+        return True
+
     def load_report(self) -> LoadReport:
         load = self.admission.load()
         a = self.w.allocator
         return LoadReport(worker_id=self.w.worker_id, role="decode",
-                          num_waiting=load.num_waiting, num_running=load.num_running,
-                          num_queued_prompt_tokens=0, num_free_blocks=a.num_free,
+                          num_waiting=load.num_waiting + len(self.queue),
+                          num_running=load.num_running,
+                          num_queued_prompt_tokens=self.queue.num_queued_tokens,
+                          num_free_blocks=a.num_free,
                           num_total_blocks=a.num_blocks, num_heavy=load.num_heavy,
                           num_light=load.num_light,
                           predicted_demand_blocks=load.predicted_demand_blocks,
