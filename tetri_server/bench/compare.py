@@ -35,7 +35,12 @@ from tetri_server.bench.workload import BenchRequest, WorkloadSpec
 
 TETRI_MODES = ("disaggregated", "coupled", "coupled-chunked")
 # Named variants a comparison may list beside the modes: (cluster.mode, extra key=value).
-MODE_PRESETS = {"elastic": ("disaggregated", ("prefill.local_decode_batch=16",))}
+MODE_PRESETS = {
+    "elastic": ("disaggregated", ("prefill.local_decode_batch=16",
+                                  "decode.local_prefill_tokens=128")),
+    "elastic-prefill": ("disaggregated", ("prefill.local_decode_batch=16",)),  # ablations
+    "elastic-decode": ("disaggregated", ("decode.local_prefill_tokens=128",)),
+}
 VLLM_LABEL = "vllm-cpu"
 READY_POLL_S = 0.5
 STOP_GRACE_S = 30.0
