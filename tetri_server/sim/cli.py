@@ -31,6 +31,7 @@ CONFIG_KEYS = {
     ("prefill", "chunk_size"): "chunk_size", ("prefill", "policy"): "prefill_policy",
     ("prefill", "sched_batch"): "sched_batch", ("prefill", "token_budget"): "token_budget",
     ("prefill", "local_decode_batch"): "local_decode_batch",
+    ("decode", "local_prefill_tokens"): "local_prefill_tokens",
     ("decode", "policy"): "decode_policy", ("decode", "max_batch"): "max_batch",
     ("predictor", "heavy_decode_tokens"): "heavy_decode_tokens",
     ("dispatch", "policy"): "dispatch", ("dispatch", "seed"): "seed",
@@ -45,7 +46,7 @@ FLAGS = {
     "instances": "num_instances", "block_size": "block_size", "kv_blocks": "num_kv_blocks",
     "chunk_size": "chunk_size", "prefill_policy": "prefill_policy",
     "sched_batch": "sched_batch", "token_budget": "token_budget",
-    "local_decode_batch": "local_decode_batch",
+    "local_decode_batch": "local_decode_batch", "local_prefill_tokens": "local_prefill_tokens",
     "decode_policy": "decode_policy", "max_batch": "max_batch", "granularity": "granularity",
     "predictor_accuracy": "predictor_accuracy", "predictor_model": "predictor_model",
     "dispatch": "dispatch", "seed": "seed", "monitor_interval_ms": "monitor_interval_ms",
@@ -94,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--token-budget", type=int)
     p.add_argument("--local-decode-batch", type=int,
                    help="elastic: requests a prefill instance decodes itself (0 = off)")
+    p.add_argument("--local-prefill-tokens", type=int,
+                   help="elastic: light prompts (<= N tokens) a decode instance prefills")
     p.add_argument("--decode-policy", choices=("greedy", "reserve-static", "reserve-dynamic"))
     p.add_argument("--max-batch", type=int)
     p.add_argument("--granularity", type=int)

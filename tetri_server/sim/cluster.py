@@ -23,6 +23,7 @@ from tetri_server.policy import (
     FlipPlan,
     FlipPolicy,
     LeastLoadedPicker,
+    LocalPrefill,
     PrefillOrder,
 )
 from tetri_server.sim.cost import CostModel
@@ -54,6 +55,7 @@ class SimConfig:
     sched_batch: int = 16  # PrefillSchedBatch
     token_budget: int = 512  # coupled-chunked
     local_decode_batch: int = 0  # elastic: requests a prefill instance decodes itself
+    local_prefill_tokens: int = 0  # elastic: light prompts a decode instance prefills
     decode_policy: DecodePolicyName = "reserve-dynamic"
     max_batch: int = 256
     granularity: int = 200
@@ -139,13 +141,18 @@ class Simulation:
         self._view_seq = 0
         self._num_done = 0
         self.parked: list[SimRequest] = []
+        self.reports: dict[int, LoadReport] = {}  # the monitor's latest, per instance
+        self.local_prefill = (LocalPrefill(cfg.local_prefill_tokens)
+                              if cfg.local_prefill_tokens and cfg.mode == "disaggregated"
+                              else None)
 
     # ------------------------------------------------------------------ control
 
     def run(self) -> SimResult:
         wall0 = time.perf_counter()
         for inst in self.instances:
-            self.picker.on_report(inst.load_report())  # Monitor.on_ready: an empty report
+            self.reports[inst.worker_id] = inst.load_report()  # Monitor.on_ready
+            self.picker.on_report(self.reports[inst.worker_id])
         for req in self.requests:
             self.loop.at(req.arrival_s, functools.partial(self.arrive, req))
         self.loop.at(0.0, self.tick)
@@ -169,6 +176,12 @@ class Simulation:
         if wid is None:
             self.parked.append(req)
             return
+        if self.local_prefill is not None:  # Router._elastic
+            decodes = [r for w, r in self.reports.items()
+                       if r.role == "decode" and w not in self.draining]
+            pick = self.local_prefill.pick(req.prompt_len, self.reports.get(wid),
+                                           self.cfg.chunk_size, decodes)
+            wid = wid if pick is None else pick
         self.instances[wid].deliver(("add", req))
 
     def tick(self) -> None:
@@ -176,6 +189,7 @@ class Simulation:
         reports = [inst.load_report() for inst in self.instances]
         for r in reports:
             self.picker.on_report(r)
+            self.reports[r.worker_id] = r
         serving = [r for r in reports if r.worker_id not in self.draining]
         if self.flip_policy is not None:
             self.flip_step(serving)

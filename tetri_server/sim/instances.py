@@ -31,6 +31,7 @@ from tetri_server.policy import (
     coupled_chunked_plan,
 )
 from tetri_server.policy.dispatch import Dispatcher
+from tetri_server.policy.prefill import ChunkSlice
 from tetri_server.policy.prefill_book import PrefillBook, Stage
 
 if TYPE_CHECKING:
@@ -387,7 +388,9 @@ class PrefillInstance(_Decoding):
 
 class DecodeInstance(_Decoding):
     """``workers/decode.py``: hand-off -> blocks for the prompt's KV -> pull over the link ->
-    KV pulled (the prefill side frees) -> DecodeAdmission -> one token per step."""
+    KV pulled (the prefill side frees) -> DecodeAdmission -> one token per step. Elastic
+    (``local_prefill_tokens``): prompts routed here wait in a FCFS queue and ride in the decode
+    steps, at most that many prompt tokens a step."""
 
     role = "decode"
 
@@ -402,6 +405,8 @@ class DecodeInstance(_Decoding):
         self.pulling: dict[int, tuple[SimSeq, PrefillInstance]] = {}
         self.link_free_s = 0.0  # the inbound link carries one hand-off at a time
         self._plan: DecodeStepPlan | None = None
+        self.queue = PrefillQueue("fcfs")  # elastic: prompts prefilled here
+        self._slices: tuple[ChunkSlice, ...] = ()
 
     def handle(self, msg: tuple[Any, ...]) -> None:
         kind = msg[0]
@@ -414,6 +419,10 @@ class DecodeInstance(_Decoding):
                 return
             self.pulling[req.req_id] = (seq, src)
             self.sim.pull(self, req.req_id, seq.num_computed)
+        elif kind == "add":  # elastic: a light prompt routed here
+            req = msg[1]
+            self.seqs[req.req_id] = SimSeq(req, req.prompt_len)
+            self.queue.add(req.req_id, req.prompt_len, req.arrival_s)
         elif kind == "kv_ready":
             seq, src = self.pulling.pop(msg[1])
             self.sim.send(src, ("pulled", msg[1]))
@@ -425,22 +434,54 @@ class DecodeInstance(_Decoding):
             super().handle(msg)
 
     def start_step(self) -> float | None:
-        plan = self.admission.plan(self.alloc.num_free)
+        free = self.alloc.num_free
+        plan = self.admission.plan(free)
+        slices: tuple[ChunkSlice, ...] = ()
+        if len(self.queue):
+            slices = coupled_chunked_plan(
+                self.queue, plan.run_ids, len(plan.run_ids) + self.sim.cfg.local_prefill_tokens,
+                num_free_blocks=self.admission.free_after(plan, free),
+                block_size=self.block_size).slices
         items = self.decode_items(plan)
+        num_decode = len(items)
+        kept = []
+        for piece in slices:
+            seq = self.seqs[piece.req_id]
+            if piece.is_first and not reserve(self.alloc, seq, seq.req.prompt_len,
+                                              self.block_size):
+                break
+            kept.append(piece)
+            items.append((piece.num_tokens, piece.start))
         if not items:
             self.admission.on_done(plan, set())
             return None
-        self._plan = plan
-        return self.cost.step_s(items)
+        self._plan, self._slices = plan, tuple(kept)
+        return self.cost.step_s(items, 0, num_decode + sum(p.is_last for p in kept))
 
     def finish_step(self) -> None:
         assert self._plan is not None
         plan, self._plan = self._plan, None
         self.decode_done(plan)
+        slices, self._slices = self._slices, ()
+        now = self.sim.loop.now_s
+        for req_id in self.queue.advance(slices) if slices else ():
+            seq = self.seqs[req_id]
+            seq.num_computed = seq.num_tokens
+            seq.num_tokens += 1  # the first output token, streamed from here
+            seq.req.first_token_s = now
+            if seq.req.output_len <= 1:
+                release(self.alloc, seq)
+                del self.seqs[req_id]
+                seq.req.end_s = now
+                self.sim.finished(seq.req)
+            else:
+                self.admission.add(req_id, seq.req.prompt_len, seq.num_tokens, seq.req.bucket,
+                                   seq.req.output_len)
 
     def load_report(self) -> LoadReport:
         load = self.admission.load()
-        return LoadReport(self.worker_id, "decode", load.num_waiting, load.num_running, 0,
+        return LoadReport(self.worker_id, "decode", load.num_waiting + len(self.queue),
+                          load.num_running, self.queue.num_queued_tokens,
                           self.alloc.num_free, self.alloc.num_blocks, load.num_heavy,
                           load.num_light, load.predicted_demand_blocks, self.busy_s,
                           load.num_preemptions)
