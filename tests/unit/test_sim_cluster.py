@@ -12,7 +12,7 @@ from tetri_server.bench.workload import WorkloadSpec
 from tetri_server.sim.cli import main
 from tetri_server.sim.cluster import MODES, SimConfig, Simulation
 from tetri_server.sim.cost import CostModel
-from tetri_server.sim.instances import PrefillInstance, SimRequest
+from tetri_server.sim.instances import DecodeInstance, PrefillInstance, SimRequest
 from tetri_server.sim.profiles import load_hardware, load_model
 from tetri_server.sim.run import predict, simulate
 from tetri_server.sim.workload import from_trace, from_workload
@@ -216,3 +216,27 @@ def test_elastic_prefill_decodes_part_of_a_decode_heavy_load_itself() -> None:
     assert 0 < prefill.num_kept < len(reqs) and prefill.max_kept <= 4
     elastic_jct = sum(r.end_s - r.arrival_s for r in sim.requests) / len(reqs)
     assert elastic_jct < strict["jct_mean_s"]
+
+
+def test_elastic_decode_prefills_light_prompts_behind_a_backlog() -> None:
+    """Long prompts back the prefill instance up; light ones arriving behind them are prefilled
+    by the decode instance (at most 64 tokens a step) and start sooner than without."""
+    cost = CostModel(load_hardware("this-cpu"), load_model("bench"))
+    heavy = [SimRequest(i, 1000, 8, 0.0) for i in range(6)]
+    light = [SimRequest(6 + i, 40, 8, 0.01 * i) for i in range(6)]
+    cfg = SimConfig(decode_policy="greedy", max_model_len=2048, chunk_size=256,
+                    monitor_interval_ms=5)
+    strict = Simulation(cfg, cost, [dataclasses.replace(r) for r in heavy + light])
+    strict.run()
+    sim = Simulation(dataclasses.replace(cfg, local_prefill_tokens=64), cost,
+                     [dataclasses.replace(r) for r in heavy + light])
+    sim.run()
+    assert all(r.error is None and r.end_s is not None for r in sim.requests)
+    assert all(i.alloc.num_free == i.alloc.num_blocks for i in sim.instances)
+    decode = sim.instances[1]
+    assert isinstance(decode, DecodeInstance) and decode.num_prefilled > 0
+
+    def light_ttft(s: Simulation) -> float:
+        return sum(r.first_token_s - r.arrival_s for r in s.requests[6:]) / 6
+
+    assert light_ttft(sim) < light_ttft(strict)

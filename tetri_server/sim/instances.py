@@ -407,6 +407,7 @@ class DecodeInstance(_Decoding):
         self._plan: DecodeStepPlan | None = None
         self.queue = PrefillQueue("fcfs")  # elastic: prompts prefilled here
         self._slices: tuple[ChunkSlice, ...] = ()
+        self.num_prefilled = 0  # prompts prefilled here (elastic)
 
     def handle(self, msg: tuple[Any, ...]) -> None:
         kind = msg[0]
@@ -468,6 +469,7 @@ class DecodeInstance(_Decoding):
             seq = self.seqs[req_id]
             seq.num_computed = seq.num_tokens
             seq.num_tokens += 1  # the first output token, streamed from here
+            self.num_prefilled += 1
             seq.req.first_token_s = now
             if seq.req.output_len <= 1:
                 release(self.alloc, seq)
