@@ -1,7 +1,7 @@
 """``tetri-server sim compare``: one trace through the real server and through the simulator.
 
-    tetri-server sim compare --model models/llama-bench --workload Mixed --rate 0.3 \
-        --num-requests 60 --repeat 2 --json simreal.json
+    tetri-server sim compare --model models/llama-bench --workload Mixed --rate 0.4 \
+        --num-requests 80 --repeat 2 --json simreal.json
 
 The real side is ``tetri-server serve`` in disaggregated mode, 1 prefill + 1 decode worker
 (each pinned to its own core), started and stopped as ``tetri-server bench compare`` does
@@ -48,8 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sim-model", default="bench", help="the simulator's model shape")
     p.add_argument("--hardware", default="this-cpu", help="the simulator's profile")
     p.add_argument("--workload", default="Mixed")
-    p.add_argument("--rate", type=float, default=0.3, help="requests/s, Poisson")
-    p.add_argument("--num-requests", type=int, default=60)
+    p.add_argument("--rate", type=float, default=0.4, help="requests/s, Poisson")
+    p.add_argument("--num-requests", type=int, default=80)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--chunk-size", type=int, default=512)
