@@ -194,8 +194,12 @@ class Ready(msgspec.Struct, tag=True, array_like=True):
 
 
 class PromptLogprobs(msgspec.Struct, array_like=True, gc=False):
-    """Logprobs of prompt tokens 1 .. n-1 (token 0 has none), one entry per token: from the
-    logits of the position before it, raw (no sampling parameters applied)."""
+    """Logprobs of prompt tokens (token 0 has none), one entry per token: from the logits of
+    the position before it, raw (no sampling parameters applied). Sent in parts, so no message
+    grows with the prompt: each step that computes prompt positions before the last chunk sends
+    its part on a ``TokenDelta`` with no tokens, the first token's delta carries the last part;
+    the control process joins them in order (``control.protocol.join_prompt_part``) and the API
+    receives the whole on the first token's delta."""
 
     logprobs: list[float]  # of the prompt's own token
     ranks: list[int]  # its rank among the vocabulary, 1 = the most likely
@@ -214,7 +218,8 @@ class TokenDelta(msgspec.Struct, array_like=True, gc=False):
     finish_reason: str | None = None
     # per token of token_ids, when sampling.top_logprobs > 0: [(token id, logprob), ...] best first
     top_logprobs: list[list[tuple[int, float]]] | None = None
-    # first delta: the prompt's logprobs, when sampling.prompt_logprobs asked for them
+    # the prompt's logprobs, when sampling.prompt_logprobs asked for them: on deltas with no
+    # tokens (parts) and on the first token's delta (the last part)
     prompt_logprobs: PromptLogprobs | None = None
     # first delta: time.monotonic() (one clock for every process of the host) when the
     # request's first prompt chunk was scheduled: arrival -> this is queue time, this -> the

@@ -17,9 +17,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from tetri_server.control.protocol import GenerationError, InvalidRequestError, QueueFullError
+from tetri_server.control.protocol import (
+    GenerationError,
+    InvalidRequestError,
+    QueueFullError,
+    join_prompt_part,
+)
 from tetri_server.engine.grammar import GuideError
-from tetri_server.messages import SamplingParams, TokenDelta
+from tetri_server.messages import PromptLogprobs, SamplingParams, TokenDelta
 from tetri_server.metrics import Metrics
 
 MAX_MODEL_LEN = 256
@@ -37,6 +42,7 @@ class _Stream:
         self._backend = backend
         self.queue: asyncio.Queue[TokenDelta | Exception] = asyncio.Queue()
         self.num_tokens = 0
+        self.prompt_part: PromptLogprobs | None = None
 
     def __aiter__(self) -> AsyncIterator[TokenDelta]:
         return self._iter()
@@ -168,6 +174,10 @@ class EngineBackend:
             stream = self._streams.get(d.req_id)
             if stream is None:
                 continue
+            if d.prompt_logprobs is not None:  # as the cluster joins the parts
+                stream.prompt_part, forward = join_prompt_part(stream.prompt_part, d)
+                if not forward:
+                    continue
             stream.num_tokens += len(d.token_ids)
             limit = self._fail_at.get(d.req_id)
             if limit is not None and stream.num_tokens > limit and d.finish_reason is None:

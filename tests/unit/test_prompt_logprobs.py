@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests.conftest import random_prompts
+from tetri_server.control.protocol import join_prompt_part
 from tetri_server.llm import make_engine
 from tetri_server.messages import PromptLogprobs, SamplingParams
 
@@ -28,12 +29,17 @@ def hf_prompt_logprobs(path, prompts: list[list[int]]) -> list[torch.Tensor]:
 
 
 def first_deltas(eng, prompts, params) -> dict[int, object]:
+    """Each request's first token delta, with the prompt-logprobs parts before it joined on
+    (as the control process does)."""
     for i, p in enumerate(prompts):
         eng.add_request(i, p, params)
     first: dict[int, object] = {}
+    held: dict[int, object] = {}
     while eng.has_unfinished():
         for d in eng.step():
-            first.setdefault(d.req_id, d)
+            held[d.req_id], forward = join_prompt_part(held.get(d.req_id), d)
+            if forward:
+                first.setdefault(d.req_id, d)
     return first
 
 
@@ -93,23 +99,43 @@ def test_prompt_logprobs_zero_gives_the_prompt_tokens_alone(case):
 
 
 def test_requests_that_do_not_ask_get_none_and_the_same_tokens(case):
-    """Mixed in one batch: the asking request has them, the other not; greedy tokens are the
-    same as without any prompt logprobs in the batch."""
+    """Mixed in one batch: the asking request has them, in parts no larger than a chunk (no
+    message grows with the prompt), none after its first token; the other has none; greedy
+    tokens are the same as without any prompt logprobs in the batch."""
     path, prompts, _ = case
     plain = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     asks = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
     eng = make_engine(str(path), "cluster.mode=coupled-chunked", "prefill.token_budget=32",
                       "kv.num_blocks=400")
-    base = eng.generate(prompts[:4], plain)
-    eng.add_request(0, prompts[0], asks)
+    long = prompts[-1]  # 600 tokens: 19 chunks
+    base = eng.generate([long, prompts[1]], plain)
+    eng.add_request(0, long, asks)
     eng.add_request(1, prompts[1], plain)
     got: dict[int, list[int]] = {0: [], 1: []}
-    firsts: dict[int, object] = {}
+    sizes = []
     while eng.has_unfinished():
         for d in eng.step():
+            if d.prompt_logprobs is not None:
+                assert d.req_id == 0 and not got[0], "prompt logprobs after the first token"
+                sizes.append(len(d.prompt_logprobs.logprobs))
             got[d.req_id].extend(d.token_ids)
-            firsts.setdefault(d.req_id, d)
-            if d.req_id in firsts and d is not firsts[d.req_id]:
-                assert d.prompt_logprobs is None  # only the first delta carries them
     assert got[0] == base[0] and got[1] == base[1]
-    assert firsts[0].prompt_logprobs is not None and firsts[1].prompt_logprobs is None
+    assert sum(sizes) == len(long) - 1 and max(sizes) <= 32 and len(sizes) > 10
+
+
+def test_parts_join_in_order_onto_the_first_token_delta():
+    from tetri_server.messages import TokenDelta
+
+    def part(lo: int, hi: int) -> PromptLogprobs:
+        return PromptLogprobs([float(i) for i in range(lo, hi)], list(range(lo, hi)),
+                              [[(i, float(i))] for i in range(lo, hi)])
+
+    held, forward = join_prompt_part(None, TokenDelta(0, [], prompt_logprobs=part(0, 3)))
+    assert not forward
+    held, forward = join_prompt_part(held, TokenDelta(0, [], prompt_logprobs=part(3, 5)))
+    first = TokenDelta(0, [9], prompt_logprobs=part(5, 6))
+    held, forward = join_prompt_part(held, first)
+    assert forward and held is None
+    assert first.prompt_logprobs == part(0, 6)
+    later = TokenDelta(0, [10])
+    assert join_prompt_part(None, later) == (None, True) and later.prompt_logprobs is None

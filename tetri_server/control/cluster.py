@@ -30,6 +30,7 @@ from tetri_server.control.protocol import (
     InvalidRequestError,
     RequestTooLargeError,
     WorkerUnavailableError,
+    join_prompt_part,
 )
 from tetri_server.control.requests import DONE, Request, Stream
 from tetri_server.control.routing import Router
@@ -188,6 +189,10 @@ class Cluster:
             req = self.table.get(d.req_id)
             if req is None:
                 continue
+            if d.prompt_logprobs is not None:
+                req.prompt_part, forward = join_prompt_part(req.prompt_part, d)
+                if not forward:
+                    continue
             req.output_ids.extend(d.token_ids)
             self.accounting.on_delta(req, d, now)
             req.queue.put_nowait(d)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
-from tetri_server.messages import SamplingParams, TokenDelta
+from tetri_server.messages import PromptLogprobs, SamplingParams, TokenDelta
 
 
 class GenerationError(Exception):
@@ -45,11 +45,30 @@ class QueueFullError(Exception):
         self.retry_after_s = retry_after_s
 
 
+def join_prompt_part(held: PromptLogprobs | None,
+                     delta: TokenDelta) -> tuple[PromptLogprobs | None, bool]:
+    """A worker streams a request's prompt logprobs in parts (``PromptLogprobs``); a backend
+    gives them whole on the first token's delta. Returns what is still held back and whether
+    ``delta`` goes on (a part alone, with no tokens, does not). A re-run from the prompt starts
+    again from ``held = None``."""
+    part = delta.prompt_logprobs
+    if part is None:
+        return held, True
+    if held is not None:
+        part = PromptLogprobs(held.logprobs + part.logprobs, held.ranks + part.ranks,
+                              held.top + part.top)
+    if not delta.token_ids and delta.finish_reason is None:
+        return part, False
+    delta.prompt_logprobs = part
+    return None, True
+
+
 class RequestStream(Protocol):
     req_id: int
 
     def __aiter__(self) -> AsyncIterator[TokenDelta]:
-        """Token deltas in order; the last one has ``finish_reason`` set. Raises
+        """Token deltas in order; the last one has ``finish_reason`` set; the first one with
+        tokens carries the whole ``prompt_logprobs`` when asked for. Raises
         ``GenerationError`` if the request fails. Every wait inside is bounded."""
         ...
 

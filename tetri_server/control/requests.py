@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from tetri_server.control.protocol import GenerationError
-from tetri_server.messages import SamplingParams, TokenDelta
+from tetri_server.messages import PromptLogprobs, SamplingParams, TokenDelta
 
 
 class ReqState(enum.Enum):
@@ -44,6 +44,8 @@ class Request:
     handoff_s: float = 0.0  # monotonic time the Handoff was forwarded
     first_token_s: float | None = None  # monotonic time its first token reached control
     scheduled_s: float | None = None  # monotonic time its worker scheduled its first chunk
+    # prompt-logprobs parts received before the first token (join_prompt_part)
+    prompt_part: PromptLogprobs | None = None
     # output-length bucket the prefill worker predicted (first delta, Handoff); -1: none
     predicted_bucket: int = -1
     # Waiting for a worker of a role that has none live (restarting): fail with 503 at this

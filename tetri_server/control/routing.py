@@ -55,6 +55,7 @@ class Router:
             p, max_tokens=p.max_tokens - done, min_tokens=max(0, p.min_tokens - done),
             prompt_logprobs=None)
         req.owner, req.src, req.state = wid, -1, ReqState.PREFILL
+        req.prompt_part = None  # a re-run computes the prompt's logprobs again from the start
         req.wait_deadline_s = None if self.has_live("decode") else self.deadline()
         self.workers[wid].post(AddRequest(req.req_id, prompt, params, req.arrival_s,
                                           req.true_output_len, req.prompt_text))

@@ -3,6 +3,8 @@ detokenized text by the control process)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from tetri_server.engine.sequence import Sequence
 from tetri_server.messages import PromptLogprobs, TokenDelta
 
@@ -41,3 +43,15 @@ def emit(seq: Sequence, reason: str | None) -> TokenDelta:
             seq.prompt_logprobs = None  # sent; a recompute does not fill it again
     seq.num_emitted = seq.num_output
     return delta
+
+
+def prompt_parts(seqs: Iterable[Sequence]) -> list[TokenDelta]:
+    """The prompt logprobs a step computed for prompts it did not finish, each on a delta with
+    no tokens (the first token's delta, ``emit``, carries the last part). Call after the step's
+    forward; a request that did not ask has none."""
+    parts = []
+    for seq in seqs:
+        if seq.prompt_logprobs is not None and seq.num_computed < seq.num_prompt:
+            parts.append(TokenDelta(seq.req_id, [], prompt_logprobs=seq.prompt_logprobs))
+            seq.prompt_logprobs = None
+    return parts

@@ -21,7 +21,7 @@ import torch
 from tetri_server.engine.runner import ModelRunner, ScheduledSeq, StepPlan
 from tetri_server.engine.sampling import make_generator
 from tetri_server.engine.sequence import SeqStatus, Sequence
-from tetri_server.engine.stops import append_token, emit
+from tetri_server.engine.stops import append_token, emit, prompt_parts
 from tetri_server.kv.manager import KVCacheManager
 from tetri_server.messages import (
     AddRequest,
@@ -137,7 +137,7 @@ class CoupledLoop:
                 self.admission.on_done(plan.decode, set())
             return []
         result = self.runner.execute(StepPlan(items, plan.num_pad if slices else 0))
-        deltas: list[TokenDelta] = []
+        deltas = prompt_parts(item.seq for item in items[num_decode:])
         finished: set[int] = set()
         for item, tok, lp in zip(items[:num_decode], result.sampled, result.logprobs,
                                  strict=False):

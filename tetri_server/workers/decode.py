@@ -17,7 +17,7 @@ from __future__ import annotations
 from tetri_server.engine.runner import ScheduledSeq, StepPlan
 from tetri_server.engine.sampling import make_generator
 from tetri_server.engine.sequence import SeqStatus, Sequence
-from tetri_server.engine.stops import append_token, emit
+from tetri_server.engine.stops import append_token, emit, prompt_parts
 from tetri_server.messages import (
     AddRequest,
     Handoff,
@@ -139,6 +139,7 @@ class DecodeRole(Role):
                 if self._append(seq, tok, lp, deltas):
                     finished.add(seq.req_id)
             done = set(self.queue.advance(slices)) if slices else set()
+            deltas += prompt_parts(item.seq for item in items[num_decode:])
             for item, tok, lp in zip(items[num_decode:], result.sampled[num_decode:],
                                      result.logprobs[num_decode:], strict=True):
                 seq = item.seq

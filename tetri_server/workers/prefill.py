@@ -16,7 +16,7 @@ import random
 from tetri_server.engine.runner import ScheduledSeq, StepPlan
 from tetri_server.engine.sampling import make_generator
 from tetri_server.engine.sequence import SeqStatus, Sequence
-from tetri_server.engine.stops import append_token, emit
+from tetri_server.engine.stops import append_token, emit, prompt_parts
 from tetri_server.messages import (
     AddRequest,
     DecodeView,
@@ -160,7 +160,8 @@ class PrefillRole(Role):
         # Padding is bookkeeping only: on CPU, computing pad tokens is pure waste.
         result = self.w.runner.execute(StepPlan(items))
         done = set(self.chunker.on_done(self.book.queue, chunk))
-        self._send(self._first_tokens(items, result.sampled, result.logprobs, done))
+        self._send(prompt_parts(i.seq for i in items)
+                   + self._first_tokens(items, result.sampled, result.logprobs, done))
         self.dispatch_held()
         return True
 
@@ -202,6 +203,7 @@ class PrefillRole(Role):
                 self.w.kv.free(seq)
         self.admission.on_done(decode, finished)
         done = set(book.queue.advance(chunk.slices))
+        deltas += prompt_parts(i.seq for i in prompt_items)
         deltas += self._first_tokens(prompt_items, result.sampled[num_decode:],
                                      result.logprobs[num_decode:], done)
         self._send(deltas)
