@@ -104,7 +104,8 @@ async def _until_ready(cluster) -> None:
 
 
 async def test_stale_segments_of_a_crashed_control_process_are_removed(tiny_llama, tmp_path):
-    """A control process killed with SIGKILL leaves segments; the next start removes them."""
+    """A control process and its workers killed with SIGKILL (the OOM killer, a power cut of
+    the cgroup) leave segments; the next start removes them."""
     import subprocess
     import sys
     import textwrap
@@ -118,13 +119,14 @@ async def test_stale_segments_of_a_crashed_control_process_are_removed(tiny_llam
             c = make_cluster({str(tiny_llama)!r}, "coupled")
             await c.start()
             print(c.run_id, flush=True)
+            for h in c.workers.values():  # no worker lives to unlink its own segments
+                os.kill(h.proc.pid, signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
         asyncio.run(main())
     """))
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                          timeout=120)
     run_id = out.stdout.strip().splitlines()[-1]
-    await asyncio.sleep(0.5)  # workers notice their parent died (PDEATHSIG) and exit
     assert segments(run_id), "the crashed run should have left its segments"
     cluster = make_cluster(tiny_llama, "coupled")
     await cluster.start()
