@@ -62,7 +62,7 @@ ZERO_OK = {("Length predictor accuracy", "A")}
 MAIN_PANELS = (
     "Token throughput", "Running / waiting requests", "Requests finished by reason, and errors",
     "Time to first token", "Inter-token latency", "End-to-end request latency",
-    "Queue + prefill time, decode time", "KV cache usage per worker", "Worker roles",
+    "Queue, prefill and decode time", "KV cache usage per worker", "Worker roles",
     "Length predictor accuracy", "KV hand-off", "Disaggregated phases",
 )
 
