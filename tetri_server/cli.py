@@ -53,7 +53,8 @@ def _serve_args(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     p.add_argument("--prefill-workers", type=int, help="cluster.prefill_workers")
     p.add_argument("--decode-workers", type=int, help="cluster.decode_workers")
     p.add_argument("--mode", help="cluster.mode")
-    p.add_argument("--tool-call-parser", help="model.tool_call_parser (hermes)")
+    p.add_argument("--tool-call-parser",
+                   help="model.tool_call_parser: hermes, llama3_json or mistral")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM's command lines; auto is on with a parser")
     p.add_argument("--allowed-origins", nargs="+", metavar="ORIGIN",

@@ -6,7 +6,13 @@ import random
 
 import pytest
 
-from tetri_server.api.detokenizer import REPLACEMENT, IncrementalDetokenizer, StopMatcher
+from tetri_server.api.detokenizer import (
+    REPLACEMENT,
+    IncrementalDetokenizer,
+    StopMatcher,
+    StreamDetokenizer,
+    make_detokenizer,
+)
 
 PROMPT = [1, 500, 600]
 
@@ -18,23 +24,47 @@ def tok(model_dir):
     return AutoTokenizer.from_pretrained(str(model_dir("llama", "tiny")))
 
 
-def _stream(tok, ids: list[int]) -> list[str]:
-    d = IncrementalDetokenizer(tok, PROMPT)
+@pytest.fixture(params=[IncrementalDetokenizer, StreamDetokenizer])
+def detok(request):
+    return request.param
+
+
+def _stream(tok, ids: list[int], cls=IncrementalDetokenizer) -> list[str]:
+    d = cls(tok, PROMPT)
     return [d.add([t], final=i == len(ids) - 1) for i, t in enumerate(ids)]
 
 
-def test_multibyte_characters_split_across_tokens_are_never_sent_broken(tok) -> None:
+def test_a_fast_tokenizer_gets_the_decode_stream(tok) -> None:
+    assert isinstance(make_detokenizer(tok, PROMPT), StreamDetokenizer)
+
+    class Slow:  # no tokenizers backend: the Python detokenizer
+        def decode(self, ids, skip_special_tokens=True):  # noqa: ANN001, ANN202, ARG002
+            return "".join(chr(65 + i % 26) for i in ids)
+
+    assert isinstance(make_detokenizer(Slow(), PROMPT), IncrementalDetokenizer)
+
+
+def test_a_long_undecodable_run_is_sent_as_replacement_characters(tok, detok) -> None:
+    partial = [i for i in range(len(tok)) if REPLACEMENT in tok.decode([i])]
+    lone = next(t for t in partial if REPLACEMENT in tok.decode([t, t, t, t]))
+    ids = [lone] * 100 + tok.encode(" ok", add_special_tokens=False)
+    pieces = _stream(tok, ids, detok)
+    assert "".join(pieces) == tok.decode(ids, skip_special_tokens=True)
+    assert any(REPLACEMENT in p for p in pieces[:-2])  # not all held to the end
+
+
+def test_multibyte_characters_split_across_tokens_are_never_sent_broken(tok, detok) -> None:
     text = "Hi 😀 wörld — 你好世界 🎉🎉 naïve café ½"
     ids = tok.encode(text, add_special_tokens=False)
     split = [t for t in ids if REPLACEMENT in tok.decode([t])]
     assert len(split) >= 4, "the test needs tokens that hold part of a character"
-    pieces = _stream(tok, ids)
+    pieces = _stream(tok, ids, detok)
     assert "".join(pieces) == text
     assert not any(REPLACEMENT in p for p in pieces)
     assert "" in pieces  # something was held back
 
 
-def test_random_tokens_join_to_the_full_decode(tok) -> None:
+def test_random_tokens_join_to_the_full_decode(tok, detok) -> None:
     partial = [i for i in range(len(tok)) if REPLACEMENT in tok.decode([i])]
     rng = random.Random(0)
     for _ in range(200):
@@ -42,13 +72,13 @@ def test_random_tokens_join_to_the_full_decode(tok) -> None:
             rng.choice(partial) if rng.random() < 0.5 else rng.randrange(5, len(tok))
             for _ in range(30)
         ]
-        assert "".join(_stream(tok, ids)) == tok.decode(ids, skip_special_tokens=True)
+        assert "".join(_stream(tok, ids, detok)) == tok.decode(ids, skip_special_tokens=True)
 
 
-def test_special_tokens_are_skipped_and_leading_space_kept(tok) -> None:
+def test_special_tokens_are_skipped_and_leading_space_kept(tok, detok) -> None:
     ids = tok.encode(" hello there", add_special_tokens=False)
     eos = tok.eos_token_id
-    pieces = _stream(tok, [*ids[:1], eos, *ids[1:], eos])
+    pieces = _stream(tok, [*ids[:1], eos, *ids[1:], eos], detok)
     assert "".join(pieces) == " hello there"
 
 

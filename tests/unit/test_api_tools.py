@@ -107,3 +107,36 @@ def test_tools_reach_the_chat_template() -> None:
     tok = _RecordingTokenizer()
     chat_prompt(Fields({"messages": MSG}), tok, PromptLimits(10, 100, 10_000), TOOLS)
     assert tok.calls[0][1]["tools"] == TOOLS
+
+
+def _fed(parser, text: str, rng) -> tuple[str, list]:  # noqa: ANN001
+    """Feed ``text`` in random pieces; (all content sent, all calls)."""
+    sent, calls, i = "", [], 0
+    while i < len(text):
+        j = min(len(text), i + rng.randint(1, 7))
+        out, done = parser.feed(text[i:j], final=j == len(text))
+        sent, calls, i = sent + out, calls + done, j
+    return sent, calls
+
+
+@pytest.mark.parametrize(("name", "reply", "content", "calls"), [
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris"}}', "",
+     [("get_weather", {"city": "Paris"})]),
+    ("llama3_json", '<|python_tag|>{"name": "a", "parameters": {}}; {"name": "b", '
+     '"parameters": {"x": 1}}', "", [("a", {}), ("b", {"x": 1})]),
+    ("llama3_json", "The weather is {fine} today.", "The weather is {fine} today.", []),
+    ("llama3_json", '{"not": "a call"}', '{"not": "a call"}', []),
+    ("mistral", 'Sure. [TOOL_CALLS][{"name": "f", "arguments": {"q": "x"}}]', "Sure. ",
+     [("f", {"q": "x"})]),
+    ("mistral", "No tools [TOOLS] here", "No tools [TOOLS] here", []),
+    ("mistral", "[TOOL_CALLS]not json", "[TOOL_CALLS]not json", []),
+])
+def test_family_parsers_whole_and_streamed(name, reply, content, calls):
+    import random
+
+    from tetri_server.api.tools import make_parser
+
+    for seed in range(5):
+        sent, got = _fed(make_parser(name), reply, random.Random(seed))
+        assert sent == content
+        assert [(c.name, json.loads(c.arguments)) for c in got] == calls

@@ -2,8 +2,10 @@
 
 Byte-level BPE splits multi-byte UTF-8 characters across tokens: decoding a prefix of such a
 token run yields U+FFFD. ``IncrementalDetokenizer`` holds such a tail back until the character
-is complete. ``StopMatcher`` holds back the last ``len(longest stop) - 1`` characters so no part
-of a stop string is ever sent, and cuts the text right before the first stop string found.
+is complete; ``StreamDetokenizer`` does the same with ``tokenizers``' ``DecodeStream`` (in Rust)
+and is what ``make_detokenizer`` picks for a fast tokenizer. ``StopMatcher`` holds back the
+last ``len(longest stop) - 1`` characters so no part of a stop string is ever sent, and cuts
+the text right before the first stop string found.
 """
 
 from __future__ import annotations
@@ -55,6 +57,64 @@ class IncrementalDetokenizer:
         out = new[self._partial :]
         self._prefix, self._read, self._partial = self._read, len(self._ids), 0
         return out
+
+
+class StreamDetokenizer:
+    """``IncrementalDetokenizer``'s contract on ``tokenizers``' ``DecodeStream`` (the decoder
+    pipeline in Rust, one call per token). A run of tokens that stays undecodable (invalid
+    bytes from a random model) past ``MAX_HELD_TOKENS``, or one still held at the end, goes to
+    an ``IncrementalDetokenizer`` from there on, which sends it as U+FFFD."""
+
+    def __init__(self, tokenizer: Any, prompt_ids: list[int], *,
+                 skip_special_tokens: bool = True) -> None:
+        from tokenizers.decoders import DecodeStream
+
+        self._tok = tokenizer
+        self._fast = tokenizer._tokenizer
+        self._skip_special = skip_special_tokens
+        context = list(prompt_ids[-CONTEXT_TOKENS:])
+        self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
+        self._sent = context  # the last ids whose text was sent: the fallback's context
+        self._held: list[int] = []
+        self._fallback: IncrementalDetokenizer | None = None
+
+    def add(self, token_ids: list[int], *, final: bool = False) -> str:
+        if self._fallback is not None:
+            return self._fallback.add(token_ids, final=final)
+        out = []
+        for i, t in enumerate(token_ids):
+            piece = self._stream.step(self._fast, t)
+            if piece is None:
+                self._held.append(t)
+                if len(self._held) >= MAX_HELD_TOKENS:
+                    return "".join(out) + self._to_fallback(token_ids[i + 1:], final)
+                continue
+            out.append(piece)
+            self._sent = (self._sent + self._held + [t])[-CONTEXT_TOKENS:]
+            self._held = []
+        if final and self._held:
+            out.append(self._to_fallback([], final))
+        return "".join(out)
+
+    def _to_fallback(self, rest: list[int], final: bool) -> str:
+        self._fallback = IncrementalDetokenizer(self._tok, self._sent,
+                                                skip_special_tokens=self._skip_special)
+        held, self._held = self._held, []
+        return self._fallback.add(held + rest, final=final)
+
+
+def make_detokenizer(
+    tokenizer: Any, prompt_ids: list[int], *, skip_special_tokens: bool = True
+) -> StreamDetokenizer | IncrementalDetokenizer:
+    """``DecodeStream`` where the tokenizer is a ``tokenizers`` one that supports it, else the
+    Python ``IncrementalDetokenizer``."""
+    if getattr(tokenizer, "_tokenizer", None) is not None:
+        try:
+            return StreamDetokenizer(tokenizer, prompt_ids,
+                                     skip_special_tokens=skip_special_tokens)
+        except (ImportError, TypeError):  # tokenizers without DecodeStream(ids=...)
+            pass
+    return IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=skip_special_tokens)
 
 
 class StopMatcher:

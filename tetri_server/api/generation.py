@@ -13,7 +13,7 @@ import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
-from tetri_server.api.detokenizer import IncrementalDetokenizer, StopMatcher
+from tetri_server.api.detokenizer import StopMatcher, make_detokenizer
 from tetri_server.api.errors import (
     bad_param,
     generation_failed,
@@ -67,8 +67,8 @@ class Generation:
         self._metrics = metrics
         self._arrival_s = arrival_s  # time.monotonic() when the HTTP request arrived
         self._stream: RequestStream | None = None
-        self._detok = IncrementalDetokenizer(backend.tokenizer, req.prompt_ids,
-                                             skip_special_tokens=req.skip_special_tokens)
+        self._detok = make_detokenizer(backend.tokenizer, req.prompt_ids,
+                                       skip_special_tokens=req.skip_special_tokens)
         self._stops = StopMatcher(req.stop, include=req.include_stop_str)
         self.num_output_tokens = 0
         self.finish_reason: str | None = None

@@ -13,7 +13,7 @@ from typing import Any
 from tetri_server.api.detokenizer import token_texts
 from tetri_server.api.generation import Piece
 from tetri_server.api.params import GenRequest
-from tetri_server.api.tools import ForcedCallParser, HermesParser, ToolCall, make_parser
+from tetri_server.api.tools import ForcedCallParser, ReplyParser, ToolCall, make_parser
 from tetri_server.messages import PromptLogprobs
 
 Echoed = tuple[list[str], list[float | None], list[dict[str, float] | None]]
@@ -45,7 +45,7 @@ class ResponseBuilder:
         self._text_offset = [0] * num_choices  # per choice
         # chat with tool_choice=auto: each choice's reply parsed for calls; with a forced call
         # the reply is the call (finish_reason: tool_calls, or stop for a named function)
-        self._parsers: list[HermesParser] | list[ForcedCallParser] | None = None
+        self._parsers: list[ReplyParser] | list[ForcedCallParser] | None = None
         self._call_reason = "tool_calls"
         if self.chat and req.forced_call is not None:
             self._parsers = [ForcedCallParser(req.forced_call) for _ in range(num_choices)]

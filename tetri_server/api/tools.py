@@ -14,7 +14,10 @@ for those; the reply is returned as ``tool_calls`` (``finish_reason`` ``tool_cal
 Parsers turn reply text into content and calls, whole or streamed: ``feed(text)`` returns the
 content that is safe to send and the calls completed so far; text that may open a call is held
 back until it is known. ``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
-(Hermes, Qwen2.5, Qwen3 templates).
+(Hermes, Qwen2.5, Qwen3 templates). ``llama3_json``: a reply that is ``{"name": ...,
+"parameters": {...}}`` (``;``-separated for several, optionally after ``<|python_tag|>``), as
+Llama 3.1-3.3's templates ask. ``mistral``: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}]``
+after any content.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from tetri_server.api.guides import schema_guide
 from tetri_server.messages import Guide
 
 MAX_TOOLS = 128
-TOOL_PARSERS = ("hermes",)
+TOOL_PARSERS = ("hermes", "llama3_json", "mistral")
 
 
 @dataclass(frozen=True)
@@ -214,7 +217,95 @@ class ForcedCallParser:
         return "", self.calls
 
 
-def make_parser(name: str) -> HermesParser:
+def _calls(objs: Any) -> list[ToolCall] | None:
+    """``[{"name", "arguments" | "parameters"}, ...]`` as calls; None if that is not what it is."""
+    if not isinstance(objs, list) or not objs:
+        return None
+    calls = [HermesParser._call(json.dumps(o)) if isinstance(o, dict) else None for o in objs]
+    return None if any(c is None for c in calls) else [c for c in calls if c is not None]
+
+
+class Llama3JsonParser:
+    """A reply that is a JSON call (or ``;``-separated calls), maybe after ``<|python_tag|>``:
+    held whole until it ends, then returned as calls, or as text if it is not one. A reply that
+    starts otherwise is content, streamed."""
+
+    TAG = "<|python_tag|>"
+
+    def __init__(self) -> None:
+        self._buf = ""
+        self._mode = ""  # "", "call" (held until the end) or "text"
+        self.calls: list[ToolCall] = []
+
+    def feed(self, text: str, *, final: bool = False) -> tuple[str, list[ToolCall]]:
+        self._buf += text
+        if not self._mode:
+            head = self._buf.lstrip()
+            if head.startswith(("{", self.TAG)):
+                self._mode = "call"
+            elif head and not self.TAG.startswith(head):
+                self._mode = "text"
+        if self._mode == "text" or (final and self._mode != "call"):
+            out, self._buf = self._buf, ""
+            return out, []
+        if not final:
+            return "", []
+        body = self._buf.strip().removeprefix(self.TAG)
+        try:
+            objs = [json.loads(part) for part in body.split(";") if part.strip()]
+        except ValueError:
+            objs = []
+        calls = _calls(objs)
+        if calls is None:
+            out, self._buf = self._buf, ""
+            return out, []
+        self.calls, self._buf = calls, ""
+        return "", calls
+
+
+class MistralParser:
+    """Content, then ``[TOOL_CALLS]`` and a JSON array of calls (held until the reply ends)."""
+
+    TAG = "[TOOL_CALLS]"
+
+    def __init__(self) -> None:
+        self._buf = ""
+        self._in_calls = False
+        self.calls: list[ToolCall] = []
+
+    def feed(self, text: str, *, final: bool = False) -> tuple[str, list[ToolCall]]:
+        self._buf += text
+        content = ""
+        if not self._in_calls:
+            start = self._buf.find(self.TAG)
+            if start < 0:
+                keep = 0 if final else _partial_suffix(self._buf, self.TAG)
+                cut = len(self._buf) - keep
+                content, self._buf = self._buf[:cut], self._buf[cut:]
+                return content, []
+            content, self._buf = self._buf[:start], self._buf[start + len(self.TAG):]
+            self._in_calls = True
+        if not final:
+            return content, []
+        try:
+            calls = _calls(json.loads(self._buf))
+        except ValueError:
+            calls = None
+        if calls is None:  # not calls after all: the model's text, as it wrote it
+            out, self._buf = content + self.TAG + self._buf, ""
+            return out, []
+        self.calls, self._buf = calls, ""
+        return content, calls
+
+
+ReplyParser = HermesParser | Llama3JsonParser | MistralParser
+
+
+def make_parser(name: str) -> ReplyParser:
     if name == "hermes":
         return HermesParser()
+    if name == "llama3_json":
+        return Llama3JsonParser()
+    if name == "mistral":
+        return MistralParser()
     raise ValueError(f"unknown tool call parser {name!r}")

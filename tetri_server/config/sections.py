@@ -17,7 +17,7 @@ PrefillPolicyName = Literal["fcfs", "sjf", "ljf"]
 DecodePolicyName = Literal["greedy", "reserve-static", "reserve-dynamic"]
 PredictorKind = Literal["classifier", "oracle", "none"]
 DispatchPolicyName = Literal["power-of-two", "round-robin"]
-ToolCallParser = Literal["none", "hermes"]
+ToolCallParser = Literal["none", "hermes", "llama3_json", "mistral"]
 
 BUILTIN_PREFIX = "builtin:"
 
@@ -160,7 +160,8 @@ class ModelConfig(_Section):
 
     tool_call_parser: ToolCallParser = "none"
     """How replies are parsed for tool calls under tool_choice=auto (vLLM's --tool-call-parser):
-    hermes (Hermes, Qwen2.5, Qwen3: <tool_call>{json}</tool_call>); none = tools only with
+    hermes (Hermes, Qwen2.5, Qwen3: <tool_call>{json}</tool_call>), llama3_json (Llama 3.1-3.3:
+    a JSON call as the reply), mistral ([TOOL_CALLS][...]); none = tools only with
     tool_choice=none."""
 
     MAX_ALIASES: ClassVar[int] = 16
