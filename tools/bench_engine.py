@@ -661,8 +661,8 @@ def main(argv: list[str] | None = None) -> int:
                        f"{'MET' if r >= 5 else 'MISSED'}")
     for ctx, r in attn_ratios.items():
         limit = 1.5 if ctx <= 128 else 1.2
-        targets.append(f"decode step at batch 32, context {ctx}, after (op + prepacked linears + fused layer ops) = "
-                       f"{r:.2f}x the roofline (target <= {limit}x): "
+        targets.append(f"decode step at batch 32, context {ctx}, after (op + prepacked "
+                       f"linears + fused layer ops) = {r:.2f}x the roofline (target <= {limit}x): "
                        f"{'MET' if r <= limit else 'MISSED'}")
     report += ["Targets:", "", *[f"- {t}" for t in targets], ""] if targets else []
     if args.profile:
