@@ -14,7 +14,7 @@ from tetri_server.policy import (
     coupled_step_plan,
 )
 from tetri_server.policy.chunker import ChunkSlice
-from tetri_server.sim.instances import SimRequest, SimSeq, _Decoding, release, reserve
+from tetri_server.sim.instances import SimRequest, SimSeq, _Decoding
 
 if TYPE_CHECKING:
     from tetri_server.sim.cluster import Simulation
@@ -71,19 +71,12 @@ class CoupledInstance(_Decoding):
                 "pad": 0, "free": free})
         items = [] if decode is None else self.decode_items(decode)
         num_decode = len(items)
-        slices = []
-        for piece in planned:
-            seq = self.seqs[piece.req_id]
-            if piece.is_first and not reserve(self.alloc, seq, seq.req.prompt_len,
-                                              self.block_size):
-                break
-            slices.append(piece)
-            items.append((piece.num_tokens, piece.start))
+        slices = self.reserve_slices(planned, items)
         if not items:
             if decode is not None:
                 self.admission.on_done(decode, set())
             return None
-        self._step = (decode, tuple(slices))
+        self._step = (decode, slices)
         num_sampled = num_decode + sum(p.is_last for p in slices)
         return self.cost.step_s(items, 0, num_sampled)
 
@@ -92,20 +85,7 @@ class CoupledInstance(_Decoding):
         (decode, slices), self._step = self._step, None
         if decode is not None:
             self.decode_done(decode)
-        now = self.sim.loop.now_s
-        for req_id in self.queue.advance(slices):
-            seq = self.seqs[req_id]
-            seq.num_computed = seq.num_tokens
-            seq.num_tokens += 1
-            seq.req.first_token_s = now
-            if seq.req.output_len <= 1:
-                release(self.alloc, seq)
-                del self.seqs[req_id]
-                seq.req.end_s = now
-                self.sim.finished(seq.req)
-            else:
-                self.admission.add(req_id, seq.req.prompt_len, seq.num_tokens, 0,
-                                   seq.req.output_len)
+        self.prompts_done(self.queue.advance(slices), predicted=False)  # greedy admission
 
     def load_report(self) -> LoadReport:
         load = self.admission.load()

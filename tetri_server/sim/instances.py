@@ -207,6 +207,38 @@ class _Decoding(Instance):
             items.append((num_new, seq.num_computed))
         return items
 
+    def reserve_slices(self, planned: tuple[ChunkSlice, ...],
+                       items: list[tuple[int, int]]) -> tuple[ChunkSlice, ...]:
+        """Blocks for each prompt a slice starts, in order, stopping at the first that does not
+        fit (no overtaking); the kept slices' (new, prefix) items are appended to ``items``."""
+        kept = []
+        for piece in planned:
+            seq = self.seqs[piece.req_id]
+            if piece.is_first and not reserve(self.alloc, seq, seq.req.prompt_len,
+                                              self.block_size):
+                break
+            kept.append(piece)
+            items.append((piece.num_tokens, piece.start))
+        return tuple(kept)
+
+    def prompts_done(self, req_ids: list[int], *, predicted: bool) -> None:
+        """Each completed prompt's first token: finished there, or it joins the admission
+        (with its predicted bucket when this instance schedules by prediction)."""
+        now = self.sim.loop.now_s
+        for req_id in req_ids:
+            seq = self.seqs[req_id]
+            seq.num_computed = seq.num_tokens
+            seq.num_tokens += 1  # the first output token, streamed from here
+            seq.req.first_token_s = now
+            if seq.req.output_len <= 1:
+                release(self.alloc, seq)
+                del self.seqs[req_id]
+                seq.req.end_s = now
+                self.sim.finished(seq.req)
+            else:
+                self.admission.add(req_id, seq.req.prompt_len, seq.num_tokens,
+                                   seq.req.bucket if predicted else 0, seq.req.output_len)
+
     def decode_done(self, plan: DecodeStepPlan) -> None:
         """Every request of the batch gained one token; the finished ones leave."""
         now = self.sim.loop.now_s
@@ -445,18 +477,11 @@ class DecodeInstance(_Decoding):
                 block_size=self.block_size).slices
         items = self.decode_items(plan)
         num_decode = len(items)
-        kept = []
-        for piece in slices:
-            seq = self.seqs[piece.req_id]
-            if piece.is_first and not reserve(self.alloc, seq, seq.req.prompt_len,
-                                              self.block_size):
-                break
-            kept.append(piece)
-            items.append((piece.num_tokens, piece.start))
+        kept = self.reserve_slices(slices, items)
         if not items:
             self.admission.on_done(plan, set())
             return None
-        self._plan, self._slices = plan, tuple(kept)
+        self._plan, self._slices = plan, kept
         return self.cost.step_s(items, 0, num_decode + sum(p.is_last for p in kept))
 
     def finish_step(self) -> None:
@@ -464,21 +489,10 @@ class DecodeInstance(_Decoding):
         plan, self._plan = self._plan, None
         self.decode_done(plan)
         slices, self._slices = self._slices, ()
-        now = self.sim.loop.now_s
-        for req_id in self.queue.advance(slices) if slices else ():
-            seq = self.seqs[req_id]
-            seq.num_computed = seq.num_tokens
-            seq.num_tokens += 1  # the first output token, streamed from here
-            self.num_prefilled += 1
-            seq.req.first_token_s = now
-            if seq.req.output_len <= 1:
-                release(self.alloc, seq)
-                del self.seqs[req_id]
-                seq.req.end_s = now
-                self.sim.finished(seq.req)
-            else:
-                self.admission.add(req_id, seq.req.prompt_len, seq.num_tokens, seq.req.bucket,
-                                   seq.req.output_len)
+        if slices:
+            done = self.queue.advance(slices)
+            self.num_prefilled += len(done)
+            self.prompts_done(done, predicted=True)
 
     def load_report(self) -> LoadReport:
         load = self.admission.load()
