@@ -12,7 +12,8 @@ from tetri_server.bench.workload import WorkloadSpec
 from tetri_server.sim.cli import main
 from tetri_server.sim.cluster import MODES, SimConfig, Simulation
 from tetri_server.sim.cost import CostModel
-from tetri_server.sim.instances import DecodeInstance, PrefillInstance, SimRequest
+from tetri_server.sim.disaggregated import DecodeInstance, PrefillInstance
+from tetri_server.sim.instances import SimRequest
 from tetri_server.sim.profiles import load_hardware, load_model
 from tetri_server.sim.run import predict, simulate
 from tetri_server.sim.workload import from_trace, from_workload

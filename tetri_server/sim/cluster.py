@@ -28,14 +28,9 @@ from tetri_server.policy import (
 )
 from tetri_server.sim.cost import CostModel
 from tetri_server.sim.coupled import CoupledInstance
+from tetri_server.sim.disaggregated import DecodeInstance, PrefillInstance
 from tetri_server.sim.events import EventLoop
-from tetri_server.sim.instances import (
-    DecodeInstance,
-    Instance,
-    PrefillInstance,
-    SimRequest,
-    SimSeq,
-)
+from tetri_server.sim.instances import Instance, SimRequest, SimSeq
 
 MODES = ("disaggregated", "coupled", "coupled-chunked")
 

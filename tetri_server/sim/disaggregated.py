@@ -1,0 +1,273 @@
+"""The simulated disaggregated roles: ``workers/prefill.py`` and ``workers/decode.py`` on the
+virtual clock (see ``sim/instances.py``), with the same ``PrefillBook``, dispatchers,
+admission and elastic rules as the workers."""
+
+from __future__ import annotations
+
+import random
+from typing import TYPE_CHECKING, Any
+
+from tetri_server.messages import LoadReport
+from tetri_server.policy import (
+    Chunker,
+    ChunkPlan,
+    DecodeAdmission,
+    DecodeStepPlan,
+    LocalDecode,
+    PrefillQueue,
+    RoundRobinDispatcher,
+    TetriDispatcher,
+    coupled_chunked_plan,
+)
+from tetri_server.policy.dispatch import Dispatcher
+from tetri_server.policy.prefill import ChunkSlice
+from tetri_server.policy.prefill_book import PrefillBook, Stage
+from tetri_server.sim.instances import SimRequest, SimSeq, _Decoding, release, reserve
+
+if TYPE_CHECKING:
+    from tetri_server.sim.cluster import Simulation
+
+
+class PrefillInstance(_Decoding):
+    """``workers/prefill.py``: predictor bucket -> PrefillQueue -> Chunker passes -> first
+    token -> dispatcher on the last DecodeView -> hand-off; blocks held until KV pulled. With
+    ``local_decode_batch`` (elastic), ``policy.LocalDecode`` keeps some prefilled requests:
+    they decode here (``seqs``, a greedy admission), their rows riding in the chunks."""
+
+    role = "prefill"
+
+    def __init__(self, sim: Simulation, worker_id: int, num_blocks: int) -> None:
+        super().__init__(sim, worker_id, num_blocks)
+        cfg = sim.cfg
+        self.chunker = Chunker(cfg.chunk_size, block_size=self.block_size)
+        dispatcher: Dispatcher = (
+            TetriDispatcher(random.Random(cfg.seed + worker_id), block_size=self.block_size,
+                            granularity=cfg.granularity, heavy_threshold=cfg.heavy_decode_tokens)
+            if cfg.dispatch == "power-of-two"
+            else RoundRobinDispatcher(block_size=self.block_size, granularity=cfg.granularity,
+                                      heavy_threshold=cfg.heavy_decode_tokens))
+        self.book: PrefillBook[SimSeq] = PrefillBook(
+            PrefillQueue(cfg.prefill_policy, cfg.sched_batch), dispatcher)
+        self.num_rejected = 0  # hand-offs refused by a decode instance
+        self._chunk: ChunkPlan | None = None
+        self.local = LocalDecode(cfg.local_decode_batch) if cfg.local_decode_batch else None
+        self.admission = DecodeAdmission("greedy", block_size=self.block_size,
+                                         num_total_blocks=num_blocks,
+                                         max_batch=max(1, cfg.local_decode_batch))
+        self.seqs = {}  # the kept requests (DECODING in the book)
+        self.num_kept = 0  # requests kept in all
+        self.max_kept = 0  # most kept at once
+        self._decode: DecodeStepPlan | None = None
+
+    def handle(self, msg: tuple[Any, ...]) -> None:
+        kind = msg[0]
+        if kind == "add":
+            req: SimRequest = msg[1]
+            self.book.add(req.req_id, SimSeq(req, req.prompt_len), req.prompt_len, req.arrival_s)
+        elif kind == "view":
+            if self.book.on_view(msg[1]):
+                self.dispatch_held()
+        elif kind == "pulled":
+            pulled = self.book.pulled(msg[1])
+            if pulled is not None:
+                release(self.alloc, pulled)
+                self.kick()  # freed blocks may let the head prompt start
+        elif kind == "rejected":
+            if self.book.rejected(msg[1]) is not None:
+                self.num_rejected += 1
+        else:
+            super().handle(msg)
+
+    def has_work(self) -> bool:
+        return self.book.has_work()
+
+    def is_drained(self) -> bool:
+        return not self.book
+
+    def predict_new(self) -> float:
+        """Bucket every new arrival (the bucket was drawn per request up front, so every mode
+        sees the same predictions); returns the predictor's time, run in-line as the worker
+        does."""
+        batch = self.book.new()
+        if not batch:
+            return 0.0
+        for e in batch:
+            self.book.predicted(e.req_id, e.req.req.bucket)
+        return self.sim.predictor_s([e.num_prompt for e in batch])
+
+    def start_step(self) -> float | None:
+        predict_s = self.predict_new()
+        if len(self.admission):
+            return self._start_mixed(predict_s)
+        chunk = self.chunker.plan(self.book.queue, self.alloc.num_free)
+        if chunk is None:
+            return None
+        return self._start_chunk(chunk, [], predict_s, pad=True)
+
+    def _start_mixed(self, predict_s: float) -> float | None:
+        """The kept requests decode and prompt slices fill the rest of the chunk."""
+        free = self.alloc.num_free
+        decode = self.admission.plan(free)
+        slices = coupled_chunked_plan(self.book.queue, decode.run_ids, self.chunker.chunk_size,
+                                      num_free_blocks=self.admission.free_after(decode, free),
+                                      block_size=self.block_size).slices
+        items = self.decode_items(decode)
+        for req_id in decode.fail_ids:
+            self.book.remove(req_id)
+        self._decode = decode
+        step_s = self._start_chunk(ChunkPlan(slices, 0, sum(p.num_tokens for p in slices)),
+                                   items, predict_s, pad=False)
+        if step_s is None:
+            self._decode = None
+            self.admission.on_done(decode, set())
+        return step_s
+
+    def _start_chunk(self, chunk: ChunkPlan, items: list[tuple[int, int]], predict_s: float,
+                     *, pad: bool) -> float | None:
+        """The step's prompt slices after ``items`` (the kept requests' decode rows, if any);
+        ``pad``: a pure prefill chunk, its padding costed as the worker runs it."""
+        num_decode = len(items)
+        kept = self.reserve_slices(chunk.slices, items)
+        if not items:
+            return None
+        self._chunk = chunk.prefix(len(kept))
+        num_sampled = num_decode + sum(p.is_last for p in kept)
+        num_pad = self._chunk.num_pad if pad else 0
+        return self.cost.step_s(items, num_pad, num_sampled) + predict_s
+
+    def seq(self, req_id: int) -> SimSeq:
+        return self.book.get(req_id)  # queued prompts and kept requests alike
+
+    def finish_step(self) -> None:
+        assert self._chunk is not None
+        now = self.sim.loop.now_s
+        if self._decode is not None:
+            decode, self._decode = self._decode, None
+            self.decode_done(decode)
+            for req_id in decode.run_ids:
+                if req_id not in self.seqs:  # finished
+                    self.book.remove(req_id)
+        for req_id in self.chunker.on_done(self.book.queue, self._chunk):
+            seq = self.book.get(req_id)
+            seq.num_computed = seq.num_tokens
+            seq.num_tokens += 1  # the first output token
+            seq.req.first_token_s = now
+            if seq.req.output_len <= 1:
+                self.book.remove(req_id)
+                release(self.alloc, seq)
+                seq.req.end_s = now
+                self.sim.finished(seq.req)
+            else:
+                self.book.prefilled(req_id)
+        self._chunk = None
+        self.dispatch_held()
+
+    def dispatch_held(self) -> None:
+        if self.local is not None:
+            self._keep_held(self.local)
+        for seq, plan in self.book.dispatch():
+            self.sim.handoff(self, seq, plan.decode_worker)
+
+    def _keep_held(self, local: LocalDecode) -> None:
+        book = self.book
+        for req_id in book.ids(Stage.HELD):
+            if not local.keep(len(self.admission), book.queue.num_queued_tokens,
+                              self.chunker.chunk_size, book.view):
+                return
+            seq = self.seqs[req_id] = book.keep(req_id)
+            self.num_kept += 1
+            self.max_kept = max(self.max_kept, len(self.seqs))
+            self.admission.add(req_id, seq.req.prompt_len, seq.num_tokens, seq.req.bucket,
+                               seq.req.output_len)
+
+    def load_report(self) -> LoadReport:
+        book = self.book
+        return LoadReport(self.worker_id, "prefill", book.count(Stage.NEW, Stage.QUEUED),
+                          book.count(Stage.HELD, Stage.HANDED_OFF, Stage.DECODING),
+                          book.queue.num_queued_tokens,
+                          self.alloc.num_free, self.alloc.num_blocks, 0, 0, 0, self.busy_s)
+
+
+class DecodeInstance(_Decoding):
+    """``workers/decode.py``: hand-off -> blocks for the prompt's KV -> pull over the link ->
+    KV pulled (the prefill side frees) -> DecodeAdmission -> one token per step. Elastic
+    (``local_prefill_tokens``): prompts routed here wait in a FCFS queue and ride in the decode
+    steps, at most that many prompt tokens a step."""
+
+    role = "decode"
+
+    def __init__(self, sim: Simulation, worker_id: int, num_blocks: int) -> None:
+        super().__init__(sim, worker_id, num_blocks)
+        cfg = sim.cfg
+        self.admission = DecodeAdmission(
+            cfg.decode_policy, block_size=self.block_size, num_total_blocks=num_blocks,
+            granularity=cfg.granularity, max_batch=cfg.max_batch,
+            heavy_threshold=cfg.heavy_decode_tokens)
+        self.seqs = {}
+        self.pulling: dict[int, tuple[SimSeq, PrefillInstance]] = {}
+        self.link_free_s = 0.0  # the inbound link carries one hand-off at a time
+        self._plan: DecodeStepPlan | None = None
+        self.queue = PrefillQueue("fcfs")  # elastic: prompts prefilled here
+        self._slices: tuple[ChunkSlice, ...] = ()
+        self.num_prefilled = 0  # prompts prefilled here (elastic)
+
+    def handle(self, msg: tuple[Any, ...]) -> None:
+        kind = msg[0]
+        if kind == "handoff":
+            src: PrefillInstance = msg[1]
+            req: SimRequest = msg[2]
+            seq = SimSeq(req, req.prompt_len + 1, num_computed=req.prompt_len)
+            if not reserve(self.alloc, seq, seq.num_computed, self.block_size):
+                self.sim.send(src, ("rejected", req.req_id))
+                return
+            self.pulling[req.req_id] = (seq, src)
+            self.sim.pull(self, req.req_id, seq.num_computed)
+        elif kind == "add":  # elastic: a light prompt routed here
+            req = msg[1]
+            self.seqs[req.req_id] = SimSeq(req, req.prompt_len)
+            self.queue.add(req.req_id, req.prompt_len, req.arrival_s)
+        elif kind == "kv_ready":
+            seq, src = self.pulling.pop(msg[1])
+            self.sim.send(src, ("pulled", msg[1]))
+            self.seqs[msg[1]] = seq
+            req = seq.req
+            self.admission.add(req.req_id, req.prompt_len, seq.num_tokens, req.bucket,
+                               req.output_len)
+        else:
+            super().handle(msg)
+
+    def start_step(self) -> float | None:
+        free = self.alloc.num_free
+        plan = self.admission.plan(free)
+        slices: tuple[ChunkSlice, ...] = ()
+        if len(self.queue):
+            slices = coupled_chunked_plan(
+                self.queue, plan.run_ids, len(plan.run_ids) + self.sim.cfg.local_prefill_tokens,
+                num_free_blocks=self.admission.free_after(plan, free),
+                block_size=self.block_size).slices
+        items = self.decode_items(plan)
+        num_decode = len(items)
+        kept = self.reserve_slices(slices, items)
+        if not items:
+            self.admission.on_done(plan, set())
+            return None
+        self._plan, self._slices = plan, kept
+        return self.cost.step_s(items, 0, num_decode + sum(p.is_last for p in kept))
+
+    def finish_step(self) -> None:
+        assert self._plan is not None
+        plan, self._plan = self._plan, None
+        self.decode_done(plan)
+        slices, self._slices = self._slices, ()
+        if slices:
+            done = self.queue.advance(slices)
+            self.num_prefilled += len(done)
+            self.prompts_done(done, predicted=True)
+
+    def load_report(self) -> LoadReport:
+        load = self.admission.load()
+        return LoadReport(self.worker_id, "decode", load.num_waiting + len(self.queue),
+                          load.num_running, self.queue.num_queued_tokens,
+                          self.alloc.num_free, self.alloc.num_blocks, load.num_heavy,
+                          load.num_light, load.predicted_demand_blocks, self.busy_s,
+                          load.num_preemptions)
