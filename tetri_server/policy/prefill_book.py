@@ -58,6 +58,7 @@ class PrefillBook(Generic[T]):
         self.queue = queue
         self.dispatcher = dispatcher
         self._entries: dict[int, Entry[T]] = {}
+        self._counts = dict.fromkeys(Stage, 0)  # requests per stage, kept with every move
         self._await_view = False  # a hand-off was refused: dispatch again on the next view
         self.view: DecodeSnapshot | None = None  # the newest decode view adopted
 
@@ -71,7 +72,7 @@ class PrefillBook(Generic[T]):
         return self._entries[req_id].req
 
     def count(self, *stages: Stage) -> int:
-        return sum(e.stage in stages for e in self._entries.values())
+        return sum(self._counts[s] for s in stages)
 
     def ids(self, stage: Stage) -> list[int]:
         """The requests in ``stage``, in order (for HELD: the dispatch order)."""
@@ -80,8 +81,7 @@ class PrefillBook(Generic[T]):
     def has_work(self) -> bool:
         """A prediction, a chunk or a local decode is due (held and handed-off requests need
         no step)."""
-        return bool(len(self.queue)) or any(e.stage in (Stage.NEW, Stage.DECODING)
-                                            for e in self._entries.values())
+        return bool(len(self.queue) or self._counts[Stage.NEW] or self._counts[Stage.DECODING])
 
     # ------------------------------------------------------------------ transitions
 
@@ -91,6 +91,7 @@ class PrefillBook(Generic[T]):
             raise ValueError(f"request {req_id} is already on this prefill worker")
         self._entries[req_id] = Entry(req_id, req, num_prompt, arrival_s, prompt_text,
                                       true_output_len)
+        self._counts[Stage.NEW] += 1
 
     def new(self) -> list[Entry[T]]:
         """The requests waiting for a prediction, in arrival order."""
@@ -99,13 +100,14 @@ class PrefillBook(Generic[T]):
     def predicted(self, req_id: int, bucket: int) -> None:
         """NEW -> QUEUED with its predicted bucket."""
         e = self._entry(req_id, Stage.NEW)
-        e.stage, e.bucket = Stage.QUEUED, bucket
+        self._move(e, Stage.QUEUED)
+        e.bucket = bucket
         self.queue.add(req_id, e.num_prompt, e.arrival_s)
 
     def prefilled(self, req_id: int) -> T:
         """QUEUED -> HELD: the prompt is done and the request continues on a decode worker."""
         e = self._entry(req_id, Stage.QUEUED)
-        e.stage = Stage.HELD
+        self._move(e, Stage.HELD)
         self.queue.remove(req_id)  # normally gone already: the chunker's on_done advanced it
         self._entries[req_id] = self._entries.pop(req_id)  # to the back of the held order
         return e.req
@@ -119,14 +121,15 @@ class PrefillBook(Generic[T]):
         for req_id, e in list(self._held()):
             plan = self.dispatcher.plan(req_id, e.num_prompt, e.bucket)
             if plan is not None:
-                e.stage, e.plan = Stage.HANDED_OFF, plan
+                self._move(e, Stage.HANDED_OFF)
+                e.plan = plan
                 sent.append((e.req, plan))
         return sent
 
     def keep(self, req_id: int) -> T:
         """HELD -> DECODING: this worker decodes the request itself."""
         e = self._entry(req_id, Stage.HELD)
-        e.stage = Stage.DECODING
+        self._move(e, Stage.DECODING)
         return e.req
 
     def on_view(self, view: DecodeSnapshot) -> bool:
@@ -143,6 +146,7 @@ class PrefillBook(Generic[T]):
         if e is None or e.stage is not Stage.HANDED_OFF:
             return None
         del self._entries[req_id]
+        self._counts[e.stage] -= 1
         return e.req
 
     def rejected(self, req_id: int) -> T | None:
@@ -153,7 +157,8 @@ class PrefillBook(Generic[T]):
             return None
         assert e.plan is not None
         self.dispatcher.on_rejected(e.plan)
-        e.stage, e.plan = Stage.HELD, None
+        self._move(e, Stage.HELD)
+        e.plan = None
         self._entries[req_id] = self._entries.pop(req_id)
         self._await_view = True
         return e.req
@@ -163,6 +168,7 @@ class PrefillBook(Generic[T]):
         e = self._entries.pop(req_id, None)
         if e is None:
             return None
+        self._counts[e.stage] -= 1
         if e.stage is Stage.QUEUED:
             self.queue.remove(req_id)
         return e.req
@@ -171,6 +177,11 @@ class PrefillBook(Generic[T]):
 
     def _held(self) -> Iterator[tuple[int, Entry[T]]]:
         return ((rid, e) for rid, e in self._entries.items() if e.stage is Stage.HELD)
+
+    def _move(self, e: Entry[T], stage: Stage) -> None:
+        self._counts[e.stage] -= 1
+        self._counts[stage] += 1
+        e.stage = stage
 
     def _entry(self, req_id: int, stage: Stage) -> Entry[T]:
         e = self._entries[req_id]
