@@ -39,7 +39,7 @@ from tetri_server.policy import (
     coupled_step_plan,
 )
 from tetri_server.workers.base import Role, Worker
-from tetri_server.workers.decoding import carry_out
+from tetri_server.workers.decoding import carry_out, reserve_prompts
 from tetri_server.workers.trace import DecisionLog
 
 
@@ -121,13 +121,7 @@ class CoupledLoop:
         self._record(plan)
         items = self._decode_items(plan.decode)
         num_decode = len(items)
-        slices = []
-        for piece in plan.slices:
-            seq = self.seqs[piece.req_id]
-            if piece.is_first and not self.kv.reserve(seq, seq.num_prompt):
-                break  # blocks are one extent per sequence: later prompts wait (no overtaking)
-            items.append(ScheduledSeq(seq, piece.num_tokens))
-            slices.append(piece)
+        slices = plan.slices[:reserve_prompts(plan.slices, self.seqs.__getitem__, self.kv, items)]
         d = plan.decode
         # a step that only preempted or failed requests made progress too: plan again at once
         self.last_step_ran = bool(items) or (d is not None and bool(d.preempt.req_ids

@@ -14,7 +14,7 @@ the admission like a handed-off request.
 
 from __future__ import annotations
 
-from tetri_server.engine.runner import ScheduledSeq, StepPlan
+from tetri_server.engine.runner import StepPlan
 from tetri_server.engine.sampling import make_generator
 from tetri_server.engine.sequence import SeqStatus, Sequence
 from tetri_server.engine.stops import append_token, emit, prompt_parts
@@ -32,7 +32,7 @@ from tetri_server.policy import DecodeAdmission, PrefillQueue, coupled_chunked_p
 from tetri_server.policy.prefill import ChunkSlice
 from tetri_server.predictor import PredictorError
 from tetri_server.workers.base import Role, Worker
-from tetri_server.workers.decoding import carry_out
+from tetri_server.workers.decoding import carry_out, reserve_prompts
 
 
 class DecodeRole(Role):
@@ -127,7 +127,7 @@ class DecodeRole(Role):
         for req_id in dropped:
             self.w.send(RequestFailed(req_id, "request no longer fits this worker's KV pool"))
         num_decode = len(items)
-        slices = self._reserve_prompts(slices, items)
+        slices = slices[:reserve_prompts(slices, self.seqs.__getitem__, self.w.kv, items)]
         finished: set[int] = set()
         deltas: list[TokenDelta] = []
         if items:
@@ -156,17 +156,6 @@ class DecodeRole(Role):
             self.w.send(StepOutput(self.w.worker_id, deltas))
         # a step that only preempted or failed requests made progress: plan again at once
         return bool(items or plan.preempt.req_ids or plan.fail_ids)
-
-    def _reserve_prompts(self, slices: tuple[ChunkSlice, ...],
-                         items: list[ScheduledSeq]) -> tuple[ChunkSlice, ...]:
-        """Blocks for each prompt a slice starts, in order; stop at the first that does not
-        fit (no overtaking). The kept slices' items are appended to ``items``."""
-        for i, piece in enumerate(slices):
-            seq = self.seqs[piece.req_id]
-            if piece.is_first and not self.w.kv.reserve(seq, seq.num_prompt):
-                return slices[:i]
-            items.append(ScheduledSeq(seq, piece.num_tokens))
-        return slices
 
     def _append(self, seq: Sequence, tok: int, lp: float | None,
                 deltas: list[TokenDelta]) -> bool:

@@ -1,12 +1,16 @@
-"""Carrying out a ``DecodeStepPlan`` on a worker's own sequences: the part every role that
-decodes (decode, coupled, and a prefill worker that keeps requests) does the same way."""
+"""What every role does the same way when it carries out a plan on its own sequences: a
+``DecodeStepPlan`` (decode, coupled, and a prefill worker that keeps requests) and the blocks of
+the prompts a step's slices start (prefill, coupled, and a decode worker that prefills)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
 
 from tetri_server.engine.runner import ScheduledSeq
 from tetri_server.engine.sequence import Sequence
 from tetri_server.kv.manager import KVCacheManager
-from tetri_server.policy import DecodeStepPlan
+from tetri_server.policy import ChunkSlice, DecodeStepPlan
 
 
 def carry_out(plan: DecodeStepPlan, seqs: dict[int, Sequence],
@@ -29,3 +33,16 @@ def carry_out(plan: DecodeStepPlan, seqs: dict[int, Sequence],
                                "allocator and policy disagree")
         items.append(ScheduledSeq(seq, seq.num_uncomputed if req_id in recompute else 1))
     return items, list(plan.fail_ids)
+
+
+def reserve_prompts(slices: Seq[ChunkSlice], seq_of: Callable[[int], Sequence],
+                    kv: KVCacheManager, items: list[ScheduledSeq]) -> int:
+    """Blocks for the whole prompt of each request a slice starts, in order, stopping at the
+    first that does not fit (blocks are one extent per sequence: later prompts wait, no
+    overtaking). The kept slices' items are appended to ``items``; returns how many were kept."""
+    for i, piece in enumerate(slices):
+        seq = seq_of(piece.req_id)
+        if piece.is_first and not kv.reserve(seq, seq.num_prompt):
+            return i
+        items.append(ScheduledSeq(seq, piece.num_tokens))
+    return len(slices)

@@ -43,7 +43,7 @@ from tetri_server.policy.prefill_book import Entry, PrefillBook, Stage
 from tetri_server.predictor import PredictorError
 from tetri_server.workers.base import Role, Worker
 from tetri_server.workers.calibrate import resolve_chunk_size
-from tetri_server.workers.decoding import carry_out
+from tetri_server.workers.decoding import carry_out, reserve_prompts
 
 log = logging.getLogger("tetri.prefill")
 
@@ -238,13 +238,8 @@ class PrefillRole(Role):
         """Blocks for every request the chunk starts. The chunker counted free blocks, but
         extents pinned by un-acked hand-offs can split them into runs too short: the chunk then
         stops before the first request that does not fit (no overtaking) and it waits."""
-        items = []
-        for i, piece in enumerate(chunk.slices):
-            seq = self.book.get(piece.req_id)
-            if piece.is_first and not self.w.kv.reserve(seq, seq.num_prompt):
-                return chunk.prefix(i), items
-            items.append(ScheduledSeq(seq, piece.num_tokens))
-        return chunk, items
+        items: list[ScheduledSeq] = []
+        return chunk.prefix(reserve_prompts(chunk.slices, self.book.get, self.w.kv, items)), items
 
     def dispatch_held(self) -> None:
         if self.local is not None:
