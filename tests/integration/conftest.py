@@ -23,6 +23,23 @@ def make_cluster(model: Path, mode: str, *extra: str) -> Cluster:
     return Cluster(cfg.resolve(cpu_count=os.cpu_count() or 1))
 
 
+def api_cluster_factory(*sets: str):  # noqa: ANN201 - an ApiHarness backend factory
+    """For ``ApiHarness``: a real cluster with ``sets`` (key=value) on the model it is given,
+    and its close."""
+
+    async def make(model_path, metrics):  # noqa: ANN001, ANN202
+        cfg = load_config(None, [f"model.path={model_path}", *sets])
+        cluster = Cluster(cfg.resolve(cpu_count=os.cpu_count() or 1), metrics)
+        await cluster.start()
+
+        async def close() -> None:
+            await cluster.stop(drain_timeout_s=0)
+
+        return cluster, close
+
+    return make
+
+
 async def collect(cluster: Cluster, prompt: list[int], params: SamplingParams) -> list[int]:
     """The output token ids of one request, streamed from the real cluster."""
     out: list[int] = []

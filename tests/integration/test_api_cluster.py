@@ -6,27 +6,17 @@ import os
 
 import pytest
 
+from tests.integration.conftest import api_cluster_factory
 from tests.unit.test_api_openai import *  # noqa: F403 - the same tests, another backend
 from tests.unit.test_api_support import ApiHarness
-from tetri_server.config import load_config
-from tetri_server.control.cluster import Cluster
 
 pytest_plugins = ["tests.unit.test_api_support"]
 
 
-async def cluster_factory(model_path, metrics):
-    cfg = load_config(None, [
-        "cluster.mode=disaggregated", f"model.path={model_path}", "predictor.kind=none",
-        "decode.policy=greedy", "prefill.chunk_size=64", "kv.num_blocks=400",
-        "server.request_timeout_s=60", "server.drain_timeout_s=5", "model.served_name=tiny-test",
-        "model.max_model_len=256"])
-    cluster = Cluster(cfg.resolve(cpu_count=os.cpu_count() or 1), metrics)
-    await cluster.start()
-
-    async def close() -> None:
-        await cluster.stop(drain_timeout_s=0)
-
-    return cluster, close
+cluster_factory = api_cluster_factory(
+    "cluster.mode=disaggregated", "predictor.kind=none", "decode.policy=greedy",
+    "prefill.chunk_size=64", "kv.num_blocks=400", "server.request_timeout_s=60",
+    "server.drain_timeout_s=5", "model.served_name=tiny-test", "model.max_model_len=256")
 
 
 @pytest.fixture(scope="module")

@@ -5,36 +5,22 @@ samples the rest, so a reply that matches its schema crossed the hand-off intact
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
+from tests.integration.conftest import api_cluster_factory
 from tests.unit.test_api_structured import *  # noqa: F403 - the same tests, another backend
 from tests.unit.test_api_support import ApiHarness
-from tetri_server.config import load_config
-from tetri_server.control.cluster import Cluster
 
 pytest_plugins = ["tests.unit.test_api_support"]
 
 
-def factory(mode: str):
-    async def make(model_path, metrics):
-        cfg = load_config(None, [
-            f"cluster.mode={mode}", f"model.path={model_path}", "predictor.kind=none",
-            "decode.policy=greedy", "prefill.chunk_size=64", "kv.num_blocks=400",
-            "cluster.prefill_workers=1", "cluster.decode_workers=1", "cluster.workers=2",
-            "server.request_timeout_s=120", "cluster.worker_start_timeout_s=120",
-            "server.drain_timeout_s=5", "model.served_name=tiny-test",
-            "model.max_model_len=256"])
-        cluster = Cluster(cfg.resolve(cpu_count=os.cpu_count() or 1), metrics)
-        await cluster.start()
-
-        async def close() -> None:
-            await cluster.stop(drain_timeout_s=0)
-
-        return cluster, close
-
-    return make
+def factory(mode: str):  # noqa: ANN201
+    return api_cluster_factory(
+        f"cluster.mode={mode}", "predictor.kind=none", "decode.policy=greedy",
+        "prefill.chunk_size=64", "kv.num_blocks=400", "cluster.prefill_workers=1",
+        "cluster.decode_workers=1", "cluster.workers=2", "server.request_timeout_s=120",
+        "cluster.worker_start_timeout_s=120", "server.drain_timeout_s=5",
+        "model.served_name=tiny-test", "model.max_model_len=256")
 
 
 @pytest.fixture(scope="module", params=["coupled", "disaggregated"])

@@ -5,7 +5,6 @@ few requests: the numbers a dashboard shows are the requests' own, and every met
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 
@@ -13,10 +12,9 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.integration.conftest import api_cluster_factory
 from tests.unit.test_api_double import MODEL_NAME
 from tests.unit.test_api_support import ApiHarness, raw_request, wait_until
-from tetri_server.config import load_config
-from tetri_server.control.cluster import Cluster
 
 pytest_plugins = ["tests.unit.test_api_support"]
 
@@ -27,19 +25,11 @@ REQUESTS = [([5, 17, 300, 42], 6), ([9] * 30, 12), (list(range(100, 170)), 3),
             ([7, 8, 9, 10, 11], 9), ([400] * 12, 1)]
 
 
-async def cluster_factory(model_path, metrics):
-    cfg = load_config(None, [
-        "cluster.mode=disaggregated", f"model.path={model_path}", "predictor.kind=none",
-        "decode.policy=greedy", "prefill.chunk_size=64", "kv.num_blocks=200",
-        "monitor.interval_ms=50", "server.request_timeout_s=60", "server.drain_timeout_s=5",
-        f"model.served_name={MODEL_NAME}"])
-    cluster = Cluster(cfg.resolve(cpu_count=os.cpu_count() or 1), metrics)
-    await cluster.start()
-
-    async def close() -> None:
-        await cluster.stop(drain_timeout_s=0)
-
-    return cluster, close
+cluster_factory = api_cluster_factory(
+    "cluster.mode=disaggregated", "predictor.kind=none", "decode.policy=greedy",
+    "prefill.chunk_size=64", "kv.num_blocks=200", "monitor.interval_ms=50",
+    "server.request_timeout_s=60", "server.drain_timeout_s=5",
+    f"model.served_name={MODEL_NAME}")
 
 
 @pytest.fixture(scope="module")
