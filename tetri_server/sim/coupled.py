@@ -14,7 +14,7 @@ from tetri_server.policy import (
     coupled_step_plan,
 )
 from tetri_server.policy.chunker import ChunkSlice
-from tetri_server.sim.instances import SimRequest, SimSeq, _Decoding
+from tetri_server.sim.instances import SimRequest, SimSeq, _Decoding, slice_list
 
 if TYPE_CHECKING:
     from tetri_server.sim.cluster import Simulation
@@ -61,14 +61,11 @@ class CoupledInstance(_Decoding):
         self.num_planned += 1
         if self.decisions is not None:
             d = decode
-            self.decisions({
-                "step": self.num_planned, "kind": "coupled_step",
-                "run": [] if d is None else list(d.run_ids),
-                "admit": [] if d is None else list(d.admit.req_ids),
-                "recompute": [] if d is None else list(d.admit.recompute_ids),
-                "preempt": [] if d is None else list(d.preempt.req_ids),
-                "slices": [[p.req_id, p.start, p.num_tokens] for p in planned],
-                "pad": 0, "free": free})
+            self.record("coupled_step", run=[] if d is None else list(d.run_ids),
+                        admit=[] if d is None else list(d.admit.req_ids),
+                        recompute=[] if d is None else list(d.admit.recompute_ids),
+                        preempt=[] if d is None else list(d.preempt.req_ids),
+                        slices=slice_list(planned), pad=0, free=free)
         items = [] if decode is None else self.decode_items(decode)
         num_decode = len(items)
         slices = self.reserve_slices(planned, items)

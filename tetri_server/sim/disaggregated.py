@@ -22,7 +22,14 @@ from tetri_server.policy import (
 from tetri_server.policy.dispatch import Dispatcher
 from tetri_server.policy.prefill import ChunkSlice
 from tetri_server.policy.prefill_book import PrefillBook, Stage
-from tetri_server.sim.instances import SimRequest, SimSeq, _Decoding, release, reserve
+from tetri_server.sim.instances import (
+    SimRequest,
+    SimSeq,
+    _Decoding,
+    release,
+    reserve,
+    slice_list,
+)
 
 if TYPE_CHECKING:
     from tetri_server.sim.cluster import Simulation
@@ -111,6 +118,9 @@ class PrefillInstance(_Decoding):
         slices = coupled_chunked_plan(self.book.queue, decode.run_ids, self.chunker.chunk_size,
                                       num_free_blocks=self.admission.free_after(decode, free),
                                       block_size=self.block_size).slices
+        self.num_planned += 1
+        self.record("mixed_step", run=list(decode.run_ids), preempt=list(decode.preempt.req_ids),
+                    fail=list(decode.fail_ids), slices=slice_list(slices))
         items = self.decode_items(decode)
         for req_id in decode.fail_ids:
             self.book.remove(req_id)
@@ -131,6 +141,9 @@ class PrefillInstance(_Decoding):
         if not items:
             return None
         self._chunk = chunk.prefix(len(kept))
+        if pad:  # a pure prefill chunk: the worker logs it once it has its blocks
+            self.num_planned += 1
+            self.record("chunk", slices=slice_list(self._chunk.slices), pad=self._chunk.num_pad)
         num_sampled = num_decode + sum(p.is_last for p in kept)
         num_pad = self._chunk.num_pad if pad else 0
         return self.cost.step_s(items, num_pad, num_sampled) + predict_s
@@ -166,6 +179,8 @@ class PrefillInstance(_Decoding):
         if self.local is not None:
             self._keep_held(self.local)
         for seq, plan in self.book.dispatch():
+            self.record("dispatch", req=seq.req.req_id, to=plan.decode_worker,
+                        blocks=plan.num_blocks, heavy=plan.heavy)
             self.sim.handoff(self, seq, plan.decode_worker)
 
     def _keep_held(self, local: LocalDecode) -> None:
@@ -175,6 +190,7 @@ class PrefillInstance(_Decoding):
                               self.chunker.chunk_size, book.view):
                 return
             seq = self.seqs[req_id] = book.keep(req_id)
+            self.record("keep", req=req_id)
             self.num_kept += 1
             self.max_kept = max(self.max_kept, len(self.seqs))
             self.admission.add(req_id, seq.req.prompt_len, seq.num_tokens, seq.req.bucket,
@@ -245,6 +261,11 @@ class DecodeInstance(_Decoding):
                 self.queue, plan.run_ids, len(plan.run_ids) + self.sim.cfg.local_prefill_tokens,
                 num_free_blocks=self.admission.free_after(plan, free),
                 block_size=self.block_size).slices
+        self.num_planned += 1
+        if plan.run_ids or plan.preempt.req_ids or plan.fail_ids or slices:
+            self.record("decode_step", run=list(plan.run_ids), admit=list(plan.admit.req_ids),
+                        preempt=list(plan.preempt.req_ids), fail=list(plan.fail_ids), free=free,
+                        **({"slices": slice_list(slices)} if slices else {}))
         items = self.decode_items(plan)
         num_decode = len(items)
         kept = self.reserve_slices(slices, items)

@@ -73,6 +73,11 @@ def release(alloc: BlockAllocator, seq: SimSeq) -> None:
     seq.blocks = []
 
 
+def slice_list(slices: tuple[ChunkSlice, ...]) -> list[list[int]]:
+    """Prompt slices as a decision record lists them: ``[req_id, start, num_tokens]``."""
+    return [[p.req_id, p.start, p.num_tokens] for p in slices]
+
+
 class Instance:
     """The worker loop on the virtual clock."""
 
@@ -92,7 +97,12 @@ class Instance:
         self._retry_pending = False
         # decision log hook: gets the records a worker's DecisionLog writes (workers/trace.py)
         self.decisions: Callable[[dict[str, Any]], None] | None = None
-        self.num_planned = 0  # DecisionLog.step: every planning round, ran or not
+        self.num_planned = 0  # DecisionLog.step: counted where the worker role counts it
+
+    def record(self, kind: str, **fields: Any) -> None:
+        """One decision record, as ``DecisionLog.record`` writes it (stamped with the step)."""
+        if self.decisions is not None:
+            self.decisions({"step": self.num_planned, "kind": kind, **fields})
 
     def deliver(self, msg: tuple[Any, ...]) -> None:
         """A message arrives: handled now when idle (a step starts once the messages of this
