@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tetri_server.config import load_config
+from tetri_server.sim import decisions
 from tetri_server.sim.versus import build_parser, rel_err, server_sets, sim_config, table
 
 
@@ -48,3 +51,121 @@ def test_by_class_means_count_only_completed_requests() -> None:
                     rec(2, "HPHD", 0.5, None)])
     assert out == {"LPLD": {"num": 2, "ttft_mean_s": pytest.approx(0.2),
                             "jct_mean_s": pytest.approx(1.5)}}
+
+
+# ---------------------------------------------------------------- decision logs (sim/decisions.py)
+
+
+def _log(*recs: tuple[int, str, dict]) -> list[tuple[int, dict]]:
+    return [(wid, {"step": i, "kind": kind, **fields}) for i, (wid, kind, fields) in
+            enumerate(recs)]
+
+
+REAL = _log(
+    (0, "chunk", {"slices": [[7, 0, 300], [8, 0, 100]], "pad": 112}),
+    (0, "dispatch", {"req": 7, "to": 1, "blocks": 20, "heavy": False}),
+    (0, "chunk", {"slices": [[8, 100, 12]], "pad": 500}),
+    (0, "dispatch", {"req": 8, "to": 2, "blocks": 8, "heavy": True}),
+    (1, "decode_step", {"run": [7], "admit": [7], "preempt": [], "fail": [], "free": 90}),
+    (2, "decode_step", {"run": [8], "admit": [8], "preempt": [], "fail": [], "free": 40}),
+    (1, "decode_step", {"run": [7], "admit": [], "preempt": [], "fail": [], "free": 90}),
+    (2, "decode_step", {"run": [], "admit": [], "preempt": [8], "fail": [], "free": 48}),
+)
+
+
+def test_decision_summary_counts_each_kind() -> None:
+    from tetri_server.sim.decisions import summarize
+
+    s = summarize(REAL, chunk_size=512)
+    assert s["num_chunks"] == 2 and s["num_slices"] == 3 and s["num_padded_chunks"] == 2
+    assert s["chunk_fill_mean"] == pytest.approx((400 + 12) / 1024)
+    assert s["num_dispatches"] == 2 and s["dispatches_per_decode"] == {"1": 1, "2": 1}
+    assert s["num_heavy_dispatches"] == 1
+    assert s["num_decode_steps"] == 4 and s["decode_batch_mean"] == pytest.approx(3 / 4)
+    assert s["num_admissions"] == 2 and s["num_preemptions"] == 1 and s["num_failed"] == 0
+
+
+def test_decisions_compare_leaves_out_what_timing_changes() -> None:
+    """Step numbers, free blocks, batch membership and the request numbering differ between a
+    real run and a simulation; the decisions themselves must match, and a different one is
+    found where it is."""
+    from tetri_server.sim.decisions import compare
+
+    sim = [(wid, {**r, "step": r["step"] * 3 + 1}) for wid, r in REAL]
+    sim = [(wid, {**r, **({"free": 0, "run": []} if "free" in r else {})}) for wid, r in sim]
+    shift = {7: 107, 8: 108}  # numbered from another start, in the same order
+    sim = [(wid, {**r, **({"req": shift[r["req"]]} if "req" in r else {}),
+                  **({"slices": [[shift[a], b, c] for a, b, c in r["slices"]]}
+                     if "slices" in r else {}),
+                  **{k: [shift[x] for x in r[k]] for k in ("admit", "preempt") if k in r}})
+           for wid, r in sim]
+    same = compare(sim, REAL)
+    assert set(same) == {"chunk w0", "dispatch w0", "admit w1", "admit w2", "preempt w2"}
+    assert all(v["identical"] for v in same.values())
+
+    other = list(sim)
+    other[2] = (0, {**sim[2][1], "slices": [[108, 100, 10]]})  # a different second chunk
+    del other[7]  # and the preemption never happens
+    same = compare(other, REAL)
+    assert not same["chunk w0"]["identical"] and same["chunk w0"]["first_difference"] == 1
+    assert same["chunk w0"]["sim"] == [[1, 100, 10]]
+    assert same["chunk w0"]["real"] == [[1, 100, 12]]
+    assert same["preempt w2"] == {"identical": False, "num_sim": 0, "num_real": 1,
+                                  "first_difference": 0, "sim": None, "real": 1}
+    assert same["dispatch w0"]["identical"] and same["admit w1"]["identical"]
+    row = dict.fromkeys(decisions.SUMMARY_ROWS, 1)
+    text = decisions.table(row, [row], [same])
+    assert "differ: chunk w0 at #1" in text and "preempt w2 at #0" in text
+
+
+def test_the_golden_disaggregated_log_compares_identical_with_the_simulated_one(
+        tmp_path) -> None:
+    """The real roles' golden log, read as ``sim compare`` reads a server's logs (one file per
+    worker), against the simulated instances' records of the same trace."""
+    from tests.unit.test_decision_trace_disagg import GOLDEN
+    from tests.unit.test_sim_golden_disagg import replay
+    from tetri_server.sim.decisions import compare, read_logs
+
+    by_worker: dict[str, list[str]] = {}
+    for line in GOLDEN.read_text().splitlines():
+        wid, rec = line.split(" ", 1)
+        by_worker.setdefault(wid, []).append(rec)
+    for wid, recs in by_worker.items():
+        (tmp_path / f"real.decisions.{wid}.jsonl").write_text("\n".join(recs) + "\n")
+    (tmp_path / "real.decisions.w1.jsonl.bak").write_text("not a log\n")
+    real = read_logs(tmp_path / "real.decisions")
+    assert [wid for wid, _ in real] == sorted(wid for wid, _ in real)
+    sim = [(int(w[1:]), json.loads(rec)) for w, rec in (line.split(" ", 1) for line in replay())]
+    same = compare(sim, real)
+    assert {"chunk w0", "dispatch w0", "admit w1", "admit w2"} <= set(same)
+    assert all(v["identical"] for v in same.values()), same
+
+
+@pytest.mark.parametrize(("gap_s", "chunks_identical"), [(8.0, True), (0.3, False)])
+def test_a_sparse_trace_decides_the_same_under_other_timing(gap_s: float,
+                                                             chunks_identical: bool) -> None:
+    """Why ``sim compare --arrival constant`` at a low rate can demand identical decisions: two
+    profiles whose step times differ (the busy and the quiet fit of this CPU) decide alike when
+    no two requests meet, and chunk differently when they do."""
+    import random
+
+    from tetri_server.sim.cost import CostModel
+    from tetri_server.sim.instances import SimRequest
+    from tetri_server.sim.profiles import load_hardware, load_model
+    from tetri_server.sim.run import predict
+    from tetri_server.sim.versus import run_sim
+
+    cfg = sim_config(build_parser().parse_args(["--model", "m", "--json", "o.json"]))
+    logs, ends = [], []
+    for hw in ("this-cpu", "this-cpu-quiet"):
+        rng = random.Random(3)
+        reqs = [SimRequest(i, rng.choice((20, 200, 600, 900)), rng.choice((5, 60, 300)),
+                           i * gap_s) for i in range(24)]
+        predict(reqs, cfg)
+        result, log = run_sim(cfg, CostModel(load_hardware(hw), load_model("bench")), reqs)
+        logs.append(log)
+        ends.append(result.duration_s)
+    assert ends[0] != ends[1]  # the timing differs
+    same = decisions.compare(*logs)
+    assert same["dispatch w0"]["identical"] and same["admit w1"]["identical"]
+    assert same["chunk w0"]["identical"] is chunks_identical

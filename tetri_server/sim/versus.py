@@ -10,7 +10,11 @@ lengths and arrivals for the same seed). The simulated side runs the same reques
 ``--hardware`` profile (default ``this-cpu``, fitted by ``tetri-server sim fit``) with the same
 settings: chunk size, sort window, admission, max batch, KV blocks per worker, monitor
 interval, the oracle predictor (the real server gets ``predictor.kind=oracle`` and each
-request's true length). ``--quiet-below`` waits for the other tenants of a shared machine to
+request's true length). The real workers write decision logs (``monitor.decision_log``, beside
+the server log in ``--out``) and the simulated instances record the same kinds; both are
+summarised per kind and compared as sequences (``sim/decisions.py``): with ``--arrival
+constant`` at a low rate, where no two requests meet, they must be identical. ``--quiet-below``
+waits for the other tenants of a shared machine to
 go quiet before each real run. ``--repeat`` runs the real server again on the same requests, to show
 the noise; the simulation is deterministic and runs once. Prints TTFT / TPOT / JCT mean and p90
 side by side with the relative error of the simulation, and the other tenants' load during each
@@ -20,6 +24,7 @@ real run.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -31,7 +36,8 @@ from tetri_server.bench import data
 from tetri_server.bench.client import RequestRecord
 from tetri_server.bench.metrics import jct_s, ttft_s
 from tetri_server.bench.workload import BenchRequest, WorkloadSpec, build_workload
-from tetri_server.sim.cluster import SimConfig, Simulation
+from tetri_server.sim import decisions
+from tetri_server.sim.cluster import SimConfig, SimResult, Simulation
 from tetri_server.sim.cost import CostModel
 from tetri_server.sim.instances import SimRequest
 from tetri_server.sim.profiles import load_hardware, load_model
@@ -48,7 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sim-model", default="bench", help="the simulator's model shape")
     p.add_argument("--hardware", default="this-cpu", help="the simulator's profile")
     p.add_argument("--workload", default="Mixed")
-    p.add_argument("--rate", type=float, default=0.4, help="requests/s, Poisson")
+    p.add_argument("--rate", type=float, default=0.4, help="requests/s")
+    p.add_argument("--arrival", choices=("poisson", "constant"), default="poisson",
+                   help="arrival process at --rate (constant: one every 1/rate s)")
     p.add_argument("--num-requests", type=int, default=80)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-model-len", type=int, default=1024)
@@ -156,16 +164,41 @@ def table(sim: dict[str, Any], reals: list[dict[str, Any]]) -> str:
     return "\n".join(rows)
 
 
+def decision_prefix(out: Path, label: str) -> Path:
+    """Where a real run's workers write their decision logs (``<prefix>.w<id>.jsonl``); logs
+    left by an earlier run of the same label are removed (a worker appends)."""
+    prefix = (out / f"{label}.decisions").resolve()
+    for path in prefix.parent.glob(prefix.name + ".w*.jsonl"):
+        path.unlink()
+    return prefix
+
+
 def run_real(args: argparse.Namespace, wspec: WorkloadSpec,
-             requests: list[BenchRequest], label: str) -> dict[str, Any]:
+             requests: list[BenchRequest], label: str) -> tuple[dict[str, Any], decisions.Log]:
     from tetri_server.bench.compare import CompareOptions, free_port, run_against, tetri_spec
 
+    prefix = decision_prefix(args.out, label)
     spec = tetri_spec("disaggregated", args.model, free_port(), args.max_model_len,
-                      server_sets(args))
+                      [*server_sets(args), f"monitor.decision_log={prefix}"])
     spec = replace(spec, label=label)
     opts = CompareOptions(args.out, progress=not args.no_progress, send_true_output_len=True)
     (result,) = run_against(spec, [(wspec, requests)], opts)
-    return {**real_metrics(result.summary), "by_class": by_class(result.run.records)}
+    metrics = {**real_metrics(result.summary), "by_class": by_class(result.run.records)}
+    return metrics, decisions.read_logs(prefix)
+
+
+def run_sim(cfg: SimConfig, cost: CostModel,
+            requests: list[SimRequest]) -> tuple[SimResult, decisions.Log]:
+    """The simulation, with every instance's decision records (worker id, record)."""
+    sim = Simulation(cfg, cost, requests)
+    log: decisions.Log = []
+
+    def hook(wid: int, rec: dict[str, Any]) -> None:
+        log.append((wid, rec))
+
+    for inst in sim.instances:
+        inst.decisions = functools.partial(hook, inst.worker_id)
+    return sim.run(), log
 
 
 def wait_quiet(below: float, max_wait_s: float) -> float:
@@ -187,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
 
     args.model = str(resolve_model_path(args.model))
     wspec = WorkloadSpec(name=args.workload, num_requests=args.num_requests, seed=args.seed,
-                         max_model_len=args.max_model_len, rate_rps=args.rate)
+                         max_model_len=args.max_model_len, rate_rps=args.rate,
+                         arrival=args.arrival)
     requests = build_workload(wspec, data.data_dir(args.data_dir),
                               vocab=model_vocab(args.model))
     cfg = sim_config(args)
@@ -195,28 +229,34 @@ def main(argv: list[str] | None = None) -> int:
     cost = CostModel(hw, load_model(args.sim_model))
     sim_reqs = to_sim(requests)
     predict(sim_reqs, cfg)
-    result = Simulation(cfg, cost, sim_reqs).run()
+    result, sim_log = run_sim(cfg, cost, sim_reqs)
     sim = {**mode_metrics(result, cfg), "by_class": by_class(records(result))}
-    reals = []
+    sim_decisions = decisions.summarize(sim_log, cfg.chunk_size)
+    reals, real_decisions, same = [], [], []
     for i in range(args.repeat):
         before = None if args.quiet_below is None else wait_quiet(args.quiet_below,
                                                                   args.quiet_wait_s)
         started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
-        real = run_real(args, wspec, requests, f"real-{i + 1}")
+        real, real_log = run_real(args, wspec, requests, f"real-{i + 1}")
         real["started"], real["others_cores_before"] = started, before
         reals.append(real)
+        real_decisions.append(decisions.summarize(real_log, cfg.chunk_size))
+        same.append(decisions.compare(sim_log, real_log))
         print(f"real run {i + 1}: {real['num_completed']}/{real['num_requests']} completed, "
               f"others' load {real['others_cores']}", file=sys.stderr)
     out = {"workload": wspec.to_dict(), "server_sets": server_sets(args),
            "sim_config": cfg.to_dict(), "hardware": args.hardware, "sim_model": args.sim_model,
            "sim": {k: v for k, v in sim.items() if k not in ("instances", "summary")},
            "real": reals,
-           "rel_error": [{k: rel_err(sim[k], r[k]) for k in METRICS} for r in reals]}
+           "rel_error": [{k: rel_err(sim[k], r[k]) for k in METRICS} for r in reals],
+           "decisions": {"sim": sim_decisions, "real": real_decisions, "same": same}}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(out, indent=1, default=str))
     print(table(sim, reals))
     print()
     print(class_table(sim, reals))
+    print()
+    print(decisions.table(sim_decisions, real_decisions, same))
     if any((r["others_cores"] or 0.0) > 0.3 for r in reals):
         print("\nnote: other processes used > 0.3 cores during a real run; the simulation "
               "(a profile fitted on CPU time) models an unshared machine", file=sys.stderr)
