@@ -18,11 +18,13 @@ from tetri_server.policy.chunker import (
 from tetri_server.policy.coupled import coupled_step_plan
 from tetri_server.policy.decode import (
     DECODE_POLICIES,
+    ESTIMATES,
     AdmitPlan,
     DecodeAdmission,
     DecodeLoad,
     DecodePolicyName,
     DecodeStepPlan,
+    EstimateName,
     PreemptPlan,
 )
 from tetri_server.policy.dispatch import (
@@ -43,6 +45,7 @@ from tetri_server.policy.prefill import (
     QueuedPrompt,
 )
 from tetri_server.policy.prefill_book import PrefillBook, Stage
+from tetri_server.policy.remaining import LengthTail
 from tetri_server.policy.views import DecodeInstance, DecodeInstanceLoad, DecodeSnapshot, WorkerLoad
 
 __all__ = [
@@ -51,6 +54,7 @@ __all__ = [
     "DecodeSnapshot",
     "WorkerLoad",
     "DECODE_POLICIES",
+    "ESTIMATES",
     "PREFILL_ORDERS",
     "AdmitPlan",
     "ChunkPlan",
@@ -60,11 +64,13 @@ __all__ = [
     "DecodeLoad",
     "DecodePolicyName",
     "DecodeStepPlan",
+    "EstimateName",
     "DispatchPlan",
     "Dispatcher",
     "FlipPlan",
     "FlipPolicy",
     "LeastLoadedPicker",
+    "LengthTail",
     "LocalDecode",
     "LocalPrefill",
     "MixedStepPlan",

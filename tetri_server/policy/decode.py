@@ -10,10 +10,15 @@ generated tokens; the last generated token's KV is computed by the next step, so
 request needs ``blocks(num_tokens)`` blocks in all. A preempted request holds nothing and is
 recomputed (prefill over all its ``num_tokens``) when it is admitted again.
 
-Estimates: a request's predicted output is the lower end of its bucket (``bucket *
-granularity``, capped at ``max_tokens``), as in the paper. The paper leaves mispredictions open;
-here a request that reaches its estimate and keeps going gets the estimate raised one bucket at a
-time, and when blocks run out anyway the most recently admitted request is preempted.
+Estimates (``tail``): without one (``decode.estimate = "bucket"``) a request's predicted output
+is the lower end of its bucket (``bucket * granularity``, capped at ``max_tokens``), as in the
+paper. The paper leaves mispredictions open; here a request that reaches its estimate and keeps
+going gets the estimate raised one bucket at a time, and when blocks run out anyway the most
+recently admitted request is preempted. With a ``LengthTail`` (``"refined"``) the estimate is the
+expected output given the bucket and the tokens generated so far, updated every step
+(``policy/remaining.py``), and the preempted request is the one expected to run longest (the
+newest on ties): it would hold and grow its blocks longest, while one about to finish frees
+its own soon.
 """
 
 from __future__ import annotations
@@ -24,9 +29,12 @@ from typing import Literal
 
 from tetri_server.policy.chunker import num_blocks_for
 from tetri_server.policy.decode_state import DecodeSeq, fits_reserved
+from tetri_server.policy.remaining import LengthTail
 
 DecodePolicyName = Literal["greedy", "reserve-static", "reserve-dynamic"]
 DECODE_POLICIES: tuple[DecodePolicyName, ...] = ("greedy", "reserve-static", "reserve-dynamic")
+EstimateName = Literal["bucket", "refined"]
+ESTIMATES: tuple[EstimateName, ...] = ("bucket", "refined")
 
 
 @dataclass(frozen=True)
@@ -94,6 +102,7 @@ class DecodeAdmission:
         max_batch: int = 256,
         heavy_threshold: int = 128,
         watermark: float = 0.01,
+        tail: LengthTail | None = None,
     ) -> None:
         if policy not in DECODE_POLICIES:
             raise ValueError(f"decode policy must be one of {DECODE_POLICIES}, got {policy!r}")
@@ -106,6 +115,7 @@ class DecodeAdmission:
         self.max_batch = max_batch
         self.heavy_threshold = heavy_threshold
         self.num_watermark_blocks = int(watermark * num_total_blocks)
+        self.tail = tail  # None: the bucket estimate; else the refined one
         self._waiting: list[DecodeSeq] = []  # FCFS; preempted requests go back to the head
         self._running: dict[int, DecodeSeq] = {}  # insertion order == admission order
         self._num_preemptions = 0
@@ -131,6 +141,8 @@ class DecodeAdmission:
             est_output_tokens=min(bucket * self.granularity, max_tokens),
             num_held_blocks=num_blocks_for(num_tokens - 1, self.block_size),
         )
+        if self.tail is not None:
+            seq.refine_estimate(self.tail, self.granularity)
         self._waiting.append(seq)
 
     def remove(self, req_id: int) -> bool:
@@ -170,7 +182,7 @@ class DecodeAdmission:
         free = num_free_blocks
         victims: list[int] = []
         while running and step_need > free:
-            victim = running.pop()  # the most recently admitted
+            victim = running.pop(self._victim_index(running))
             step_need -= victim.num_step_blocks(self.block_size)
             free += victim.num_held_blocks
             victims.append(victim.req_id)
@@ -209,6 +221,13 @@ class DecodeAdmission:
             run_ids=tuple(s.req_id for s in running + admitted),
             fail_ids=tuple(failed),
         )
+
+    def _victim_index(self, running: list[DecodeSeq]) -> int:
+        """The request to preempt: the most recently admitted, or with a tail the one expected
+        to run longest (the most recent among equals)."""
+        if self.tail is None:
+            return len(running) - 1
+        return max(range(len(running)), key=lambda i: (running[i].num_remaining_tokens, i))
 
     def free_after(self, plan: DecodeStepPlan, num_free_blocks: int) -> int:
         """Free blocks once ``plan`` is carried out: preempted requests give back what they
@@ -271,7 +290,10 @@ class DecodeAdmission:
                 continue
             seq.num_held_blocks = num_blocks_for(seq.num_tokens, self.block_size)
             seq.num_tokens += 1
-            seq.raise_estimate(self.granularity)
+            if self.tail is None:
+                seq.raise_estimate(self.granularity)
+            else:
+                seq.refine_estimate(self.tail, self.granularity)
 
     def load(self) -> DecodeLoad:
         """Counts for the load report. Heavy: predicted (lower end) or generated output above

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tetri_server.policy.chunker import num_blocks_for
+from tetri_server.policy.remaining import LengthTail
 
 
 @dataclass
@@ -21,7 +22,7 @@ class DecodeSeq:
     predicted_bucket: int  # the predictor's bucket; never changes
     max_tokens: int  # output cap from the sampling params
     bucket: int  # bucket of the current estimate: starts at predicted_bucket, raised on overrun
-    est_output_tokens: int  # estimated output length (lower end of `bucket`, capped)
+    est_output_tokens: int  # estimated output length: lower end of `bucket` (capped), or refined
     num_held_blocks: int  # 0 after a preemption: recompute on admission
 
     @property
@@ -59,6 +60,15 @@ class DecodeSeq:
         ):
             self.bucket += 1
             self.est_output_tokens = min(self.bucket * granularity, self.max_tokens)
+
+    def refine_estimate(self, tail: LengthTail, granularity: int) -> None:
+        """The refined estimate: the expected total output given the tokens generated so far
+        (``LengthTail``); past the longest length the bucket has data for, the bucket rule."""
+        est = tail.expected_output(self.predicted_bucket, self.num_generated, self.max_tokens)
+        if est is None:
+            self.raise_estimate(granularity)
+        else:
+            self.est_output_tokens = est
 
     def is_heavy(self, granularity: int, heavy_threshold: int) -> bool:
         """Heavy decode: the predicted lower end or the tokens generated so far exceed the

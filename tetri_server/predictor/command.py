@@ -3,6 +3,7 @@ prompt/response files; time it per prompt.
 
     python -m tetri_server.predictor eval --prompts P.jsonl[.gz] --responses R.jsonl[.gz] ...
     OMP_NUM_THREADS=1 python -m tetri_server.predictor bench --batch 1 16
+    python -m tetri_server.predictor tails [--artifact NAME ...]
 
 Prints a table, then as its last line one JSON object (``n``, ``accuracy_100``,
 ``accuracy_200``, ``accuracy_400``, ``kendall_tau``, …). The accuracy at each granularity comes
@@ -160,6 +161,31 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def run_tails(args: argparse.Namespace) -> dict[str, Any]:
+    """Recompute ``length_tails`` (predictor/tails.py) of each artifact from the Arena files it
+    was trained on, with its own tokenizer, length cap and held-out split."""
+    from tetri_server.predictor import tails
+    from tetri_server.predictor.data import default_arena_files
+
+    prompts_file, response_files = default_arena_files(args.data_dir)
+    result: dict[str, Any] = {}
+    for name in args.artifact or artifact_io.shipped_artifacts():
+        path = artifact_io.resolve(name)
+        meta = artifact_io.read_meta(path)
+        counter, warn = counter_for(meta, None)
+        if warn:
+            raise SystemExit(f"{path}: {warn}")
+        samples = load_arena(prompts_file, response_files, counter, int(meta["max_tokens"]))
+        training = meta["training"]
+        entry = tails.compute(samples, load_predictor("classifier", path),
+                              float(training["test_frac"]), int(training["seed"]))
+        tails.write(path, entry)
+        result[path.stem] = {"responses": len(samples), "heldout": entry["heldout_responses"]}
+        print(f"{path}: length_tails from {len(samples)} responses "
+              f"({entry['heldout_responses']} held out)")
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tetri-server predictor")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -170,8 +196,13 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     b.add_argument("--repeats", type=int, default=200)
     b.add_argument("--seed", type=int, default=0)
+    t = sub.add_parser("tails", help="write the length distributions of the refined estimate")
+    t.add_argument("--artifact", action="append", help="artifact name or path (default: all "
+                   "shipped); repeat for several")
+    t.add_argument("--data-dir", default=str(DEFAULT_DATA_DIR))
     args = parser.parse_args(argv)
-    result = run_eval(args) if args.command == "eval" else run_bench(args)
+    commands = {"eval": run_eval, "bench": run_bench, "tails": run_tails}
+    result = commands[args.command](args)
     print(json.dumps(json_safe(result), allow_nan=False), flush=True)
     return 0
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from tetri_server.predictor import artifact as artifact_io
+from tetri_server.predictor import tails
 from tetri_server.predictor.classifier import ClassifierPredictor
 from tetri_server.predictor.data import Sample
 from tetri_server.predictor.evaluate import baselines, ceiling, json_safe, score
@@ -72,6 +73,8 @@ def train_and_save(
     full = artifact_io.read_meta(path)
     full.update(heldout=heldout, ceiling_all_data=meta["ceiling_all_data"])
     path.write_text(json.dumps(json_safe(full), indent=2, allow_nan=False) + "\n", encoding="utf-8")
+    full[tails.KEY] = tails.compute(samples, shipped, cfg.test_frac, cfg.seed)
+    tails.write(path, full[tails.KEY])  # the refined decode estimate's length distributions
     return full
 
 
