@@ -142,6 +142,7 @@ def test_overrides_validate_together_not_one_by_one() -> None:
         ("cluster.mode=tetris", ["cluster.mode", "disaggregated", "coupled", "coupled-chunked"]),
         ("cluster.device=1", ["cluster.device", "cpu", "cuda"]),
         ("decode.policy=lazy", ["decode.policy", "greedy", "reserve-static", "reserve-dynamic"]),
+        ("decode.estimate=mean", ["decode.estimate", "bucket", "refined"]),
         ("prefill.policy=random", ["prefill.policy", "fcfs", "sjf", "ljf"]),
         ("kv.transport=tcp", ["kv.transport", "auto", "shm", "cuda_ipc"]),
         ("server.port=70000", ["server.port", "65535"]),

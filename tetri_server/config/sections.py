@@ -15,6 +15,7 @@ Transport = Literal["auto", "shm", "cuda_ipc"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 PrefillPolicyName = Literal["fcfs", "sjf", "ljf"]
 DecodePolicyName = Literal["greedy", "reserve-static", "reserve-dynamic"]
+DecodeEstimate = Literal["bucket", "refined"]
 PredictorKind = Literal["classifier", "oracle", "none"]
 DispatchPolicyName = Literal["power-of-two", "round-robin"]
 ToolCallParser = Literal["none", "hermes", "llama3_json", "mistral"]
@@ -294,6 +295,11 @@ class DecodeConfig(_Section):
     """Admission: greedy (while blocks are free), reserve-static or reserve-dynamic."""
     max_batch: int = 32
     """Most requests decoded together in one step."""
+    estimate: DecodeEstimate = "bucket"
+    """Output-length estimate of admission and preemption: bucket (the lower end of the
+    predicted bucket, raised a bucket at a time on overrun; the paper) or refined (the expected
+    output given the bucket and the tokens generated so far, from the artifact's length
+    distributions; the victim of a preemption is the request expected to run longest)."""
     local_prefill_tokens: int = 0
     """Elastic P/D (disaggregated mode): control may send a prompt of at most this many tokens
     to a decode worker while the prefill worker it would go to has over one chunk queued; the

@@ -38,9 +38,21 @@ from tetri_server.messages import (
     ToWorker,
     WorkerSpec,
 )
+from tetri_server.policy import LengthTail
 from tetri_server.workers.trace import DecisionLog
 
 log = logging.getLogger("tetri.worker")
+
+
+def length_tail(cfg: Config, kind: str) -> LengthTail | None:
+    """The refined estimate's length distribution for predictor ``kind`` (``none`` for a role
+    that predicts nothing), or None under ``decode.estimate = "bucket"``. Read from the predictor
+    artifact when a role is made, so a missing one fails the worker's start."""
+    if cfg.decode.estimate == "bucket":
+        return None
+    from tetri_server.predictor import tails
+
+    return tails.load(kind, cfg.predictor.artifact or None)
 SEND_TIMEOUT_S = 30.0
 
 

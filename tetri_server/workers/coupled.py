@@ -7,9 +7,10 @@ pure policies as the disaggregated roles.
                      ``prefill.token_budget`` tokens (``policy.coupled_chunked_plan``).
 
 Prompts wait in a ``PrefillQueue``; a request whose prompt is done joins a greedy
-``DecodeAdmission``, which decides the batch and its preemptions (the newest first; recomputed
-when re-admitted). ``CoupledLoop`` is channel-free: the coupled worker and the in-process
-``LLMEngine`` both run it.
+``DecodeAdmission``, which decides the batch and its preemptions (the newest first, or with
+``decode.estimate = "refined"`` the one expected to run longest; recomputed when re-admitted).
+``CoupledLoop`` is channel-free: the coupled worker and the in-process ``LLMEngine`` both run
+it.
 """
 
 from __future__ import annotations
@@ -35,10 +36,11 @@ from tetri_server.policy import (
     ChunkSlice,
     DecodeAdmission,
     DecodeStepPlan,
+    LengthTail,
     PrefillQueue,
     coupled_step_plan,
 )
-from tetri_server.workers.base import Role, Worker
+from tetri_server.workers.base import Role, Worker, length_tail
 from tetri_server.workers.decoding import carry_out, reserve_prompts
 from tetri_server.workers.trace import DecisionLog
 
@@ -63,7 +65,7 @@ class CoupledLoop:
     def __init__(self, runner: ModelRunner, kv: KVCacheManager, eos_token_ids: tuple[int, ...],
                  max_model_len: int, device: torch.device, *, chunked: bool, token_budget: int,
                  max_batch: int, max_prefill_tokens: int, pad_chunks: bool = False,
-                 decisions: DecisionLog | None = None) -> None:
+                 decisions: DecisionLog | None = None, tail: LengthTail | None = None) -> None:
         self.runner, self.kv = runner, kv
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
@@ -77,7 +79,7 @@ class CoupledLoop:
         self.queue = PrefillQueue("fcfs")
         self.admission = DecodeAdmission("greedy", block_size=kv.block_size,
                                          num_total_blocks=kv.allocator.num_blocks,
-                                         max_batch=max_batch)
+                                         max_batch=max_batch, tail=tail)
         self.seqs: dict[int, Sequence] = {}
         self.failed: list[RequestFailed] = []  # for the caller to report, then clear
         self.decisions = decisions or DecisionLog()
@@ -204,7 +206,7 @@ class CoupledRole(Role):
             chunked=cfg.cluster.mode == "coupled-chunked", token_budget=cfg.prefill.token_budget,
             max_batch=cfg.decode.max_batch,
             max_prefill_tokens=max(w.max_model_len, cfg.prefill.token_budget),
-            decisions=w.decisions)
+            decisions=w.decisions, tail=length_tail(cfg, "none"))  # predicts nothing: bucket 0
 
     def handle(self, msg: object) -> None:
         if not isinstance(msg, AddRequest):

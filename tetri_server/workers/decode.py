@@ -31,7 +31,7 @@ from tetri_server.messages import (
 from tetri_server.policy import DecodeAdmission, PrefillQueue, coupled_chunked_plan
 from tetri_server.policy.prefill import ChunkSlice
 from tetri_server.predictor import PredictorError
-from tetri_server.workers.base import Role, Worker
+from tetri_server.workers.base import Role, Worker, length_tail
 from tetri_server.workers.decoding import carry_out, reserve_prompts
 
 
@@ -44,7 +44,8 @@ class DecodeRole(Role):
             self.w.cfg.decode.policy, block_size=self.w.block_size,
             num_total_blocks=self.w.allocator.num_blocks, granularity=w.predictor().granularity,
             max_batch=self.w.cfg.decode.max_batch,
-            heavy_threshold=self.w.cfg.predictor.heavy_decode_tokens)
+            heavy_threshold=self.w.cfg.predictor.heavy_decode_tokens,
+            tail=length_tail(w.cfg, w.cfg.predictor.kind))
         self.seqs: dict[int, Sequence] = {}  # handed off, and prompts routed here
         self.queue = PrefillQueue("fcfs")  # elastic: prompts this worker prefills itself
         self.prompt_budget = self.w.cfg.decode.local_prefill_tokens

@@ -41,7 +41,7 @@ from tetri_server.policy import (
 from tetri_server.policy.dispatch import Dispatcher
 from tetri_server.policy.prefill_book import Entry, PrefillBook, Stage
 from tetri_server.predictor import PredictorError
-from tetri_server.workers.base import Role, Worker
+from tetri_server.workers.base import Role, Worker, length_tail
 from tetri_server.workers.calibrate import resolve_chunk_size
 from tetri_server.workers.decoding import carry_out, reserve_prompts
 
@@ -72,7 +72,8 @@ class PrefillRole(Role):
         self.local = LocalDecode(num_local) if num_local else None
         self.admission = DecodeAdmission("greedy", block_size=w.block_size,
                                          num_total_blocks=w.allocator.num_blocks,
-                                         max_batch=max(1, num_local))
+                                         max_batch=max(1, num_local),
+                                         tail=length_tail(cfg, cfg.predictor.kind))
 
     def chunk_size(self) -> int:
         return self._chunk_size

@@ -1,0 +1,199 @@
+"""The refined decode estimate: remaining length given the tokens generated (policy/remaining.py),
+its distributions stored with the predictor artifact (predictor/tails.py), and what it changes
+in decode admission and preemption."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Collection
+from pathlib import Path
+
+import pytest
+
+from tetri_server.policy import DecodeAdmission, LengthTail, num_blocks_for
+from tetri_server.predictor import PredictorError, tails
+from tetri_server.predictor.artifact import shipped_artifacts
+from tetri_server.predictor.base import LengthPredictor
+from tetri_server.predictor.data import Sample
+from tetri_server.predictor.train import held_out_ids
+
+BLOCK = 16
+
+
+# ---------------------------------------------------------------------- the arithmetic
+
+
+def test_expected_output_is_the_conditional_mean_capped_at_max_tokens() -> None:
+    tail = LengthTail.from_lengths({0: [10, 50, 100, 300]}, 1, 16)
+    assert tail.expected_output(0, 1, 1000) == 115  # (10 + 50 + 100 + 300) / 4
+    assert tail.expected_output(0, 60, 1000) == 150  # 10 and 50 have stopped: (50+100+300)/3
+    assert tail.expected_output(0, 60, 200) == 117  # 300 capped at 200: (50 + 100 + 200) / 3
+    assert tail.expected_output(0, 1, 20) == 18  # (10 + 20 + 20 + 20) / 4
+    assert tail.expected_output(0, 400, 1000) is None  # past every length seen
+    assert tail.expected_output(0, 299, 1000) == 300  # at least one more token
+
+
+def test_a_heavy_tail_raises_the_expected_remaining_length_as_a_request_runs() -> None:
+    lengths = [int(20 * 1.5**i) for i in range(12) for _ in range(2 ** (11 - i))]
+    tail = LengthTail.from_lengths({0: lengths}, 1, 10)
+    remaining = [tail.expected_output(0, g, 10**6) - g for g in (1, 50, 200, 800)]  # type: ignore[operator]
+    assert remaining == sorted(remaining) and remaining[-1] > 3 * remaining[0]
+
+
+def test_a_bucket_past_the_last_row_uses_the_last() -> None:
+    tail = LengthTail.from_lengths({0: [10], 1: [500]}, 2, 20)
+    assert tail.expected_output(7, 1, 1000) == tail.expected_output(1, 1, 1000) == 500
+
+
+def test_bad_histograms_are_refused() -> None:
+    with pytest.raises(ValueError):
+        LengthTail(0, [[1]], [[1]])
+    with pytest.raises(ValueError):
+        LengthTail(16, [[1, 2]], [[1]])
+    with pytest.raises(ValueError):
+        LengthTail(16, [[-1]], [[0]])
+
+
+# ---------------------------------------------------------------------- with the artifact
+
+
+def samples(lengths: list[int]) -> list[Sample]:
+    return [Sample(f"p{i}", f"prompt {i}", "m", n) for i, n in enumerate(lengths)]
+
+
+class EveryThird(LengthPredictor):
+    """Predicts bucket ``i % 3`` for ``prompt i``, whatever its length."""
+
+    def predict(self, prompts, true_lengths=None):  # type: ignore[no-untyped-def]
+        return [int(p.split()[1]) % 3 for p in prompts]
+
+
+def test_compute_keys_the_held_out_lengths_by_predicted_bucket() -> None:
+    data = samples([30 * i for i in range(40)])
+    entry = tails.compute(data, EveryThird(200, 3), test_frac=0.5, seed=0)
+    by_pred = LengthTail.from_json(entry["by_predicted"])
+    held = [s for s in data if s.prompt_id in held_out_ids([s.prompt_id for s in data], 0.5, 0)]
+    assert entry["heldout_responses"] == len(held) == 20
+    for b in range(3):  # row b: exactly the held-out lengths of the prompts predicted b
+        want = sorted(s.output_tokens for s in held if int(s.prompt_id[1:]) % 3 == b)
+        assert sum(by_pred.sums[b]) == sum(want) and sum(by_pred.counts[b]) == len(want)
+    assert sum(LengthTail.from_json(entry["marginal"]).counts[0]) == 40
+
+
+@pytest.mark.parametrize("name", shipped_artifacts())
+def test_every_shipped_artifact_has_tails_for_every_kind(name: str) -> None:
+    meta = json.loads(Path(tails.artifact_io.resolve(name)).read_text())
+    g, k = int(meta["granularity"]), int(meta["num_buckets"])
+    assert tails.load("classifier", name).num_buckets == k
+    assert tails.load("none", name).num_buckets == 1
+    oracle = tails.load("oracle", name)
+    for b in range(k):  # the oracle knows the bucket: its estimate stays inside it
+        est = oracle.expected_output(b, 1, 10**6)
+        assert est is not None and b * g <= est <= (b + 1) * g or b == k - 1
+
+
+def test_decode_estimate_picks_the_tail_the_roles_get() -> None:
+    from tetri_server.config import load_config
+    from tetri_server.workers.base import length_tail
+
+    assert length_tail(load_config(None, []), "classifier") is None  # the default: bucket
+    refined = load_config(None, ["decode.estimate=refined"])
+    got = length_tail(refined, "classifier")
+    assert got is not None and got.num_buckets == 6  # the shipped arena_g200
+    got = length_tail(refined, "none")  # coupled roles: the distribution of all lengths
+    assert got is not None and got.num_buckets == 1
+
+
+def test_an_artifact_without_tails_fails_at_load_naming_the_command(tmp_path: Path) -> None:
+    src = Path(tails.artifact_io.resolve("arena_g200"))
+    meta = json.loads(src.read_text())
+    del meta["length_tails"]
+    (tmp_path / "x.json").write_text(json.dumps(meta))
+    with pytest.raises(PredictorError, match="predictor tails"):
+        tails.load("classifier", tmp_path / "x.json")
+
+
+# ---------------------------------------------------------------------- admission, preemption
+
+
+class Runtime:
+    """Executes plans against a pool the way a decode worker does; fails on overcommit."""
+
+    def __init__(self, policy: str, num_total_blocks: int, tail: LengthTail | None) -> None:
+        self.num_total_blocks = num_total_blocks
+        self.adm = DecodeAdmission(policy, block_size=BLOCK,  # type: ignore[arg-type]
+                                   num_total_blocks=num_total_blocks, tail=tail)
+        self.tokens: dict[int, int] = {}
+        self.held: dict[int, int] = {}
+        self.prompt: dict[int, int] = {}
+
+    @property
+    def free(self) -> int:
+        return self.num_total_blocks - sum(self.held.values())
+
+    def add(self, rid: int, prompt: int, bucket: int) -> None:
+        self.tokens[rid], self.prompt[rid] = prompt + 1, prompt
+        self.held[rid] = num_blocks_for(prompt, BLOCK)
+        self.adm.add(rid, prompt, prompt + 1, bucket, 4000)
+
+    def step(self, finished: Collection[int] = ()) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        plan = self.adm.plan(self.free)
+        for rid in plan.preempt.req_ids:
+            self.held[rid] = 0
+        for rid in plan.run_ids:
+            self.held[rid] = num_blocks_for(self.tokens[rid], BLOCK)
+            assert self.free >= 0, "plan overcommitted the pool"
+        for rid in plan.run_ids:
+            if rid in finished:
+                del self.held[rid], self.tokens[rid]
+            else:
+                self.tokens[rid] += 1
+        self.adm.on_done(plan, finished)
+        return plan.admit.req_ids, plan.preempt.req_ids
+
+
+# bucket 1 of granularity 200 is [200, 400); its requests really run about 390 tokens
+LATE_IN_BUCKET = LengthTail.from_lengths({0: [20] * 4, 1: [385, 390, 395]}, 2, 10)
+
+
+def two_requests(tail: LengthTail | None) -> Runtime:
+    rt = Runtime("reserve-static", 60, tail)
+    rt.add(1, prompt=160, bucket=1)
+    assert rt.step()[0] == (1,)
+    rt.add(2, prompt=384, bucket=1)
+    return rt
+
+
+def test_refined_reserve_static_refuses_what_the_bucket_estimate_admits() -> None:
+    # bucket: 1 reserves 200 tokens (12 more blocks), 2 needs 13 of the 25 free -> admitted.
+    # refined: 1 reserves ~390 tokens (24 more blocks), 2 needs 25 -> waits.
+    assert two_requests(None).step()[0] == (2,)
+    assert two_requests(LATE_IN_BUCKET).step()[0] == ()
+
+
+@pytest.mark.parametrize(("tail", "num_preemptions"), [(None, 1), (LATE_IN_BUCKET, 0)])
+def test_the_refused_admission_is_the_one_that_would_have_been_preempted(
+    tail: LengthTail | None, num_preemptions: int
+) -> None:
+    rt = two_requests(tail)  # both run 390 tokens: 35 + 49 blocks, more than the 60 there are
+    for _ in range(2000):
+        done = {r for r in rt.tokens if rt.tokens[r] - rt.prompt[r] >= 390}
+        rt.step(done)
+        if not rt.tokens:
+            break
+    assert not rt.tokens
+    assert rt.adm.load().num_preemptions == num_preemptions
+
+
+def test_refined_preemption_evicts_the_request_expected_to_run_longest() -> None:
+    tail = LengthTail.from_lengths({0: [50] * 8, 1: [600] * 8}, 2, 10)
+    victims = {}
+    for name, t in (("bucket", None), ("refined", tail)):
+        rt = Runtime("greedy", 12, t)
+        rt.add(1, prompt=64, bucket=1)  # admitted first, expected to run 600 tokens
+        rt.add(2, prompt=64, bucket=0)  # admitted second, expected to stop at 50
+        assert rt.step()[0] == (1, 2)
+        while not (preempted := rt.step()[1]):
+            pass
+        victims[name] = preempted
+    assert victims == {"bucket": (2,), "refined": (1,)}
