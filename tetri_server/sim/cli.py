@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--paper-load", type=float, default=float("inf"),
                    help="--paper: arrival rate as a multiple of one vLLM-like instance's "
                         "capacity per workload (default inf: a burst)")
+    p.add_argument("--paper-handoff", choices=("mock", "server"), default="mock",
+                   help="--paper: the paper's mock KV transfer (the prefill instance frees a "
+                        "prompt's KV at once, default) or the server's (KV held until pulled)")
     p.add_argument("--config", help="config.toml: cluster, kv, prefill, decode, dispatch, "
                                     "monitor sections (flags win)")
     p.add_argument("--hardware", default="V100-32GB",
@@ -163,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.paper:
             from tetri_server.sim.paper import paper_table
 
-            out: dict[str, Any] = paper_table(load=args.paper_load, data_folder=args.data_dir)
+            out: dict[str, Any] = paper_table(load=args.paper_load, data_folder=args.data_dir,
+                                              handoff=args.paper_handoff)
         else:
             hw = load_hardware(args.hardware)
             cost = CostModel(hw, load_model(args.model), hw.link(args.link))

@@ -67,6 +67,10 @@ class SimConfig:
     flip_low_load: float = 0.1  # [flip] low_load
     flip_min_interval_s: float = 120.0  # [flip] min_interval_s (the policy's cooldown)
     flip_switch_s: float = 0.006  # drained -> serving in the new role (paper: 5-7 ms)
+    # The paper's mock KV transfer (its KV precomputed offline): a prefilled prompt's blocks
+    # are freed on the prefill instance at once, so it never waits for decode room or the
+    # pull; the decode side still reserves the KV and waits bytes / bandwidth. Not the server.
+    mock_handoff: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -82,6 +86,8 @@ class SimConfig:
             raise ValueError("dispatch must be power-of-two or round-robin")
         if self.monitor_interval_ms <= 0:
             raise ValueError("monitor_interval_ms must be > 0")
+        if self.mock_handoff and self.local_decode_batch:
+            raise ValueError("mock_handoff frees the prompt's KV: no local decode (elastic)")
 
     @property
     def num_held_instances(self) -> int:
@@ -159,6 +165,7 @@ class Simulation:
         return SimResult(
             requests=self.requests,
             instances=[dict(id=i.worker_id, role=i.role, busy_s=i.busy_s, steps=i.num_steps,
+                            active_s=i.last_end_s - i.first_start_s if i.num_steps else 0.0,
                             preemptions=_num_preemptions(i)) for i in self.instances],
             duration_s=max(ends, default=0.0),
             num_events=self.loop.num_handled,
@@ -231,6 +238,7 @@ class Simulation:
         cls = DecodeInstance if plan.to_role == "decode" else PrefillInstance
         new = cls(self, wid, old.alloc.num_blocks)
         new.alloc, new.busy_s, new.num_steps = old.alloc, old.busy_s, old.num_steps
+        new.first_start_s, new.last_end_s = old.first_start_s, old.last_end_s
         self.instances[wid] = new
         self.prefills = [i for i in self.instances if isinstance(i, PrefillInstance)]
         del self.draining[wid]

@@ -172,6 +172,8 @@ class PrefillInstance(_Decoding):
                 self.sim.finished(seq.req)
             else:
                 self.book.prefilled(req_id)
+                if self.sim.cfg.mock_handoff:  # the paper's mock: nothing waits for the pull
+                    release(self.alloc, seq)
         self._chunk = None
         self.dispatch_held()
 

@@ -92,6 +92,8 @@ class Instance:
         self.busy = False
         self.busy_s = 0.0
         self.num_steps = 0
+        self.first_start_s = 0.0  # the first step's start and the last one's end (virtual s)
+        self.last_end_s = 0.0
         self.inbox: list[tuple[Any, ...]] = []
         self._kick_pending = False
         self._retry_pending = False
@@ -136,7 +138,10 @@ class Instance:
             return
         self.busy = True
         self.busy_s += duration_s
+        if not self.num_steps:
+            self.first_start_s = self.sim.loop.now_s
         self.num_steps += 1
+        self.last_end_s = self.sim.loop.now_s + duration_s
         self.sim.loop.after(duration_s, self._finish)
 
     def _retry(self) -> None:

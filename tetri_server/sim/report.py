@@ -1,6 +1,8 @@
 """Metrics of a simulated run, by the benchmark's definitions (``bench/metrics.py``):
-simulated requests become ``RequestRecord``s and go through ``summarize``. Resource usage is
-what the paper compares: instance-seconds held (instances x duration)."""
+simulated requests become ``RequestRecord``s and go through ``summarize``. Resource usage:
+``resource_s`` = instance-seconds held (instances x duration); ``active_s`` = the sum of each
+instance's time from its first step to its last (what the paper's table compares, see
+``sim/paper.py``)."""
 
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ def mode_metrics(result: SimResult, cfg: SimConfig, slo: SLO | None = None) -> d
         "num_failed": s.num_errors, "duration_s": s.duration_s,
         "num_instances": cfg.num_held_instances, "resource_s": s.held_worker_s,
         "busy_s": s.busy_s_total, "utilization": s.utilization,
+        "active_s": sum(float(i["active_s"]) for i in result.instances),  # type: ignore[arg-type, misc]
         "perf_per_dollar": s.perf_per_dollar,
         "num_preemptions": sum(int(i["preemptions"]) for i in result.instances),  # type: ignore[call-overload]
         "instances": result.instances, "flips": result.flips,
