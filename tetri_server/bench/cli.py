@@ -6,6 +6,8 @@ compare  start tetri_server in each mode (and vLLM-CPU when installed), run the 
 sweep    SLO goodput: calibrate unloaded latencies, run one workload at each of ``--rates``
          against a server (``--url``) or each mode started in turn (``--modes``), print
          goodput and attainment per rate (bench/slo.py has the definitions)
+ablation one table per workload, each row one server changing one thing from the defaults
+         (bench/ablation.py), each against coupled in the same run; --dry-run prints them
 run and compare write results.json (config, summaries, every request), table.md and PNG plots
 to --out; sweep writes --json (default --out/sweep.json), table.md and the server logs.
 """
@@ -25,7 +27,7 @@ from typing import Any
 
 import aiohttp
 
-from tetri_server.bench import data, report
+from tetri_server.bench import ablation, data, report
 from tetri_server.bench.client import ClientConfig, fetch_model_name, run_benchmark
 from tetri_server.bench.compare import (
     TETRI_MODES,
@@ -392,6 +394,15 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     return 0 if all(r.summary.num_errors == 0 for s in sweeps for r in s.results) else 1
 
 
+def _max_model_len(args: argparse.Namespace) -> int:
+    return int(args.max_model_len or (model_max_len(args.model) if args.model else 0)
+               or DEFAULT_MAX_MODEL_LEN)
+
+
+def cmd_ablation(args: argparse.Namespace) -> int:
+    return ablation.main(args, build_requests, _max_model_len)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m tetri_server.bench",
@@ -453,6 +464,9 @@ def parser() -> argparse.ArgumentParser:
         "--calibration", help="use this calibration (an earlier sweep's JSON) instead of measuring"
     )
     _add_workload_args(swp, sweep=True)
+    abl = sub.add_parser("ablation", help="one row per lever changed from the defaults")
+    ablation.add_arguments(abl)
+    _add_workload_args(abl)
     return p
 
 
@@ -463,12 +477,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.out = Path("bench_results") / time.strftime("%Y%m%d-%H%M%S")
     if args.command == "sweep" and args.spawn:
         args.modes = ",".join(TETRI_MODES)
-    spawns = args.command == "compare" or (args.command == "sweep" and not args.url)
+    spawns = args.command in ("compare", "ablation") or (args.command == "sweep" and not args.url)
     if spawns and not args.model:
         raise SystemExit(f"{args.command} needs --model (the folder every server loads)")
     if args.model and args.model.startswith("builtin:"):
         from tetri_server.modelinfo import resolve_model_path  # makes the model on first use
 
         args.model = str(resolve_model_path(args.model))
-    commands = {"run": cmd_run, "compare": cmd_compare, "sweep": cmd_sweep}
+    commands = {"run": cmd_run, "compare": cmd_compare, "sweep": cmd_sweep,
+                "ablation": cmd_ablation}
     return commands[args.command](args)

@@ -1,0 +1,258 @@
+"""``bench ablation``: one table per workload, each row changing one thing from the defaults.
+
+    tetri-server bench ablation --model M --workload LPHD --rate 0.4 --num-requests 50 \\
+        --repeat 2 --json ablation.json [--rows sjf,refined] [--dry-run]
+
+Every row is a tetri_server started by ``compare.tetri_spec`` (a cluster mode or a
+``MODE_PRESETS`` name plus ``--set`` items), one server at a time, every workload of the run
+against it; ``coupled`` always runs, since every row is divided by the coupled row of the same
+run. ``--repeat K`` runs the whole set of rows K times (rows interleaved, so that drifting load
+from other tenants spreads over all rows) and reports the mean and the spread of each metric.
+
+A row is compared against ``base``: ``default`` (disaggregated with the shipped config), or a
+reference row with the same extra settings — e.g. the admission rows all run under a KV pool
+small enough to bind (``--pool-blocks``), so greedy and reserve-static are read against
+``pool-reserve-dynamic``, not against the default's roomy pool.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from tetri_server.bench import report
+from tetri_server.bench.compare import (
+    CompareOptions,
+    ServerSpec,
+    free_port,
+    run_against,
+    tetri_spec,
+)
+from tetri_server.bench.metrics import SLO, Summary
+from tetri_server.bench.workload import BenchRequest, WorkloadSpec
+
+BASELINE = "coupled"
+POOL = "@pool"  # stands for kv.num_blocks=<--pool-blocks> in a row's settings
+FAST_FLIP = ("flip.idle_s=5", "flip.low_load=0.1", "flip.window_s=10", "flip.min_interval_s=20")
+TWO_DECODE = ("cluster.decode_workers=2",)
+
+
+@dataclass(frozen=True)
+class Row:
+    """One server configuration: ``mode`` (cluster mode or preset) plus ``sets``."""
+
+    name: str
+    lever: str  # what the row varies, e.g. "sort window"
+    mode: str = "disaggregated"
+    sets: tuple[str, ...] = ()
+    base: str = "default"  # the row this one changes one thing of
+
+    def settings(self, pool_blocks: int) -> tuple[str, ...]:
+        return tuple(f"kv.num_blocks={pool_blocks}" if s == POOL else s for s in self.sets)
+
+
+ROWS: tuple[Row, ...] = (
+    Row("coupled", "baseline", mode="coupled", base=""),
+    Row("coupled-chunked", "baseline", mode="coupled-chunked", base="coupled"),
+    Row("default", "defaults", base="coupled"),
+    Row("sjf", "sort window", sets=("prefill.policy=sjf",)),
+    Row("ljf", "sort window", sets=("prefill.policy=ljf",)),
+    Row("chunk-256", "chunk size", sets=("prefill.chunk_size=256",)),
+    Row("chunk-512", "chunk size", sets=("prefill.chunk_size=512",)),
+    Row("admit-greedy", "decode admission", sets=("decode.policy=greedy",)),
+    # the config refuses reserve admission without a prediction: none runs greedy
+    Row("predictor-none", "predictor", sets=("predictor.kind=none", "decode.policy=greedy"),
+        base="admit-greedy"),
+    Row("predictor-oracle", "predictor", sets=("predictor.kind=oracle",)),
+    Row("pool-reserve-dynamic", "decode admission (small pool)", sets=(POOL,)),
+    Row("pool-reserve-static", "decode admission (small pool)",
+        sets=(POOL, "decode.policy=reserve-static"), base="pool-reserve-dynamic"),
+    Row("pool-greedy", "decode admission (small pool)", sets=(POOL, "decode.policy=greedy"),
+        base="pool-reserve-dynamic"),
+    Row("refined", "refined estimate", sets=("decode.estimate=refined",)),
+    Row("pool-refined", "refined estimate (small pool)",
+        sets=(POOL, "decode.estimate=refined"), base="pool-reserve-dynamic"),
+    Row("dispatch-power-of-two", "dispatcher (2 decode workers)", sets=TWO_DECODE),
+    Row("dispatch-round-robin", "dispatcher (2 decode workers)",
+        sets=(*TWO_DECODE, "dispatch.policy=round-robin"), base="dispatch-power-of-two"),
+    Row("flip", "flip (2 decode workers)", sets=(*TWO_DECODE, "flip.enabled=true", *FAST_FLIP),
+        base="dispatch-power-of-two"),
+    Row("elastic", "elastic P/D", mode="elastic"),
+    Row("elastic-prefill", "elastic P/D", mode="elastic-prefill"),
+    Row("elastic-decode", "elastic P/D", mode="elastic-decode"),
+)
+ROW_NAMES = tuple(r.name for r in ROWS)
+
+
+def select_rows(names: str | None) -> list[Row]:
+    """The rows named (comma-separated; all when None) in table order, the coupled baseline
+    always among them. An unknown name is an error listing the known ones."""
+    if names is None:
+        return list(ROWS)
+    wanted = {n.strip() for n in names.split(",") if n.strip()}
+    unknown = sorted(wanted - set(ROW_NAMES))
+    if unknown:
+        raise ValueError(f"unknown rows {', '.join(unknown)}; known: {', '.join(ROW_NAMES)}")
+    return [r for r in ROWS if r.name in wanted | {BASELINE}]
+
+
+def row_spec(row: Row, model: str, port: int, max_model_len: int, sets: Sequence[str],
+             pool_blocks: int) -> ServerSpec:
+    """The server of ``row``: ``sets`` (every row's) first, the row's own after, so they win."""
+    spec = tetri_spec(row.mode, model, port, max_model_len, (*sets, *row.settings(pool_blocks)))
+    return replace(spec, label=row.name)
+
+
+def command_lines(rows: Sequence[Row], model: str, max_model_len: int, sets: Sequence[str],
+                  pool_blocks: int) -> str:
+    lines = []
+    for r in rows:
+        spec = row_spec(r, model, 0, max_model_len, sets, pool_blocks)
+        lines.append(f"# {r.name} ({r.lever}; vs {r.base or '-'})\n{shlex.join(spec.argv)}")
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------- the table
+
+
+def _mean(xs: Sequence[float | None]) -> float | None:
+    vals = [x for x in xs if x is not None]
+    return statistics.fmean(vals) if vals else None
+
+
+METRICS: dict[str, Callable[[Summary], float | None]] = {
+    "ttft_mean_s": lambda s: s.ttft_s.mean,
+    "ttft_p90_s": lambda s: s.ttft_s.p90,
+    "jct_mean_s": lambda s: s.jct_s.mean,
+    "itl_p99_s": lambda s: s.itl_s.p99,
+    "slo_attainment": lambda s: s.slo_attainment,
+}
+
+
+def aggregate(summaries: Sequence[Summary]) -> dict[str, Any]:
+    """Means over the repeats of one (workload, row); ``spread``: (max - min) / mean per
+    metric (0 with one repeat); busy seconds averaged per ``worker:role``."""
+    out: dict[str, Any] = {"repeats": len(summaries),
+                           "done": sum(s.num_completed for s in summaries),
+                           "sent": sum(s.num_requests for s in summaries), "spread": {}}
+    for key, get in METRICS.items():
+        vals = [v for v in map(get, summaries) if v is not None]
+        out[key] = _mean(vals)
+        out["spread"][key] = (max(vals) - min(vals)) / out[key] if vals and out[key] else 0.0
+    busy: dict[str, list[float]] = {}
+    for s in summaries:
+        for k, v in (s.busy_s or {}).items():
+            busy.setdefault(k, []).append(v)
+    out["busy_s"] = {k: statistics.fmean(v) for k, v in sorted(busy.items())}
+    return out
+
+
+def _num(x: float | None, scale: float = 1.0, digits: int = 2) -> str:
+    return "n/a" if x is None else f"{x * scale:.{digits}f}"
+
+
+def _ratio(x: float | None, base: float | None) -> str:
+    r = report.ratio(x, base)
+    return "n/a" if r is None else f"{r:.2f}"
+
+
+def _busy(busy: dict[str, float]) -> str:
+    return " ".join(f"{k} {v:.1f}" for k, v in busy.items()) or "n/a"
+
+
+def workload_table(workload: str, rows: Sequence[Row], agg: dict[str, dict[str, Any]]) -> str:
+    """Markdown for one workload: a line per row that ran, ratios to the coupled row."""
+    base = agg.get(BASELINE, {})
+    head = (f"#### {workload}\n\n| row | changes | vs | done | TTFT mean / p90 (s) | JCT mean (s) "
+            "| ITL p99 (ms) | SLO att. | busy s per worker | TTFT / JCT / ITL p99 vs coupled "
+            "| JCT vs its base | spread (JCT) |\n" + "|---" * 12 + "|\n")
+    lines = []
+    for r in rows:
+        a = agg.get(r.name)
+        if a is None:
+            continue
+        changes = ", ".join(s.replace(POOL, "small pool") for s in r.sets) or (
+            r.mode if r.mode != "disaggregated" else "-")
+        ratios = " / ".join(_ratio(a[k], base.get(k))
+                            for k in ("ttft_mean_s", "jct_mean_s", "itl_p99_s"))
+        lines.append(
+            f"| {r.name} | {changes} | {r.base or '-'} | {a['done']}/{a['sent']} "
+            f"| {_num(a['ttft_mean_s'])} / {_num(a['ttft_p90_s'])} | {_num(a['jct_mean_s'])} "
+            f"| {_num(a['itl_p99_s'], 1e3, 1)} | {_num(a['slo_attainment'])} "
+            f"| {_busy(a['busy_s'])} | {ratios} "
+            f"| {_ratio(a['jct_mean_s'], agg.get(r.base, {}).get('jct_mean_s'))} "
+            f"| {a['spread']['jct_mean_s']:.0%} |")
+    return head + "\n".join(lines) + "\n"
+
+
+def tables(rows: Sequence[Row], results: Sequence[report.BenchResult], slo: SLO) -> str:
+    by: dict[str, dict[str, list[Summary]]] = {}
+    for res in results:
+        by.setdefault(res.spec.name, {}).setdefault(res.mode, []).append(res.summary)
+    text = "\n".join(workload_table(w, rows, {m: aggregate(ss) for m, ss in per.items()})
+                     for w, per in by.items())
+    return text + (f"\nSLO attainment: share of requests with TTFT <= {slo.ttft_s} s and "
+                   f"TPOT <= {slo.tpot_s * 1e3:.0f} ms. Spread: (max - min) / mean over the "
+                   "repeats.\n")
+
+
+# ---------------------------------------------------------------------- the command
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rows", help=f"comma-separated subset of: {', '.join(ROW_NAMES)}")
+    p.add_argument("--repeat", type=int, default=1, help="runs of every row (default 1)")
+    p.add_argument("--pool-blocks", type=int, default=160,
+                   help="kv.num_blocks of the small-pool rows (default 160: 2560 tokens)")
+    p.add_argument("--json", type=Path, help="summary file (default --out/ablation.json)")
+    p.add_argument("--dry-run", action="store_true", help="print every row's server command")
+    p.add_argument("--set", action="append", default=[], help="key=value for every row")
+    p.add_argument("--ready-timeout-s", type=float, default=300.0)
+
+
+def main(args: argparse.Namespace, build: Callable[[argparse.Namespace],
+                                                  list[tuple[WorkloadSpec, list[BenchRequest]]]],
+         max_model_len: Callable[[argparse.Namespace], int]) -> int:
+    try:
+        rows = select_rows(args.rows)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from exc
+    if args.dry_run:
+        print(command_lines(rows, args.model, max_model_len(args), args.set, args.pool_blocks))
+        return 0
+    built = build(args)
+    slo = SLO(args.slo_ttft_s, args.slo_tpot_s)
+    # the oracle row reads each request's true length; the other rows ignore the field
+    opts = CompareOptions(args.out, slo, args.max_concurrency, args.request_timeout_s,
+                          not args.no_progress, send_true_output_len=True)
+    max_len = built[0][0].max_model_len
+    results: list[report.BenchResult] = []
+    for k in range(args.repeat):
+        for r in rows:
+            spec = row_spec(r, args.model, free_port(), max_len, args.set, args.pool_blocks)
+            spec = replace(spec, ready_timeout_s=args.ready_timeout_s)
+            print(f"ablation: repeat {k + 1}/{args.repeat}, row {r.name}", file=sys.stderr)
+            results += run_against(spec, built, replace(opts, out_dir=args.out / f"r{k}"))
+    text = tables(rows, results, slo)
+    out_json = args.json or args.out / "ablation.json"
+    out_json.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"argv": args.argv, "rows": [vars_of(r, args.pool_blocks) for r in rows],
+               "table": text, "results": [r.to_dict(include_records=False) for r in results]}
+    out_json.write_text(json.dumps(payload, indent=1))
+    report.write_json(results, args.out / "results.json")  # with every request's record
+    (args.out / "table.md").write_text(text)
+    print(text)
+    print(f"results in {out_json}", file=sys.stderr)
+    return 0 if all(r.summary.num_errors == 0 for r in results) else 1
+
+
+def vars_of(row: Row, pool_blocks: int) -> dict[str, Any]:
+    return {"name": row.name, "lever": row.lever, "mode": row.mode,
+            "sets": list(row.settings(pool_blocks)), "base": row.base}
