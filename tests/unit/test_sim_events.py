@@ -119,3 +119,18 @@ def test_sim_package_imports_no_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, check=True)
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+
+
+def test_uniform_misses_land_anywhere_but_the_true_bucket() -> None:
+    """The far-off predictor: the same hit rate, but a miss is any other bucket, uniformly."""
+    pred = EmulatedPredictor(granularity=200, num_buckets=11, accuracy=0.749, seed=3,
+                             miss="uniform")
+    lens = [(i * 37) % 2000 for i in range(4000)]
+    got = [pred.predict(n) for n in lens]
+    true = [n // 200 for n in lens]
+    misses = [abs(g - t) for g, t in zip(got, true, strict=True) if g != t]
+    assert 0.72 < 1 - len(misses) / len(lens) < 0.78
+    assert all(0 <= g < 11 for g in got)
+    assert max(misses) >= 8 and sum(misses) / len(misses) > 3  # a neighbour miss: always 1
+    with pytest.raises(ValueError, match="miss"):
+        EmulatedPredictor(granularity=200, num_buckets=11, miss="far")

@@ -49,7 +49,8 @@ FLAGS = {
     "local_decode_batch": "local_decode_batch", "local_prefill_tokens": "local_prefill_tokens",
     "decode_policy": "decode_policy", "max_batch": "max_batch", "granularity": "granularity",
     "predictor_accuracy": "predictor_accuracy", "predictor_model": "predictor_model",
-    "dispatch": "dispatch", "seed": "seed", "monitor_interval_ms": "monitor_interval_ms",
+    "predictor_miss": "predictor_miss", "dispatch": "dispatch", "seed": "seed",
+    "monitor_interval_ms": "monitor_interval_ms",
     "flip": "flip", "flip_window_s": "flip_window_s", "flip_min_interval_s": "flip_min_interval_s",
 }
 
@@ -104,6 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=int)
     p.add_argument("--granularity", type=int)
     p.add_argument("--predictor-accuracy", type=float, help="1.0 = oracle")
+    p.add_argument("--predictor-miss", choices=("neighbour", "uniform"),
+                   help="where a miss lands: a neighbouring bucket (default) or any other")
     p.add_argument("--predictor-model", help="e.g. OPT-125M: its prefill runs in-line")
     p.add_argument("--dispatch", choices=("power-of-two", "round-robin"))
     p.add_argument("--seed", type=int)

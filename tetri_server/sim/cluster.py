@@ -56,6 +56,7 @@ class SimConfig:
     granularity: int = 200
     heavy_decode_tokens: int = 128
     predictor_accuracy: float = 1.0  # 1.0 = oracle
+    predictor_miss: str = "neighbour"  # a miss: a neighbouring bucket, or "uniform": any other
     predictor_model: str = ""  # e.g. "OPT-125M": its prefill time runs in-line; "" = free
     dispatch: str = "power-of-two"  # or "round-robin"
     seed: int = 0
@@ -86,6 +87,8 @@ class SimConfig:
             raise ValueError("dispatch must be power-of-two or round-robin")
         if self.monitor_interval_ms <= 0:
             raise ValueError("monitor_interval_ms must be > 0")
+        if self.predictor_miss not in ("neighbour", "uniform"):
+            raise ValueError("predictor_miss must be neighbour or uniform")
         if self.mock_handoff and self.local_decode_batch:
             raise ValueError("mock_handoff frees the prompt's KV: no local decode (elastic)")
 

@@ -20,7 +20,8 @@ def predict(requests: list[SimRequest], cfg: SimConfig) -> None:
     num_buckets = max(1, -(-cfg.max_model_len // cfg.granularity))
     assign_buckets(requests, EmulatedPredictor(granularity=cfg.granularity,
                                                num_buckets=num_buckets,
-                                               accuracy=cfg.predictor_accuracy, seed=cfg.seed))
+                                               accuracy=cfg.predictor_accuracy, seed=cfg.seed,
+                                               miss=cfg.predictor_miss))
 
 
 def simulate(cfg: SimConfig, cost: CostModel, requests: list[SimRequest], *,
