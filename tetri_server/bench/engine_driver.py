@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
@@ -19,7 +20,7 @@ import torch
 from tetri_server.bench.cpu import Timer, core_busy
 from tetri_server.engine.attention import ragged_attention
 from tetri_server.engine.kernels import REFERENCE, Kernels, unpacked_linear
-from tetri_server.engine.ops.linear import linear
+from tetri_server.engine.ops.linear import linear, onednn_pack_weight
 from tetri_server.engine.runner import ScheduledSeq, StepPlan
 from tetri_server.engine.sequence import SeqStatus
 from tetri_server.engine.sequence import Sequence as Seq
@@ -131,6 +132,24 @@ class Shape:
 # ---------------------------------------------------------------------------- our engine
 
 
+LinearKind = Literal["tetri", "onednn", "plain"]
+
+
+class OneDNNLinear:
+    """``linear`` over a oneDNN copy of each weight, made at its first use: the engine's
+    linears before ``tetri::packed_linear``, kept for the benchmark's before/after."""
+
+    def __init__(self) -> None:
+        self.copies: dict[int, torch.Tensor | None] = {}
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
+                 packed: torch.Tensor | None = None) -> torch.Tensor:
+        key = w.data_ptr()
+        if key not in self.copies:
+            self.copies[key] = onednn_pack_weight(w)
+        return linear(x, w, b, self.copies[key])
+
+
 class EngineDriver:
     """One engine (pool sized for the largest decode configuration) driven below the API."""
 
@@ -148,6 +167,7 @@ class EngineDriver:
         self.vocab = self.eng.spec.vocab_size
         self.block_size = block_size
         self.gen = torch.Generator().manual_seed(1234)
+        self.onednn = OneDNNLinear()
         self.next_id = 0
         s = self.eng.spec
         # Random KV to copy into decode sequences' extents (values do not change the timing,
@@ -165,14 +185,15 @@ class EngineDriver:
         return seq
 
     @contextmanager
-    def kernels(self, attention: AttentionFn = ragged_attention, packed: bool = True,
+    def kernels(self, attention: AttentionFn = ragged_attention, linears: LinearKind = "tetri",
                 fused: bool = True) -> Iterator[None]:
-        """The model runs ``attention``, prepacked (or plain ``F.linear``) matmuls and the fused
-        (or eager PyTorch) norm/RoPE/SiLU ops."""
+        """The model runs ``attention``, its linears on ``linears`` (the engine's packed
+        ``tetri::packed_linear``, oneDNN's prepacked matmul, or plain ``F.linear``) and the
+        fused (or eager PyTorch) norm/RoPE/SiLU ops and KV write."""
         model, saved = self.eng.model, self.eng.model.kernels
         layer_ops = Kernels() if fused else REFERENCE
-        model.kernels = dataclasses.replace(layer_ops, attention=attention,
-                                            linear=linear if packed else unpacked_linear)
+        lin = {"tetri": linear, "onednn": self.onednn, "plain": unpacked_linear}[linears]
+        model.kernels = dataclasses.replace(layer_ops, attention=attention, linear=lin)
         try:
             yield
         finally:

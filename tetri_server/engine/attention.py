@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tetri_server.engine.ops import ragged_attention_op
+from tetri_server.engine.ops import load_cpu_ops, ragged_attention_op
 
 
 @dataclass
@@ -80,7 +80,21 @@ def metadata_tensors(q_starts: list[int], q_lens: list[int], ctx_lens: list[int]
 
 def write_kv(pool_k: torch.Tensor, pool_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              meta: BatchMetadata) -> None:
-    """Store the new tokens' K/V. pool_*: [kv_heads, pool_tokens, D]; k, v: [T, kv_heads, D]."""
+    """Store the new tokens' K/V. pool_*: [kv_heads, pool_tokens, D]; k, v: [T, kv_heads, D].
+    One ``tetri::write_kv`` call on CPU (row copies), else two ``index_copy_``."""
+    n = meta.num_real
+    if n == 0:
+        return
+    slots = meta.slot_mapping
+    if pool_k.device.type == "cpu" and load_cpu_ops():
+        torch.ops.tetri.write_kv(pool_k, pool_v, k, v, slots)
+        return
+    write_kv_ref(pool_k, pool_v, k, v, meta)
+
+
+def write_kv_ref(pool_k: torch.Tensor, pool_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 meta: BatchMetadata) -> None:
+    """``write_kv`` as two ``index_copy_`` calls (the reference, and the path off CPU)."""
     n = meta.num_real
     if n == 0:
         return

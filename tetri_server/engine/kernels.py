@@ -2,8 +2,9 @@
 
 A benchmark or a test that wants another attention path, plain matmuls or timed calls builds a
 ``Kernels`` and assigns it to the model; nothing patches modules. ``Kernels()`` is what serving
-runs: the one attention op per layer, ``index_copy_`` into the pool, prepacked linears, and the
-fused norm/RoPE/SiLU ops of ``ops/layer.py``; ``REFERENCE`` is eager PyTorch for all of them.
+runs: the one attention op per layer, ``tetri::write_kv`` into the pool, linears on the packed
+weights of ``ops/linear.py``, and the fused norm/RoPE/SiLU ops of ``ops/layer.py``;
+``REFERENCE`` is eager PyTorch for all of them.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from tetri_server.engine.attention import (
     paged_attention,
     ragged_attention,
     write_kv,
+    write_kv_ref,
 )
 from tetri_server.engine.ops.layer import (
     add_rms_norm,
@@ -64,5 +66,6 @@ class Kernels:
                                 for f in fields(self)})
 
 
-REFERENCE = Kernels(attention=paged_attention, linear=unpacked_linear, rms_norm=rms_norm_ref,
-                    add_rms_norm=add_rms_norm_ref, rope=rope_ref, silu_mul=silu_mul_ref)
+REFERENCE = Kernels(attention=paged_attention, write_kv=write_kv_ref, linear=unpacked_linear,
+                    rms_norm=rms_norm_ref, add_rms_norm=add_rms_norm_ref, rope=rope_ref,
+                    silu_mul=silu_mul_ref)

@@ -3,9 +3,10 @@
 ``ragged_attention_op(device_type)`` gives one attention call per layer over the KV pool:
 ``torch.ops.tetri.ragged_attention`` on CPU (source in ``ragged_attention.cpp``), the Triton
 kernel with the same arguments on CUDA (``triton_attention.py``), or None; a None is logged once
-as a WARNING, naming the slower path the caller takes instead. The same library holds the
-fused per-layer ops of ``layer_ops.cpp`` (RMSNorm, add + RMSNorm, RoPE, SiLU-and-mul; their
-references and the dispatch are in ``layer.py``).
+as a WARNING, naming the slower path the caller takes instead. The same library holds
+``tetri::write_kv`` (the new tokens' K/V into the pool), the fused per-layer ops of
+``layer_ops.cpp`` (RMSNorm, add + RMSNorm, RoPE, SiLU-and-mul; their references and the
+dispatch are in ``layer.py``) and the packed fp32 linear of ``linear_ops.cpp`` (``linear.py``).
 
 The C++ sources are compiled with ninja and the host compiler through
 ``torch.utils.cpp_extension.load``, once per CPU capability that ATen reports
@@ -33,7 +34,8 @@ import torch
 
 log = logging.getLogger("tetri.ops")
 SOURCE = Path(__file__).with_name("ragged_attention.cpp")
-SOURCES = (SOURCE, Path(__file__).with_name("layer_ops.cpp"))  # one library: tetri::*
+SOURCES = (SOURCE, Path(__file__).with_name("layer_ops.cpp"),
+           Path(__file__).with_name("linear_ops.cpp"))  # one library: tetri::*
 # ATen's Vectorized<float> width follows CPU_CAPABILITY_*; the -m flags are inductor's for the
 # same capability (torch/_inductor/cpu_vec_isa.py).
 ISA_FLAGS = {

@@ -1,40 +1,77 @@
-"""Linear layers with the weight prepacked for oneDNN (CPU, fp32).
+"""Linear layers over a weight packed once at load (CPU, fp32).
 
-Measured on one core (docs/benchmarks.md, Engine): MKL's ``F.linear`` is slow at the row counts
-of decode steps (M = 8 takes 3x the time of M = 1 for the same weight); oneDNN's matmul over a
-weight reordered once at load (``torch.ops.mkldnn._reorder_linear_weight``) is 1.2-2x faster for
-2 <= M <= 256, slightly slower at M = 1 and equal from M ~ 1024. So rows in
-[PACKED_MIN_ROWS, PACKED_MAX_ROWS] take the packed weight, others ``F.linear``. Greedy output
-still equals transformers (tests/unit/test_engine.py). The packed copy doubles the memory of
-the weights it packs.
+``pack_weight(w)`` makes the copy a layer keeps beside its weight; ``linear(x, w, b, packed)``
+runs on it:
+
+- ``tetri::packed_linear`` (``linear_ops.cpp``) where the C++ ops are built with an AVX2 or
+  AVX-512 kernel: panels of the weight stored in the order the kernel reads them, a register
+  tile per row count (decode rows or prefill rows), the next panel prefetched while a panel
+  runs. Measured on one core (docs/benchmarks.md, Engine): faster than oneDNN at every decode
+  batch size, within a few % of it at prefill sizes. Each output is one FMA chain over the
+  input dim, so a row's result does not depend on the other rows of the batch.
+- else oneDNN's matmul over a weight reordered once (``torch.ops.mkldnn._reorder_linear_weight``:
+  1.2-2x faster than MKL's ``F.linear`` for 2 <= M <= 256, not at M = 1 or from M ~ 1024);
+- else ``F.linear``.
+
+Greedy output still equals transformers (tests/unit/test_engine.py). The packed copy doubles
+the memory of the weights it packs.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
-PACKED_MIN_ROWS = 2
+from tetri_server.engine.ops import load_cpu_ops
+
+PACKED_MIN_ROWS = 2  # oneDNN's copy: the rows it is faster for
 PACKED_MAX_ROWS = 512
 PACK_HINT_ROWS = 32  # the batch size oneDNN picks the weight layout for; any M runs on it
 
 
+@functools.cache
+def tetri_linear_supported() -> bool:
+    """The C++ ops are built here with a packed-linear kernel (AVX2 or AVX-512)."""
+    return load_cpu_ops() and bool(torch.ops.tetri.packed_linear_supported())
+
+
+def _is_tetri_pack(packed: torch.Tensor) -> bool:
+    return packed.dim() == 3  # [panels, in, panel width]; oneDNN's copies are 2-D
+
+
 def pack_weight(w: torch.Tensor) -> torch.Tensor | None:
-    """The oneDNN-reordered copy of ``w`` ([out, in]), or None where it does not apply (not
-    CPU fp32, or a torch without mkldnn)."""
+    """The packed copy of ``w`` ([out, in]) for ``linear``, or None where none applies (not
+    CPU fp32, or neither the C++ kernel nor mkldnn here)."""
     if w.device.type != "cpu" or w.dtype != torch.float32 or w.dim() != 2:
         return None
-    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn,
-                                                               "_reorder_linear_weight"):
-        return None
     with torch.no_grad():
-        return torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_HINT_ROWS)
+        if tetri_linear_supported():
+            return torch.ops.tetri.pack_linear_weight(w.detach())
+        if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn,
+                                                            "_reorder_linear_weight"):
+            return torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_HINT_ROWS)
+    return None
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
            packed: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, w, b)`` for x [M, in]; on ``packed`` (from ``pack_weight(w)``) when M is in
-    the range where that is faster."""
-    if packed is not None and PACKED_MIN_ROWS <= x.shape[0] <= PACKED_MAX_ROWS and x.dim() == 2:
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, b, "none", [], "")
+    """``F.linear(x, w, b)`` for x [M, in], on ``packed`` (from ``pack_weight(w)``) where it
+    applies."""
+    if packed is not None and x.dim() == 2:
+        if _is_tetri_pack(packed):
+            return torch.ops.tetri.packed_linear(x, packed, b, w.shape[0])
+        if PACKED_MIN_ROWS <= x.shape[0] <= PACKED_MAX_ROWS:
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, b, "none", [], "")
     return F.linear(x, w, b)
+
+
+def onednn_pack_weight(w: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN's reordered copy of ``w`` (the engine before ``tetri::packed_linear``; benchmarks
+    compare the two)."""
+    if w.device.type != "cpu" or w.dtype != torch.float32 or not hasattr(
+            torch.ops.mkldnn, "_reorder_linear_weight"):
+        return None
+    with torch.no_grad():
+        return torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_HINT_ROWS)

@@ -22,6 +22,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -57,7 +58,7 @@ inline const float* as_float<float>(const float* src, float*, int64_t) {
 // Ask for a row's cache lines ahead of use (the KV stream is read once, from DRAM).
 inline void prefetch_row(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
-  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o, 0, 2);  // into L2
+  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o, 0, 3);  // into L1
 }
 
 inline float dot(const float* a, const float* b, int64_t d) {
@@ -110,7 +111,8 @@ struct Scratch {
 template <typename T>
 void attend(const SeqInfo& s, int64_t h, int64_t groups, int64_t d, float scale, int64_t window,
             const T* q, int64_t q_s0, int64_t q_s1, const T* pk, const T* pv, int64_t kv_s0,
-            int64_t kv_s1, T* out, int64_t o_s0, int64_t o_s1, Scratch& w) {
+            int64_t kv_s1, T* out, int64_t o_s0, int64_t o_s1, Scratch& w, const T* next_k,
+            const T* next_v, int64_t next_rows) {
   const T* kh = pk + h * kv_s0 + s.kv_start * kv_s1;
   const T* vh = pv + h * kv_s0 + s.kv_start * kv_s1;
   for (int64_t r = 0; r < s.q_len; ++r) {
@@ -142,10 +144,17 @@ void attend(const SeqInfo& s, int64_t h, int64_t groups, int64_t d, float scale,
         w.m[g] = m_new;
       }
       const int64_t n_next = std::min(kKeyBlock, hi - kb - n);  // keys of the next block
+      // the last block of the last row prefetches the next item's first block instead
+      const bool item_end = n_next == 0 && r + 1 == s.q_len && next_k != nullptr;
       for (int64_t j = 0; j < n; ++j) {
         if (j < n_next) {
           prefetch_row(kh + (kb + n + j) * kv_s1, d * sizeof(T));
           prefetch_row(vh + (kb + n + j) * kv_s1, d * sizeof(T));
+        } else if (item_end) {
+          for (int64_t q = j * next_rows / n; q < (j + 1) * next_rows / n; ++q) {
+            prefetch_row(next_k + q * kv_s1, d * sizeof(T));
+            prefetch_row(next_v + q * kv_s1, d * sizeof(T));
+          }
         }
         const float* v = as_float(vh + (kb + j) * kv_s1, w.vbuf.data(), d);
         for (int64_t g = 0; g < groups; ++g) {  // the rescale is folded into the first key
@@ -177,8 +186,20 @@ void run_items(const std::vector<SeqInfo>& seqs, const std::vector<int64_t>& sho
     Scratch w(groups, d);
     for (int64_t it = begin; it < stop; ++it) {
       const SeqInfo& s = seqs[short_seqs[it / kv_heads]];
+      const T *next_k = nullptr, *next_v = nullptr;
+      int64_t next_rows = 0;
+      if (it + 1 < stop) {  // the next item's first key block, fetched during this one's end
+        const SeqInfo& ns = seqs[short_seqs[(it + 1) / kv_heads]];
+        const int64_t h = (it + 1) % kv_heads;
+        const int64_t pos = ns.ctx_len - ns.q_len;
+        const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+        next_k = kp + h * pool_k.stride(0) + (ns.kv_start + lo) * pool_k.stride(1);
+        next_v = vp + h * pool_k.stride(0) + (ns.kv_start + lo) * pool_k.stride(1);
+        next_rows = std::min(kKeyBlock, pos + 1 - lo);
+      }
       attend<T>(s, it % kv_heads, groups, d, scale, window, qp, q.stride(0), q.stride(1), kp, vp,
-                pool_k.stride(0), pool_k.stride(1), op, out.stride(0), out.stride(1), w);
+                pool_k.stride(0), pool_k.stride(1), op, out.stride(0), out.stride(1), w, next_k,
+                next_v, next_rows);
     }
   });
 }
@@ -273,6 +294,41 @@ void ragged_attention_cpu(const at::Tensor& q, const at::Tensor& pool_k, const a
   }
 }
 
+// tetri::write_kv: the new tokens' K and V rows into the pool, one row copy per (token, kv
+// head) (index_copy_ over the pool's token dim costs ~120 us a call for a 32-token step).
+void write_kv_cpu(const at::Tensor& pool_k, const at::Tensor& pool_v, const at::Tensor& k,
+                  const at::Tensor& v, const at::Tensor& slots) {
+  TORCH_CHECK(pool_k.dim() == 3 && pool_k.sizes() == pool_v.sizes() &&
+                  pool_k.strides() == pool_v.strides() && pool_k.stride(2) == 1,
+              "write_kv: pools must be two [kv_heads, tokens, D] tensors alike, D contiguous");
+  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.stride(2) == 1 && v.stride(2) == 1 &&
+                  k.size(1) == pool_k.size(0) && k.size(2) == pool_k.size(2),
+              "write_kv: k and v must be [T, kv_heads, D] with D contiguous");
+  TORCH_CHECK(k.scalar_type() == pool_k.scalar_type() && v.scalar_type() == pool_k.scalar_type(),
+              "write_kv: k, v and the pools must have one dtype");
+  TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == at::kLong && slots.is_contiguous() &&
+                  slots.numel() <= k.size(0),
+              "write_kv: slots must be a contiguous int64 vector, one per new token");
+  const int64_t n = slots.numel(), heads = k.size(1), pool_tokens = pool_k.size(1);
+  const int64_t row_bytes = k.size(2) * k.element_size(), es = k.element_size();
+  const int64_t* s = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < n; ++t) {
+    TORCH_CHECK(s[t] >= 0 && s[t] < pool_tokens, "write_kv: slot ", s[t], " of token ", t,
+                " outside the pool (", pool_tokens, " tokens)");
+  }
+  auto* pk = static_cast<char*>(pool_k.data_ptr());
+  auto* pv = static_cast<char*>(pool_v.data_ptr());
+  const auto* kp = static_cast<const char*>(k.data_ptr());
+  const auto* vp = static_cast<const char*>(v.data_ptr());
+  for (int64_t t = 0; t < n; ++t) {
+    for (int64_t h = 0; h < heads; ++h) {
+      const int64_t dst = (h * pool_k.stride(0) + s[t] * pool_k.stride(1)) * es;
+      std::memcpy(pk + dst, kp + (t * k.stride(0) + h * k.stride(1)) * es, row_bytes);
+      std::memcpy(pv + dst, vp + (t * v.stride(0) + h * v.stride(1)) * es, row_bytes);
+    }
+  }
+}
+
 void ragged_attention_meta(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                            const at::Tensor&, const at::Tensor&, const at::Tensor&,
                            const at::Tensor&, const at::Tensor&, double, int64_t) {}
@@ -283,8 +339,12 @@ TORCH_LIBRARY(tetri, m) {
   m.def(
       "ragged_attention(Tensor q, Tensor pool_k, Tensor pool_v, Tensor(a!) out, Tensor q_start, "
       "Tensor q_len, Tensor ctx_len, Tensor kv_start, float scale, int window) -> ()");
+  m.def("write_kv(Tensor(a!) pool_k, Tensor(b!) pool_v, Tensor k, Tensor v, Tensor slots) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(tetri, CPU, m) { m.impl("ragged_attention", &ragged_attention_cpu); }
+TORCH_LIBRARY_IMPL(tetri, CPU, m) {
+  m.impl("ragged_attention", &ragged_attention_cpu);
+  m.impl("write_kv", &write_kv_cpu);
+}
 
 TORCH_LIBRARY_IMPL(tetri, Meta, m) { m.impl("ragged_attention", &ragged_attention_meta); }

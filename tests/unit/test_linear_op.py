@@ -1,0 +1,107 @@
+"""``tetri::packed_linear`` (engine/ops/linear_ops.cpp) against float64 matmuls, on shapes off
+the panel and tile sizes, and the properties the engine relies on: a row's result does not
+depend on the rest of the batch, the row count or the thread count; bad input is a clear error;
+and ``tetri::write_kv`` stores what ``index_copy_`` stores."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tetri_server.engine.attention import BatchMetadata, write_kv, write_kv_ref
+from tetri_server.engine.ops import load_cpu_ops
+from tetri_server.engine.ops.linear import linear, pack_weight, tetri_linear_supported
+
+pytestmark = pytest.mark.skipif(not load_cpu_ops() or not tetri_linear_supported(),
+                                reason="the C++ ops (AVX2 or AVX-512) could not be built")
+
+# rows across the tall tile (<= 48 rows) and the wide one in row blocks; out features off the
+# panel width; in features odd and larger than a row block's budget
+ROWS = [1, 5, 12, 13, 47, 48, 49, 97, 600]
+SHAPES = [(64, 64), (65, 17), (1000, 300), (7, 3), (96, 2100)]
+
+
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_equals_a_float64_matmul(n: int, k: int, bias: bool) -> None:
+    g = torch.Generator().manual_seed(n * k)
+    w = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    packed = pack_weight(w)
+    assert packed is not None and packed.dim() == 3
+    for m in ROWS:
+        x = torch.randn(m, k, generator=g)
+        ref = x.double() @ w.double().t() + (b.double() if b is not None else 0)
+        y = linear(x, w, b, packed)
+        assert y.shape == (m, n) and y.dtype == torch.float32 and y.is_contiguous()
+        torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-4 * k ** 0.5)
+
+
+def test_a_row_gets_the_same_bits_alone_or_in_any_batch() -> None:
+    g = torch.Generator().manual_seed(7)
+    w, b = torch.randn(200, 150, generator=g), torch.randn(200, generator=g)
+    packed = pack_weight(w)
+    rows = torch.randn(600, 150, generator=g)
+    alone = torch.cat([linear(rows[i:i + 1], w, b, packed) for i in range(0, 600, 37)])
+    for m in (2, 13, 48, 49, 300, 600):  # both tiles, several row blocks
+        batch = linear(rows[:m], w, b, packed)
+        for j, i in enumerate(range(0, 600, 37)):
+            if i < m:
+                assert torch.equal(batch[i], alone[j]), (m, i)
+
+
+def test_results_do_not_depend_on_the_thread_count() -> None:
+    g = torch.Generator().manual_seed(3)
+    w, x = torch.randn(700, 64, generator=g), torch.randn(40, 64, generator=g)
+    packed = pack_weight(w)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = linear(x, w, None, packed)
+        torch.set_num_threads(2)
+        two = linear(x, w, None, packed)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+def test_a_pack_of_another_shape_is_a_clear_error() -> None:
+    w = torch.randn(100, 32)
+    packed = pack_weight(w)
+    with pytest.raises(RuntimeError, match="not a pack_linear_weight"):
+        torch.ops.tetri.packed_linear(torch.randn(4, 31), packed, None, 100)
+    with pytest.raises(RuntimeError, match="not a pack_linear_weight"):
+        torch.ops.tetri.packed_linear(torch.randn(4, 32), packed, None, 200)
+    with pytest.raises(RuntimeError, match="bias"):
+        torch.ops.tetri.packed_linear(torch.randn(4, 32), packed, torch.randn(99), 100)
+
+
+def test_other_dtypes_and_devices_keep_f_linear() -> None:
+    w = torch.randn(16, 8, dtype=torch.bfloat16)
+    assert pack_weight(w) is None
+    x = torch.randn(3, 8, dtype=torch.bfloat16)
+    assert torch.equal(linear(x, w, None, None), torch.nn.functional.linear(x, w))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_stores_what_index_copy_stores(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(11)
+    kv_heads, d, t = 3, 40, 9
+    qkv = torch.randn(t + 2, (4 + 2 * kv_heads) * d, generator=g).to(dtype)  # strided k, v
+    k = qkv[:, 4 * d:(4 + kv_heads) * d].view(t + 2, kv_heads, d)
+    v = qkv[:, (4 + kv_heads) * d:].view(t + 2, kv_heads, d)
+    slots = torch.randperm(64, generator=g)[:t]  # the first t rows are real, 2 are padding
+    meta = BatchMetadata([0], [t], [t], [0], slot_mapping=slots,
+                         positions=torch.zeros(t + 2, dtype=torch.long), num_real=t)
+    pools = [torch.zeros(kv_heads, 64, d, dtype=dtype) for _ in range(4)]
+    write_kv(pools[0], pools[1], k, v, meta)
+    write_kv_ref(pools[2], pools[3], k, v, meta)
+    assert torch.equal(pools[0], pools[2]) and torch.equal(pools[1], pools[3])
+    assert pools[0].abs().sum() > 0
+
+
+def test_write_kv_outside_the_pool_is_a_clear_error() -> None:
+    pool = torch.zeros(2, 8, 4)
+    k = torch.randn(1, 2, 4)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        torch.ops.tetri.write_kv(pool, pool.clone(), k, k, torch.tensor([8]))

@@ -1,0 +1,253 @@
+// tetri::packed_linear: y = x @ w.T + b for float32 on CPU, over a weight packed once at load
+// (tetri::pack_linear_weight), for every row count the engine runs (tetri_server/engine/ops/
+// linear.py dispatches, docs/benchmarks.md has the measurements).
+//
+// Layout. The weight [N, K] is cut into panels of PW = 4 vectors of output features; a panel
+// is stored k-major, [K][PW], so the kernel streams it in the order it uses it; the last panel
+// is zero-padded. Packed: [ceil(N / PW), K, PW].
+//
+// Kernel. A register tile of R rows x NV vectors of outputs is accumulated over the whole K
+// (R x NV accumulators, each k: NV panel loads, R broadcasts of x, R x NV FMAs). Few rows
+// (decode batches) take the tall tile over half a panel (NV = 2), many rows (prefill) the wide
+// one over the whole panel (NV = 4) in blocks of rows whose x fits L2, so a panel is re-read from
+// cache, not memory. Each tile over a panel prefetches its share of the next panel, spread
+// over its K steps: the weight stream overlaps the FMAs (with few rows the step is as much
+// memory- as compute-bound).
+//
+// Every output is one FMA chain over k = 0..K-1, then + bias: the same value whatever the row
+// count, the tile, the row's place in the batch or the thread that computes it (threads split
+// the panels). So decode results do not depend on the rest of the batch.
+//
+// Built per CPU capability (see ops/__init__.py): AVX-512 and AVX2 get intrinsics kernels, any
+// other build reports `packed_linear_supported() == false` and linear.py keeps oneDNN/F.linear.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <array>
+#include <cstring>
+#include <utility>
+
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+#include <immintrin.h>
+#define TETRI_LINEAR_SIMD 1
+#endif
+
+namespace {
+
+#if defined(CPU_CAPABILITY_AVX512)
+using VReg = __m512;
+constexpr int64_t V = 16;
+constexpr int kTallRows = 12;  // 12 x 2 accumulators + 2 panel vectors of 32 zmm
+constexpr int kWideRows = 6;   // 6 x 4 + 4
+inline VReg vload(const float* p) { return _mm512_loadu_ps(p); }
+inline VReg vset1(float f) { return _mm512_set1_ps(f); }
+inline VReg vfma(VReg a, VReg b, VReg c) { return _mm512_fmadd_ps(a, b, c); }
+inline VReg vzero() { return _mm512_setzero_ps(); }
+inline VReg vadd(VReg a, VReg b) { return _mm512_add_ps(a, b); }
+inline void vstore(float* p, VReg v) { _mm512_storeu_ps(p, v); }
+#elif defined(CPU_CAPABILITY_AVX2)
+using VReg = __m256;
+constexpr int64_t V = 8;
+constexpr int kTallRows = 6;  // 6 x 2 + 2 of 16 ymm
+constexpr int kWideRows = 3;  // 3 x 4 + 4
+inline VReg vload(const float* p) { return _mm256_loadu_ps(p); }
+inline VReg vset1(float f) { return _mm256_set1_ps(f); }
+inline VReg vfma(VReg a, VReg b, VReg c) { return _mm256_fmadd_ps(a, b, c); }
+inline VReg vzero() { return _mm256_setzero_ps(); }
+inline VReg vadd(VReg a, VReg b) { return _mm256_add_ps(a, b); }
+inline void vstore(float* p, VReg v) { _mm256_storeu_ps(p, v); }
+#else
+constexpr int64_t V = 8;  // layout only: no kernel in this build
+#endif
+
+constexpr int64_t PW = 4 * V;          // output features per panel
+constexpr int64_t kLineFloats = 16;    // floats per 64-byte cache line
+constexpr int64_t kTallMaxRows = 48;   // up to here the tall tile (measured: faster for decode)
+constexpr int64_t kBlockBytes = 1 << 20;  // x rows per pass over the panels: ~1 MiB (in L2)
+
+void check_weight(const at::Tensor& w, const char* op) {
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kFloat,
+              op, ": float32 CPU tensors only");
+}
+
+at::Tensor pack_cpu(const at::Tensor& w_) {
+  check_weight(w_, "pack_linear_weight");
+  TORCH_CHECK(w_.dim() == 2, "pack_linear_weight: weight must be [out, in]");
+  const at::Tensor w = w_.contiguous();
+  const int64_t n = w.size(0), k = w.size(1), panels = (n + PW - 1) / PW;
+  at::Tensor packed = at::zeros({panels, k, PW}, w.options());
+  const float* src = w.data_ptr<float>();
+  float* dst = packed.data_ptr<float>();
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      for (int64_t c = 0; c < std::min(PW, n - p * PW); ++c) {
+        const float* row = src + (p * PW + c) * k;
+        float* col = dst + p * k * PW + c;
+        for (int64_t i = 0; i < k; ++i) col[i * PW] = row[i];
+      }
+    }
+  });
+  return packed;
+}
+
+#ifdef TETRI_LINEAR_SIMD
+// R rows x NV vectors of outputs at y (row stride ldy), over K; `ncols` valid columns (less
+// than NV * V only in the last panel); `pf_lines` cache lines from `pf` prefetched evenly over
+// the K steps (this tile's share of the next panel).
+template <int R, int NV>
+void tile(const float* __restrict x, int64_t ldx, const float* __restrict panel, int64_t k,
+          const float* __restrict bias, float* __restrict y, int64_t ldy, int64_t ncols,
+          const float* __restrict pf, int64_t pf_lines) {
+  VReg acc[R][NV];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) acc[r][v] = vzero();
+  }
+  int64_t fetched = 0;
+  for (int64_t i = 0; i < k; ++i) {
+    for (const int64_t due = (i + 1) * pf_lines / k; fetched < due; ++fetched) {
+      __builtin_prefetch(pf + fetched * kLineFloats, 0, 3);
+    }
+    VReg w[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) w[v] = vload(panel + i * PW + v * V);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const VReg xb = vset1(x[r * ldx + i]);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[r][v] = vfma(xb, w[v], acc[r][v]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    if (bias != nullptr) {
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[r][v] = vadd(acc[r][v], vload(bias + v * V));
+    }
+    float* dst = y + r * ldy;
+    if (ncols == NV * V) {
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) vstore(dst + v * V, acc[r][v]);
+    } else {
+      float tmp[NV * V];
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) vstore(tmp + v * V, acc[r][v]);
+      std::memcpy(dst, tmp, ncols * sizeof(float));
+    }
+  }
+}
+
+using TileFn = void (*)(const float*, int64_t, const float*, int64_t, const float*, float*, int64_t,
+                        int64_t, const float*, int64_t);
+
+template <int NV, int... Rs>
+constexpr auto tiles(std::integer_sequence<int, Rs...>) {
+  return std::array<TileFn, sizeof...(Rs) + 1>{nullptr, &tile<Rs + 1, NV>...};
+}
+const auto kTall = tiles<2>(std::make_integer_sequence<int, kTallRows>{});
+const auto kWide = tiles<4>(std::make_integer_sequence<int, kWideRows>{});
+
+// Rows [m0, m0 + rows) x panels [p0, p1), in tall tiles (half a panel) or wide ones.
+void run_panels(const float* x, int64_t k, const float* packed, const float* bias, float* y,
+                int64_t n, int64_t m0, int64_t rows, int64_t p0, int64_t p1, int64_t panels) {
+  const bool tall = rows <= kTallMaxRows;
+  const int64_t step_rows = tall ? kTallRows : kWideRows;
+  const int64_t tile_cols = tall ? 2 * V : PW;
+  // The next panel is prefetched while this one runs, a share per tile: one tile alone
+  // cannot keep enough lines in flight, and tiles without a share would leave the bus idle.
+  const int64_t tiles = (std::min(PW, n) + tile_cols - 1) / tile_cols *
+                        ((rows + step_rows - 1) / step_rows);
+  const int64_t lines = k * PW / kLineFloats;
+  int64_t t = 0;
+  for (int64_t p = p0; p < p1; ++p, t = 0) {
+    const float* panel = packed + p * k * PW;
+    const float* next = packed + std::min(p + 1, panels - 1) * k * PW;
+    const int64_t next_lines = p + 1 < panels ? lines : 0;  // the last panel has none
+    for (int64_t c0 = 0; c0 < PW; c0 += tile_cols) {
+      const int64_t col = p * PW + c0;
+      if (col >= n) break;
+      const int64_t ncols = std::min(tile_cols, n - col);
+      const float* b = nullptr;
+      float bias_pad[PW];
+      if (bias != nullptr) {
+        std::fill_n(bias_pad, tile_cols, 0.f);
+        std::memcpy(bias_pad, bias + col, ncols * sizeof(float));
+        b = bias_pad;
+      }
+      for (int64_t r0 = 0; r0 < rows; r0 += step_rows) {
+        const int64_t r = std::min(step_rows, rows - r0);
+        const int64_t first = next_lines * t / tiles, last = next_lines * (t + 1) / tiles;
+        ++t;
+        const TileFn fn = tall ? kTall[r] : kWide[r];
+        fn(x + (m0 + r0) * k, k, panel + c0, k, b, y + (m0 + r0) * n + col, n, ncols,
+           next + first * kLineFloats, last - first);
+      }
+    }
+  }
+}
+#endif
+
+bool supported_cpu() {
+#ifdef TETRI_LINEAR_SIMD
+  return true;
+#else
+  return false;
+#endif
+}
+
+at::Tensor packed_linear_cpu(const at::Tensor& x_, const at::Tensor& packed,
+                             const c10::optional<at::Tensor>& bias, int64_t n) {
+  check_weight(x_, "packed_linear");
+  check_weight(packed, "packed_linear");
+  TORCH_CHECK(x_.dim() == 2, "packed_linear: x must be [rows, in]");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == PW && packed.is_contiguous() &&
+                  packed.size(1) == x_.size(1) && n > (packed.size(0) - 1) * PW &&
+                  n <= packed.size(0) * PW,
+              "packed_linear: the weight is not a pack_linear_weight of [", n, ", ", x_.size(1),
+              "] for this build");
+  TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == n &&
+                                    bias->is_contiguous() && bias->scalar_type() == at::kFloat),
+              "packed_linear: bias must be a contiguous float32 [out] tensor");
+  const at::Tensor x = x_.contiguous();
+  const int64_t m = x.size(0), k = x.size(1), panels = packed.size(0);
+  at::Tensor y = at::empty({m, n}, x.options());
+#ifdef TETRI_LINEAR_SIMD
+  const float* xp = x.data_ptr<float>();
+  const float* pp = packed.data_ptr<float>();
+  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    int64_t block = m;
+    if (m > kTallMaxRows) {  // equal blocks of at most kBlockBytes of x, whole wide tiles
+      const int64_t cap = std::max<int64_t>(kWideRows, kBlockBytes / (k * 4));
+      const int64_t blocks = (m + cap - 1) / cap;
+      block = ((m + blocks - 1) / blocks + kWideRows - 1) / kWideRows * kWideRows;
+    }
+    for (int64_t m0 = 0; m0 < m; m0 += block) {
+      run_panels(xp, k, pp, bp, yp, n, m0, std::min(block, m - m0), p0, p1, panels);
+    }
+  });
+#else
+  TORCH_CHECK(false, "packed_linear: this build has no kernel (neither AVX2 nor AVX-512)");
+#endif
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tetri, m) {
+  m.def("pack_linear_weight(Tensor weight) -> Tensor");
+  m.def("packed_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
+  m.def("packed_linear_supported() -> bool");
+}
+
+TORCH_LIBRARY_IMPL(tetri, CPU, m) {
+  m.impl("pack_linear_weight", &pack_cpu);
+  m.impl("packed_linear", &packed_linear_cpu);
+}
+
+TORCH_LIBRARY_IMPL(tetri, CatchAll, m) { m.impl("packed_linear_supported", &supported_cpu); }
