@@ -59,3 +59,25 @@ def test_other_dtypes_and_layouts_take_the_reference() -> None:
     assert torch.equal(L.rms_norm(xt, wf, 1e-6), L.rms_norm_ref(xt, wf, 1e-6))
     gu = torch.randn(4, 20, dtype=torch.float64)
     assert torch.equal(L.silu_mul(gu), L.silu_mul_ref(gu))
+
+
+@pytest.mark.parametrize(("s", "v"), [(1, 1), (3, 15), (32, 8192), (5, 100003)])
+def test_argmax_rows_equals_torch_argmax_with_ties_nans_and_infs(s: int, v: int) -> None:
+    g = torch.Generator().manual_seed(s + v)
+    x = torch.randn(s, v, generator=g)
+    if v > 1:
+        x[0, v // 2] = x[0, -1] = x[0].max() + 1  # a tie: the first one wins
+    if s > 1:
+        x[1] = float("-inf")  # no finite entry
+    if s > 2:
+        x[2, v - 1] = float("nan")
+        x[2, v // 3] = float("nan")  # the first NaN wins
+        x[2, 0] = float("inf")
+    if s > 3:
+        x[3, -1] = float("inf")
+    assert torch.equal(L.argmax_rows(x), x.argmax(dim=-1))
+
+
+def test_argmax_rows_falls_back_off_float32() -> None:
+    x = torch.randn(4, 9, dtype=torch.bfloat16)
+    assert torch.equal(L.argmax_rows(x), x.argmax(dim=-1))

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from tetri_server.engine.runner import ModelRunner
 
 KERNEL_PHASES = {"linear": "linear (matmuls)", "attention": "attention (one op per layer)",
-                 "write_kv": "write_kv (index_copy_)", "rms_norm": "RMSNorm",
+                 "write_kv": "write_kv (KV rows into the pool)", "rms_norm": "RMSNorm",
                  "add_rms_norm": "residual add + RMSNorm", "rope": "RoPE",
                  "silu_mul": "SiLU(gate) * up"}
 REST_OF_FORWARD = "rest of forward: embedding, last residual add, per-layer Python"

@@ -18,6 +18,7 @@ from typing import NamedTuple
 import torch
 
 from tetri_server.engine.grammar import allowed_tokens
+from tetri_server.engine.ops.layer import argmax_rows
 from tetri_server.engine.sequence import Sequence
 from tetri_server.messages import PromptLogprobs
 
@@ -123,7 +124,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[
                 logits[i] = penalize(logits[i], seq)
     if any(s.guide is not None for s in seqs):
         logits = constrain(logits, seqs)
-    tokens = logits.argmax(dim=-1)  # greedy; a row with no finite entry falls back to this
+    tokens = argmax_rows(logits)  # greedy; a row with no finite entry falls back to this
     for i, seq in enumerate(seqs):
         p = seq.params
         if not p.temperature >= GREEDY_BELOW_TEMPERATURE or p.top_k == 1:  # NaN too

@@ -71,3 +71,11 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if gate_up.is_contiguous() and _fused(gate_up):
         return torch.ops.tetri.silu_mul(gate_up)
     return silu_mul_ref(gate_up)
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` for logits ``x`` [S, V] (same ties: the first maximum; a row with a
+    NaN gives its first NaN)."""
+    if x.dim() == 2 and x.shape[1] > 0 and x.is_contiguous() and _fused(x):
+        return torch.ops.tetri.argmax_rows(x)
+    return x.argmax(dim=-1)

@@ -9,10 +9,10 @@
 // Kernel. A register tile of R rows x NV vectors of outputs is accumulated over the whole K
 // (R x NV accumulators, each k: NV panel loads, R broadcasts of x, R x NV FMAs). Few rows
 // (decode batches) take the tall tile over half a panel (NV = 2), many rows (prefill) the wide
-// one over the whole panel (NV = 4) in blocks of rows whose x fits L2, so a panel is re-read from
-// cache, not memory. Each tile over a panel prefetches its share of the next panel, spread
-// over its K steps: the weight stream overlaps the FMAs (with few rows the step is as much
-// memory- as compute-bound).
+// one over the whole panel (NV = 4) in blocks of up to 256 rows, so a panel is re-read from
+// cache, not memory. Each tile over a panel prefetches its share of the panel kAhead further
+// on, spread over its K steps: the weight stream overlaps the FMAs (with few rows the step is
+// as much memory- as compute-bound).
 //
 // Every output is one FMA chain over k = 0..K-1, then + bias: the same value whatever the row
 // count, the tile, the row's place in the batch or the thread that computes it (threads split
@@ -65,8 +65,9 @@ constexpr int64_t V = 8;  // layout only: no kernel in this build
 
 constexpr int64_t PW = 4 * V;          // output features per panel
 constexpr int64_t kLineFloats = 16;    // floats per 64-byte cache line
+constexpr int64_t kAhead = 2;          // panels between the one prefetched and the one run
 constexpr int64_t kTallMaxRows = 48;   // up to here the tall tile (measured: faster for decode)
-constexpr int64_t kBlockBytes = 1 << 20;  // x rows per pass over the panels: ~1 MiB (in L2)
+constexpr int64_t kBlockRows = 256;  // at most, per pass over the panels (measured best)
 
 void check_weight(const at::Tensor& w, const char* op) {
   TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kFloat,
@@ -107,10 +108,10 @@ void tile(const float* __restrict x, int64_t ldx, const float* __restrict panel,
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) acc[r][v] = vzero();
   }
-  int64_t fetched = 0;
+  int64_t credit = 0;  // pf_lines / k lines per step, without a division per step
   for (int64_t i = 0; i < k; ++i) {
-    for (const int64_t due = (i + 1) * pf_lines / k; fetched < due; ++fetched) {
-      __builtin_prefetch(pf + fetched * kLineFloats, 0, 3);
+    for (credit += pf_lines; credit >= k; credit -= k, pf += kLineFloats) {
+      __builtin_prefetch(pf, 0, 2);  // into L2: used two panels later
     }
     VReg w[NV];
 #pragma GCC unroll 4
@@ -165,8 +166,12 @@ void run_panels(const float* x, int64_t k, const float* packed, const float* bia
   int64_t t = 0;
   for (int64_t p = p0; p < p1; ++p, t = 0) {
     const float* panel = packed + p * k * PW;
-    const float* next = packed + std::min(p + 1, panels - 1) * k * PW;
-    const int64_t next_lines = p + 1 < panels ? lines : 0;  // the last panel has none
+    // prefetched during panel p: panel p + kAhead; during the first, panels p + 1 .. p + kAhead
+    // (contiguous), so none comes cold; the last panels prefetch nothing
+    const int64_t ahead_first = p == p0 ? p + 1 : p + kAhead;
+    const int64_t ahead_last = std::min(p + kAhead, panels - 1);
+    const float* next = packed + std::min(ahead_first, panels - 1) * k * PW;
+    const int64_t next_lines = ahead_first <= ahead_last ? (ahead_last - ahead_first + 1) * lines : 0;
     for (int64_t c0 = 0; c0 < PW; c0 += tile_cols) {
       const int64_t col = p * PW + c0;
       if (col >= n) break;
@@ -222,9 +227,8 @@ at::Tensor packed_linear_cpu(const at::Tensor& x_, const at::Tensor& packed,
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     int64_t block = m;
-    if (m > kTallMaxRows) {  // equal blocks of at most kBlockBytes of x, whole wide tiles
-      const int64_t cap = std::max<int64_t>(kWideRows, kBlockBytes / (k * 4));
-      const int64_t blocks = (m + cap - 1) / cap;
+    if (m > kTallMaxRows) {  // equal blocks of at most kBlockRows, whole wide tiles
+      const int64_t blocks = (m + kBlockRows - 1) / kBlockRows;
       block = ((m + blocks - 1) / blocks + kWideRows - 1) / kWideRows * kWideRows;
     }
     for (int64_t m0 = 0; m0 < m; m0 += block) {

@@ -100,6 +100,84 @@ inline float exp_shift_sum(float* p, float m, int64_t n) {
   return s;
 }
 
+// fp32 rows of ND vectors (head_dim = ND * Vec::size()): the two passes over a block of keys
+// with the query / the running output in registers. Same float operations in the same order as
+// dot() / scale_add() above, so the results are bit for bit those of the generic path.
+//   block_scores: out[j] = dot(q, k_j) * scale for n keys, four keys at a time; prefetches
+//     `pf_rows` rows from `pf` (stride ks) spread over the keys (nullptr: none).
+//   block_values: acc = acc * c + sum_j p[j] * v_j, keys in order; prefetches likewise from
+//     `pf_k` and `pf_v`.
+inline void prefetch_spread(const float*& pf_k, const float*& pf_v, int64_t& credit, int64_t rows,
+                            int64_t n, int64_t stride, int64_t bytes) {
+  for (credit += rows; credit >= n; credit -= n) {
+    if (pf_k != nullptr) { prefetch_row(pf_k, bytes); pf_k += stride; }
+    if (pf_v != nullptr) { prefetch_row(pf_v, bytes); pf_v += stride; }
+  }
+}
+
+template <int ND>
+void block_scores(const float* q, const float* k, int64_t ks, int64_t n, float scale, float* out,
+                  const float* pf, int64_t pf_rows) {
+  constexpr int64_t VS = Vec::size();
+  const auto sum = [](Vec& x, Vec& y) { return x + y; };
+  Vec qv[ND];
+  for (int i = 0; i < ND; ++i) qv[i] = Vec::loadu(q + i * VS);
+  const float* none = nullptr;
+  int64_t credit = 0;
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    prefetch_spread(pf, none, credit, 4 * pf_rows, n, ks, ND * VS * 4);
+    const float* k0 = k + j * ks;
+    Vec a0(0.f), a1(0.f), a2(0.f), a3(0.f);
+#pragma GCC unroll 8
+    for (int i = 0; i < ND; ++i) {
+      a0 = at::vec::fmadd(qv[i], Vec::loadu(k0 + i * VS), a0);
+      a1 = at::vec::fmadd(qv[i], Vec::loadu(k0 + ks + i * VS), a1);
+      a2 = at::vec::fmadd(qv[i], Vec::loadu(k0 + 2 * ks + i * VS), a2);
+      a3 = at::vec::fmadd(qv[i], Vec::loadu(k0 + 3 * ks + i * VS), a3);
+    }
+    out[j] = at::vec::vec_reduce_all<float>(sum, a0) * scale;
+    out[j + 1] = at::vec::vec_reduce_all<float>(sum, a1) * scale;
+    out[j + 2] = at::vec::vec_reduce_all<float>(sum, a2) * scale;
+    out[j + 3] = at::vec::vec_reduce_all<float>(sum, a3) * scale;
+  }
+  for (; j < n; ++j) {
+    prefetch_spread(pf, none, credit, pf_rows, n, ks, ND * VS * 4);
+    Vec a(0.f);
+    for (int i = 0; i < ND; ++i) a = at::vec::fmadd(qv[i], Vec::loadu(k + j * ks + i * VS), a);
+    out[j] = at::vec::vec_reduce_all<float>(sum, a) * scale;
+  }
+}
+
+template <int ND>
+void block_values(float* acc, float c, const float* p, const float* v, int64_t vs, int64_t n,
+                  const float* pf_k, const float* pf_v, int64_t pf_rows) {
+  constexpr int64_t VS = Vec::size();
+  Vec a[ND];
+  const Vec vc(c);
+  for (int i = 0; i < ND; ++i) a[i] = Vec::loadu(acc + i * VS) * vc;
+  int64_t credit = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    prefetch_spread(pf_k, pf_v, credit, pf_rows, n, vs, ND * VS * 4);
+    const Vec pj(p[j]);
+#pragma GCC unroll 8
+    for (int i = 0; i < ND; ++i) a[i] = at::vec::fmadd(Vec::loadu(v + j * vs + i * VS), pj, a[i]);
+  }
+  for (int i = 0; i < ND; ++i) a[i].store(acc + i * VS);
+}
+
+using ScoresFn = void (*)(const float*, const float*, int64_t, int64_t, float, float*, const float*,
+                          int64_t);
+using ValuesFn = void (*)(float*, float, const float*, const float*, int64_t, int64_t, const float*,
+                          const float*, int64_t);
+constexpr int kMaxND = 8;
+constexpr ScoresFn kScores[kMaxND + 1] = {nullptr, block_scores<1>, block_scores<2>,
+                                          block_scores<3>, block_scores<4>, block_scores<5>,
+                                          block_scores<6>, block_scores<7>, block_scores<8>};
+constexpr ValuesFn kValues[kMaxND + 1] = {nullptr, block_values<1>, block_values<2>,
+                                          block_values<3>, block_values<4>, block_values<5>,
+                                          block_values<6>, block_values<7>, block_values<8>};
+
 struct Scratch {
   std::vector<float> q, acc, scores, kbuf, vbuf, m, l, c;
   Scratch(int64_t groups, int64_t d)
@@ -115,6 +193,11 @@ void attend(const SeqInfo& s, int64_t h, int64_t groups, int64_t d, float scale,
             const T* next_v, int64_t next_rows) {
   const T* kh = pk + h * kv_s0 + s.kv_start * kv_s1;
   const T* vh = pv + h * kv_s0 + s.kv_start * kv_s1;
+  // fp32 with head_dim a multiple of the vector width up to kMaxND vectors: the register paths
+  const int64_t nd = d % Vec::size() == 0 ? d / Vec::size() : 0;
+  const bool fast = std::is_same_v<T, float> && nd >= 1 && nd <= kMaxND;
+  const ScoresFn scores_fn = fast ? kScores[nd] : nullptr;
+  const ValuesFn values_fn = fast ? kValues[nd] : nullptr;
   for (int64_t r = 0; r < s.q_len; ++r) {
     const int64_t pos = s.ctx_len - s.q_len + r;  // context position of this query
     const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
@@ -129,7 +212,17 @@ void attend(const SeqInfo& s, int64_t h, int64_t groups, int64_t d, float scale,
     }
     for (int64_t kb = lo; kb < hi; kb += kKeyBlock) {
       const int64_t n = std::min(kKeyBlock, hi - kb);
-      for (int64_t j = 0; j < n; ++j) {
+      if constexpr (std::is_same_v<T, float>) {
+        if (fast) {
+          for (int64_t g = 0; g < groups; ++g) {  // the first block prefetches its values
+            const bool pf = g == 0 && kb == lo;
+            scores_fn(w.q.data() + g * d, kh + kb * kv_s1, kv_s1, n, scale,
+                      w.scores.data() + g * kKeyBlock, pf ? vh + kb * kv_s1 : nullptr,
+                      pf ? n : 0);
+          }
+        }
+      }
+      for (int64_t j = 0; j < n && !fast; ++j) {
         if (kb == lo) prefetch_row(vh + (kb + j) * kv_s1, d * sizeof(T));  // later blocks: below
         const float* k = as_float(kh + (kb + j) * kv_s1, w.kbuf.data(), d);
         for (int64_t g = 0; g < groups; ++g) {
@@ -146,15 +239,24 @@ void attend(const SeqInfo& s, int64_t h, int64_t groups, int64_t d, float scale,
       const int64_t n_next = std::min(kKeyBlock, hi - kb - n);  // keys of the next block
       // the last block of the last row prefetches the next item's first block instead
       const bool item_end = n_next == 0 && r + 1 == s.q_len && next_k != nullptr;
-      for (int64_t j = 0; j < n; ++j) {
-        if (j < n_next) {
-          prefetch_row(kh + (kb + n + j) * kv_s1, d * sizeof(T));
-          prefetch_row(vh + (kb + n + j) * kv_s1, d * sizeof(T));
-        } else if (item_end) {
-          for (int64_t q = j * next_rows / n; q < (j + 1) * next_rows / n; ++q) {
-            prefetch_row(next_k + q * kv_s1, d * sizeof(T));
-            prefetch_row(next_v + q * kv_s1, d * sizeof(T));
+      const T* pf_k = item_end ? next_k : kh + (kb + n) * kv_s1;
+      const T* pf_v = item_end ? next_v : vh + (kb + n) * kv_s1;
+      const int64_t pf_rows = item_end ? next_rows : n_next;
+      if constexpr (std::is_same_v<T, float>) {
+        if (fast) {
+          for (int64_t g = 0; g < groups; ++g) {  // the rescale is applied before the first key
+            values_fn(w.acc.data() + g * d, w.c[g], w.scores.data() + g * kKeyBlock,
+                      vh + kb * kv_s1, kv_s1, n, g == 0 ? pf_k : nullptr,
+                      g == 0 ? pf_v : nullptr, g == 0 ? pf_rows : 0);
           }
+          continue;
+        }
+      }
+      int64_t credit = 0;
+      for (int64_t j = 0; j < n; ++j) {
+        for (credit += pf_rows; credit >= n; credit -= n, pf_k += kv_s1, pf_v += kv_s1) {
+          prefetch_row(pf_k, d * sizeof(T));
+          prefetch_row(pf_v, d * sizeof(T));
         }
         const float* v = as_float(vh + (kb + j) * kv_s1, w.vbuf.data(), d);
         for (int64_t g = 0; g < groups; ++g) {  // the rescale is folded into the first key
