@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from typing import Any
 
 import pytest
 
@@ -241,3 +242,40 @@ def test_elastic_decode_prefills_light_prompts_behind_a_backlog() -> None:
         return sum(r.first_token_s - r.arrival_s for r in s.requests[6:]) / 6
 
     assert light_ttft(sim) < light_ttft(strict)
+
+
+def test_refined_estimate_preempts_the_request_expected_to_run_longest() -> None:
+    """A pool too small for five decodes: the bucket estimate preempts the newest request, the
+    refined one (the g=200 artifact's tails) the one whose true bucket says it runs longest."""
+    cost = v100()
+    reqs = [SimRequest(i, 300, n, 0.001 * i) for i, n in enumerate([700, 60, 60, 60, 60])]
+    cfg = SimConfig(num_kv_blocks=110, decode_policy="greedy")
+    predict(reqs, cfg)
+    preempted: dict[str, list[dict[str, Any]]] = {}
+    for estimate in ("bucket", "refined"):
+        sim = Simulation(dataclasses.replace(cfg, decode_estimate=estimate), cost,
+                         [dataclasses.replace(r) for r in reqs])
+        decode = sim.instances[1]
+        assert isinstance(decode, DecodeInstance)
+        assert (decode.admission.tail is not None) == (estimate == "refined")
+        lines = preempted[estimate] = []
+        decode.decisions = lines.append
+        sim.run()
+        assert all(r.error is None and r.end_s is not None for r in sim.requests)
+    assert {k: [rec["preempt"] for rec in recs if rec.get("preempt")]
+            for k, recs in preempted.items()} == {"bucket": [[4]], "refined": [[0]]}
+
+
+def test_refined_estimate_needs_an_artifact_of_the_granularity(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    cfg = SimConfig(mode="coupled", decode_estimate="refined", granularity=300)
+    with pytest.raises(ValueError, match="granularity 300"):
+        Simulation(cfg, v100(), [])
+    coupled = Simulation(dataclasses.replace(cfg, granularity=400), v100(), []).instances[0]
+    assert coupled.admission.tail is not None  # type: ignore[attr-defined]
+    out = tmp_path / "o.json"
+    argv = ["--hardware", "this-cpu", "--model", "bench", "--workload", "Mixed", "--rate", "4",
+            "--num-requests", "6", "--mode", "coupled", "--no-progress",
+            "--decode-estimate", "refined", "--json", str(out)]
+    assert main(argv) == 0
+    assert json.loads(out.read_text())["config"]["sim"]["decode_estimate"] == "refined"
+    assert main([*argv[:-2], "--granularity", "300", "--json", str(out)]) == 2

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from tetri_server.bench.workload import WORKLOADS, WorkloadSpec
+from tetri_server.predictor.base import PredictorError
 from tetri_server.sim.cluster import MODES, SimConfig
 from tetri_server.sim.cost import CostModel, knee_chunk_size
 from tetri_server.sim.profiles import load_hardware, load_model
@@ -33,6 +34,7 @@ CONFIG_KEYS = {
     ("prefill", "local_decode_batch"): "local_decode_batch",
     ("decode", "local_prefill_tokens"): "local_prefill_tokens",
     ("decode", "policy"): "decode_policy", ("decode", "max_batch"): "max_batch",
+    ("decode", "estimate"): "decode_estimate",
     ("predictor", "heavy_decode_tokens"): "heavy_decode_tokens",
     ("dispatch", "policy"): "dispatch", ("dispatch", "seed"): "seed",
     ("monitor", "interval_ms"): "monitor_interval_ms",
@@ -47,7 +49,8 @@ FLAGS = {
     "chunk_size": "chunk_size", "prefill_policy": "prefill_policy",
     "sched_batch": "sched_batch", "token_budget": "token_budget",
     "local_decode_batch": "local_decode_batch", "local_prefill_tokens": "local_prefill_tokens",
-    "decode_policy": "decode_policy", "max_batch": "max_batch", "granularity": "granularity",
+    "decode_policy": "decode_policy", "decode_estimate": "decode_estimate",
+    "max_batch": "max_batch", "granularity": "granularity",
     "predictor_accuracy": "predictor_accuracy", "predictor_model": "predictor_model",
     "predictor_miss": "predictor_miss", "dispatch": "dispatch", "seed": "seed",
     "monitor_interval_ms": "monitor_interval_ms",
@@ -102,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--local-prefill-tokens", type=int,
                    help="elastic: light prompts (<= N tokens) a decode instance prefills")
     p.add_argument("--decode-policy", choices=("greedy", "reserve-static", "reserve-dynamic"))
+    p.add_argument("--decode-estimate", choices=("bucket", "refined"),
+                   help="refined: the expected output given the tokens so far, from the shipped "
+                        "predictor artifact of --granularity (default bucket: the paper's)")
     p.add_argument("--max-batch", type=int)
     p.add_argument("--granularity", type=int)
     p.add_argument("--predictor-accuracy", type=float, help="1.0 = oracle")
@@ -187,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
             for run_cfg in compare_configs(cfg, modes, args.instances):
                 out["modes"][run_cfg.mode] = simulate(run_cfg, cost, requests,
                                                       progress=not args.no_progress)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, PredictorError) as e:
         print(f"tetri-server sim: {e}", file=sys.stderr)
         return 2
     Path(args.json).write_text(json.dumps(out, indent=1))

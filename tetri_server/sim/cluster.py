@@ -18,11 +18,14 @@ from dataclasses import asdict, dataclass, field
 from tetri_server.messages import DecodeInstanceView, DecodeView, LoadReport
 from tetri_server.policy import (
     DECODE_POLICIES,
+    ESTIMATES,
     PREFILL_ORDERS,
     DecodePolicyName,
+    EstimateName,
     FlipPlan,
     FlipPolicy,
     LeastLoadedPicker,
+    LengthTail,
     LocalPrefill,
     PrefillOrder,
 )
@@ -52,6 +55,9 @@ class SimConfig:
     local_decode_batch: int = 0  # elastic: requests a prefill instance decodes itself
     local_prefill_tokens: int = 0  # elastic: light prompts a decode instance prefills
     decode_policy: DecodePolicyName = "reserve-dynamic"
+    # [decode] estimate; "refined" reads the length tails of the shipped predictor artifact
+    # whose granularity is ``granularity`` (none matching: the simulation does not start)
+    decode_estimate: EstimateName = "bucket"
     max_batch: int = 256
     granularity: int = 200
     heavy_decode_tokens: int = 128
@@ -83,6 +89,8 @@ class SimConfig:
             raise ValueError(f"prefill_policy must be one of {PREFILL_ORDERS}")
         if self.decode_policy not in DECODE_POLICIES:
             raise ValueError(f"decode_policy must be one of {DECODE_POLICIES}")
+        if self.decode_estimate not in ESTIMATES:
+            raise ValueError(f"decode_estimate must be one of {ESTIMATES}")
         if self.dispatch not in ("power-of-two", "round-robin"):
             raise ValueError("dispatch must be power-of-two or round-robin")
         if self.monitor_interval_ms <= 0:
@@ -122,6 +130,7 @@ class Simulation:
         self.on_finished = on_finished  # e.g. a progress bar
         self.loop = EventLoop()
         self.requests = list(requests)
+        self._tails: dict[str, LengthTail] = {}  # by predictor kind, read once (length_tail)
         num_blocks = cfg.num_kv_blocks or cost.num_kv_blocks(cfg.block_size)
         self.instances: list[Instance] = []
         if cfg.mode == "disaggregated":
@@ -258,6 +267,16 @@ class Simulation:
         dst.link_free_s = start_s + self.cost.handoff_s(num_tokens)
         self.loop.at(dst.link_free_s, functools.partial(dst.deliver, ("kv_ready", req_id)))
 
+    def length_tail(self, kind: str) -> LengthTail | None:
+        """``workers.base.length_tail`` for the simulator: the refined estimate's distribution
+        for predictor ``kind``, or None under ``decode_estimate = "bucket"``. Instances ask when
+        made, so a missing artifact stops the simulation before its first event."""
+        if self.cfg.decode_estimate == "bucket":
+            return None
+        if kind not in self._tails:
+            self._tails[kind] = load_tail(kind, self.cfg.granularity)
+        return self._tails[kind]
+
     def predictor_s(self, prompt_lens: Sequence[int]) -> float:
         if self.predictor_cost is None or not prompt_lens:
             return 0.0
@@ -272,6 +291,17 @@ class Simulation:
 def _num_preemptions(inst: Instance) -> int:
     admission = getattr(inst, "admission", None)
     return 0 if admission is None else admission.load().num_preemptions
+
+
+def load_tail(kind: str, granularity: int) -> LengthTail:
+    """The tails of predictor ``kind`` from the shipped artifact of ``granularity`` tokens."""
+    from tetri_server.predictor import artifact, tails  # numpy and JSON: only when refined
+
+    for name in artifact.shipped_artifacts():
+        if int(artifact.read_meta(artifact.resolve(name))["granularity"]) == granularity:
+            return tails.load(kind, name)
+    raise ValueError(f"decode_estimate = refined: no shipped predictor artifact has granularity "
+                     f"{granularity} (shipped: {', '.join(artifact.shipped_artifacts())})")
 
 
 def decode_view(seq: int, reports: list[LoadReport]) -> DecodeView:

@@ -36,7 +36,8 @@ class CoupledInstance(_Decoding):
         self.max_prefill_tokens = max(cfg.max_model_len, cfg.token_budget)
         self.queue = PrefillQueue("fcfs")
         self.admission = DecodeAdmission("greedy", block_size=self.block_size,
-                                         num_total_blocks=num_blocks, max_batch=cfg.max_batch)
+                                         num_total_blocks=num_blocks, max_batch=cfg.max_batch,
+                                         tail=sim.length_tail("none"))  # predicts nothing
         self.seqs = {}
         self._step: tuple[DecodeStepPlan | None, tuple[ChunkSlice, ...]] | None = None
 

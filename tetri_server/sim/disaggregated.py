@@ -60,7 +60,8 @@ class PrefillInstance(_Decoding):
         self.local = LocalDecode(cfg.local_decode_batch) if cfg.local_decode_batch else None
         self.admission = DecodeAdmission("greedy", block_size=self.block_size,
                                          num_total_blocks=num_blocks,
-                                         max_batch=max(1, cfg.local_decode_batch))
+                                         max_batch=max(1, cfg.local_decode_batch),
+                                         tail=sim.length_tail("oracle"))
         self.seqs = {}  # the kept requests (DECODING in the book)
         self.num_kept = 0  # requests kept in all
         self.max_kept = 0  # most kept at once
@@ -220,7 +221,8 @@ class DecodeInstance(_Decoding):
         self.admission = DecodeAdmission(
             cfg.decode_policy, block_size=self.block_size, num_total_blocks=num_blocks,
             granularity=cfg.granularity, max_batch=cfg.max_batch,
-            heavy_threshold=cfg.heavy_decode_tokens)
+            heavy_threshold=cfg.heavy_decode_tokens,
+            tail=sim.length_tail("oracle"))  # buckets are true ones, with misses (sim/predictor)
         self.seqs = {}
         self.pulling: dict[int, tuple[SimSeq, PrefillInstance]] = {}
         self.link_free_s = 0.0  # the inbound link carries one hand-off at a time
