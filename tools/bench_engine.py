@@ -490,7 +490,7 @@ def check_attention(ours: Ours, fns: list[AttentionFn], batch: int, ctx: int) ->
     """Every variant gives the extent-view output on a real decode batch's metadata."""
     with ours.decoding(batch, ctx, 1):
         plan = StepPlan([ScheduledSeq(s, 1) for s in ours.eng.seqs.values()])
-        _, meta, _, _ = ours.eng.runner._build(plan)
+        _, meta, *_ = ours.eng.runner._build(plan)
         # ragged, all within written KV (a new metadata: its tensors follow the lists)
         meta = dataclasses.replace(meta, ctx_lens=[ctx - i % 3 for i in range(batch)],
                                    seq_tensors=())

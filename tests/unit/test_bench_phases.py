@@ -44,3 +44,29 @@ def test_swapped_kernels_give_the_same_tokens_and_phases_add_up(model_dir):
     # restored: default kernels, no accumulator
     assert eng.model.kernels == Kernels() and eng.runner.phases is None
     assert eng.generate(prompts, GREEDY) == ref
+
+
+def test_bench_engine_checks_every_attention_variant_on_a_real_batch(model_dir):
+    """tools/bench_engine.py's layout section builds a real decode batch's metadata through the
+    runner and holds each attention variant to the reference (it broke once when the runner's
+    build gained a return value)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    from tetri_server.bench.cpu import Timer
+    from tetri_server.bench.engine_driver import EngineDriver
+
+    path = Path(__file__).resolve().parents[2] / "tools" / "bench_engine.py"
+    spec = importlib.util.spec_from_file_location("bench_engine_tool", path)
+    assert spec is not None and spec.loader is not None
+    tool = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = tool  # its dataclasses look their module up
+    try:
+        spec.loader.exec_module(tool)
+    finally:
+        sys.modules.pop(spec.name, None)
+    ours = EngineDriver(Timer("cpu"), model_dir("llama"), 4, 64, 4)
+    fns = [tool.ragged_attention, tool.make_gather_attention(ours.block_size),
+           tool.make_batched_gather(ours.block_size)]
+    tool.check_attention(ours, fns, 4, 40)  # raises if a variant disagrees or the build changed
