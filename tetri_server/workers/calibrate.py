@@ -1,6 +1,10 @@
 """Chunk-size calibration (``prefill.chunk_size = 0``): measure prefill throughput over token
 counts 32..4096 at start-up and pick the knee (``policy.knee``). The result is cached per
-(model, device, dtype, threads) so later starts skip the measurement."""
+(model, device, dtype, threads, processor, engine build) so later starts skip the measurement,
+and a new engine (other kernels, another torch) or another processor measures again: a knee
+measured for one engine must not stick to the next (it did: a cached 2048 outlived a change
+that moved the knee to 256). With one thread the passes are timed in the thread's CPU time, so
+time slices another process takes from the core do not bend the curve."""
 
 from __future__ import annotations
 
@@ -8,12 +12,15 @@ import hashlib
 import json
 import logging
 import os
+import platform
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
+from tetri_server.engine.ops import build_spec
 from tetri_server.engine.runner import ScheduledSeq, StepPlan
 from tetri_server.engine.sequence import Sequence
 from tetri_server.messages import SamplingParams
@@ -32,6 +39,29 @@ def cache_file() -> Path:
     return root / "chunk_size.json"
 
 
+def processor() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else the platform's."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def engine_build() -> str:
+    """What the engine's speed depends on besides the model: the engine's Python sources,
+    and the C++ ops' build (its folder name: CPU capability, torch version, sources + flags
+    digest)."""
+    root = Path(__file__).resolve().parent.parent / "engine"
+    digest = hashlib.sha256()
+    for src in sorted(root.rglob("*.py")):
+        digest.update(src.read_bytes())
+    _, _, folder = build_spec()
+    return f"engine-{digest.hexdigest()[:12]}|{folder.name}"
+
+
 def cache_key(worker: Worker) -> str:
     folder = Path(worker.cfg.model.path).resolve()  # one entry however the path was typed
     model = str(folder)
@@ -39,7 +69,16 @@ def cache_key(worker: Worker) -> str:
     if (folder / "config.json").is_file():
         stamp = hashlib.sha256((folder / "config.json").read_bytes()).hexdigest()[:16]
     dtype = next(worker.model.parameters()).dtype
-    return f"{model}|{stamp}|{worker.device}|{dtype}|threads={torch.get_num_threads()}"
+    return (f"{model}|{stamp}|{worker.device}|{dtype}|threads={torch.get_num_threads()}"
+            f"|{processor()}|{engine_build()}")
+
+
+def pass_clock(device: str) -> Callable[[], float]:
+    """The clock a calibration pass is timed on: the thread's CPU time for a one-thread CPU
+    worker, wall time otherwise (a GPU pass, or several threads)."""
+    if device == "cpu" and torch.get_num_threads() == 1:
+        return time.thread_time
+    return time.perf_counter
 
 
 def measure(worker: Worker, sizes: tuple[int, ...] = SIZES) -> list[tuple[int, float]]:
@@ -47,6 +86,7 @@ def measure(worker: Worker, sizes: tuple[int, ...] = SIZES) -> list[tuple[int, f
     gen = torch.Generator().manual_seed(0)
     per_seq = max(1, min(worker.max_model_len - 1, 1024))
     samples: list[tuple[int, float]] = []
+    clock = pass_clock(str(worker.device))
     for n in sizes:
         if n > worker.allocator.num_blocks * worker.block_size // 2:
             break
@@ -62,9 +102,9 @@ def measure(worker: Worker, sizes: tuple[int, ...] = SIZES) -> list[tuple[int, f
                     break
                 seqs.append(seq)
                 left -= k
-            t0 = time.perf_counter()
+            t0 = clock()
             worker.runner.execute(StepPlan([ScheduledSeq(s, s.num_prompt) for s in seqs]))
-            best = min(best, time.perf_counter() - t0)
+            best = min(best, max(clock() - t0, 1e-9))
             for s in seqs:
                 worker.kv.free(s)
         samples.append((n, best))

@@ -1,0 +1,61 @@
+"""The chunk-size calibration cache: a knee measured for one engine build or processor is not
+reused by another (a cached 2048 once outlived an engine change that moved the knee to 256),
+and one-thread CPU passes are timed in CPU time."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from tetri_server.workers import calibrate
+
+
+def fake_worker(model: Path) -> SimpleNamespace:
+    (model / "config.json").write_text('{"hidden_size": 8}')
+    return SimpleNamespace(cfg=SimpleNamespace(model=SimpleNamespace(path=str(model))),
+                           model=torch.nn.Linear(2, 2), device=torch.device("cpu"))
+
+
+def test_a_cached_knee_of_another_engine_build_is_measured_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("TETRI_CACHE_DIR", str(tmp_path / "cache"))
+    worker = fake_worker(tmp_path)
+    measured: list[int] = []
+
+    def measure(w, sizes=calibrate.SIZES):  # noqa: ANN001, ANN202
+        measured.append(1)
+        return [(n, n / 1000 if n < 256 else n / 4000) for n in (64, 128, 256, 512, 1024)]
+
+    monkeypatch.setattr(calibrate, "measure", measure)
+    monkeypatch.setattr(calibrate, "engine_build", lambda: "engine-old|ops-old")
+    assert calibrate.resolve_chunk_size(worker, 0) == 256
+    assert calibrate.resolve_chunk_size(worker, 0) == 256 and len(measured) == 1  # cached
+    monkeypatch.setattr(calibrate, "engine_build", lambda: "engine-new|ops-new")
+    assert calibrate.resolve_chunk_size(worker, 0) == 256 and len(measured) == 2  # new build
+    monkeypatch.setattr(calibrate, "processor", lambda: "another CPU")
+    calibrate.resolve_chunk_size(worker, 0)
+    assert len(measured) == 3
+    cached = json.loads(calibrate.cache_file().read_text())
+    assert len(cached) == 3 and all("ops-" in k for k in cached)
+    assert calibrate.resolve_chunk_size(worker, 384) == 384 and len(measured) == 3  # configured
+
+
+def test_the_key_names_the_engine_sources_and_the_ops_build(tmp_path):
+    key = calibrate.cache_key(fake_worker(tmp_path))
+    _, _, folder = calibrate.build_spec()
+    assert folder.name in key and "|engine-" in key and calibrate.processor() in key
+
+
+def test_one_thread_cpu_passes_are_timed_in_cpu_time(monkeypatch):
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert calibrate.pass_clock("cpu") is time.thread_time
+        assert calibrate.pass_clock("cuda:0") is time.perf_counter
+        torch.set_num_threads(2)
+        assert calibrate.pass_clock("cpu") is time.perf_counter
+    finally:
+        torch.set_num_threads(threads)
