@@ -8,6 +8,7 @@ import time
 import torch
 
 from tetri_server.config import Config
+from tetri_server.engine.cuda_graphs import decode_graphs
 from tetri_server.engine.grammar import Grammars
 from tetri_server.engine.loader import load_model
 from tetri_server.engine.runner import ModelRunner
@@ -57,6 +58,9 @@ class LLMEngine:
         self.kv_manager = KVCacheManager(self.allocator, self.kv, bs)
         self.grammars = Grammars(path, s.vocab_size, s.eos_token_ids)
         self.runner = ModelRunner(self.model, s, self.kv, bs, self.device, self.grammars)
+        if self.device.type == "cuda" and cfg.model.cuda_graphs:
+            self.runner.graphs = decode_graphs(self.model, self.kv, self.allocator, bs,
+                                               cfg.decode.max_batch, self.device)
         from tetri_server.workers.coupled import CoupledLoop
 
         budget = cfg.prefill.token_budget

@@ -95,3 +95,17 @@ def test_ragged_attention_kernel_equals_the_loop_on_cuda(dtype, window):
         tol = 1e-4 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
         assert not got[cpu.num_real:].any()
+
+
+def test_decode_graphs_replay_the_eager_tokens_on_cuda(model_dir):
+    """CUDA graphs captured at start-up (model.cuda_graphs, on by default) give the tokens of
+    the eager engine, for batches that need padding rows."""
+    path = model_dir("llama")
+    prompts = random_prompts(13, 8000, (1, 200), seed=5)  # bucket 16: three padding rows
+    sets = ("cluster.device=cuda", "model.dtype=float32", "kv.num_blocks=400",
+            "model.max_model_len=512", "decode.max_batch=32")
+    eager = make_engine(str(path), *sets, "model.cuda_graphs=false")
+    graphs = make_engine(str(path), *sets)
+    assert eager.runner.graphs is None and graphs.runner.graphs is not None
+    assert graphs.runner.graphs.capture_s > 0 and len(graphs.runner.graphs.graphs) == 7
+    assert graphs.generate(prompts, GREEDY) == eager.generate(prompts, GREEDY)

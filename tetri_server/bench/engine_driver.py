@@ -154,14 +154,15 @@ class EngineDriver:
     """One engine (pool sized for the largest decode configuration) driven below the API."""
 
     def __init__(self, timer: Timer, model_path: Path, max_batch: int, max_ctx: int, extra: int,
-                 dtype: str = "float32") -> None:
+                 dtype: str = "float32", sets: Sequence[str] = ()) -> None:
         self.timer = timer
         block_size = 16
         per_seq = blocks_for(max_ctx + extra, block_size) + 1
         num_blocks = max(int(max_batch * per_seq * 1.25), blocks_for(4096, block_size) * 2)
         self.eng = make_engine(str(model_path), f"model.dtype={dtype}",
                                "cluster.mode=coupled-chunked", f"kv.block_size={block_size}",
-                               f"kv.num_blocks={num_blocks}", f"decode.max_batch={max_batch}")
+                               f"kv.num_blocks={num_blocks}", f"decode.max_batch={max_batch}",
+                               *sets)
         self.dtype = self.eng.kv.dtype
         self.shape = Shape.of(self.eng)
         self.vocab = self.eng.spec.vocab_size

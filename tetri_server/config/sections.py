@@ -159,6 +159,11 @@ class ModelConfig(_Section):
     """Take default sampling (temperature, top_p, top_k, min_p, repetition_penalty) from the
     model's generation_config.json when a request omits them; false = OpenAI's defaults."""
 
+    cuda_graphs: bool = True
+    """On cuda workers, capture the decode forward as CUDA graphs at start-up (one per batch
+    bucket up to decode.max_batch; the time is logged) and replay them for decode steps;
+    false = every step eager. No effect on cpu."""
+
     tool_call_parser: ToolCallParser = "none"
     """How replies are parsed for tool calls under tool_choice=auto (vLLM's --tool-call-parser):
     hermes (Hermes, Qwen2.5, Qwen3: <tool_call>{json}</tool_call>), llama3_json (Llama 3.1-3.3:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from tetri_server.engine.attention import BatchMetadata, metadata_tensors
+from tetri_server.engine.cuda_graphs import DecodeGraphs
 from tetri_server.engine.grammar import Grammars
 from tetri_server.engine.loader import CausalLM
 from tetri_server.engine.sampling import PromptSpan, add_prompt_logprobs, sample
@@ -51,6 +52,7 @@ class ModelRunner:
                  device: torch.device, grammars: Grammars | None = None) -> None:
         self.last_plan: StepPlan | None = None
         self.grammars = grammars  # structured output; None: guided requests are refused
+        self.graphs: DecodeGraphs | None = None  # decode steps replay these (engine/cuda_graphs)
         self.model = model
         self.spec = spec
         self.kv = kv
@@ -110,14 +112,19 @@ class ModelRunner:
         tokens are all computed. The caller appends the sampled tokens."""
         self.last_plan = plan  # a worker whose step raises names these requests (StepFailed)
         t = self.clock()
-        ids, meta, rows, items, spans = self._build(plan)
-        num_sample = len(rows)
-        for span in spans:  # zero cost unless a sequence asked for prompt logprobs
-            rows += range(span.row, span.row + span.num_rows)
-        rows_t = torch.tensor(rows, dtype=torch.long, device=self.device)
-        t = self._lap("build metadata", t)
-        logits = self.model(ids, meta, self.kv, rows_t)  # [num_sample + prompt rows, vocab]
-        t = self._lap("model forward", t)
+        logits = self._graph_forward(plan) if self.graphs is not None else None
+        if logits is not None:
+            items, spans = list(range(len(plan.items))), []
+            t = self._lap("model forward", t)
+        else:
+            ids, meta, rows, items, spans = self._build(plan)
+            num_sample = len(rows)
+            for span in spans:  # zero cost unless a sequence asked for prompt logprobs
+                rows += range(span.row, span.row + span.num_rows)
+            rows_t = torch.tensor(rows, dtype=torch.long, device=self.device)
+            t = self._lap("build metadata", t)
+            logits = self.model(ids, meta, self.kv, rows_t)  # [num_sample + prompt rows, V]
+            t = self._lap("model forward", t)
         if spans:
             add_prompt_logprobs(logits[num_sample:], spans)
             logits = logits[:num_sample]
@@ -137,6 +144,32 @@ class ModelRunner:
                 logprobs[n] = lps[j] if lps is not None else None
         self._lap("sample", t)
         return StepResult(sampled, logprobs)
+
+    def _graph_forward(self, plan: StepPlan) -> torch.Tensor | None:
+        """The logits of a decode step (every item one new token whose KV is the last to
+        compute, no prompt logprobs) from the decode graphs, or None: run it eagerly."""
+        assert self.graphs is not None
+        ids, positions, slots, ctx_lens, kv_starts = [], [], [], [], []
+        now_s = time.monotonic()
+        for item in plan.items:
+            seq = item.seq
+            end = seq.num_computed + 1
+            if item.num_tokens != 1 or end != seq.num_tokens or seq.wants_prompt_logprobs:
+                return None
+            base = seq.blocks[0] * self.block_size
+            ids.append(seq.token_ids[end - 1])
+            positions.append(end - 1)
+            slots.append(base + end - 1)
+            ctx_lens.append(end)
+            kv_starts.append(base)
+        if plan.num_pad:
+            return None
+        logits = self.graphs.forward(ids, positions, slots, ctx_lens, kv_starts)
+        if logits is not None:
+            for item in plan.items:
+                if item.seq.scheduled_s is None:
+                    item.seq.scheduled_s = now_s
+        return logits
 
     def _lap(self, phase: str, t0: float) -> float:
         t = self.clock()

@@ -14,6 +14,7 @@ import torch
 
 from tetri_server.channel import Channel
 from tetri_server.config import Config
+from tetri_server.engine.cuda_graphs import decode_graphs
 from tetri_server.engine.grammar import Grammars
 from tetri_server.engine.loader import load_model
 from tetri_server.engine.runner import ModelRunner
@@ -108,6 +109,9 @@ class Worker:
                                  num_threads=spec.num_threads)
         self.runner = ModelRunner(self.model, s, self.transport.kv, bs, self.device,
                                   self.grammars)
+        if self.device.type == "cuda" and mcfg.cuda_graphs:
+            self.runner.graphs = decode_graphs(self.model, self.transport.kv, self.allocator,
+                                               bs, self.cfg.decode.max_batch, self.device)
         self.block_size = bs
         self.busy_s = 0.0
         self.stopping = False
