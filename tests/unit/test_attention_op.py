@@ -83,7 +83,7 @@ def tensors(rng: random.Random, tokens: int, heads: int, kv_heads: int, dim: int
     return q, kv[0], kv[1]
 
 
-SHAPES = [(4, 2, 16), (8, 8, 64), (8, 2, 64), (6, 3, 40)]  # (heads, kv_heads, head_dim)
+SHAPES = [(4, 2, 16), (8, 8, 64), (8, 2, 64), (6, 3, 40), (4, 2, 128)]  # (heads, kv_heads, D)
 
 
 @pytest.mark.parametrize("window", [0, 1, 5, 16, 64])

@@ -151,3 +151,17 @@ def test_sliding_window_models_equal_transformers_past_the_window(model_dir, fam
                       "kv.num_blocks=400")
     assert eng.spec.sliding_window == overrides["sliding_window"]
     assert eng.generate(prompts, params) == hf_greedy(path, prompts, params.max_tokens)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+@pytest.mark.parametrize(("mode", "chunk"), [("coupled", 2048), ("coupled-chunked", 97)])
+def test_head_dim_64_equals_transformers(model_dir, kv_heads, mode, chunk):
+    """Head dim 64 (the tiny models have 16): prompt chunks of 16+ rows take the tiled prefill
+    attention kernel (engine/ops/prefill_attention.cpp) on AVX-512 builds, MHA and GQA."""
+    path = model_dir("llama", hidden_size=256, num_attention_heads=4,
+                     num_key_value_heads=kv_heads, intermediate_size=512)
+    prompts = random_prompts(8, 8000, (20, 300), seed=9)
+    ref = hf_greedy(path, prompts, GREEDY.max_tokens)
+    eng = make_engine(str(path), f"cluster.mode={mode}", f"prefill.token_budget={chunk}",
+                      "kv.num_blocks=400")
+    assert eng.generate(prompts, GREEDY) == ref

@@ -34,7 +34,8 @@ import torch
 
 log = logging.getLogger("tetri.ops")
 SOURCE = Path(__file__).with_name("ragged_attention.cpp")
-SOURCES = (SOURCE, Path(__file__).with_name("layer_ops.cpp"),
+SOURCES = (SOURCE, Path(__file__).with_name("prefill_attention.cpp"),
+           Path(__file__).with_name("layer_ops.cpp"),
            Path(__file__).with_name("linear_ops.cpp"))  # one library: tetri::*
 # ATen's Vectorized<float> width follows CPU_CAPABILITY_*; the -m flags are inductor's for the
 # same capability (torch/_inductor/cpu_vec_isa.py).

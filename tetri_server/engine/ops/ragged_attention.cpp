@@ -10,8 +10,9 @@
 // kv head's group, so each key and value row is read once per item. Per row the keys are
 // walked in order in blocks of kKeyBlock with an online softmax in fp32; nothing depends on
 // the other sequences of the batch or on how items are spread over threads.
-// Longer prompt chunks call ATen's SDPA on views of their extent (its GEMM-based flash kernel
-// is faster there), with the same masks as the reference loop.
+// Longer prompt chunks run the tiled kernel of prefill_attention.cpp (fp32, AVX-512, head_dim
+// 64 or 128, no sliding window), else ATen's SDPA on views of their extent, with the same
+// masks as the reference loop.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -26,6 +27,14 @@
 #include <limits>
 #include <type_traits>
 #include <vector>
+
+namespace tetri_ops {  // prefill_attention.cpp: false when it does not cover the case
+bool tiled_prefill_attention(const float* q, int64_t q_s0, int64_t q_s1, const float* pk,
+                             const float* pv, int64_t kv_s0, int64_t kv_s1, float* out,
+                             int64_t o_s0, int64_t o_s1, int64_t q_start, int64_t q_len,
+                             int64_t ctx_len, int64_t kv_start, int64_t heads,
+                             int64_t kv_heads, int64_t d, float scale, int64_t window);
+}  // namespace tetri_ops
 
 namespace {
 
@@ -380,7 +389,14 @@ void ragged_attention_cpu(const at::Tensor& q, const at::Tensor& pool_k, const a
   }
   if (end < tokens) out.narrow(0, end, tokens - end).zero_();  // padding rows
   for (int64_t i = 0; i < n; ++i) {
-    if (seqs[i].q_len >= kSdpaMinQ) sdpa_chunk(seqs[i], q, pool_k, pool_v, out, scale, window);
+    const SeqInfo& s = seqs[i];
+    if (s.q_len < kSdpaMinQ) continue;
+    const bool tiled = q.scalar_type() == at::kFloat && tetri_ops::tiled_prefill_attention(
+        q.data_ptr<float>(), q.stride(0), q.stride(1), pool_k.data_ptr<float>(),
+        pool_v.data_ptr<float>(), pool_k.stride(0), pool_k.stride(1), out.data_ptr<float>(),
+        out.stride(0), out.stride(1), s.q_start, s.q_len, s.ctx_len, s.kv_start, heads,
+        kv_heads, d, static_cast<float>(scale), window);
+    if (!tiled) sdpa_chunk(s, q, pool_k, pool_v, out, scale, window);
   }
   const float fscale = static_cast<float>(scale);
   switch (q.scalar_type()) {
