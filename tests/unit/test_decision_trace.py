@@ -80,3 +80,25 @@ def test_the_coupled_loop_decides_as_the_golden_trace_says(mode):
     for i, (g, w) in enumerate(zip(got, want, strict=False)):
         assert g == w, f"decision {i} differs:\n got  {g}\n want {w}"
     assert len(got) == len(want)
+
+
+def test_a_worker_killed_by_a_signal_keeps_every_record(tmp_path):
+    """`sim compare` stops the server with SIGTERM to its process group; the workers' decision
+    logs lost their last buffer (the prefill worker's log ended 41 chunks early)."""
+    import signal
+    import subprocess
+    import sys
+
+    code = (
+        "import os, signal\n"
+        "from tetri_server.workers.trace import DecisionLog\n"
+        f"log = DecisionLog.open({str(tmp_path / 'd')!r}, 0)\n"
+        "for i in range(200):\n"
+        "    log.step = i\n"
+        "    log.record('chunk', slices=[[i, 0, 512]], pad=0)\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], timeout=60)
+    assert proc.returncode == -signal.SIGTERM
+    lines = (tmp_path / "d.w0.jsonl").read_text().splitlines()
+    assert len(lines) == 200 and json.loads(lines[-1])["step"] == 199

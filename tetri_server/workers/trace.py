@@ -19,10 +19,13 @@ class DecisionLog:
 
     @classmethod
     def open(cls, prefix: str, worker_id: int) -> DecisionLog:
-        """``<prefix>.w<worker_id>.jsonl`` (appended to), or a log that records nothing."""
+        """``<prefix>.w<worker_id>.jsonl`` (appended to), or a log that records nothing. Line
+        buffered: a worker stopped by a signal (a server stopped with SIGTERM to its process
+        group) leaves every record it made, not all but its last buffer's worth."""
         if not prefix:
             return cls()
-        f = open(f"{prefix}.w{worker_id}.jsonl", "a", encoding="utf-8")  # noqa: SIM115
+        f = open(f"{prefix}.w{worker_id}.jsonl", "a", buffering=1,  # noqa: SIM115
+                 encoding="utf-8")
         log = cls(f.write)
         log._file = f
         return log
