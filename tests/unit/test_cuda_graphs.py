@@ -50,13 +50,8 @@ def with_graphs(eng, max_batch: int) -> tuple[DecodeGraphs, list[int]]:  # noqa:
     return graphs, [scratch]
 
 
-@pytest.mark.parametrize("family", ["llama", "opt", "qwen2"])
-def test_greedy_output_through_the_graph_buffers_equals_the_eager_engine(model_dir, family):
-    prompts = random_prompts(7, 8000, (3, 50), seed=3)  # 7 rows: bucket 8, one padding row
-    sets = ("kv.num_blocks=120", "model.max_model_len=256")
-    ref = make_engine(str(model_dir(family)), *sets).generate(prompts, GREEDY)
-    eng = make_engine(str(model_dir(family)), *sets)
-    graphs, _ = with_graphs(eng, 8)
+def counting(graphs: DecodeGraphs) -> list[int]:
+    """The batch size of every step the graphs ran from now on (-1: none held it, eager)."""
     calls: list[int] = []
     forward = graphs.forward
 
@@ -65,7 +60,18 @@ def test_greedy_output_through_the_graph_buffers_equals_the_eager_engine(model_d
         calls.append(len(args[0]) if out is not None else -1)
         return out
 
-    graphs.forward = counted
+    graphs.forward = counted  # type: ignore[method-assign]
+    return calls
+
+
+@pytest.mark.parametrize("family", ["llama", "opt", "qwen2"])
+def test_greedy_output_through_the_graph_buffers_equals_the_eager_engine(model_dir, family):
+    prompts = random_prompts(7, 8000, (3, 50), seed=3)  # 7 rows: bucket 8, one padding row
+    sets = ("kv.num_blocks=120", "model.max_model_len=256")
+    ref = make_engine(str(model_dir(family)), *sets).generate(prompts, GREEDY)
+    eng = make_engine(str(model_dir(family)), *sets)
+    graphs, _ = with_graphs(eng, 8)
+    calls = counting(graphs)
     assert eng.generate(prompts, GREEDY) == ref
     assert calls and max(calls) == 7 and -1 not in calls  # decode steps ran on the buffers
 
@@ -94,15 +100,7 @@ def test_padding_rows_write_only_the_scratch_block(model_dir):
 def test_steps_the_graphs_do_not_cover_run_eagerly(model_dir):
     eng = make_engine(str(model_dir("llama")), "kv.num_blocks=200", "model.max_model_len=256")
     graphs, _ = with_graphs(eng, 2)
-    sizes: list[int] = []
-    forward = graphs.forward
-
-    def counted(*args):  # noqa: ANN002, ANN202
-        out = forward(*args)
-        sizes.append(len(args[0]) if out is not None else -1)
-        return out
-
-    graphs.forward = counted
+    sizes = counting(graphs)
     prompts = random_prompts(3, 8000, (5, 20), seed=6)
     sets = ("kv.num_blocks=200", "model.max_model_len=256")
     ref = make_engine(str(model_dir("llama")), *sets).generate(prompts, GREEDY)

@@ -5,20 +5,17 @@ in decode admission and preemption."""
 from __future__ import annotations
 
 import json
-from collections.abc import Collection
 from pathlib import Path
 
 import pytest
 
-from tetri_server.policy import DecodeAdmission, LengthTail, num_blocks_for
+from tests.unit.test_policy_decode import FakeRuntime
+from tetri_server.policy import LengthTail
 from tetri_server.predictor import PredictorError, tails
 from tetri_server.predictor.artifact import shipped_artifacts
 from tetri_server.predictor.base import LengthPredictor
 from tetri_server.predictor.data import Sample
 from tetri_server.predictor.train import held_out_ids
-
-BLOCK = 16
-
 
 # ---------------------------------------------------------------------- the arithmetic
 
@@ -116,40 +113,18 @@ def test_an_artifact_without_tails_fails_at_load_naming_the_command(tmp_path: Pa
 # ---------------------------------------------------------------------- admission, preemption
 
 
-class Runtime:
-    """Executes plans against a pool the way a decode worker does; fails on overcommit."""
+class Runtime(FakeRuntime):
+    """test_policy_decode's runtime (plans executed against a pool as a decode worker does)
+    over an admission with a length tail; it remembers each request's prompt."""
 
     def __init__(self, policy: str, num_total_blocks: int, tail: LengthTail | None) -> None:
-        self.num_total_blocks = num_total_blocks
-        self.adm = DecodeAdmission(policy, block_size=BLOCK,  # type: ignore[arg-type]
-                                   num_total_blocks=num_total_blocks, tail=tail)
-        self.tokens: dict[int, int] = {}
-        self.held: dict[int, int] = {}
+        super().__init__(policy, num_total_blocks, tail=tail)  # type: ignore[arg-type]
         self.prompt: dict[int, int] = {}
 
-    @property
-    def free(self) -> int:
-        return self.num_total_blocks - sum(self.held.values())
-
-    def add(self, rid: int, prompt: int, bucket: int) -> None:
-        self.tokens[rid], self.prompt[rid] = prompt + 1, prompt
-        self.held[rid] = num_blocks_for(prompt, BLOCK)
-        self.adm.add(rid, prompt, prompt + 1, bucket, 4000)
-
-    def step(self, finished: Collection[int] = ()) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        plan = self.adm.plan(self.free)
-        for rid in plan.preempt.req_ids:
-            self.held[rid] = 0
-        for rid in plan.run_ids:
-            self.held[rid] = num_blocks_for(self.tokens[rid], BLOCK)
-            assert self.free >= 0, "plan overcommitted the pool"
-        for rid in plan.run_ids:
-            if rid in finished:
-                del self.held[rid], self.tokens[rid]
-            else:
-                self.tokens[rid] += 1
-        self.adm.on_done(plan, finished)
-        return plan.admit.req_ids, plan.preempt.req_ids
+    def add(self, rid: int, prompt: int, bucket: int, max_tokens: int = 4000,
+            gen: int = 1) -> None:
+        self.prompt[rid] = prompt
+        super().add(rid, prompt, bucket, max_tokens, gen)
 
 
 # bucket 1 of granularity 200 is [200, 400); its requests really run about 390 tokens
@@ -159,7 +134,7 @@ LATE_IN_BUCKET = LengthTail.from_lengths({0: [20] * 4, 1: [385, 390, 395]}, 2, 1
 def two_requests(tail: LengthTail | None) -> Runtime:
     rt = Runtime("reserve-static", 60, tail)
     rt.add(1, prompt=160, bucket=1)
-    assert rt.step()[0] == (1,)
+    assert rt.step().admit.req_ids == (1,)
     rt.add(2, prompt=384, bucket=1)
     return rt
 
@@ -167,8 +142,8 @@ def two_requests(tail: LengthTail | None) -> Runtime:
 def test_refined_reserve_static_refuses_what_the_bucket_estimate_admits() -> None:
     # bucket: 1 reserves 200 tokens (12 more blocks), 2 needs 13 of the 25 free -> admitted.
     # refined: 1 reserves ~390 tokens (24 more blocks), 2 needs 25 -> waits.
-    assert two_requests(None).step()[0] == (2,)
-    assert two_requests(LATE_IN_BUCKET).step()[0] == ()
+    assert two_requests(None).step().admit.req_ids == (2,)
+    assert two_requests(LATE_IN_BUCKET).step().admit.req_ids == ()
 
 
 @pytest.mark.parametrize(("tail", "num_preemptions"), [(None, 1), (LATE_IN_BUCKET, 0)])
@@ -192,8 +167,8 @@ def test_refined_preemption_evicts_the_request_expected_to_run_longest() -> None
         rt = Runtime("greedy", 12, t)
         rt.add(1, prompt=64, bucket=1)  # admitted first, expected to run 600 tokens
         rt.add(2, prompt=64, bucket=0)  # admitted second, expected to stop at 50
-        assert rt.step()[0] == (1, 2)
-        while not (preempted := rt.step()[1]):
+        assert rt.step().admit.req_ids == (1, 2)
+        while not (preempted := rt.step().preempt.req_ids):
             pass
         victims[name] = preempted
     assert victims == {"bucket": (2,), "refined": (1,)}
