@@ -170,6 +170,21 @@ def plot_all(res: dict[str, list[dict[str, Any]]], out: Path) -> None:
         fig.suptitle(f"{title} ({HW}, {MODEL}, simulated)")
         return fig, axes
 
+    def finish(fig: Any, panels: tuple[tuple[Any, str], ...], xlabel: str, name: str,
+               xlog: bool = False, ylog: bool = False, legend: bool = True) -> None:
+        """Label each (axes, y label) panel alike and write the figure to ``out / name``."""
+        for ax, y in panels:
+            if xlog:
+                ax.set_xscale("log", base=2)
+            if ylog:
+                ax.set_yscale("log")
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel(y)
+            if legend:
+                ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+
     if "scale" in res:
         fig, (a, b) = two(f"Cluster size, {PER_INSTANCE_RPS} req/s per instance, Mixed")
         for mode in ("disaggregated", "coupled", "coupled-chunked"):
@@ -177,13 +192,8 @@ def plot_all(res: dict[str, list[dict[str, Any]]], out: Path) -> None:
             xs = [r["instances"] for r in rows]
             a.plot(xs, [r["ttft_mean_s"] for r in rows], "o-", label=mode)
             b.plot(xs, [r["jct_mean_s"] for r in rows], "o-", label=mode)
-        for ax, y in ((a, "mean TTFT (s)"), (b, "mean JCT (s)")):
-            ax.set_xscale("log", base=2)
-            ax.set_xlabel("instances (disaggregated: P = n/4)")
-            ax.set_ylabel(y)
-            ax.legend()
-        fig.tight_layout()
-        fig.savefig(out / "sim-scale.png", dpi=110)
+        finish(fig, ((a, "mean TTFT (s)"), (b, "mean JCT (s)")),
+               "instances (disaggregated: P = n/4)", "sim-scale.png", xlog=True)
 
     if "pd" in res:
         fig, (a, b) = two("P:D split of 8 instances")
@@ -192,13 +202,8 @@ def plot_all(res: dict[str, list[dict[str, Any]]], out: Path) -> None:
             xs = [f"{r['prefill']}:{r['decode']}" for r in rows]
             a.plot(xs, [r["ttft_mean_s"] for r in rows], "o-", label=f"{wl} @{rows[0]['rate_rps']}")
             b.plot(xs, [r["jct_mean_s"] for r in rows], "o-", label=wl)
-        for ax, y in ((a, "mean TTFT (s)"), (b, "mean JCT (s)")):
-            ax.set_yscale("log")
-            ax.set_xlabel("prefill : decode instances")
-            ax.set_ylabel(y)
-            ax.legend()
-        fig.tight_layout()
-        fig.savefig(out / "sim-pd-ratio.png", dpi=110)
+        finish(fig, ((a, "mean TTFT (s)"), (b, "mean JCT (s)")), "prefill : decode instances",
+               "sim-pd-ratio.png", ylog=True)
 
     if "accuracy" in res:
         fig, (a, b) = two("Predictor accuracy, a burst of 200 LPHD, 1 P + 1 D")
@@ -227,12 +232,8 @@ def plot_all(res: dict[str, list[dict[str, Any]]], out: Path) -> None:
         xs = [r["chunk_size"] for r in res["chunk"]]
         a.plot(xs, [r["ttft_mean_s"] for r in res["chunk"]], "o-")
         b.plot(xs, [r["jct_mean_s"] for r in res["chunk"]], "o-")
-        for ax, y in ((a, "mean TTFT (s)"), (b, "mean JCT (s)")):
-            ax.set_xscale("log", base=2)
-            ax.set_xlabel("ChunkSize (tokens)")
-            ax.set_ylabel(y)
-        fig.tight_layout()
-        fig.savefig(out / "sim-chunk.png", dpi=110)
+        finish(fig, ((a, "mean TTFT (s)"), (b, "mean JCT (s)")), "ChunkSize (tokens)",
+               "sim-chunk.png", xlog=True, legend=False)
 
     if "sort" in res:
         fig, (a, b) = two(f"Sort window, HPLD {SORT_RPS} req/s, 1 P + 3 D")
@@ -241,13 +242,8 @@ def plot_all(res: dict[str, list[dict[str, Any]]], out: Path) -> None:
             xs = [r["sched_batch"] for r in rows]
             a.plot(xs, [r["ttft_mean_s"] for r in rows], "o-", label=policy)
             b.plot(xs, [r["ttft_p90_s"] for r in rows], "o-", label=policy)
-        for ax, y in ((a, "mean TTFT (s)"), (b, "p90 TTFT (s)")):
-            ax.set_xscale("log", base=2)
-            ax.set_xlabel("PrefillSchedBatch (requests)")
-            ax.set_ylabel(y)
-            ax.legend()
-        fig.tight_layout()
-        fig.savefig(out / "sim-sort.png", dpi=110)
+        finish(fig, ((a, "mean TTFT (s)"), (b, "p90 TTFT (s)")), "PrefillSchedBatch (requests)",
+               "sim-sort.png", xlog=True)
 
     if "flip" in res:
         fig, (a, b) = two("Flip on/off, 4 instances split wrong")
