@@ -43,6 +43,7 @@ from tetri_server.policy import LengthTail
 from tetri_server.workers.trace import DecisionLog
 
 log = logging.getLogger("tetri.worker")
+SEND_TIMEOUT_S = 30.0
 
 
 def length_tail(cfg: Config, kind: str) -> LengthTail | None:
@@ -54,7 +55,6 @@ def length_tail(cfg: Config, kind: str) -> LengthTail | None:
     from tetri_server.predictor import tails
 
     return tails.load(kind, cfg.predictor.artifact or None)
-SEND_TIMEOUT_S = 30.0
 
 
 def _die_with_parent() -> None:

@@ -46,13 +46,10 @@ def pack_weight(w: torch.Tensor) -> torch.Tensor | None:
     CPU fp32, or neither the C++ kernel nor mkldnn here)."""
     if w.device.type != "cpu" or w.dtype != torch.float32 or w.dim() != 2:
         return None
-    with torch.no_grad():
-        if tetri_linear_supported():
+    if tetri_linear_supported():
+        with torch.no_grad():
             return torch.ops.tetri.pack_linear_weight(w.detach())
-        if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn,
-                                                            "_reorder_linear_weight"):
-            return torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_HINT_ROWS)
-    return None
+    return onednn_pack_weight(w)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
@@ -68,10 +65,13 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
 
 
 def onednn_pack_weight(w: torch.Tensor) -> torch.Tensor | None:
-    """oneDNN's reordered copy of ``w`` (the engine before ``tetri::packed_linear``; benchmarks
-    compare the two)."""
-    if w.device.type != "cpu" or w.dtype != torch.float32 or not hasattr(
-            torch.ops.mkldnn, "_reorder_linear_weight"):
+    """oneDNN's reordered copy of ``w`` (the fallback where the C++ kernel is missing, and the
+    engine before ``tetri::packed_linear`` that benchmarks compare it with), or None without
+    mkldnn."""
+    if w.device.type != "cpu" or w.dtype != torch.float32 or w.dim() != 2:
+        return None
+    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn,
+                                                               "_reorder_linear_weight"):
         return None
     with torch.no_grad():
         return torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_HINT_ROWS)
