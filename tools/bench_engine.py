@@ -446,7 +446,9 @@ def bench_attention_op(ours: Ours, base: Baselines, p: Params,
            "eager norms/RoPE/SiLU + `index_copy_`; op = one `tetri::ragged_attention` call per "
            "layer; onednn = + prepacked oneDNN linears; fused = + the fused layer ops "
            "(`tetri::rms_norm`, `add_rms_norm`, `rope_`, `silu_mul`, `write_kv`); after = + "
-           "`tetri::packed_linear` instead of oneDNN (what the engine runs). Interleaved; "
+           "`tetri::packed_linear` instead of oneDNN and `tetri::packed_glu` (gate|up with "
+           "SiLU-and-mul in the tile) instead of gate|up then `silu_mul` (what the engine "
+           "runs). Interleaved; "
            f"roofline as in the decode table; CPU share {ours.timer.share_text('attention')}", "",
            "| step | before ms | op ms | onednn ms | fused ms | after ms | before/after "
            "| fused/after | roofline ms | before/roofline | after/roofline |",

@@ -1,7 +1,8 @@
 """``tetri::packed_linear`` (engine/ops/linear_ops.cpp) against float64 matmuls, on shapes off
 the panel and tile sizes, and the properties the engine relies on: a row's result does not
 depend on the rest of the batch, the row count or the thread count; bad input is a clear error;
-and ``tetri::write_kv`` stores what ``index_copy_`` stores."""
+``tetri::packed_glu`` gives the bits of ``packed_linear`` then ``tetri::silu_mul``; and
+``tetri::write_kv`` stores what ``index_copy_`` stores."""
 
 from __future__ import annotations
 
@@ -10,7 +11,14 @@ import torch
 
 from tetri_server.engine.attention import BatchMetadata, write_kv, write_kv_ref
 from tetri_server.engine.ops import load_cpu_ops
-from tetri_server.engine.ops.linear import linear, pack_weight, tetri_linear_supported
+from tetri_server.engine.ops.layer import silu_mul
+from tetri_server.engine.ops.linear import (
+    glu,
+    linear,
+    pack_glu_weight,
+    pack_weight,
+    tetri_linear_supported,
+)
 
 pytestmark = pytest.mark.skipif(not load_cpu_ops() or not tetri_linear_supported(),
                                 reason="the C++ ops (AVX2 or AVX-512) could not be built")
@@ -81,6 +89,53 @@ def test_other_dtypes_and_devices_keep_f_linear() -> None:
     assert pack_weight(w) is None
     x = torch.randn(3, 8, dtype=torch.bfloat16)
     assert torch.equal(linear(x, w, None, None), torch.nn.functional.linear(x, w))
+
+
+# inter sizes: the bench model's; one whole panel pair short (the last panel holds one gate/up
+# pair); a single pair
+@pytest.mark.parametrize(("inter", "k"), [(1408, 512), (48, 37), (16, 300)])
+def test_glu_gives_the_bits_of_linear_then_silu_mul(inter: int, k: int) -> None:
+    g = torch.Generator().manual_seed(inter + k)
+    w = torch.randn(2 * inter, k, generator=g) * k ** -0.5
+    fused, plain = pack_glu_weight(w), pack_weight(w)
+    assert fused is not None and fused.dim() == 4  # the GLU pack
+    for m in ROWS:
+        x = torch.randn(m, k, generator=g)
+        want = silu_mul(linear(x, w, None, plain))
+        got = glu(x, w, fused)
+        assert got.shape == (m, inter) and got.is_contiguous()
+        assert torch.equal(got, want), m
+        gate, up = (x.double() @ w.double().t()).chunk(2, dim=-1)
+        torch.testing.assert_close(got.double(), torch.nn.functional.silu(gate) * up,
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_glu_rows_do_not_depend_on_the_batch() -> None:
+    g = torch.Generator().manual_seed(11)
+    w, rows = torch.randn(2 * 96, 64, generator=g), torch.randn(300, 64, generator=g)
+    packed = pack_glu_weight(w)
+    alone = torch.cat([glu(rows[i:i + 1], w, packed) for i in range(0, 300, 29)])
+    for m in (7, 48, 49, 300):
+        batch = glu(rows[:m], w, packed)
+        for j, i in enumerate(range(0, 300, 29)):
+            if i < m:
+                assert torch.equal(batch[i], alone[j]), (m, i)
+
+
+def test_a_glu_pack_is_refused_by_linear_and_an_odd_size_keeps_the_plain_pack() -> None:
+    w = torch.randn(64, 16)
+    packed = pack_glu_weight(w)
+    with pytest.raises(ValueError, match="glu"):
+        linear(torch.randn(2, 16), w, None, packed)
+    with pytest.raises(RuntimeError, match="not a pack_linear_weight"):
+        torch.ops.tetri.packed_linear(torch.randn(2, 16), packed, None, 64)
+    with pytest.raises(RuntimeError, match="not a pack_glu_weight"):
+        torch.ops.tetri.packed_glu(torch.randn(2, 16), packed, 64)
+    odd = torch.randn(2 * 20, 16)  # 20 features: not a whole number of vectors
+    pack = pack_glu_weight(odd)
+    assert pack is not None and pack.dim() == 3
+    x = torch.randn(3, 16)
+    assert torch.equal(glu(x, odd, pack), silu_mul(linear(x, odd, None, pack)))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -19,7 +19,8 @@ import torch
 
 from tetri_server.bench.cpu import Timer, core_busy
 from tetri_server.engine.attention import ragged_attention
-from tetri_server.engine.kernels import REFERENCE, Kernels, unpacked_linear
+from tetri_server.engine.kernels import REFERENCE, Kernels, unfused_glu, unpacked_linear
+from tetri_server.engine.ops.layer import silu_mul, silu_mul_ref
 from tetri_server.engine.ops.linear import linear, onednn_pack_weight
 from tetri_server.engine.runner import ScheduledSeq, StepPlan
 from tetri_server.engine.sequence import SeqStatus
@@ -194,7 +195,9 @@ class EngineDriver:
         model, saved = self.eng.model, self.eng.model.kernels
         layer_ops = Kernels() if fused else REFERENCE
         lin = {"tetri": linear, "onednn": self.onednn, "plain": unpacked_linear}[linears]
-        model.kernels = dataclasses.replace(layer_ops, attention=attention, linear=lin)
+        glu = layer_ops.glu if linears == "tetri" else unfused_glu(
+            lin, silu_mul if fused else silu_mul_ref)
+        model.kernels = dataclasses.replace(layer_ops, attention=attention, linear=lin, glu=glu)
         try:
             yield
         finally:

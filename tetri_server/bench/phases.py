@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 KERNEL_PHASES = {"linear": "linear (matmuls)", "attention": "attention (one op per layer)",
                  "write_kv": "write_kv (KV rows into the pool)", "rms_norm": "RMSNorm",
                  "add_rms_norm": "residual add + RMSNorm", "rope": "RoPE",
-                 "silu_mul": "SiLU(gate) * up"}
+                 "glu": "gate|up linear + SiLU(gate) * up"}
 REST_OF_FORWARD = "rest of forward: embedding, last residual add, per-layer Python"
 INSIDE_FORWARD = (*KERNEL_PHASES.values(), REST_OF_FORWARD)
 

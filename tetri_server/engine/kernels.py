@@ -3,7 +3,8 @@
 A benchmark or a test that wants another attention path, plain matmuls or timed calls builds a
 ``Kernels`` and assigns it to the model; nothing patches modules. ``Kernels()`` is what serving
 runs: the one attention op per layer, ``tetri::write_kv`` into the pool, linears on the packed
-weights of ``ops/linear.py``, and the fused norm/RoPE/SiLU ops of ``ops/layer.py``;
+weights of ``ops/linear.py`` (the gate|up one with SiLU-and-mul in its tiles), and the fused
+norm/RoPE ops of ``ops/layer.py``;
 ``REFERENCE`` is eager PyTorch for all of them.
 """
 
@@ -30,10 +31,9 @@ from tetri_server.engine.ops.layer import (
     rms_norm_ref,
     rope,
     rope_ref,
-    silu_mul,
     silu_mul_ref,
 )
-from tetri_server.engine.ops.linear import linear
+from tetri_server.engine.ops.linear import glu, linear
 
 # (q, pool_k, pool_v, meta, scale=None, window=0) -> out
 AttentionFn = Callable[..., torch.Tensor]
@@ -58,7 +58,8 @@ class Kernels:
     rms_norm: Callable[..., torch.Tensor] = rms_norm  # (x, weight, eps)
     add_rms_norm: Callable[..., torch.Tensor] = add_rms_norm  # (x!, delta, weight, eps)
     rope: Callable[..., None] = rope  # (q!, k!, cos, sin)
-    silu_mul: Callable[..., torch.Tensor] = silu_mul  # (gate_up)
+    # (x, gate|up weight, packed=None) -> silu(x @ gate.T) * (x @ up.T), fused on its pack
+    glu: Callable[..., torch.Tensor] = glu
 
     def wrapped(self, wrap: Callable[[str, Callable[..., Any]], Callable[..., Any]]) -> Kernels:
         """Every primitive replaced by ``wrap(name, fn)`` (e.g. a timer around it)."""
@@ -66,6 +67,15 @@ class Kernels:
                                 for f in fields(self)})
 
 
+def unfused_glu(linear: LinearFn, silu_mul: Callable[..., torch.Tensor]) -> Callable[...,
+                                                                                    torch.Tensor]:
+    """``glu`` as ``silu_mul(linear(x, w))``: for kernel sets whose linear does not take the
+    GLU pack (it is passed no pack)."""
+    def run(x: torch.Tensor, w: torch.Tensor, packed: torch.Tensor | None = None) -> torch.Tensor:
+        return silu_mul(linear(x, w, None, None))
+    return run
+
+
 REFERENCE = Kernels(attention=paged_attention, write_kv=write_kv_ref, linear=unpacked_linear,
                     rms_norm=rms_norm_ref, add_rms_norm=add_rms_norm_ref, rope=rope_ref,
-                    silu_mul=silu_mul_ref)
+                    glu=unfused_glu(unpacked_linear, silu_mul_ref))

@@ -9,7 +9,7 @@ from torch import nn
 
 from tetri_server.engine.attention import BatchMetadata
 from tetri_server.engine.kernels import Kernels
-from tetri_server.engine.ops.linear import pack_weight
+from tetri_server.engine.ops.linear import pack_glu_weight, pack_weight
 from tetri_server.engine.spec import ModelSpec
 
 
@@ -50,7 +50,8 @@ class LlamaLayer(nn.Module):
 
     def pack(self) -> None:
         """Prepack the matmul weights (after loading them)."""
-        self.packed = {n: pack_weight(getattr(self, n)) for n in ("qkv", "o", "gate_up", "down")}
+        self.packed = {n: pack_weight(getattr(self, n)) for n in ("qkv", "o", "down")}
+        self.packed["gate_up"] = pack_glu_weight(self.gate_up)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 pool_k: torch.Tensor, pool_v: torch.Tensor, meta: BatchMetadata,
@@ -70,7 +71,7 @@ class LlamaLayer(nn.Module):
         attn = kern.attention(q, pool_k, pool_v, meta, window=self.window)
         h = kern.add_rms_norm(x, linear(attn.reshape(t, nq), self.o, None, pk.get("o")),
                               self.post_norm, s.eps)  # x += attention output
-        up = kern.silu_mul(linear(h, self.gate_up, None, pk.get("gate_up")))
+        up = kern.glu(h, self.gate_up, pk.get("gate_up"))
         return x.add_(linear(up, self.down, None, pk.get("down")))
 
 

@@ -13,6 +13,11 @@ runs on it:
   1.2-2x faster than MKL's ``F.linear`` for 2 <= M <= 256, not at M = 1 or from M ~ 1024);
 - else ``F.linear``.
 
+``pack_glu_weight(w)`` and ``glu(x, w, packed)`` do the same for a gate|up weight followed by
+SiLU-and-mul (``silu(x @ gate.T) * (x @ up.T)``): ``tetri::packed_glu`` applies it in the
+tile, so the [M, 2I] product never goes through memory; the bits are those of
+``packed_linear`` then ``tetri::silu_mul``.
+
 Greedy output still equals transformers (tests/unit/test_engine.py). The packed copy doubles
 the memory of the weights it packs.
 """
@@ -25,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from tetri_server.engine.ops import load_cpu_ops
+from tetri_server.engine.ops.layer import silu_mul
 
 PACKED_MIN_ROWS = 2  # oneDNN's copy: the rows it is faster for
 PACKED_MAX_ROWS = 512
@@ -39,6 +45,10 @@ def tetri_linear_supported() -> bool:
 
 def _is_tetri_pack(packed: torch.Tensor) -> bool:
     return packed.dim() == 3  # [panels, in, panel width]; oneDNN's copies are 2-D
+
+
+def _is_glu_pack(packed: torch.Tensor | None) -> bool:
+    return packed is not None and packed.dim() == 4  # [panels, in, vectors, lanes]
 
 
 def pack_weight(w: torch.Tensor) -> torch.Tensor | None:
@@ -56,12 +66,34 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
            packed: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, w, b)`` for x [M, in], on ``packed`` (from ``pack_weight(w)``) where it
     applies."""
+    if _is_glu_pack(packed):
+        raise ValueError("linear: this weight is packed for glu() (gate/up pairs)")
     if packed is not None and x.dim() == 2:
         if _is_tetri_pack(packed):
             return torch.ops.tetri.packed_linear(x, packed, b, w.shape[0])
         if PACKED_MIN_ROWS <= x.shape[0] <= PACKED_MAX_ROWS:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, b, "none", [], "")
     return F.linear(x, w, b)
+
+
+def pack_glu_weight(w: torch.Tensor) -> torch.Tensor | None:
+    """The packed copy of a gate|up weight ``w`` ([2I, in]) for ``glu``: the fused GLU pack
+    where the C++ kernel runs here and I is a whole number of its vectors, else
+    ``pack_weight(w)``."""
+    if (w.device.type == "cpu" and w.dtype == torch.float32 and w.dim() == 2
+            and tetri_linear_supported()
+            and w.shape[0] % (2 * torch.ops.tetri.packed_linear_lanes()) == 0):
+        with torch.no_grad():
+            return torch.ops.tetri.pack_glu_weight(w.detach())
+    return pack_weight(w)
+
+
+def glu(x: torch.Tensor, w: torch.Tensor, packed: torch.Tensor | None = None) -> torch.Tensor:
+    """``silu(gate) * up`` of ``x @ w.T`` = gate | up, for x [M, in] and ``packed`` from
+    ``pack_glu_weight(w)``."""
+    if _is_glu_pack(packed) and x.dim() == 2:
+        return torch.ops.tetri.packed_glu(x, packed, w.shape[0] // 2)
+    return silu_mul(linear(x, w, None, packed))
 
 
 def onednn_pack_weight(w: torch.Tensor) -> torch.Tensor | None:

@@ -18,11 +18,18 @@
 // count, the tile, the row's place in the batch or the thread that computes it (threads split
 // the panels). So decode results do not depend on the rest of the batch.
 //
+// tetri::packed_glu: silu(x @ gate.T) * (x @ up.T) for a gate|up weight [2I, K] packed by
+// tetri::pack_glu_weight with its gate and up rows interleaved a vector at a time (a panel holds
+// gate, up, gate, up vectors of V features), so every tile holds both halves of its outputs and
+// applies SiLU-and-mul before it stores: the [M, 2I] product is never written. The same float
+// operations as packed_linear then tetri::silu_mul, so the same bits.
+//
 // Built per CPU capability (see ops/__init__.py): AVX-512 and AVX2 get intrinsics kernels, any
 // other build reports `packed_linear_supported() == false` and linear.py keeps oneDNN/F.linear.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -74,10 +81,8 @@ void check_weight(const at::Tensor& w, const char* op) {
               op, ": float32 CPU tensors only");
 }
 
-at::Tensor pack_cpu(const at::Tensor& w_) {
-  check_weight(w_, "pack_linear_weight");
-  TORCH_CHECK(w_.dim() == 2, "pack_linear_weight: weight must be [out, in]");
-  const at::Tensor w = w_.contiguous();
+// Panels of w's rows in order; the caller reorders the rows first for a GLU pack.
+at::Tensor pack_rows(const at::Tensor& w) {
   const int64_t n = w.size(0), k = w.size(1), panels = (n + PW - 1) / PW;
   at::Tensor packed = at::zeros({panels, k, PW}, w.options());
   const float* src = w.data_ptr<float>();
@@ -94,11 +99,34 @@ at::Tensor pack_cpu(const at::Tensor& w_) {
   return packed;
 }
 
+at::Tensor pack_cpu(const at::Tensor& w) {
+  check_weight(w, "pack_linear_weight");
+  TORCH_CHECK(w.dim() == 2, "pack_linear_weight: weight must be [out, in]");
+  return pack_rows(w.contiguous());
+}
+
+// [2I, K] = gate | up, I a multiple of V: rows reordered gate[0:V], up[0:V], gate[V:2V], ...,
+// then packed like any weight; returned as [panels, K, PW / V, V] so that packed_linear (which
+// takes 3-D packs only) refuses it.
+at::Tensor pack_glu_cpu(const at::Tensor& w) {
+  check_weight(w, "pack_glu_weight");
+  TORCH_CHECK(w.dim() == 2 && w.size(0) % (2 * V) == 0,
+              "pack_glu_weight: weight must be [2 * inter, in] with inter a multiple of ", V);
+  const int64_t inter = w.size(0) / 2, k = w.size(1);
+  const at::Tensor pairs = at::stack({w.narrow(0, 0, inter).reshape({inter / V, V, k}),
+                                      w.narrow(0, inter, inter).reshape({inter / V, V, k})}, 1);
+  const at::Tensor packed = pack_rows(pairs.reshape({2 * inter, k}).contiguous());
+  return packed.view({packed.size(0), k, PW / V, V});
+}
+
+int64_t lanes_cpu() { return V; }
+
 #ifdef TETRI_LINEAR_SIMD
 // R rows x NV vectors of outputs at y (row stride ldy), over K; `ncols` valid columns (less
-// than NV * V only in the last panel); `pf_lines` cache lines from `pf` prefetched evenly over
+// than NV * V only in the last panel); with Glu, vectors 2j and 2j + 1 are a gate and an up
+// vector and the tile stores NV / 2 vectors of silu(gate) * up; `pf_lines` cache lines from `pf` prefetched evenly over
 // the K steps (this tile's share of the next panel).
-template <int R, int NV>
+template <int R, int NV, bool Glu>
 void tile(const float* __restrict x, int64_t ldx, const float* __restrict panel, int64_t k,
           const float* __restrict bias, float* __restrict y, int64_t ldy, int64_t ncols,
           const float* __restrict pf, int64_t pf_lines) {
@@ -123,6 +151,20 @@ void tile(const float* __restrict x, int64_t ldx, const float* __restrict panel,
       for (int v = 0; v < NV; ++v) acc[r][v] = vfma(xb, w[v], acc[r][v]);
     }
   }
+  if constexpr (Glu) {
+    using FVec = at::vec::Vectorized<float>;
+    const FVec one(1.f);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 2
+      for (int j = 0; j < NV / 2; ++j) {
+        if (2 * j * V >= ncols) break;  // the last panel may hold one pair
+        const FVec g(acc[r][2 * j]);
+        ((g / (one + g.neg().exp())) * FVec(acc[r][2 * j + 1])).store(y + r * ldy + j * V);
+      }
+    }
+    return;
+  }
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
     if (bias != nullptr) {
@@ -145,14 +187,18 @@ void tile(const float* __restrict x, int64_t ldx, const float* __restrict panel,
 using TileFn = void (*)(const float*, int64_t, const float*, int64_t, const float*, float*, int64_t,
                         int64_t, const float*, int64_t);
 
-template <int NV, int... Rs>
+template <int NV, bool Glu, int... Rs>
 constexpr auto tiles(std::integer_sequence<int, Rs...>) {
-  return std::array<TileFn, sizeof...(Rs) + 1>{nullptr, &tile<Rs + 1, NV>...};
+  return std::array<TileFn, sizeof...(Rs) + 1>{nullptr, &tile<Rs + 1, NV, Glu>...};
 }
-const auto kTall = tiles<2>(std::make_integer_sequence<int, kTallRows>{});
-const auto kWide = tiles<4>(std::make_integer_sequence<int, kWideRows>{});
+template <bool Glu>
+const auto kTall = tiles<2, Glu>(std::make_integer_sequence<int, kTallRows>{});
+template <bool Glu>
+const auto kWide = tiles<4, Glu>(std::make_integer_sequence<int, kWideRows>{});
 
-// Rows [m0, m0 + rows) x panels [p0, p1), in tall tiles (half a panel) or wide ones.
+// Rows [m0, m0 + rows) x panels [p0, p1), in tall tiles (half a panel) or wide ones; with Glu
+// the n columns are gate/up pairs and y has n / 2.
+template <bool Glu>
 void run_panels(const float* x, int64_t k, const float* packed, const float* bias, float* y,
                 int64_t n, int64_t m0, int64_t rows, int64_t p0, int64_t p1, int64_t panels) {
   const bool tall = rows <= kTallMaxRows;
@@ -187,9 +233,10 @@ void run_panels(const float* x, int64_t k, const float* packed, const float* bia
         const int64_t r = std::min(step_rows, rows - r0);
         const int64_t first = next_lines * t / tiles, last = next_lines * (t + 1) / tiles;
         ++t;
-        const TileFn fn = tall ? kTall[r] : kWide[r];
-        fn(x + (m0 + r0) * k, k, panel + c0, k, b, y + (m0 + r0) * n + col, n, ncols,
-           next + first * kLineFloats, last - first);
+        const TileFn fn = tall ? kTall<Glu>[r] : kWide<Glu>[r];
+        const int64_t ldy = Glu ? n / 2 : n;
+        fn(x + (m0 + r0) * k, k, panel + c0, k, b, y + (m0 + r0) * ldy + (Glu ? col / 2 : col),
+           ldy, ncols, next + first * kLineFloats, last - first);
       }
     }
   }
@@ -201,6 +248,32 @@ bool supported_cpu() {
   return true;
 #else
   return false;
+#endif
+}
+
+// y = the rows of x through the packed weight (n columns before any GLU pairing), threads
+// splitting the panels.
+template <bool Glu>
+void run(const at::Tensor& x, const at::Tensor& packed, const float* bias, int64_t n,
+         at::Tensor& y) {
+#ifdef TETRI_LINEAR_SIMD
+  const int64_t m = x.size(0), k = x.size(1), panels = packed.size(0);
+  const float* xp = x.data_ptr<float>();
+  const float* pp = packed.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    int64_t block = m;
+    if (m > kTallMaxRows) {  // equal blocks of at most kBlockRows, whole wide tiles
+      const int64_t blocks = (m + kBlockRows - 1) / kBlockRows;
+      block = ((m + blocks - 1) / blocks + kWideRows - 1) / kWideRows * kWideRows;
+    }
+    for (int64_t m0 = 0; m0 < m; m0 += block) {
+      run_panels<Glu>(xp, k, pp, bias, yp, n, m0, std::min(block, m - m0), p0, p1, panels);
+    }
+  });
+#else
+  (void)x, (void)packed, (void)bias, (void)n, (void)y;
+  TORCH_CHECK(false, "packed_linear: this build has no kernel (neither AVX2 nor AVX-512)");
 #endif
 }
 
@@ -218,26 +291,24 @@ at::Tensor packed_linear_cpu(const at::Tensor& x_, const at::Tensor& packed,
                                     bias->is_contiguous() && bias->scalar_type() == at::kFloat),
               "packed_linear: bias must be a contiguous float32 [out] tensor");
   const at::Tensor x = x_.contiguous();
-  const int64_t m = x.size(0), k = x.size(1), panels = packed.size(0);
-  at::Tensor y = at::empty({m, n}, x.options());
-#ifdef TETRI_LINEAR_SIMD
-  const float* xp = x.data_ptr<float>();
-  const float* pp = packed.data_ptr<float>();
-  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-    int64_t block = m;
-    if (m > kTallMaxRows) {  // equal blocks of at most kBlockRows, whole wide tiles
-      const int64_t blocks = (m + kBlockRows - 1) / kBlockRows;
-      block = ((m + blocks - 1) / blocks + kWideRows - 1) / kWideRows * kWideRows;
-    }
-    for (int64_t m0 = 0; m0 < m; m0 += block) {
-      run_panels(xp, k, pp, bp, yp, n, m0, std::min(block, m - m0), p0, p1, panels);
-    }
-  });
-#else
-  TORCH_CHECK(false, "packed_linear: this build has no kernel (neither AVX2 nor AVX-512)");
-#endif
+  at::Tensor y = at::empty({x.size(0), n}, x.options());
+  run<false>(x, packed, bias.has_value() ? bias->data_ptr<float>() : nullptr, n, y);
+  return y;
+}
+
+at::Tensor packed_glu_cpu(const at::Tensor& x_, const at::Tensor& packed, int64_t inter) {
+  check_weight(x_, "packed_glu");
+  check_weight(packed, "packed_glu");
+  TORCH_CHECK(x_.dim() == 2, "packed_glu: x must be [rows, in]");
+  TORCH_CHECK(packed.dim() == 4 && packed.size(2) * packed.size(3) == PW &&
+                  packed.size(3) == V && packed.is_contiguous() &&
+                  packed.size(1) == x_.size(1) && inter % V == 0 &&
+                  packed.size(0) == (2 * inter + PW - 1) / PW,
+              "packed_glu: the weight is not a pack_glu_weight of [2 * ", inter, ", ",
+              x_.size(1), "] for this build");
+  const at::Tensor x = x_.contiguous();
+  at::Tensor y = at::empty({x.size(0), inter}, x.options());
+  run<true>(x, packed, nullptr, 2 * inter, y);
   return y;
 }
 
@@ -247,11 +318,19 @@ TORCH_LIBRARY_FRAGMENT(tetri, m) {
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
   m.def("packed_linear_supported() -> bool");
+  m.def("packed_linear_lanes() -> int");
+  m.def("pack_glu_weight(Tensor gate_up) -> Tensor");
+  m.def("packed_glu(Tensor x, Tensor packed, int inter) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tetri, CPU, m) {
   m.impl("pack_linear_weight", &pack_cpu);
   m.impl("packed_linear", &packed_linear_cpu);
+  m.impl("pack_glu_weight", &pack_glu_cpu);
+  m.impl("packed_glu", &packed_glu_cpu);
 }
 
-TORCH_LIBRARY_IMPL(tetri, CatchAll, m) { m.impl("packed_linear_supported", &supported_cpu); }
+TORCH_LIBRARY_IMPL(tetri, CatchAll, m) {
+  m.impl("packed_linear_supported", &supported_cpu);
+  m.impl("packed_linear_lanes", &lanes_cpu);
+}
