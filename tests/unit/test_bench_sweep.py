@@ -188,6 +188,8 @@ def test_sweep_end_to_end_against_fake_servers(
         assert mode["calibration"]["step_s"] > 0 and len(mode["points"][0]["records"]) == 4
         assert (tmp_path / f"{mode['mode']}.log").exists()
     assert "| coupled | **" in (tmp_path / "table.md").read_text()
+    png = (tmp_path / "goodput.png").read_bytes()  # the goodput curves, drawn from the JSON
+    assert png.startswith(b"\x89PNG") and len(png) > 10_000
 
     # --url, reusing that calibration: nothing is measured, the same SLO applies
     server = fake_spec("coupled")

@@ -9,7 +9,8 @@ sweep    SLO goodput: calibrate unloaded latencies, run one workload at each of 
 ablation one table per workload, each row one server changing one thing from the defaults
          (bench/ablation.py), each against coupled in the same run; --dry-run prints them
 run and compare write results.json (config, summaries, every request), table.md and PNG plots
-to --out; sweep writes --json (default --out/sweep.json), table.md and the server logs.
+to --out; sweep writes --json (default --out/sweep.json), table.md, goodput.png (attainment,
+TTFT and TPOT against the rate per mode) and the server logs.
 """
 
 from __future__ import annotations
@@ -143,8 +144,7 @@ def _add_workload_args(p: argparse.ArgumentParser, sweep: bool = False) -> None:
         c.add_argument("--slo-tpot-s", type=float, default=SLO.tpot_s)
     c.add_argument("--out", type=Path, help="default bench_results/<time>")
     c.add_argument("--no-progress", action="store_true")
-    if not sweep:
-        c.add_argument("--no-plots", action="store_true")
+    c.add_argument("--no-plots", action="store_true")
     c.add_argument(
         "--send-true-output-len",
         action="store_true",
@@ -385,10 +385,11 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     extra = {"argv": args.argv, "workload": {**built[0][0].to_dict(), "rate_rps": None}}
     out_json = args.json or args.out / "sweep.json"
     out_json.parent.mkdir(parents=True, exist_ok=True)
-    out_json.write_text(
-        json.dumps(sweep_json(sweeps, cal, scale, started, extra, machine), indent=1)
-    )
+    result = sweep_json(sweeps, cal, scale, started, extra, machine)
+    out_json.write_text(json.dumps(result, indent=1))
     (out_json.parent / "table.md").write_text(text)
+    if not args.no_plots:
+        report.plot_sweep(result, out_json.parent / "goodput.png")
     print(text)
     print(f"results in {out_json}", file=sys.stderr)
     return 0 if all(r.summary.num_errors == 0 for s in sweeps for r in s.results) else 1

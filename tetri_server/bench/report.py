@@ -187,3 +187,35 @@ def plot_bars(results: Sequence[BenchResult], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_sweep(sweep: dict[str, Any], path: Path) -> None:
+    """Goodput curves of a ``bench sweep`` result (its JSON as a dict): SLO attainment, mean TTFT
+    and mean TPOT against the offered rate, one line per mode; the target line and each mode's
+    goodput marked."""
+    plt = _pyplot()
+    target = sweep["scale"]["target"]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for m in sweep["modes"]:
+        rates = m["rates"]
+        line = axes[0].plot(rates, [100 * a for a in m["attainment"]], marker="o",
+                            label=f"{m['mode']} (goodput {m['goodput_rps']:g} req/s)")[0]
+        if m["goodput_rps"] > 0:
+            axes[0].axvline(m["goodput_rps"], color=line.get_color(), alpha=0.3, ls=":")
+        for ax, key, unit in ((axes[1], "ttft_s", 1.0), (axes[2], "tpot_s", 1e3)):
+            ys = [(p["summary"][key] or {}).get("mean") for p in m["points"]]
+            ax.plot(rates, [None if y is None else y * unit for y in ys], marker="o",
+                    color=line.get_color(), label=m["mode"])
+    axes[0].axhline(100 * target, color="grey", ls="--", label=f"{100 * target:g}% target")
+    for ax, label in zip(axes, ("requests within both SLOs (%)", "mean TTFT (s)",
+                                "mean TPOT (ms)"), strict=True):
+        ax.set_xlabel("offered rate (req/s)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    work = sweep.get("workload", {}).get("name", "")
+    fig.suptitle(f"SLO goodput sweep, workload {work} ({sweep.get('started_utc', '')})")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
