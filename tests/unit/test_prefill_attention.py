@@ -23,6 +23,10 @@ def built_op():
         pytest.skip("the tiled prefill kernel is built only for AVX-512 (this build: "
                     f"{torch.backends.cpu.get_cpu_capability()}; such chunks take SDPA)")
     assert ops.load_cpu_ops(), "the C++ attention op did not build (see the WARNING above)"
+    # else the op falls back to SDPA and every comparison below passes without the kernel
+    assert all(torch.ops.tetri.tiled_prefill_covers(d, 0) for d in (64, 128))
+    assert not torch.ops.tetri.tiled_prefill_covers(64, 32)  # a window: SDPA
+    assert not torch.ops.tetri.tiled_prefill_covers(80, 0)
 
 
 def batch(specs: list[tuple[int, int]], gap: int = 16) -> BatchMetadata:
@@ -92,6 +96,20 @@ def test_peaked_softmax_matches_fp64_sdpa(dim):
     meta = batch([(90, 250)])
     q, pk, pv = tensors(meta, 4, 2, dim, seed=dim, q_gain=12.0)
     assert_as_accurate_as_fp32_sdpa(q, pk, pv, meta)
+
+
+def test_strided_queries_as_the_models_pass_them():
+    """q a view into the qkv rows (stride 3 x heads x D), as the Llama layer hands it over."""
+    meta = batch([(120, 300)])
+    heads, dim = 8, 64
+    gen = torch.Generator().manual_seed(9)
+    qkv = torch.randn(meta.num_real, 3 * heads * dim, generator=gen)
+    q = qkv[:, :heads * dim].view(meta.num_real, heads, dim)
+    assert not q.is_contiguous()
+    _, pk, pv = tensors(meta, heads, heads, dim, seed=10)
+    assert_as_accurate_as_fp32_sdpa(q, pk, pv, meta)
+    assert torch.equal(ragged_attention(q, pk, pv, meta),
+                       ragged_attention(q.contiguous(), pk, pv, meta))
 
 
 @pytest.mark.parametrize("dim", [64, 128])

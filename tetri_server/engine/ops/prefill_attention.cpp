@@ -10,13 +10,14 @@
 // row sum in one pass. O = P V then runs in blocks of 64 keys (their V and P rows stay in L1)
 // with 6 rows x D/16 vectors (3 x 8 at D = 128) in registers, each row group stopping at the
 // last key its rows see. Sums run in a fixed order per row, so nothing depends on the other
-// sequences of the batch or on the thread split (kv heads are spread over threads).
+// sequences of the batch or on the thread split ((query head, tile) items spread over threads).
 //
 // Returns false (the caller takes SDPA) for anything else: another build, another head_dim,
 // a sliding window.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -276,30 +277,41 @@ void tile(const PrefillArgs& a, const Scratch& s, int64_t hq, const float* kh, c
   }
 }
 
+// Items (query head, tile of QT rows) spread over torch's threads, each thread with its own
+// scratch; an item's result does not depend on which thread runs it or with what else.
 template <int ND>
 void run(const PrefillArgs& a) {
   constexpr int64_t D = 16 * ND;
   const int64_t groups = a.heads / a.kv_heads;
   const int64_t p_rows = (a.ctx_len + KG - 1) / KG * KG;
-  at::parallel_for(0, a.kv_heads, 1, [&](int64_t h0, int64_t h1) {
+  const int64_t tiles = (a.q_len + QT - 1) / QT;
+  at::parallel_for(0, a.heads * tiles, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> storage((2 * D + p_rows) * QT + 16);
     float* base = reinterpret_cast<float*>(
         (reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t{63});
     const Scratch s{base, base + D * QT, base + (D + p_rows) * QT};
-    for (int64_t h = h0; h < h1; ++h) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t hq = item / tiles, i0 = item % tiles * QT;
+      const int64_t h = hq / groups;  // the kv head of query head hq
       const float* kh = a.pk + h * a.kv_s0 + a.kv_start * a.kv_s1;
       const float* vh = a.pv + h * a.kv_s0 + a.kv_start * a.kv_s1;
-      for (int64_t g = 0; g < groups; ++g) {
-        for (int64_t i0 = 0; i0 < a.q_len; i0 += QT) {
-          tile<ND>(a, s, h * groups + g, kh, vh, i0, std::min<int64_t>(QT, a.q_len - i0));
-        }
-      }
+      tile<ND>(a, s, hq, kh, vh, i0, std::min<int64_t>(QT, a.q_len - i0));
     }
   });
 }
 
 }  // namespace
 #endif
+
+bool covers(int64_t d, int64_t window) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return window <= 0 && (d == 64 || d == 128);
+#else
+  (void)d;
+  (void)window;
+  return false;
+#endif
+}
 
 // Declared in ragged_attention.cpp with the same scalar arguments (no shared header: the build
 // hashes only the sources it compiles).
@@ -311,8 +323,8 @@ bool tiled_prefill_attention(const float* q, int64_t q_s0, int64_t q_s1, const f
   const PrefillArgs a{q,       q_s0,  q_s1,    pk,       pv,      kv_s0, kv_s1,
                       out,     o_s0,  o_s1,    q_start,  q_len,   ctx_len, kv_start,
                       heads,   kv_heads, d,    scale};
+  if (!covers(a.d, window)) return false;
 #if defined(CPU_CAPABILITY_AVX512)
-  if (window > 0) return false;
   if (a.d == 64) {
     run<4>(a);
     return true;
@@ -323,9 +335,20 @@ bool tiled_prefill_attention(const float* q, int64_t q_s0, int64_t q_s1, const f
   }
 #else
   (void)a;
-  (void)window;
 #endif
   return false;
 }
 
 }  // namespace tetri_ops
+
+// tetri::tiled_prefill_covers(head_dim, window): whether prompt chunks of that shape take this
+// kernel in this build (else SDPA); tests check the kernel they mean to test really runs.
+TORCH_LIBRARY_FRAGMENT(tetri, m) {
+  m.def("tiled_prefill_covers(int head_dim, int window) -> bool");
+}
+
+namespace {
+bool covers_op(int64_t d, int64_t window) { return tetri_ops::covers(d, window); }
+}  // namespace
+
+TORCH_LIBRARY_IMPL(tetri, CatchAll, m) { m.impl("tiled_prefill_covers", &covers_op); }
