@@ -6,8 +6,8 @@ kernel with the same arguments on CUDA (``triton_attention.py``), or None; a Non
 as a WARNING, naming the slower path the caller takes instead. The same library holds
 ``tetri::write_kv`` (the new tokens' K/V into the pool), the fused per-layer ops of
 ``layer_ops.cpp`` (RMSNorm, add + RMSNorm, RoPE, SiLU-and-mul; their references and the
-dispatch are in ``layer.py``) and the packed fp32 linear of ``linear_ops.cpp`` (``linear.py``), with its GLU
-variant (the gate|up linear with SiLU-and-mul applied in the tile).
+dispatch are in ``layer.py``) and the packed fp32 linear of ``linear_ops.cpp`` (``linear.py``),
+with its GLU variant (the gate|up linear with SiLU-and-mul applied in the tile).
 
 The C++ sources are compiled with ninja and the host compiler through
 ``torch.utils.cpp_extension.load``, once per CPU capability that ATen reports
