@@ -47,6 +47,10 @@ def _is_tetri_pack(packed: torch.Tensor) -> bool:
     return packed.dim() == 3  # [panels, in, panel width]; oneDNN's copies are 2-D
 
 
+def _cpu_fp32_matrix(w: torch.Tensor) -> bool:
+    return w.device.type == "cpu" and w.dtype == torch.float32 and w.dim() == 2
+
+
 def _is_glu_pack(packed: torch.Tensor | None) -> bool:
     return packed is not None and packed.dim() == 4  # [panels, in, vectors, lanes]
 
@@ -54,7 +58,7 @@ def _is_glu_pack(packed: torch.Tensor | None) -> bool:
 def pack_weight(w: torch.Tensor) -> torch.Tensor | None:
     """The packed copy of ``w`` ([out, in]) for ``linear``, or None where none applies (not
     CPU fp32, or neither the C++ kernel nor mkldnn here)."""
-    if w.device.type != "cpu" or w.dtype != torch.float32 or w.dim() != 2:
+    if not _cpu_fp32_matrix(w):
         return None
     if tetri_linear_supported():
         with torch.no_grad():
@@ -80,8 +84,7 @@ def pack_glu_weight(w: torch.Tensor) -> torch.Tensor | None:
     """The packed copy of a gate|up weight ``w`` ([2I, in]) for ``glu``: the fused GLU pack
     where the C++ kernel runs here and I is a whole number of its vectors, else
     ``pack_weight(w)``."""
-    if (w.device.type == "cpu" and w.dtype == torch.float32 and w.dim() == 2
-            and tetri_linear_supported()
+    if (_cpu_fp32_matrix(w) and tetri_linear_supported()
             and w.shape[0] % (2 * torch.ops.tetri.packed_linear_lanes()) == 0):
         with torch.no_grad():
             return torch.ops.tetri.pack_glu_weight(w.detach())
@@ -100,7 +103,7 @@ def onednn_pack_weight(w: torch.Tensor) -> torch.Tensor | None:
     """oneDNN's reordered copy of ``w`` (the fallback where the C++ kernel is missing, and the
     engine before ``tetri::packed_linear`` that benchmarks compare it with), or None without
     mkldnn."""
-    if w.device.type != "cpu" or w.dtype != torch.float32 or w.dim() != 2:
+    if not _cpu_fp32_matrix(w):
         return None
     if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn,
                                                                "_reorder_linear_weight"):

@@ -124,8 +124,8 @@ int64_t lanes_cpu() { return V; }
 #ifdef TETRI_LINEAR_SIMD
 // R rows x NV vectors of outputs at y (row stride ldy), over K; `ncols` valid columns (less
 // than NV * V only in the last panel); with Glu, vectors 2j and 2j + 1 are a gate and an up
-// vector and the tile stores NV / 2 vectors of silu(gate) * up; `pf_lines` cache lines from `pf` prefetched evenly over
-// the K steps (this tile's share of the next panel).
+// vector and the tile stores NV / 2 vectors of silu(gate) * up; `pf_lines` cache lines from
+// `pf` prefetched evenly over the K steps (this tile's share of the next panel).
 template <int R, int NV, bool Glu>
 void tile(const float* __restrict x, int64_t ldx, const float* __restrict panel, int64_t k,
           const float* __restrict bias, float* __restrict y, int64_t ldy, int64_t ncols,
