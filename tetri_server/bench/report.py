@@ -140,6 +140,13 @@ def _pyplot() -> Any:
     return plt
 
 
+def _save(plt: Any, fig: Any, path: Path) -> None:
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def plot_cdfs(results: Sequence[BenchResult], path: Path) -> None:
     """CDFs of TTFT and JCT, one line per mode (pass the results of one workload)."""
     plt = _pyplot()
@@ -155,10 +162,7 @@ def plot_cdfs(results: Sequence[BenchResult], path: Path) -> None:
         ax.legend()
     names = sorted({r.spec.name for r in results})
     fig.suptitle(f"workload {', '.join(names)}")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def plot_bars(results: Sequence[BenchResult], path: Path) -> None:
@@ -183,10 +187,7 @@ def plot_bars(results: Sequence[BenchResult], path: Path) -> None:
         ax.set_title(label)
         ax.grid(axis="y", alpha=0.3)
     axes[0].legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def plot_sweep(sweep: dict[str, Any], path: Path) -> None:
@@ -215,7 +216,4 @@ def plot_sweep(sweep: dict[str, Any], path: Path) -> None:
         ax.legend(fontsize=8)
     work = sweep.get("workload", {}).get("name", "")
     fig.suptitle(f"SLO goodput sweep, workload {work} ({sweep.get('started_utc', '')})")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path)
