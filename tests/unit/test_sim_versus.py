@@ -145,8 +145,9 @@ def test_the_golden_disaggregated_log_compares_identical_with_the_simulated_one(
 def test_a_sparse_trace_decides_the_same_under_other_timing(gap_s: float,
                                                              chunks_identical: bool) -> None:
     """Why ``sim compare --arrival constant`` at a low rate can demand identical decisions: two
-    profiles whose step times differ (the busy and the quiet fit of this CPU) decide alike when
-    no two requests meet, and chunk differently when they do."""
+    profiles whose step times differ (this CPU's fit, and the same fit on a device 1.6x slower)
+    decide alike when no two requests meet, and chunk differently when they do."""
+    import dataclasses
     import random
 
     from tetri_server.sim.cost import CostModel
@@ -157,12 +158,16 @@ def test_a_sparse_trace_decides_the_same_under_other_timing(gap_s: float,
 
     cfg = sim_config(build_parser().parse_args(["--model", "m", "--json", "o.json"]))
     logs, ends = [], []
-    for hw in ("this-cpu", "this-cpu-quiet"):
+    fitted = load_hardware("this-cpu")
+    slower = dataclasses.replace(fitted, name="this-cpu-slower", peak_flops=fitted.peak_flops / 1.6,
+                                 mem_bw_Bps=fitted.mem_bw_Bps / 1.6,
+                                 step_overhead_s=fitted.step_overhead_s * 1.6)
+    for hw in (fitted, slower):
         rng = random.Random(3)
         reqs = [SimRequest(i, rng.choice((20, 200, 600, 900)), rng.choice((5, 60, 300)),
                            i * gap_s) for i in range(24)]
         predict(reqs, cfg)
-        result, log = run_sim(cfg, CostModel(load_hardware(hw), load_model("bench")), reqs)
+        result, log = run_sim(cfg, CostModel(hw, load_model("bench")), reqs)
         logs.append(log)
         ends.append(result.duration_s)
     assert ends[0] != ends[1]  # the timing differs
