@@ -72,7 +72,7 @@ constexpr int64_t V = 8;  // layout only: no kernel in this build
 
 constexpr int64_t PW = 4 * V;          // output features per panel
 constexpr int64_t kLineFloats = 16;    // floats per 64-byte cache line
-constexpr int64_t kAhead = 2;          // panels between the one prefetched and the one run
+constexpr int64_t kAhead = 1;          // panels between the one run and the one prefetched
 constexpr int64_t kTallMaxRows = 48;   // up to here the tall tile (measured: faster for decode)
 constexpr int64_t kBlockRows = 256;  // at most, per pass over the panels (measured best)
 
@@ -139,7 +139,7 @@ void tile(const float* __restrict x, int64_t ldx, const float* __restrict panel,
   int64_t credit = 0;  // pf_lines / k lines per step, without a division per step
   for (int64_t i = 0; i < k; ++i) {
     for (credit += pf_lines; credit >= k; credit -= k, pf += kLineFloats) {
-      __builtin_prefetch(pf, 0, 2);  // into L2: used two panels later
+      __builtin_prefetch(pf, 0, 2);  // into L2: used by the next panel
     }
     VReg w[NV];
 #pragma GCC unroll 4
@@ -213,7 +213,9 @@ void run_panels(const float* x, int64_t k, const float* packed, const float* bia
   for (int64_t p = p0; p < p1; ++p, t = 0) {
     const float* panel = packed + p * k * PW;
     // prefetched during panel p: panel p + kAhead; during the first, panels p + 1 .. p + kAhead
-    // (contiguous), so none comes cold; the last panels prefetch nothing
+    // (contiguous), so none comes cold; the last panels prefetch nothing. One panel ahead
+    // measured faster than two and four here (weights streamed from memory, 1-256 rows:
+    // docs/benchmarks.md, session 20).
     const int64_t ahead_first = p == p0 ? p + 1 : p + kAhead;
     const int64_t ahead_last = std::min(p + kAhead, panels - 1);
     const float* next = packed + std::min(ahead_first, panels - 1) * k * PW;
