@@ -1,0 +1,190 @@
+"""A/B a changed copy of the engine's C++ ops against the built ones, in one process.
+
+    .venv/bin/python tools/ab_kernels.py --source OTHER.cpp [--source ...] [--decode 32x128,...]
+        [--rounds 8] [--linear-rows 1,16,32,256] [--cpu 0]
+
+Each ``--source`` is a copy of one file of ``tetri_server/engine/ops/`` (matched by its name:
+``linear_ops.cpp``, ``ragged_attention.cpp``, ``prefill_attention.cpp``; ragged_attention needs
+prefill_attention beside it, taken from the repo when not given). The copies are built into a
+second library whose ops live under ``torch.ops.tetrix`` (same flags as the engine's build for
+this CPU), so both versions run in the same process, one thread, pinned, CPU time:
+
+- ``--decode BxC``: engine decode steps at batch B over C-token contexts (the
+  ``bench_engine`` driver), alternating the engine's ops (A) and the copy's (B) round by round;
+  the medians and B/A;
+- ``--linear-rows``: with a linear_ops copy, each linear of one bench-model layer (qkv, o,
+  gate|up GLU, down) at those row counts, hot (the same weight again) and cold (one of 8
+  copies, after reading a 256 MB buffer), A/B interleaved; outputs checked equal.
+
+To compare a past version: ``git show REV:tetri_server/engine/ops/linear_ops.cpp > /tmp/old.cpp``
+then ``--source /tmp/old.cpp`` (B is then the old one). For kernel work, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import re
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tetri_server.bench.cpu import Timer  # noqa: E402
+from tetri_server.bench.engine_driver import EngineDriver, pin  # noqa: E402
+from tetri_server.engine import attention as attn  # noqa: E402
+from tetri_server.engine.ops import SOURCES, build_spec, load_cpu_ops  # noqa: E402
+from tetri_server.engine.ops import linear as lin  # noqa: E402
+
+LAYER = {"qkv": (1536, 512), "o": (512, 512), "gate|up": (2816, 512), "down": (512, 1408)}
+
+
+def build_variant(sources: list[Path]) -> set[str]:
+    """Build the copies as the ``tetrix`` library; returns the file names it replaces."""
+    given = {p.name: p for p in sources}
+    known = {p.name for p in SOURCES}
+    if unknown := set(given) - known:
+        raise SystemExit(f"--source must be named like one of {sorted(known)}: {sorted(unknown)}")
+    if "ragged_attention.cpp" in given and "prefill_attention.cpp" not in given:
+        given["prefill_attention.cpp"] = next(p for p in SOURCES
+                                              if p.name == "prefill_attention.cpp")
+    _, flags, _ = build_spec()
+    out = Path(tempfile.mkdtemp(prefix="tetrix-"))
+    files = []
+    for name, path in given.items():
+        code = re.sub(r"TORCH_LIBRARY(_FRAGMENT|_IMPL)?\(tetri,", r"TORCH_LIBRARY\1(tetrix,",
+                      path.read_text())
+        (out / name).write_text(code.replace("tetri_ops", "tetrix_ops"))
+        files.append(str(out / name))
+    from torch.utils.cpp_extension import load
+
+    load(name="tetrix_ops", sources=files, extra_cflags=flags, extra_ldflags=["-fopenmp"],
+         build_directory=str(out), is_python_module=False)
+    return set(given)
+
+
+def variant_kernels(kern: object, replaced: set[str]) -> object:
+    x = torch.ops.tetrix
+    changes: dict[str, Callable[..., torch.Tensor]] = {}
+    if "linear_ops.cpp" in replaced:
+        def linear(a: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
+                   packed: torch.Tensor | None = None) -> torch.Tensor:
+            if packed is not None and packed.dim() == 3 and a.dim() == 2:
+                return x.packed_linear(a, packed, b, w.shape[0])
+            return lin.linear(a, w, b, packed)
+
+        def glu(a: torch.Tensor, w: torch.Tensor,
+                packed: torch.Tensor | None = None) -> torch.Tensor:
+            if packed is not None and packed.dim() == 4 and a.dim() == 2:
+                return x.packed_glu(a, packed, w.shape[0] // 2)
+            return lin.glu(a, w, packed)
+
+        changes.update(linear=linear, glu=glu)
+    if "ragged_attention.cpp" in replaced:
+        def attention(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor,
+                      meta: attn.BatchMetadata, scale: float | None = None,
+                      window: int = 0) -> torch.Tensor:
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            x.ragged_attention(q, pool_k, pool_v, out, *meta.seq_tensors,
+                               scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]),
+                               window)
+            return out
+
+        changes.update(attention=attention)
+    return dataclasses.replace(kern, **changes)  # type: ignore[type-var]
+
+
+def ab_decode(configs: list[tuple[int, int]], rounds: int, replaced: set[str]) -> None:
+    batch, ctx = max(b for b, _ in configs), max(c for _, c in configs)
+    drv = EngineDriver(Timer(kind="cpu"), ROOT / "models" / "llama-bench", batch, ctx, 40)
+    model = drv.eng.model
+    a = model.kernels
+    b = variant_kernels(a, replaced)
+    print("| decode step | A ms (built) | B ms (copy) | B/A |\n|---|---:|---:|---:|")
+    for batch, ctx in configs:
+        times: dict[str, list[float]] = {"A": [], "B": []}
+        for r in range(rounds):
+            for key, kern in (("A", a), ("B", b)) if r % 2 == 0 else (("B", b), ("A", a)):
+                model.kernels = kern
+                times[key] += drv.decode_step_times(batch, ctx, 12, 2, "ab")
+        model.kernels = a
+        ma, mb = (1e3 * statistics.median(times[k]) for k in "AB")
+        print(f"| B={batch} ctx={ctx} | {ma:.2f} | {mb:.2f} | **{mb / ma:.3f}** |")
+
+
+def layer_call(lib: object, glu: bool, a: torch.Tensor, packs: list[torch.Tensor],
+               n: int) -> Callable[[int], torch.Tensor]:
+    """Weight copy i through ``lib``'s packed_glu / packed_linear (n output features)."""
+    if glu:
+        return lambda i: lib.packed_glu(a, packs[i], n // 2)  # type: ignore[attr-defined]
+    return lambda i: lib.packed_linear(a, packs[i], None, n)  # type: ignore[attr-defined]
+
+
+def ab_linears(rows: list[int]) -> None:
+    t, x = torch.ops.tetri, torch.ops.tetrix
+    gen = torch.Generator().manual_seed(0)
+    big = torch.empty(64 * 1024 * 1024)  # 256 MB read between cold calls
+
+    print("| rows | linear | MB | hot A / B ms | B/A | cold A / B ms | B/A |\n"
+          "|---:|---|---:|---|---:|---|---:|")
+    for m in rows:
+        for name, (n, k) in LAYER.items():
+            ws = [torch.randn(n, k, generator=gen) for _ in range(8)]
+            a = torch.randn(m, k, generator=gen)
+            glu = name == "gate|up"
+            ps = [t.pack_glu_weight(w) if glu else t.pack_linear_weight(w) for w in ws]
+            fns = {"A": layer_call(t, glu, a, ps, n), "B": layer_call(x, glu, a, ps, n)}
+            if not torch.equal(fns["A"](0), fns["B"](0)):
+                print(f"  note: {name} at {m} rows: the copy's output differs from the built op's")
+            times: dict[tuple[str, str], list[float]] = {}
+            for rep in range(30):
+                for key in ("A", "B") if rep % 2 else ("B", "A"):
+                    fns[key](0)
+                    t0 = time.process_time()
+                    fns[key](0)
+                    times.setdefault((key, "hot"), []).append(time.process_time() - t0)
+                    big.sum()
+                    t0 = time.process_time()
+                    fns[key](1 + rep % 7)
+                    times.setdefault((key, "cold"), []).append(time.process_time() - t0)
+            med = {kk: 1e3 * statistics.median(v) for kk, v in times.items()}
+            cells = [f"{med[('A', h)]:.3f} / {med[('B', h)]:.3f} | "
+                     f"{med[('B', h)] / med[('A', h)]:.3f}" for h in ("hot", "cold")]
+            print(f"| {m} | {name} | {n * k * 4 / 1e6:.1f} | {cells[0]} | {cells[1]} |")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--source", type=Path, action="append", required=True)
+    ap.add_argument("--decode", default="32x128,32x1024", help="BxC list; empty: none")
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--linear-rows", default="1,16,32,256", help="empty: none")
+    ap.add_argument("--cpu", type=int, default=0)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    pin(args.cpu)
+    if not load_cpu_ops():
+        raise SystemExit("the engine's C++ ops do not build here (see the WARNING above)")
+    replaced = build_variant(args.source)
+    print(f"ISA {torch.backends.cpu.get_cpu_capability()}, torch {torch.__version__}, cpu "
+          f"{args.cpu}, 1 thread, CPU time; A = the built ops, B = {sorted(replaced)} from "
+          f"{', '.join(map(str, args.source))}\n")
+    if args.decode:
+        configs = [tuple(int(v) for v in c.split("x")) for c in args.decode.split(",")]
+        ab_decode(configs, args.rounds, replaced)  # type: ignore[arg-type]
+        print()
+    if args.linear_rows and "linear_ops.cpp" in replaced:
+        ab_linears([int(v) for v in args.linear_rows.split(",")])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
