@@ -38,6 +38,27 @@ def load_tokenizer(model_dir: str | Path) -> PromptTokenizer:
     return cast(PromptTokenizer, tok)
 
 
+class JsonTokenizer:
+    """A model folder's ``tokenizer.json`` through the ``tokenizers`` library alone: the
+    simulator's Arena workload (the simulator imports no torch; transformers would).
+    Same ids as ``load_tokenizer`` where the folder's fast tokenizer is that file unchanged
+    (tests/unit/test_sim_workload.py checks the bench model)."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        from tokenizers import Tokenizer
+
+        path = Path(model_dir) / "tokenizer.json"
+        if not path.is_file():
+            raise ValueError(f"{model_dir} has no tokenizer.json")
+        self._tok = Tokenizer.from_file(str(path))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(self._tok.decode(list(ids)))
+
+
 def model_vocab(model_dir: str | Path) -> tuple[int, frozenset[int]]:
     """(vocab_size, special token ids) from a Hugging Face ``config.json``."""
     cfg = json.loads((Path(model_dir) / "config.json").read_text())

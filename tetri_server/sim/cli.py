@@ -2,6 +2,8 @@
 
     tetri-server sim --hardware V100-32GB --model OPT-13B --workload Mixed --rate 1 \
         --num-requests 128 --compare coupled,coupled-chunked --json out.json
+    tetri-server sim --hardware this-cpu --model bench --workload Arena \
+        --tokenizer models/llama-bench --rate 0.4 --json out.json
     tetri-server sim --paper --json paper.json
     tetri-server sim fit --model PATH --out PROFILE.json     (sim/fitting.py)
     tetri-server sim compare --model PATH ...                 (sim/versus.py: sim vs real)
@@ -83,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-instances", type=int)
     p.add_argument("--decode-instances", type=int)
     p.add_argument("--instances", type=int, help="instances of a coupled mode")
-    p.add_argument("--workload", choices=[w for w in WORKLOADS if w not in ("Arena",)])
+    p.add_argument("--workload", choices=WORKLOADS)
+    p.add_argument("--tokenizer", help="Arena: the model folder whose tokenizer counts tokens")
     p.add_argument("--rate", type=float, help="requests/s (Poisson unless --arrival)")
     p.add_argument("--arrival", default="poisson", help="poisson | constant | a trace name")
     p.add_argument("--num-requests", type=int, default=100)
@@ -158,7 +161,10 @@ def load_requests(args: argparse.Namespace, cfg: SimConfig) -> tuple[list[Any], 
     spec = WorkloadSpec(name=args.workload, num_requests=args.num_requests,
                         seed=cfg.seed, max_model_len=cfg.max_model_len, arrival=args.arrival,
                         rate_rps=args.rate, fixed_lens=fixed)  # type: ignore[arg-type]
-    return from_workload(spec, args.data_dir), {"workload": spec.to_dict()}
+    source: dict[str, Any] = {"workload": spec.to_dict()}
+    if args.tokenizer:
+        source["tokenizer"] = args.tokenizer
+    return from_workload(spec, args.data_dir, args.tokenizer), source
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,5 +1,6 @@
 """Requests for the simulator: the benchmark's workloads (``bench/workload.py``: the paper's
-five from the real ShareGPT lengths, traces) or a JSONL trace of
+five from the real ShareGPT lengths, traces, Arena prompts with real response lengths counted
+by a model's tokenizer) or a JSONL trace of
 ``{"arrival_s": float, "prompt_tokens": int, "output_tokens": int}`` lines. Predicted buckets
 are drawn here, once per request in id order, so every mode sees the same predictions."""
 
@@ -9,17 +10,25 @@ import json
 from pathlib import Path
 
 from tetri_server.bench import data
+from tetri_server.bench.prompts import JsonTokenizer
 from tetri_server.bench.workload import WorkloadSpec, build_workload, length_class
 from tetri_server.sim.instances import SimRequest
 from tetri_server.sim.predictor import EmulatedPredictor
 
 
-def from_workload(spec: WorkloadSpec, data_folder: str | None = None) -> list[SimRequest]:
-    """The same lengths and arrivals ``tetri-server bench`` sends for ``spec``."""
+def from_workload(spec: WorkloadSpec, data_folder: str | None = None,
+                  tokenizer_dir: str | None = None) -> list[SimRequest]:
+    """The same lengths and arrivals ``tetri-server bench`` sends for ``spec``; Arena counts
+    tokens with the tokenizer in ``tokenizer_dir`` (a model folder)."""
+    tokenizer = None
     if spec.name == "Arena":
-        raise ValueError("the Arena workload needs a tokenizer; simulate it from a trace file")
+        if tokenizer_dir is None:
+            raise ValueError("the Arena workload counts tokens with a model's tokenizer: give "
+                             "--tokenizer MODEL_DIR (e.g. models/llama-bench)")
+        tokenizer = JsonTokenizer(tokenizer_dir)
     folder = data.data_dir(data_folder)
-    reqs = build_workload(spec, folder, vocab=(2, frozenset()))  # prompt ids are not used
+    reqs = build_workload(spec, folder, vocab=(2, frozenset()),  # prompt ids are not used
+                          tokenizer=tokenizer)
     return [SimRequest(r.request_id, r.prompt_len, r.output_len, r.arrival_s, r.kind)
             for r in reqs]
 
