@@ -215,15 +215,16 @@ def wait_quiet(below: float, max_wait_s: float) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from tetri_server.bench.prompts import model_vocab
+    from tetri_server.bench.prompts import load_tokenizer, model_vocab
     from tetri_server.modelinfo import resolve_model_path
 
     args.model = str(resolve_model_path(args.model))
     wspec = WorkloadSpec(name=args.workload, num_requests=args.num_requests, seed=args.seed,
                          max_model_len=args.max_model_len, rate_rps=args.rate,
                          arrival=args.arrival)
+    tokenizer = load_tokenizer(args.model) if args.workload == "Arena" else None
     requests = build_workload(wspec, data.data_dir(args.data_dir),
-                              vocab=model_vocab(args.model))
+                              vocab=model_vocab(args.model), tokenizer=tokenizer)
     cfg = sim_config(args)
     hw = load_hardware(args.hardware)
     cost = CostModel(hw, load_model(args.sim_model))
