@@ -15,10 +15,10 @@ from tetri_server.messages import SamplingParams
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
 
-async def test_kept_and_handed_off_requests_both_equal_transformers(tiny_llama, tmp_path):
-    """A long first request decodes on one side (kept if the prefill worker has no view of the
-    decode worker yet, else handed off); once the view shows it, the next one goes to the other
-    side; then a crowd. All equal transformers, and no request takes both paths."""
+async def run_long_then_crowd(tiny_llama, tmp_path, *sets: str) -> tuple[set, set, int, list]:
+    """A long first request (300 tokens) decoding on one side, then a second one and a crowd of
+    short ones (24 tokens) once the prefill worker's view shows the first; every output is
+    checked against transformers. Returns (kept ids, dispatched ids, first id, records)."""
     long_one = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
     first, second = random_prompts(2, 8000, (10, 30), seed=22)
     crowd = random_prompts(16, 8000, (1, 200), seed=23)
@@ -26,7 +26,7 @@ async def test_kept_and_handed_off_requests_both_equal_transformers(tiny_llama, 
     ref = hf_greedy(tiny_llama, [second, *crowd], GREEDY.max_tokens)
     log = tmp_path / "decisions"
     cluster = make_cluster(tiny_llama, "disaggregated", "prefill.local_decode_batch=3",
-                           "monitor.interval_ms=20", f"monitor.decision_log={log}")
+                           "monitor.interval_ms=20", f"monitor.decision_log={log}", *sets)
     await cluster.start()
     try:
         run_first = asyncio.ensure_future(collect(cluster, first, long_one))
@@ -46,11 +46,28 @@ async def test_kept_and_handed_off_requests_both_equal_transformers(tiny_llama, 
     records = [json.loads(line) for line in (tmp_path / "decisions.w0.jsonl").open()]
     kept = {r["req"] for r in records if r["kind"] == "keep"}
     sent = {r["req"] for r in records if r["kind"] == "dispatch"}
-    first_id = min(kept | sent)
+    assert not kept & sent
+    return kept, sent, min(kept | sent), records
+
+
+async def test_kept_and_handed_off_requests_both_equal_transformers(tiny_llama, tmp_path):
+    """With any request worth keeping (min_tokens 0): the first decodes on one side, the next
+    one goes to the other side; then the crowd. All equal transformers, and no request takes
+    both paths."""
+    kept, sent, first_id, records = await run_long_then_crowd(
+        tiny_llama, tmp_path, "prefill.local_decode_min_tokens=0")
     assert (first_id in sent) == (first_id + 1 in kept)  # the second went the other way
-    assert kept and sent and not kept & sent
+    assert kept and sent
     assert any(r["kind"] == "mixed_step" and r["run"] for r in records)
     assert max(len(r["run"]) for r in records if r["kind"] == "mixed_step") <= 3
+
+
+async def test_short_requests_are_handed_off_by_default(tiny_llama, tmp_path):
+    """The same flow with the default local_decode_min_tokens (128): the 24-token requests,
+    which the test above keeps, all go to the decode worker; only the long one may stay."""
+    kept, sent, first_id, _ = await run_long_then_crowd(tiny_llama, tmp_path)
+    assert kept <= {first_id}
+    assert len(sent) >= 17
 
 
 async def test_light_prompts_prefilled_on_the_decode_worker_equal_transformers(tiny_llama,

@@ -34,6 +34,14 @@ def test_never_keeps_when_prompts_wait_or_the_local_batch_is_full():
     assert not local.keep(2, 0, 256, view(30))
 
 
+def test_keeps_only_requests_that_can_decode_more_than_min_tokens():
+    local = LocalDecode(max_batch=8, min_tokens=128)
+    assert not local.worth_keeping(128, None)  # max_tokens caps it at 128
+    assert not local.worth_keeping(1000, 100)  # its predicted bucket ends at 100
+    assert local.worth_keeping(129, None) and local.worth_keeping(1000, 200)
+    assert LocalDecode(max_batch=8).worth_keeping(1, 1)  # min_tokens 0: any request
+
+
 def test_keeps_when_no_decode_worker_is_known():
     assert LocalDecode(max_batch=1).keep(0, 0, 64, None)
     assert LocalDecode(max_batch=1).keep(0, 0, 64, DecodeView(1, []))

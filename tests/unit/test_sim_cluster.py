@@ -220,6 +220,25 @@ def test_elastic_prefill_decodes_part_of_a_decode_heavy_load_itself() -> None:
     assert elastic_jct < strict["jct_mean_s"]
 
 
+def test_elastic_prefill_hands_off_requests_too_short_to_gain() -> None:
+    """LPLD (outputs <= 128 tokens): with the default min_tokens the prefill instance keeps
+    none of them (the strict split's decisions); with min_tokens 0 it keeps some."""
+    cost = CostModel(load_hardware("this-cpu"), load_model("bench"))
+    cfg = SimConfig(decode_policy="greedy", max_model_len=1024, chunk_size=512,
+                    local_decode_batch=4)
+    reqs = from_workload(WorkloadSpec("LPLD", 60, 1, 1024, rate_rps=2.0))
+    kept = {}
+    for min_tokens in (128, 0):
+        sim = Simulation(dataclasses.replace(cfg, local_decode_min_tokens=min_tokens), cost,
+                         [dataclasses.replace(r) for r in reqs])
+        sim.run()
+        assert all(r.error is None and r.end_s is not None for r in sim.requests)
+        prefill = sim.instances[0]
+        assert isinstance(prefill, PrefillInstance)
+        kept[min_tokens] = prefill.num_kept
+    assert kept[128] == 0 < kept[0]
+
+
 def test_elastic_decode_prefills_light_prompts_behind_a_backlog() -> None:
     """Long prompts back the prefill instance up; light ones arriving behind them are prefilled
     by the decode instance (at most 64 tokens a step) and start sooner than without."""

@@ -282,9 +282,13 @@ class PrefillConfig(_Section):
     requests it prefilled itself, their rows riding in its chunks, while its prompt backlog fits
     in one chunk and every decode worker holds more requests (``policy/elastic.py``). 0: the
     strict split of the paper."""
+    local_decode_min_tokens: int = 128
+    """Elastic P/D: a prefill worker keeps only requests that can decode more than this many
+    tokens (their max_tokens and predicted bucket's upper end); 0 = any request."""
 
     def _validate(self) -> None:
         self._at_least("chunk_size", 0)
+        self._at_least("local_decode_min_tokens", 0)
         self._at_least("sched_batch", 1)
         self._at_least("token_budget", 1)
         self._at_least("local_decode_batch", 0)

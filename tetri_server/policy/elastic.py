@@ -11,7 +11,11 @@ has room, (2) its prompt backlog fits in one chunk (prefill is not the bottlenec
 room for decode rows), and (3) every decode worker in the last view holds more requests than it
 decodes locally (decode is the busier side). Kept requests decode in the prefill worker's own
 steps, their rows riding in its chunks (Sarathi-style, within the chunk size), so a prompt never
-waits for them, and they finish where they are (no second hand-off).
+waits for them, and they finish where they are (no second hand-off). Only requests that can
+decode more than ``min_tokens`` are kept (``worth_keeping``: the request's ``max_tokens`` and
+its predicted bucket's upper end both above it): a short request takes little off the decode
+worker and pays the prefill worker's chunk steps for each of its tokens (measured: on LPLD,
+keeping every request raised mean TPOT 8% and JCT 9% over the strict split).
 """
 
 from __future__ import annotations
@@ -25,6 +29,13 @@ from tetri_server.policy.views import DecodeSnapshot, WorkerLoad
 @dataclass(frozen=True)
 class LocalDecode:
     max_batch: int  # most requests a prefill worker decodes itself
+    min_tokens: int = 0  # a kept request can decode more than this many tokens
+
+    def worth_keeping(self, max_tokens: int, bucket_upper: int | None) -> bool:
+        """Whether a request with this output cap and predicted bucket end (None: open, or no
+        prediction) may decode here at all; ``keep`` then says whether there is room now."""
+        most = max_tokens if bucket_upper is None else min(max_tokens, bucket_upper)
+        return most > self.min_tokens
 
     def keep(self, num_local: int, num_queued_prompt_tokens: int, chunk_size: int,
              view: DecodeSnapshot | None) -> bool:

@@ -34,6 +34,7 @@ CONFIG_KEYS = {
     ("prefill", "chunk_size"): "chunk_size", ("prefill", "policy"): "prefill_policy",
     ("prefill", "sched_batch"): "sched_batch", ("prefill", "token_budget"): "token_budget",
     ("prefill", "local_decode_batch"): "local_decode_batch",
+    ("prefill", "local_decode_min_tokens"): "local_decode_min_tokens",
     ("decode", "local_prefill_tokens"): "local_prefill_tokens",
     ("decode", "policy"): "decode_policy", ("decode", "max_batch"): "max_batch",
     ("decode", "estimate"): "decode_estimate",
@@ -51,6 +52,7 @@ FLAGS = {
     "chunk_size": "chunk_size", "prefill_policy": "prefill_policy",
     "sched_batch": "sched_batch", "token_budget": "token_budget",
     "local_decode_batch": "local_decode_batch", "local_prefill_tokens": "local_prefill_tokens",
+    "local_decode_min_tokens": "local_decode_min_tokens",
     "decode_policy": "decode_policy", "decode_estimate": "decode_estimate",
     "max_batch": "max_batch", "granularity": "granularity",
     "predictor_accuracy": "predictor_accuracy", "predictor_model": "predictor_model",
@@ -105,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--token-budget", type=int)
     p.add_argument("--local-decode-batch", type=int,
                    help="elastic: requests a prefill instance decodes itself (0 = off)")
+    p.add_argument("--local-decode-min-tokens", type=int,
+                   help="elastic: keep only requests that can decode more than this (default 128)")
     p.add_argument("--local-prefill-tokens", type=int,
                    help="elastic: light prompts (<= N tokens) a decode instance prefills")
     p.add_argument("--decode-policy", choices=("greedy", "reserve-static", "reserve-dynamic"))

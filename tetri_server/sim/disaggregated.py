@@ -57,7 +57,10 @@ class PrefillInstance(_Decoding):
             PrefillQueue(cfg.prefill_policy, cfg.sched_batch), dispatcher)
         self.num_rejected = 0  # hand-offs refused by a decode instance
         self._chunk: ChunkPlan | None = None
-        self.local = LocalDecode(cfg.local_decode_batch) if cfg.local_decode_batch else None
+        self.local = (LocalDecode(cfg.local_decode_batch, cfg.local_decode_min_tokens)
+                      if cfg.local_decode_batch else None)
+        # the emulated predictor's buckets (sim/run.py): the last one is open
+        self._last_bucket = max(1, -(-cfg.max_model_len // cfg.granularity)) - 1
         self.admission = DecodeAdmission("greedy", block_size=self.block_size,
                                          num_total_blocks=num_blocks,
                                          max_batch=max(1, cfg.local_decode_batch),
@@ -188,7 +191,12 @@ class PrefillInstance(_Decoding):
 
     def _keep_held(self, local: LocalDecode) -> None:
         book = self.book
+        gran = self.sim.cfg.granularity
         for req_id in book.ids(Stage.HELD):
+            req = book.get(req_id).req
+            upper = None if req.bucket >= self._last_bucket else (req.bucket + 1) * gran
+            if not local.worth_keeping(req.output_len, upper):  # max_tokens = the true length
+                continue
             if not local.keep(len(self.admission), book.queue.num_queued_tokens,
                               self.chunker.chunk_size, book.view):
                 return

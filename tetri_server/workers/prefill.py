@@ -69,7 +69,8 @@ class PrefillRole(Role):
             PrefillQueue(cfg.prefill.policy, cfg.prefill.sched_batch), dispatcher)
         # elastic P/D: the requests this worker keeps and decodes itself (greedy admission)
         num_local = cfg.prefill.local_decode_batch
-        self.local = LocalDecode(num_local) if num_local else None
+        self.local = (LocalDecode(num_local, cfg.prefill.local_decode_min_tokens)
+                      if num_local else None)
         self.admission = DecodeAdmission("greedy", block_size=w.block_size,
                                          num_total_blocks=w.allocator.num_blocks,
                                          max_batch=max(1, num_local),
@@ -258,6 +259,11 @@ class PrefillRole(Role):
         side; they decode here, in this worker's own steps."""
         book = self.book
         for req_id in book.ids(Stage.HELD):
+            held = book.get(req_id)
+            upper = (None if self.predictor.kind == "none"  # bucket 0 then says nothing
+                     else self.predictor.upper_bound(held.predicted_bucket))
+            if not local.worth_keeping(held.params.max_tokens, upper):
+                continue
             if not local.keep(len(self.admission), book.queue.num_queued_tokens,
                               self._chunk_size, book.view):
                 return
