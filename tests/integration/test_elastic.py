@@ -51,11 +51,12 @@ async def run_long_then_crowd(tiny_llama, tmp_path, *sets: str) -> tuple[set, se
 
 
 async def test_kept_and_handed_off_requests_both_equal_transformers(tiny_llama, tmp_path):
-    """With any request worth keeping (min_tokens 0): the first decodes on one side, the next
-    one goes to the other side; then the crowd. All equal transformers, and no request takes
-    both paths."""
+    """With any request worth keeping (min_tokens 0, whatever the load): the first decodes on
+    one side, the next one goes to the other side; then the crowd. All equal transformers, and
+    no request takes both paths."""
     kept, sent, first_id, records = await run_long_then_crowd(
-        tiny_llama, tmp_path, "prefill.local_decode_min_tokens=0")
+        tiny_llama, tmp_path, "prefill.local_decode_min_tokens=0",
+        "prefill.local_decode_max_prompt_share=1")
     assert (first_id in sent) == (first_id + 1 in kept)  # the second went the other way
     assert kept and sent
     assert any(r["kind"] == "mixed_step" and r["run"] for r in records)

@@ -3,12 +3,15 @@ DECODING stage."""
 
 from __future__ import annotations
 
+import pytest
+
 from tetri_server.messages import DecodeInstanceView, DecodeView
 from tetri_server.policy import (
     LocalDecode,
     LocalPrefill,
     PrefillBook,
     PrefillQueue,
+    PromptShare,
     RoundRobinDispatcher,
     Stage,
 )
@@ -40,6 +43,25 @@ def test_keeps_only_requests_that_can_decode_more_than_min_tokens():
     assert not local.worth_keeping(1000, 100)  # its predicted bucket ends at 100
     assert local.worth_keeping(129, None) and local.worth_keeping(1000, 200)
     assert LocalDecode(max_batch=8).worth_keeping(1, 1)  # min_tokens 0: any request
+
+
+def test_keeps_only_while_prompt_steps_leave_the_worker_mostly_idle():
+    local = LocalDecode(max_batch=8, max_prompt_share=0.1)
+    assert local.keep(0, 0, 256, view(5), prompt_share=0.1)
+    assert not local.keep(0, 0, 256, view(5), prompt_share=0.11)
+    assert LocalDecode(max_batch=8).keep(0, 0, 256, view(5), prompt_share=1.0)  # default: off
+
+
+def test_prompt_share_counts_the_steps_of_the_last_window():
+    share = PromptShare(window_s=10.0)
+    assert share.share(0.0) == 0.0
+    share.add(0.0, 1.0)
+    share.add(5.0, 6.0)
+    assert share.share(6.0) == pytest.approx(0.2)
+    assert share.share(10.5) == pytest.approx(0.15)  # the first step half out of the window
+    assert share.share(16.0) == 0.0  # both out: dropped
+    share.add(16.0, 40.0)  # a step longer than the window
+    assert share.share(40.0) == 1.0
 
 
 def test_keeps_when_no_decode_worker_is_known():

@@ -239,6 +239,25 @@ def test_elastic_prefill_hands_off_requests_too_short_to_gain() -> None:
     assert kept[128] == 0 < kept[0]
 
 
+def test_elastic_prefill_keeps_fewer_while_prompts_keep_it_busy() -> None:
+    """HPHD at 1 req/s keeps the prefill instance ~30% busy with prompts: with the default
+    prompt share (0.1) it keeps fewer requests than whatever the load (1.0)."""
+    cost = CostModel(load_hardware("this-cpu"), load_model("bench"))
+    cfg = SimConfig(decode_policy="greedy", max_model_len=1024, chunk_size=512,
+                    local_decode_batch=4)
+    reqs = from_workload(WorkloadSpec("HPHD", 60, 1, 1024, rate_rps=1.0))
+    kept = {}
+    for share in (0.1, 1.0):
+        sim = Simulation(dataclasses.replace(cfg, local_decode_max_prompt_share=share), cost,
+                         [dataclasses.replace(r) for r in reqs])
+        sim.run()
+        assert all(r.error is None and r.end_s is not None for r in sim.requests)
+        prefill = sim.instances[0]
+        assert isinstance(prefill, PrefillInstance)
+        kept[share] = prefill.num_kept
+    assert kept[0.1] < kept[1.0]
+
+
 def test_elastic_decode_prefills_light_prompts_behind_a_backlog() -> None:
     """Long prompts back the prefill instance up; light ones arriving behind them are prefilled
     by the decode instance (at most 64 tokens a step) and start sooner than without."""

@@ -285,10 +285,16 @@ class PrefillConfig(_Section):
     local_decode_min_tokens: int = 128
     """Elastic P/D: a prefill worker keeps only requests that can decode more than this many
     tokens (their max_tokens and predicted bucket's upper end); 0 = any request."""
+    local_decode_max_prompt_share: float = 0.1
+    """Elastic P/D: ... and only while steps with prompt tokens took at most this share of the
+    worker's last 10 s (a kept request gets one token per step); 1 = whatever the load."""
 
     def _validate(self) -> None:
         self._at_least("chunk_size", 0)
         self._at_least("local_decode_min_tokens", 0)
+        if not 0 <= self.local_decode_max_prompt_share <= 1:
+            raise ConfigError(f"prefill.local_decode_max_prompt_share = "
+                              f"{self.local_decode_max_prompt_share} must be in [0, 1]")
         self._at_least("sched_batch", 1)
         self._at_least("token_budget", 1)
         self._at_least("local_decode_batch", 0)

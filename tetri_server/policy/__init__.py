@@ -33,7 +33,7 @@ from tetri_server.policy.dispatch import (
     RoundRobinDispatcher,
     TetriDispatcher,
 )
-from tetri_server.policy.elastic import LocalDecode, LocalPrefill
+from tetri_server.policy.elastic import LocalDecode, LocalPrefill, PromptShare
 from tetri_server.policy.flip import FlipPlan, FlipPolicy
 from tetri_server.policy.global_sched import LeastLoadedPicker
 from tetri_server.policy.knee import pick_chunk_size, throughput_curve
@@ -72,6 +72,7 @@ __all__ = [
     "LeastLoadedPicker",
     "LengthTail",
     "LocalDecode",
+    "PromptShare",
     "LocalPrefill",
     "MixedStepPlan",
     "PreemptPlan",

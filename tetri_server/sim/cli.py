@@ -35,6 +35,7 @@ CONFIG_KEYS = {
     ("prefill", "sched_batch"): "sched_batch", ("prefill", "token_budget"): "token_budget",
     ("prefill", "local_decode_batch"): "local_decode_batch",
     ("prefill", "local_decode_min_tokens"): "local_decode_min_tokens",
+    ("prefill", "local_decode_max_prompt_share"): "local_decode_max_prompt_share",
     ("decode", "local_prefill_tokens"): "local_prefill_tokens",
     ("decode", "policy"): "decode_policy", ("decode", "max_batch"): "max_batch",
     ("decode", "estimate"): "decode_estimate",
@@ -53,6 +54,7 @@ FLAGS = {
     "sched_batch": "sched_batch", "token_budget": "token_budget",
     "local_decode_batch": "local_decode_batch", "local_prefill_tokens": "local_prefill_tokens",
     "local_decode_min_tokens": "local_decode_min_tokens",
+    "local_decode_max_prompt_share": "local_decode_max_prompt_share",
     "decode_policy": "decode_policy", "decode_estimate": "decode_estimate",
     "max_batch": "max_batch", "granularity": "granularity",
     "predictor_accuracy": "predictor_accuracy", "predictor_model": "predictor_model",
@@ -109,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="elastic: requests a prefill instance decodes itself (0 = off)")
     p.add_argument("--local-decode-min-tokens", type=int,
                    help="elastic: keep only requests that can decode more than this (default 128)")
+    p.add_argument("--local-decode-max-prompt-share", type=float,
+                   help="elastic: keep only while prompt steps took at most this share of the "
+                        "last 10 s (default 0.1)")
     p.add_argument("--local-prefill-tokens", type=int,
                    help="elastic: light prompts (<= N tokens) a decode instance prefills")
     p.add_argument("--decode-policy", choices=("greedy", "reserve-static", "reserve-dynamic"))

@@ -15,6 +15,7 @@ from tetri_server.policy import (
     DecodeStepPlan,
     LocalDecode,
     PrefillQueue,
+    PromptShare,
     RoundRobinDispatcher,
     TetriDispatcher,
     coupled_chunked_plan,
@@ -57,8 +58,11 @@ class PrefillInstance(_Decoding):
             PrefillQueue(cfg.prefill_policy, cfg.sched_batch), dispatcher)
         self.num_rejected = 0  # hand-offs refused by a decode instance
         self._chunk: ChunkPlan | None = None
-        self.local = (LocalDecode(cfg.local_decode_batch, cfg.local_decode_min_tokens)
+        self.local = (LocalDecode(cfg.local_decode_batch, cfg.local_decode_min_tokens,
+                                  cfg.local_decode_max_prompt_share)
                       if cfg.local_decode_batch else None)
+        self.prompt_share = PromptShare()  # steps with prompt tokens, for self.local
+        self._step_start_s = 0.0
         # the emulated predictor's buckets (sim/run.py): the last one is open
         self._last_bucket = max(1, -(-cfg.max_model_len // cfg.granularity)) - 1
         self.admission = DecodeAdmission("greedy", block_size=self.block_size,
@@ -107,6 +111,7 @@ class PrefillInstance(_Decoding):
         return self.sim.predictor_s([e.num_prompt for e in batch])
 
     def start_step(self) -> float | None:
+        self._step_start_s = self.sim.loop.now_s
         predict_s = self.predict_new()
         if len(self.admission):
             return self._start_mixed(predict_s)
@@ -158,6 +163,8 @@ class PrefillInstance(_Decoding):
     def finish_step(self) -> None:
         assert self._chunk is not None
         now = self.sim.loop.now_s
+        if self._chunk.slices:
+            self.prompt_share.add(self._step_start_s, now)
         if self._decode is not None:
             decode, self._decode = self._decode, None
             self.decode_done(decode)
@@ -198,7 +205,8 @@ class PrefillInstance(_Decoding):
             if not local.worth_keeping(req.output_len, upper):  # max_tokens = the true length
                 continue
             if not local.keep(len(self.admission), book.queue.num_queued_tokens,
-                              self.chunker.chunk_size, book.view):
+                              self.chunker.chunk_size, book.view,
+                              self.prompt_share.share(self.sim.loop.now_s)):
                 return
             seq = self.seqs[req_id] = book.keep(req_id)
             self.record("keep", req=req_id)

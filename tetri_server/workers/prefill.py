@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 
 from tetri_server.engine.runner import ScheduledSeq, StepPlan
 from tetri_server.engine.sampling import make_generator
@@ -34,6 +35,7 @@ from tetri_server.policy import (
     DecodeAdmission,
     LocalDecode,
     PrefillQueue,
+    PromptShare,
     RoundRobinDispatcher,
     TetriDispatcher,
     coupled_chunked_plan,
@@ -69,8 +71,10 @@ class PrefillRole(Role):
             PrefillQueue(cfg.prefill.policy, cfg.prefill.sched_batch), dispatcher)
         # elastic P/D: the requests this worker keeps and decodes itself (greedy admission)
         num_local = cfg.prefill.local_decode_batch
-        self.local = (LocalDecode(num_local, cfg.prefill.local_decode_min_tokens)
+        self.local = (LocalDecode(num_local, cfg.prefill.local_decode_min_tokens,
+                                  cfg.prefill.local_decode_max_prompt_share)
                       if num_local else None)
+        self.prompt_share = PromptShare()  # steps with prompt tokens (monotonic clock)
         self.admission = DecodeAdmission("greedy", block_size=w.block_size,
                                          num_total_blocks=w.allocator.num_blocks,
                                          max_batch=max(1, num_local),
@@ -160,7 +164,9 @@ class PrefillRole(Role):
         self.w.decisions.record("chunk", slices=[[p.req_id, p.start, p.num_tokens]
                                                  for p in chunk.slices], pad=chunk.num_pad)
         # Padding is bookkeeping only: on CPU, computing pad tokens is pure waste.
+        t0 = time.monotonic()
         result = self.w.runner.execute(StepPlan(items))
+        self.prompt_share.add(t0, time.monotonic())
         done = set(self.chunker.on_done(self.book.queue, chunk))
         self._send(prompt_parts(i.seq for i in items)
                    + self._first_tokens(items, result.sampled, result.logprobs, done))
@@ -190,7 +196,10 @@ class PrefillRole(Role):
         if not items:
             self.admission.on_done(decode, set())
             return bool(decode.preempt.req_ids or dropped)
+        t0 = time.monotonic()
         result = self.w.runner.execute(StepPlan(items))
+        if prompt_items:
+            self.prompt_share.add(t0, time.monotonic())
         deltas, finished = [], set()
         for item, tok, lp in zip(items[:num_decode], result.sampled, result.logprobs,
                                  strict=False):
@@ -265,7 +274,8 @@ class PrefillRole(Role):
             if not local.worth_keeping(held.params.max_tokens, upper):
                 continue
             if not local.keep(len(self.admission), book.queue.num_queued_tokens,
-                              self._chunk_size, book.view):
+                              self._chunk_size, book.view,
+                              self.prompt_share.share(time.monotonic())):
                 return
             seq = book.keep(req_id)
             seq.status = SeqStatus.RUNNING
