@@ -19,7 +19,7 @@ keeping every request raised mean TPOT 8% and JCT 9% over the strict split). And
 while the worker spent more than ``max_prompt_share`` of the last ``PromptShare.window_s``
 seconds in steps with prompt tokens (``PromptShare``): a kept request's tokens come one per
 step, and a step with a prompt chunk is several decode steps long (measured: on Mixed at 1 req/s,
-prefill busy ~20% of the run, keeping raised JCT 6% and the p99 inter-token gap 41% over the
+prefill busy ~20% of the run, keeping raised JCT 6% and the p99 inter-token gap 43% over the
 strict split; on Arena and LPHD, busy 2-3%, it lowered JCT 8-9%).
 """
 
