@@ -343,3 +343,35 @@ async def test_a_request_larger_than_a_ring_is_a_413_for_it_alone(tiny_llama, mo
         assert await asyncio.wait_for(collect(cluster, prompt, GREEDY), 60) == ref
     finally:
         await cluster.stop()
+
+
+async def test_killing_a_prefill_worker_that_decodes_kept_requests_loses_nothing(tiny_llama):
+    """Elastic P/D on (the prefill worker keeps long requests and decodes them itself): SIGKILL
+    of that worker while kept requests are mid-stream; they are re-run from prompt + streamed
+    tokens elsewhere and every output equals transformers."""
+    cluster = make_cluster(tiny_llama, "disaggregated", "cluster.prefill_workers=2",
+                           "prefill.local_decode_batch=4", "cluster.restart_backoff_s=0.1")
+    prompts = random_prompts(10, 8000, (10, 60), seed=41)
+    params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    ref = hf_greedy(tiny_llama, prompts, params.max_tokens)
+    await cluster.start()
+    try:
+        jobs = [asyncio.create_task(collect(cluster, p, params)) for p in prompts]
+
+        def kept_mid_stream() -> int | None:
+            """A prefill worker streaming a request's 4th+ token: one it kept (a handed-off
+            request's tokens after the first come from a decode worker)."""
+            owners = {r.owner for r in cluster.requests.values()
+                      if len(r.output_ids) > 3 and r.owner in cluster.reports
+                      and cluster.reports[r.owner].role == "prefill"}
+            return min(owners) if owners else None
+
+        await until(lambda: kept_mid_stream() is not None, 60, "a kept request decoding")
+        victim = kept_mid_stream()
+        assert victim is not None
+        kill(cluster, victim)
+        got = await asyncio.wait_for(asyncio.gather(*jobs), 180)
+        assert got == ref
+        assert cluster.num_restarts >= 1
+    finally:
+        await cluster.stop()
