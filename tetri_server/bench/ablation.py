@@ -84,6 +84,7 @@ ROWS: tuple[Row, ...] = (
         sets=(*TWO_DECODE, "dispatch.policy=round-robin"), base="dispatch-power-of-two"),
     Row("flip", "flip (2 decode workers)", sets=(*TWO_DECODE, "flip.enabled=true", *FAST_FLIP),
         base="dispatch-power-of-two"),
+    Row("split", "elastic P/D", mode="split"),  # the paper's strict split (elastic off)
     Row("elastic", "elastic P/D", mode="elastic"),
     Row("elastic-prefill", "elastic P/D", mode="elastic-prefill"),
     Row("elastic-decode", "elastic P/D", mode="elastic-decode"),

@@ -39,6 +39,7 @@ MODE_PRESETS = {
     "elastic": ("disaggregated", ("prefill.local_decode_batch=16",
                                   "decode.local_prefill_tokens=128")),
     "elastic-prefill": ("disaggregated", ("prefill.local_decode_batch=16",)),  # ablations
+    "split": ("disaggregated", ("prefill.local_decode_batch=0",)),  # the paper's strict split
     "elastic-decode": ("disaggregated", ("decode.local_prefill_tokens=128",)),
 }
 VLLM_LABEL = "vllm-cpu"

@@ -277,11 +277,12 @@ class PrefillConfig(_Section):
     """Sort window: waiting requests reordered together by the policy."""
     token_budget: int = 512
     """coupled-chunked mode: tokens per step, decode tokens first, prompt chunks fill the rest."""
-    local_decode_batch: int = 0
+    local_decode_batch: int = 16
     """Elastic P/D (disaggregated mode): a prefill worker decodes up to this many of the
     requests it prefilled itself, their rows riding in its chunks, while its prompt backlog fits
-    in one chunk and every decode worker holds more requests (``policy/elastic.py``). 0: the
-    strict split of the paper."""
+    in one chunk, every decode worker holds more requests and the two rules below allow
+    (``policy/elastic.py``; docs/benchmarks.md, "Which requests a prefill worker keeps"). 0:
+    the strict split of the paper."""
     local_decode_min_tokens: int = 128
     """Elastic P/D: a prefill worker keeps only requests that can decode more than this many
     tokens (their max_tokens and predicted bucket's upper end); 0 = any request."""
