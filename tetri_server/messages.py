@@ -62,6 +62,9 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True, gc=False):
     # 0: the prompt token alone). Computed by the worker that prefills, in its chunks; a
     # re-run whose prompt holds streamed tokens has it off (the client already has them).
     prompt_logprobs: int | None = None
+    # output tokens generated before this run (a re-run's prompt holds them): seeded draws go
+    # on from that index (engine/sampling.py, draw_seed)
+    num_prior_output: int = 0
 
     @property
     def penalized(self) -> bool:

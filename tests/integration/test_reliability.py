@@ -375,3 +375,25 @@ async def test_killing_a_prefill_worker_that_decodes_kept_requests_loses_nothing
         assert cluster.num_restarts >= 1
     finally:
         await cluster.stop()
+
+
+async def test_a_seeded_sampled_stream_is_the_same_after_its_worker_dies(tiny_llama):
+    """Seeded sampling (temperature 1): the same request with the same seed streams the same
+    tokens when its decode worker is SIGKILLed mid-stream and it is re-run from prompt +
+    streamed tokens (each draw depends on the seed and the token's index alone)."""
+    cluster = make_cluster(tiny_llama, "disaggregated", "cluster.restart_backoff_s=0.1",
+                           "cluster.worker_wait_s=120")
+    [prompt] = random_prompts(1, 8000, (20, 40), seed=43)
+    params = SamplingParams(max_tokens=120, temperature=1.0, seed=7, ignore_eos=True)
+    await cluster.start()
+    try:
+        clean = await asyncio.wait_for(collect(cluster, prompt, params), 120)
+        job = asyncio.create_task(collect(cluster, prompt, params))
+        await until(lambda: any(r.state.value == "decode" and len(r.output_ids) > 10
+                                for r in cluster.requests.values()), 60, "the stream decodes")
+        kill(cluster, 1)
+        got = await asyncio.wait_for(job, 180)
+        assert cluster.num_restarts == 1
+        assert got == clean and len(set(clean)) > 5  # it did sample, and resumed the same
+    finally:
+        await cluster.stop()

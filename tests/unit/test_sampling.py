@@ -154,3 +154,25 @@ def test_logprobs_are_of_the_unscaled_logits():
     tokens, lps = sample(logits, [seq(seed=i, temperature=0.5, logprobs=True) for i in range(3)])
     want = torch.log_softmax(logits, -1)[torch.arange(3), torch.tensor(tokens)]
     assert lps == pytest.approx(want.tolist())
+
+
+def test_a_seeded_draw_depends_on_the_seed_and_the_token_index_alone():
+    """Token k of a seeded request is the same whether this generator drew tokens 0..k-1 (one
+    worker all along), a fresh one samples it (a decode worker after the hand-off, the prefill
+    worker that kept it) or a re-run whose prompt holds the k streamed tokens."""
+    logits = rand_logits(1, seed=9, scale=1.0)
+    params = {"seed": 5, "temperature": 1.0}
+    along = Sequence(0, [1], 1, SamplingParams(**params), generator=make_generator(5, CPU))
+    drawn = []
+    for _ in range(6):
+        tok = sample(logits, [along])[0][0]
+        drawn.append(tok)
+        along.token_ids.append(tok)
+    for k in range(6):
+        handed = Sequence(0, [1, *drawn[:k]], 1, SamplingParams(**params),
+                          generator=make_generator(5, CPU))
+        rerun = Sequence(0, [1, *drawn[:k]], 1 + k,
+                         SamplingParams(**params, num_prior_output=k),
+                         generator=make_generator(5, CPU))
+        assert sample(logits, [handed])[0][0] == drawn[k] == sample(logits, [rerun])[0][0]
+    assert len(set(drawn)) > 1  # it does sample

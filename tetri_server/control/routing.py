@@ -53,7 +53,7 @@ class Router:
         # the prompt logprobs (first delta)
         params = p if done == 0 else msgspec.structs.replace(
             p, max_tokens=p.max_tokens - done, min_tokens=max(0, p.min_tokens - done),
-            prompt_logprobs=None)
+            prompt_logprobs=None, num_prior_output=done)
         req.owner, req.src, req.state = wid, -1, ReqState.PREFILL
         req.prompt_part = None  # a re-run computes the prompt's logprobs again from the start
         req.wait_deadline_s = None if self.has_live("decode") else self.deadline()

@@ -29,8 +29,23 @@ _FLOAT32_MAX = torch.finfo(torch.float32).max
 _NEG_INF = float("-inf")
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def draw_seed(seed: int, index: int) -> int:
+    """The generator seed for a request's output token ``index`` (splitmix64 of the pair, 63
+    bits): each draw depends on (seed, index) alone, not on the draws before it, so a token is
+    the same whichever worker samples it — after a hand-off, kept on the prefill worker, or in
+    a re-run after a crash."""
+    z = (seed * 0x9E3779B97F4A7C15 + index + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
 def make_generator(seed: int | None, device: torch.device) -> torch.Generator | None:
-    """A per-request generator: same seed, same prompt -> same tokens, whatever the batch."""
+    """A per-request generator: same seed, same prompt -> same tokens, whatever the batch (and,
+    reseeded per token by ``sample``, whatever the worker)."""
     if seed is None:
         return None
     g = torch.Generator(device=device)
@@ -133,6 +148,8 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[
         ok = probs.isfinite().all() & (probs.sum() > 0)  # a tensor: no device sync per row
         greedy = torch.zeros_like(probs).scatter_(0, tokens[i:i + 1], 1.0)
         probs = torch.where(ok, probs, greedy)
+        if seq.generator is not None and p.seed is not None:
+            seq.generator.manual_seed(draw_seed(p.seed, p.num_prior_output + seq.num_output))
         tokens[i] = torch.multinomial(probs, 1, generator=seq.generator)[0]
     token_list = tokens.tolist()
     if not any(s.params.logprobs for s in seqs):
