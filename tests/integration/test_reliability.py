@@ -197,9 +197,10 @@ async def test_killing_one_of_two_prefill_workers_loses_nothing(tiny_llama):
 
 async def test_the_only_decode_worker_dying_is_not_an_outage(tiny_llama):
     """SIGKILL of the only decode worker: in-flight and new requests wait for its restart and
-    are re-run from prompt + streamed tokens; every output equals transformers."""
+    are re-run from prompt + streamed tokens; every output equals transformers. (The strict
+    split, so the long requests decode there rather than on the prefill worker.)"""
     cluster = make_cluster(tiny_llama, "disaggregated", "cluster.restart_backoff_s=0.1",
-                           "cluster.worker_wait_s=120")
+                           "cluster.worker_wait_s=120", "prefill.local_decode_batch=0")
     prompts = random_prompts(10, 8000, (10, 150), seed=39)
     params = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
     ref = hf_greedy(tiny_llama, prompts, params.max_tokens)
@@ -304,7 +305,7 @@ async def test_a_flip_that_times_out_is_cancelled_on_the_worker(tiny_llama):
     """Regression: a flip whose drain outlasted control's bound was abandoned by control but
     the worker still switched roles later, silently. Now control tells it to cancel."""
     cluster = make_cluster(tiny_llama, "disaggregated", "cluster.decode_workers=2",
-                           "flip.min_interval_s=0")
+                           "flip.min_interval_s=0", "prefill.local_decode_batch=0")
     prompt = random_prompts(1, 8000, (10, 10), seed=43)[0]
     long = SamplingParams(max_tokens=1500, temperature=0.0, ignore_eos=True)
     await cluster.start()
@@ -382,7 +383,7 @@ async def test_a_seeded_sampled_stream_is_the_same_after_its_worker_dies(tiny_ll
     tokens when its decode worker is SIGKILLed mid-stream and it is re-run from prompt +
     streamed tokens (each draw depends on the seed and the token's index alone)."""
     cluster = make_cluster(tiny_llama, "disaggregated", "cluster.restart_backoff_s=0.1",
-                           "cluster.worker_wait_s=120")
+                           "cluster.worker_wait_s=120", "prefill.local_decode_batch=0")
     [prompt] = random_prompts(1, 8000, (20, 40), seed=43)
     params = SamplingParams(max_tokens=120, temperature=1.0, seed=7, ignore_eos=True)
     await cluster.start()
