@@ -220,42 +220,31 @@ def test_elastic_prefill_decodes_part_of_a_decode_heavy_load_itself() -> None:
     assert elastic_jct < strict["jct_mean_s"]
 
 
+def num_kept(workload: str, rate: float, **cfg_changes: object) -> int:
+    """Requests the prefill instance kept on 60 requests of ``workload`` (elastic, batch 4),
+    every one finished."""
+    cost = CostModel(load_hardware("this-cpu"), load_model("bench"))
+    cfg = SimConfig(decode_policy="greedy", max_model_len=1024, chunk_size=512,
+                    local_decode_batch=4, **cfg_changes)  # type: ignore[arg-type]
+    reqs = from_workload(WorkloadSpec(workload, 60, 1, 1024, rate_rps=rate))
+    sim = Simulation(cfg, cost, reqs)
+    sim.run()
+    assert all(r.error is None and r.end_s is not None for r in sim.requests)
+    prefill = sim.instances[0]
+    assert isinstance(prefill, PrefillInstance)
+    return prefill.num_kept
+
+
 def test_elastic_prefill_hands_off_requests_too_short_to_gain() -> None:
     """LPLD (outputs <= 128 tokens): with the default min_tokens the prefill instance keeps
     none of them (the strict split's decisions); with min_tokens 0 it keeps some."""
-    cost = CostModel(load_hardware("this-cpu"), load_model("bench"))
-    cfg = SimConfig(decode_policy="greedy", max_model_len=1024, chunk_size=512,
-                    local_decode_batch=4)
-    reqs = from_workload(WorkloadSpec("LPLD", 60, 1, 1024, rate_rps=2.0))
-    kept = {}
-    for min_tokens in (128, 0):
-        sim = Simulation(dataclasses.replace(cfg, local_decode_min_tokens=min_tokens), cost,
-                         [dataclasses.replace(r) for r in reqs])
-        sim.run()
-        assert all(r.error is None and r.end_s is not None for r in sim.requests)
-        prefill = sim.instances[0]
-        assert isinstance(prefill, PrefillInstance)
-        kept[min_tokens] = prefill.num_kept
-    assert kept[128] == 0 < kept[0]
+    assert num_kept("LPLD", 2.0) == 0 < num_kept("LPLD", 2.0, local_decode_min_tokens=0)
 
 
 def test_elastic_prefill_keeps_fewer_while_prompts_keep_it_busy() -> None:
     """HPHD at 1 req/s keeps the prefill instance ~30% busy with prompts: with the default
     prompt share (0.1) it keeps fewer requests than whatever the load (1.0)."""
-    cost = CostModel(load_hardware("this-cpu"), load_model("bench"))
-    cfg = SimConfig(decode_policy="greedy", max_model_len=1024, chunk_size=512,
-                    local_decode_batch=4)
-    reqs = from_workload(WorkloadSpec("HPHD", 60, 1, 1024, rate_rps=1.0))
-    kept = {}
-    for share in (0.1, 1.0):
-        sim = Simulation(dataclasses.replace(cfg, local_decode_max_prompt_share=share), cost,
-                         [dataclasses.replace(r) for r in reqs])
-        sim.run()
-        assert all(r.error is None and r.end_s is not None for r in sim.requests)
-        prefill = sim.instances[0]
-        assert isinstance(prefill, PrefillInstance)
-        kept[share] = prefill.num_kept
-    assert kept[0.1] < kept[1.0]
+    assert num_kept("HPHD", 1.0) < num_kept("HPHD", 1.0, local_decode_max_prompt_share=1.0)
 
 
 def test_elastic_decode_prefills_light_prompts_behind_a_backlog() -> None:
