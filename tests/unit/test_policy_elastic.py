@@ -64,6 +64,16 @@ def test_prompt_share_counts_the_steps_of_the_last_window():
     assert share.share(40.0) == 1.0
 
 
+def test_prompt_share_stays_bounded_when_nobody_asks():
+    """A worker records every prompt step; with elastic off nothing ever reads the share, and
+    the window must not grow with the run."""
+    share = PromptShare(window_s=10.0)
+    for i in range(10_000):
+        share.add(float(i), i + 0.5)
+    assert len(share._steps) <= 11
+    assert share.share(9_999.5) == pytest.approx(0.5)
+
+
 def test_keeps_when_no_decode_worker_is_known():
     assert LocalDecode(max_batch=1).keep(0, 0, 64, None)
     assert LocalDecode(max_batch=1).keep(0, 0, 64, DecodeView(1, []))

@@ -85,6 +85,7 @@ def test_none_puts_everything_in_bucket_zero() -> None:
     p = load_predictor("none")
     assert p.predict(PROMPTS, [900, 900, 900]) == [0, 0, 0]
     assert p.lower_bound(0) == 0
+    assert p.upper_bound(0) is None  # no prediction bounds nothing (elastic keep rule)
 
 
 @pytest.mark.parametrize("kind", ["classifier", "oracle", "none"])

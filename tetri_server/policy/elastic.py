@@ -69,13 +69,18 @@ class PromptShare:
 
     def add(self, start_s: float, end_s: float) -> None:
         self._steps.append((start_s, end_s))
+        self._forget(end_s - self.window_s)  # bounded even when nobody asks for the share
 
     def share(self, now_s: float) -> float:
         lo = now_s - self.window_s
-        while self._steps and self._steps[0][1] <= lo:
-            self._steps.popleft()
+        self._forget(lo)
         busy = sum(end - max(start, lo) for start, end in self._steps)
         return min(1.0, busy / self.window_s)
+
+    def _forget(self, before_s: float) -> None:
+        """Drop the steps that ended at or before ``before_s``."""
+        while self._steps and self._steps[0][1] <= before_s:
+            self._steps.popleft()
 
 
 @dataclass(frozen=True)

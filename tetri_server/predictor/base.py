@@ -92,3 +92,8 @@ class NonePredictor(LengthPredictor):
         self, prompts: Sequence[str], true_lengths: Sequence[int | None] | None = None
     ) -> list[int]:
         return [0] * len(prompts)
+
+    def upper_bound(self, bucket: int) -> int | None:
+        """None: bucket 0 here is no prediction, so it bounds nothing."""
+        self._check(bucket)
+        return None

@@ -31,6 +31,7 @@ from tetri_server.sim.instances import (
     reserve,
     slice_list,
 )
+from tetri_server.sim.predictor import num_buckets
 
 if TYPE_CHECKING:
     from tetri_server.sim.cluster import Simulation
@@ -63,8 +64,7 @@ class PrefillInstance(_Decoding):
                       if cfg.local_decode_batch else None)
         self.prompt_share = PromptShare()  # steps with prompt tokens, for self.local
         self._step_start_s = 0.0
-        # the emulated predictor's buckets (sim/run.py): the last one is open
-        self._last_bucket = max(1, -(-cfg.max_model_len // cfg.granularity)) - 1
+        self._last_bucket = num_buckets(cfg.max_model_len, cfg.granularity) - 1  # open
         self.admission = DecodeAdmission("greedy", block_size=self.block_size,
                                          num_total_blocks=num_blocks,
                                          max_batch=max(1, cfg.local_decode_batch),

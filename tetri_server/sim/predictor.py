@@ -12,6 +12,11 @@ import random
 MISSES = ("neighbour", "uniform")
 
 
+def num_buckets(max_model_len: int, granularity: int) -> int:
+    """Buckets of ``granularity`` tokens up to the context length (the last one is open)."""
+    return max(1, -(-max_model_len // granularity))
+
+
 class EmulatedPredictor:
     def __init__(self, *, granularity: int, num_buckets: int, accuracy: float = 1.0,
                  seed: int = 0, miss: str = "neighbour") -> None:

@@ -9,7 +9,7 @@ from tetri_server.bench.progress import Progress
 from tetri_server.sim.cluster import SimConfig, Simulation
 from tetri_server.sim.cost import CostModel
 from tetri_server.sim.instances import SimRequest
-from tetri_server.sim.predictor import EmulatedPredictor
+from tetri_server.sim.predictor import EmulatedPredictor, num_buckets
 from tetri_server.sim.profiles import load_model
 from tetri_server.sim.report import mode_metrics
 from tetri_server.sim.workload import assign_buckets, fresh
@@ -17,9 +17,9 @@ from tetri_server.sim.workload import assign_buckets, fresh
 
 def predict(requests: list[SimRequest], cfg: SimConfig) -> None:
     """Draw every request's bucket (once, so all modes see the same predictions)."""
-    num_buckets = max(1, -(-cfg.max_model_len // cfg.granularity))
+    buckets = num_buckets(cfg.max_model_len, cfg.granularity)
     assign_buckets(requests, EmulatedPredictor(granularity=cfg.granularity,
-                                               num_buckets=num_buckets,
+                                               num_buckets=buckets,
                                                accuracy=cfg.predictor_accuracy, seed=cfg.seed,
                                                miss=cfg.predictor_miss))
 

@@ -269,8 +269,7 @@ class PrefillRole(Role):
         book = self.book
         for req_id in book.ids(Stage.HELD):
             held = book.get(req_id)
-            upper = (None if self.predictor.kind == "none"  # bucket 0 then says nothing
-                     else self.predictor.upper_bound(held.predicted_bucket))
+            upper = self.predictor.upper_bound(held.predicted_bucket)
             if not local.worth_keeping(held.params.max_tokens, upper):
                 continue
             if not local.keep(len(self.admission), book.queue.num_queued_tokens,
