@@ -101,11 +101,31 @@ def test_prefill_fit_recovers_a_line_and_stays_positive() -> None:
         fit_prefill([])
 
 
+def test_a_short_prompt_is_not_held_to_less_than_the_shortest_lone_ttft() -> None:
+    # session 20's LPHD calibration (no short probe then): TTFT grows faster than linearly with
+    # the prompt, the intercept fits negative, and a 7-token prompt got 5 x 2.6 ms = 13 ms,
+    # under one round trip + one step; every miss at the low rates was such a prompt
+    long_only = [(127, 0.0494), (511, 0.1773), (1022, 0.3751), (1022, 0.4133)]
+    shortest = [(4, 0.0121), (4, 0.0110), (4, 0.0135)]
+    cal = calibration_from_samples([*shortest, *long_only], [0.0086], "coupled")
+    assert cal.prefill_floor_s == pytest.approx(0.0121)  # the median of the 4-token TTFTs
+    assert ttft_slo_s(cal, SCALE, 7) >= 5 * 0.0121
+    ok = rec(ttft=0.030, tpot=0.010, prompt_len=7)  # 30 ms: what the misses took
+    assert meets_slo(ok, cal, SCALE)
+    # long prompts keep the line's SLO: the floor only lifts what falls below it
+    assert cal.prefill_s(1022) == pytest.approx(cal.prefill_base_s + cal.prefill_per_token_s * 1022)
+    assert cal.prefill_s(1022) > 0.3
+
+
 def test_calibration_round_trips_through_json() -> None:
     cal = calibration_from_samples([(128, 0.05), (512, 0.2)], [0.03, 0.02, 0.025], "coupled")
     assert cal.step_s == pytest.approx(0.025)  # the median
     assert cal.prefill_s(128) == pytest.approx(0.05) and cal.prefill_s(512) == pytest.approx(0.2)
     assert Calibration.from_dict(cal.to_dict()) == cal
+    assert cal.prefill_floor_s == pytest.approx(0.05)  # the shortest prompt sampled: 128
+    # a calibration saved before the floor existed loads with none
+    old = {k: v for k, v in cal.to_dict().items() if k != "prefill_floor_s"}
+    assert Calibration.from_dict(old).prefill_floor_s == 0.0
     with pytest.raises(ValueError):
         calibration_from_samples([(128, 0.05)], [])
     with pytest.raises(ValueError):

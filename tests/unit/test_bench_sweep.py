@@ -53,12 +53,12 @@ def test_requests_per_rate_from_a_count_or_a_duration() -> None:
 
 
 def test_calibration_requests_fit_the_context_and_are_alone() -> None:
-    assert probe_lengths(1024) == (127, 511, 1022)
+    assert probe_lengths(1024) == (4, 127, 511, 1022)
     warm, probes, steps = calibration_requests(1024, (512, frozenset({1, 2})), seed=0)
     everything = [*warm, *probes, *steps]
     assert all(q.prompt_len + q.output_len <= 1024 for q in everything)
-    assert sorted({q.prompt_len for q in probes}) == [127, 511, 1022]
-    assert len(probes) == 9 and all(q.output_len == 2 for q in probes)
+    assert sorted({q.prompt_len for q in probes}) == [4, 127, 511, 1022]
+    assert len(probes) == 12 and all(q.output_len == 2 for q in probes)
     assert all(q.output_len > 16 for q in steps)
     assert [q.request_id for q in everything] == list(range(len(everything)))
     assert all(q.arrival_s == 0.0 for q in everything)

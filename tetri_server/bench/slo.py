@@ -7,11 +7,14 @@ at which at least ``target`` (90%) of the requests meet *both* latency objective
   TPOT(request) <= tpot_x * unloaded_step_s                     (default tpot_x = 3)
 
 The unloaded latencies come from a ``Calibration`` measured against the server itself (a few
-sequential requests, see ``sweep.calibrate``): unloaded prefill = a + b x prompt tokens, fitted
-by least squares on the lone requests' TTFTs; the unloaded step is the median TPOT of a lone
-stream. TTFT and TPOT are measured as in ``metrics`` (TTFT from send; a one-token request has
-no TPOT and meets that objective). A request that failed or did not finish misses both, and
-attainment divides by *all* requests sent at that rate.
+sequential requests, see ``sweep.calibrate``): unloaded prefill = max(a + b x prompt tokens,
+floor), the line fitted by least squares on the lone requests' TTFTs and the floor the median
+lone TTFT of the shortest prompt probed (a few tokens: one HTTP round trip and one step, which
+no prompt beats; without it a line whose intercept fits to 0 gives a 7-token prompt an SLO
+shorter than that); the unloaded step is the median TPOT of a lone stream. TTFT and TPOT are
+measured as in ``metrics`` (TTFT from send; a one-token request has no TPOT and meets that
+objective). A request that failed or did not finish misses both, and attainment divides by *all*
+requests sent at that rate.
 
 Goodput from a sweep: rates are sorted ascending; the goodput is the highest tested rate such
 that it **and every lower tested rate** reached the target (no interpolation). A pass above a
@@ -51,7 +54,8 @@ class SLOScale:
 @dataclass(frozen=True)
 class Calibration:
     """Unloaded latencies of one server: prefill_s(p) = prefill_base_s + prefill_per_token_s x p,
-    and one decode step ``step_s``. The samples it was fitted on are kept for the record."""
+    floored at ``prefill_floor_s``, and one decode step ``step_s``. The samples it was fitted on
+    are kept for the record."""
 
     prefill_base_s: float
     prefill_per_token_s: float
@@ -59,9 +63,11 @@ class Calibration:
     prefill_samples: tuple[tuple[int, float], ...] = ()  # (prompt_len, lone TTFT in s)
     step_samples: tuple[float, ...] = ()  # lone-stream TPOTs in s
     source: str = ""  # the server (label or URL) it was measured on
+    prefill_floor_s: float = 0.0  # lone TTFT of the shortest probe (0: none was measured)
 
     def prefill_s(self, prompt_len: int) -> float:
-        return self.prefill_base_s + self.prefill_per_token_s * prompt_len
+        line = self.prefill_base_s + self.prefill_per_token_s * prompt_len
+        return max(line, self.prefill_floor_s)
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -71,6 +77,7 @@ class Calibration:
             "prefill_samples": [list(s) for s in self.prefill_samples],
             "step_samples": list(self.step_samples),
             "source": self.source,
+            "prefill_floor_s": self.prefill_floor_s,
         }
 
     @staticmethod
@@ -85,6 +92,7 @@ class Calibration:
             tuple((int(p), float(t)) for p, t in pre),
             tuple(float(t) for t in steps),
             str(d.get("source", "")),
+            float(d.get("prefill_floor_s", 0.0)),  # type: ignore[arg-type]
         )
 
 
@@ -111,10 +119,13 @@ def fit_prefill(samples: Sequence[tuple[int, float]]) -> tuple[float, float]:
 def calibration_from_samples(
     prefill_samples: Sequence[tuple[int, float]], step_samples: Sequence[float], source: str = ""
 ) -> Calibration:
-    """Fit the prefill line; the step is the median lone-stream TPOT."""
+    """Fit the prefill line, floored at the median TTFT of the shortest prompt sampled; the
+    step is the median lone-stream TPOT."""
     if not step_samples:
         raise ValueError("no decode-step samples")
     a, b = fit_prefill(prefill_samples)
+    shortest = min(p for p, _ in prefill_samples)
+    floor = statistics.median(t for p, t in prefill_samples if p == shortest)
     return Calibration(
         a,
         b,
@@ -122,6 +133,7 @@ def calibration_from_samples(
         tuple((int(p), float(t)) for p, t in prefill_samples),
         tuple(float(t) for t in step_samples),
         source,
+        prefill_floor_s=floor,
     )
 
 

@@ -36,6 +36,7 @@ from tetri_server.bench.slo import (
 from tetri_server.bench.workload import BenchRequest, WorkloadSpec, length_class
 
 PROBE_OUTPUT_TOKENS = 2  # prefill probes: only their TTFT is used
+SHORT_PROBE_TOKENS = 4  # the shortest probe: its lone TTFT floors every prompt's TTFT SLO
 STEP_PROMPT_TOKENS = 32
 STEP_OUTPUT_TOKENS = 64
 NUM_PROBE_REPEATS = 3  # per prompt length; the fit uses every sample
@@ -65,9 +66,10 @@ def requests_at(rate_rps: float, num_requests: int | None, duration_s: float | N
 
 
 def probe_lengths(max_model_len: int) -> tuple[int, ...]:
-    """Three prompt lengths spanning what the context admits: ~1/8, 1/2 and all of it."""
+    """A few tokens (the floor of the TTFT SLO), then three lengths spanning what the context
+    admits: ~1/8, 1/2 and all of it."""
     top = max_model_len - PROBE_OUTPUT_TOKENS
-    return tuple(sorted({max(16, top // 8), max(16, top // 2), top}))
+    return tuple(sorted({SHORT_PROBE_TOKENS, max(16, top // 8), max(16, top // 2), top}))
 
 
 def calibration_requests(

@@ -38,7 +38,7 @@ def _others(r: BenchResult) -> str:
 def _cal_text(cal: Calibration) -> str:
     return (
         f"{cal.prefill_base_s * 1e3:.1f} ms + {cal.prefill_per_token_s * 1e3:.3f} ms/token, "
-        f"step {cal.step_s * 1e3:.1f} ms"
+        f"floor {cal.prefill_floor_s * 1e3:.1f} ms, step {cal.step_s * 1e3:.1f} ms"
     )
 
 
@@ -64,8 +64,9 @@ def sweep_table(sweeps: Sequence[ModeSweep], cal: Calibration, scale: SLOScale) 
         )
     note = (
         f"\nSLO (from {cal.source or 'a loaded calibration'}: {_cal_text(cal)}): "
-        f"TTFT <= {scale.ttft_x:g} x ({cal.prefill_base_s * 1e3:.1f} ms + "
-        f"{cal.prefill_per_token_s * 1e3:.3f} ms x prompt tokens), "
+        f"TTFT <= {scale.ttft_x:g} x max({cal.prefill_base_s * 1e3:.1f} ms + "
+        f"{cal.prefill_per_token_s * 1e3:.3f} ms x prompt tokens, "
+        f"{cal.prefill_floor_s * 1e3:.1f} ms), "
         f"TPOT <= {scale.tpot_x:g} x step = {tpot_slo_s(cal, scale) * 1e3:.0f} ms; goodput = the "
         f"highest rate at which it and every lower rate had >= {scale.target * 100:.0f}% "
         "of requests within both (0 = below the lowest rate).\n"
