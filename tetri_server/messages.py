@@ -284,7 +284,9 @@ class Handoff(msgspec.Struct, tag=True, array_like=True):
     req_id: int
     src_worker: int
     src_block_ids: list[int]
-    token_ids: list[int]  # prompt + the first generated token (its KV is not yet computed)
+    # prompt + the tokens generated so far: the first, or (a kept request handed back, elastic
+    # P/D) all it decoded on the prefill worker; the KV of all but the last is in the blocks
+    token_ids: list[int]
     num_prompt_tokens: int
     sampling: SamplingParams
     predicted_bucket: int

@@ -97,3 +97,55 @@ async def test_light_prompts_prefilled_on_the_decode_worker_equal_transformers(t
     prefilled = {s[0] for r in records for s in r.get("slices", [])}
     assert prefilled, "no prompt was prefilled on the decode worker"
     assert all(n <= 48 for r in records for _, _, n in r.get("slices", []))
+
+
+async def test_a_kept_request_handed_back_mid_decode_equals_transformers(tiny_llama, tmp_path):
+    """``prefill.local_decode_hand_back``: a request kept and decoding on the prefill worker
+    goes to the decode worker once long prompts queue behind it, its hand-off carrying the KV
+    of the tokens decoded so far; it, the request before it and the prompts all equal
+    transformers, and no block is left held."""
+    # long enough that both still decode when the burst comes (~1 s each on a fast core)
+    long_one = SamplingParams(max_tokens=1500, temperature=0.0, ignore_eos=True)
+    first, second = random_prompts(2, 8000, (10, 30), seed=22)
+    burst = random_prompts(3, 8000, (150, 250), seed=24)
+    ref = hf_greedy(tiny_llama, [first, second], long_one.max_tokens)
+    ref_burst = hf_greedy(tiny_llama, burst, GREEDY.max_tokens)
+    log = tmp_path / "decisions"
+    cluster = make_cluster(tiny_llama, "disaggregated", "prefill.local_decode_batch=3",
+                           "prefill.local_decode_min_tokens=0",
+                           "prefill.local_decode_max_prompt_share=1",
+                           "prefill.local_decode_hand_back=true",
+                           "monitor.interval_ms=20", f"monitor.decision_log={log}")
+    await cluster.start()
+    try:
+        await asyncio.sleep(0.5)  # views of the idle decode worker: the first goes there
+        run_first = asyncio.ensure_future(collect(cluster, first, long_one))
+        await until(lambda: any(r.role == "decode" and r.num_running
+                                for r in cluster.reports.values()), 60,
+                    "the first request decoding on the decode worker")
+        await asyncio.sleep(0.2)  # views that show it: the prefill worker keeps the second
+        run_second = asyncio.ensure_future(collect(cluster, second, long_one))
+        await until(lambda: any(r.role == "prefill" and r.num_running
+                                for r in cluster.reports.values()), 60,
+                    "the second request kept on the prefill worker")
+        got_burst = await asyncio.wait_for(
+            asyncio.gather(*(collect(cluster, p, GREEDY) for p in burst)), 180)
+        got = [await asyncio.wait_for(r, 180) for r in (run_first, run_second)]
+        assert got == ref
+        assert got_burst == ref_burst
+        usage = await wait_all_free(cluster)
+        assert all(u == 0 for u, _ in usage.values()), usage
+    finally:
+        run_id = cluster.run_id
+        await cluster.stop()
+    assert segments(run_id) == []
+    records = [json.loads(line) for line in (tmp_path / "decisions.w0.jsonl").open()]
+    # the second was kept, then handed back once the burst queued, then dispatched (burst
+    # requests may be kept too, once the backlog is gone)
+    kept_id = 1 + min(r["req"] for r in records if r["kind"] == "dispatch")
+    kinds = [r["kind"] for r in records if r.get("req") == kept_id]
+    assert kinds == ["keep", "hand_back", "dispatch"], kinds
+    back = next(i for i, r in enumerate(records) if r["kind"] == "hand_back")
+    decoded_here = [r for r in records[:back] if r["kind"] == "mixed_step"
+                    and kept_id in r["run"]]
+    assert len(decoded_here) >= 2, "the request decoded no tokens before it was handed back"

@@ -52,6 +52,15 @@ def test_keeps_only_while_prompt_steps_leave_the_worker_mostly_idle():
     assert LocalDecode(max_batch=8).keep(0, 0, 256, view(5), prompt_share=1.0)  # default: off
 
 
+def test_hands_back_only_when_asked_to_and_prompts_queue_beyond_a_chunk():
+    local = LocalDecode(max_batch=8, hand_back=True)
+    assert not local.hands_back(256, 256)  # the next chunk takes the whole backlog
+    assert local.hands_back(257, 256)
+    assert not LocalDecode(max_batch=8).hands_back(10_000, 256)  # default: decode to the end
+    # where it hands back, it would not keep: the rules agree, so nothing bounces
+    assert not local.keep(0, 257, 256, view(30))
+
+
 def test_prompt_share_counts_the_steps_of_the_last_window():
     share = PromptShare(window_s=10.0)
     assert share.share(0.0) == 0.0
@@ -93,6 +102,24 @@ def test_a_kept_request_is_never_dispatched_and_leaves_on_remove():
     assert [r for r, _ in book.dispatch()] == ["r2"]
     assert book.pulled(1) is None and book.rejected(1) is None
     assert book.remove(1) == "r1" and book.ids(Stage.DECODING) == []
+
+
+def test_a_handed_back_request_is_dispatched_like_a_prefilled_one():
+    book: PrefillBook[str] = PrefillBook(PrefillQueue("fcfs"),
+                                         RoundRobinDispatcher(block_size=16, granularity=200))
+    book.add(1, "r1", 16, 0.0)
+    book.predicted(1, 0)
+    book.prefilled(1)
+    book.keep(1)
+    assert book.dispatch() == []  # kept: not dispatched
+    assert book.hand_back(1) == "r1"
+    assert book.ids(Stage.DECODING) == [] and book.ids(Stage.HELD) == [1]
+    assert book.dispatch() == []  # no view yet: no room known
+    book.on_view(view(3))
+    assert [r for r, _ in book.dispatch()] == ["r1"]
+    assert book.ids(Stage.HANDED_OFF) == [1] and book.pulled(1) == "r1" and not book
+    with pytest.raises(KeyError):
+        book.hand_back(1)  # gone: only a kept request can be handed back
 
 
 class Load:

@@ -241,6 +241,30 @@ def test_elastic_prefill_hands_off_requests_too_short_to_gain() -> None:
     assert num_kept("LPLD", 2.0) == 0 < num_kept("LPLD", 2.0, local_decode_min_tokens=0)
 
 
+def test_elastic_prefill_hands_kept_requests_back_when_prompts_queue() -> None:
+    """Mixed at 1 req/s, any request worth keeping, whatever the load: with hand-back some kept
+    requests move to the decode instance mid-decode (their KV with them) and still finish, the
+    pools end empty; without it none moves."""
+    cost = CostModel(load_hardware("this-cpu"), load_model("bench"))
+    reqs = from_workload(WorkloadSpec("Mixed", 60, 1, 1024, rate_rps=1.0))
+
+    def run(hand_back: bool) -> PrefillInstance:
+        cfg = SimConfig(decode_policy="greedy", max_model_len=1024, chunk_size=128,
+                        local_decode_batch=16, local_decode_min_tokens=0,
+                        local_decode_max_prompt_share=1.0, local_decode_hand_back=hand_back)
+        sim = Simulation(cfg, cost, [dataclasses.replace(r) for r in reqs])
+        sim.run()
+        assert all(r.error is None and r.end_s is not None for r in sim.requests)
+        assert all(i.alloc.num_free == i.alloc.num_blocks for i in sim.instances)
+        prefill = sim.instances[0]
+        assert isinstance(prefill, PrefillInstance)
+        return prefill
+
+    assert run(False).num_handed_back == 0
+    back = run(True)
+    assert 0 < back.num_handed_back <= back.num_kept
+
+
 def test_elastic_prefill_keeps_fewer_while_prompts_keep_it_busy() -> None:
     """HPHD at 1 req/s keeps the prefill instance ~30% busy with prompts: with the default
     prompt share (0.1) it keeps fewer requests than whatever the load (1.0)."""

@@ -289,6 +289,10 @@ class PrefillConfig(_Section):
     local_decode_max_prompt_share: float = 0.1
     """Elastic P/D: ... and only while steps with prompt tokens took at most this share of the
     worker's last 10 s (a kept request gets one token per step); 1 = whatever the load."""
+    local_decode_hand_back: bool = False
+    """Elastic P/D: when more than a chunk of prompt tokens waits, a prefill worker hands the
+    requests it kept to a decode worker (with the KV of what it decoded) instead of decoding
+    them to the end."""
 
     def _validate(self) -> None:
         self._at_least("chunk_size", 0)

@@ -104,7 +104,8 @@ class Router:
         req.owner, req.src, req.state = dst.worker_id, src.worker_id, ReqState.HANDOFF
         req.handoff_s = time.monotonic()
         req.wait_deadline_s = None
-        self.metrics.observe_phase("prefill", req.handoff_s - req.arrival_s)
+        if len(msg.token_ids) - msg.num_prompt_tokens <= 1:  # not a kept request handed back
+            self.metrics.observe_phase("prefill", req.handoff_s - req.arrival_s)
         self.accounting.on_handoff(req, msg, src.pool)
         dst.post(msg)
 

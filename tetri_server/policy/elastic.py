@@ -22,6 +22,12 @@ seconds in steps with prompt tokens (``PromptShare``): a kept request's tokens c
 step, and a step with a prompt chunk is several decode steps long (measured: on Mixed at 1 req/s,
 prefill busy ~20% of the run, keeping raised JCT 6% and the p99 inter-token gap 43% over the
 strict split; on Arena and LPHD, busy 2-3%, it lowered JCT 8-9%).
+
+With ``hand_back`` (``prefill.local_decode_hand_back``) a kept request does not stay to the
+end: when more than a chunk of prompt tokens is waiting (``hands_back``), every kept request
+whose KV is whole is handed off like a freshly prefilled one, its hand-off carrying the KV of
+the tokens decoded here too. So the prefill worker decodes only in its idle spells, and a
+burst of prompts no longer leaves its kept requests one token per chunk step behind it.
 """
 
 from __future__ import annotations
@@ -38,12 +44,19 @@ class LocalDecode:
     max_batch: int  # most requests a prefill worker decodes itself
     min_tokens: int = 0  # a kept request can decode more than this many tokens
     max_prompt_share: float = 1.0  # keep only while prompt steps took at most this share
+    hand_back: bool = False  # kept requests go to a decode worker when prompts queue
 
     def worth_keeping(self, max_tokens: int, bucket_upper: int | None) -> bool:
         """Whether a request with this output cap and predicted bucket end (None: open, or no
         prediction) may decode here at all; ``keep`` then says whether there is room now."""
         most = max_tokens if bucket_upper is None else min(max_tokens, bucket_upper)
         return most > self.min_tokens
+
+    def hands_back(self, num_queued_prompt_tokens: int, chunk_size: int) -> bool:
+        """Whether the requests kept here go to a decode worker now: prompts wait beyond the
+        next chunk, which ``keep`` says is theirs (a kept request would get one token per chunk
+        step for as long as the backlog lasts)."""
+        return self.hand_back and num_queued_prompt_tokens > chunk_size
 
     def keep(self, num_local: int, num_queued_prompt_tokens: int, chunk_size: int,
              view: DecodeSnapshot | None, prompt_share: float = 0.0) -> bool:

@@ -6,7 +6,8 @@ Stages, in order::
     QUEUED      in the ``PrefillQueue``: waiting for, or in the middle of, its chunks
     HELD        prompt done, first token sampled; waits for room on a decode worker
     HANDED_OFF  a hand-off named a decode worker; its KV stays here until that worker pulls it
-    DECODING    kept (elastic P/D, ``policy.LocalDecode``): decoded on this worker to the end
+    DECODING    kept (elastic P/D, ``policy.LocalDecode``): decoded on this worker, to the end
+                or until handed back (HELD again, with the tokens decoded here)
 
 The real prefill role and the simulator's prefill instance both keep their requests here, so
 they make the same dispatch decisions by construction. ``PrefillBook`` is generic over what the
@@ -130,6 +131,14 @@ class PrefillBook(Generic[T]):
         """HELD -> DECODING: this worker decodes the request itself."""
         e = self._entry(req_id, Stage.HELD)
         self._move(e, Stage.DECODING)
+        return e.req
+
+    def hand_back(self, req_id: int) -> T:
+        """DECODING -> HELD (at the back): a kept request goes to a decode worker after all; its
+        hand-off carries the KV of its prompt and of the tokens decoded here."""
+        e = self._entry(req_id, Stage.DECODING)
+        self._move(e, Stage.HELD)
+        self._entries[req_id] = self._entries.pop(req_id)
         return e.req
 
     def on_view(self, view: DecodeSnapshot) -> bool:

@@ -36,6 +36,7 @@ CONFIG_KEYS = {
     ("prefill", "local_decode_batch"): "local_decode_batch",
     ("prefill", "local_decode_min_tokens"): "local_decode_min_tokens",
     ("prefill", "local_decode_max_prompt_share"): "local_decode_max_prompt_share",
+    ("prefill", "local_decode_hand_back"): "local_decode_hand_back",
     ("decode", "local_prefill_tokens"): "local_prefill_tokens",
     ("decode", "policy"): "decode_policy", ("decode", "max_batch"): "max_batch",
     ("decode", "estimate"): "decode_estimate",
@@ -55,6 +56,7 @@ FLAGS = {
     "local_decode_batch": "local_decode_batch", "local_prefill_tokens": "local_prefill_tokens",
     "local_decode_min_tokens": "local_decode_min_tokens",
     "local_decode_max_prompt_share": "local_decode_max_prompt_share",
+    "local_decode_hand_back": "local_decode_hand_back",
     "decode_policy": "decode_policy", "decode_estimate": "decode_estimate",
     "max_batch": "max_batch", "granularity": "granularity",
     "predictor_accuracy": "predictor_accuracy", "predictor_model": "predictor_model",
@@ -114,6 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--local-decode-max-prompt-share", type=float,
                    help="elastic: keep only while prompt steps took at most this share of the "
                         "last 10 s (default 0.1)")
+    p.add_argument("--local-decode-hand-back", action="store_true", default=None,
+                   help="elastic: kept requests go to a decode instance when prompts queue")
     p.add_argument("--local-prefill-tokens", type=int,
                    help="elastic: light prompts (<= N tokens) a decode instance prefills")
     p.add_argument("--decode-policy", choices=("greedy", "reserve-static", "reserve-dynamic"))

@@ -55,6 +55,7 @@ class SimConfig:
     local_decode_batch: int = 0  # elastic: requests a prefill instance decodes itself
     local_decode_min_tokens: int = 128  # elastic: ... only if they can decode more than this
     local_decode_max_prompt_share: float = 0.1  # ... and while prompt steps take at most this
+    local_decode_hand_back: bool = False  # elastic: kept ones go to decode when prompts queue
     local_prefill_tokens: int = 0  # elastic: light prompts a decode instance prefills
     decode_policy: DecodePolicyName = "reserve-dynamic"
     # [decode] estimate; "refined" reads the length tails of the shipped predictor artifact
@@ -228,7 +229,7 @@ class Simulation:
         if decode_worker in self.draining or not isinstance(dst, DecodeInstance):
             self.send(src, ("rejected", seq.req.req_id))  # Router.forward_handoff: draining
             return
-        self.send(dst, ("handoff", src, seq.req))
+        self.send(dst, ("handoff", src, seq.req, seq.num_tokens))
 
     # ------------------------------------------------------------------ instance flip
 

@@ -62,6 +62,7 @@ def summarize(log: Log, chunk_size: int) -> dict[str, Any]:
         "num_preemptions": sum(len(r.get("preempt", ())) for r in steps),
         "num_failed": sum(len(r.get("fail", ())) for r in steps),
         "num_kept": sum(r["kind"] == "keep" for _, r in log),
+        "num_handed_back": sum(r["kind"] == "hand_back" for _, r in log),
     }
 
 
@@ -81,8 +82,8 @@ def sequences(log: Log) -> dict[str, list[Any]]:
             add("chunk", wid, [[rank[s[0]], s[1], s[2]] for s in r["slices"]])
         elif kind == "dispatch":
             add("dispatch", wid, [rank[r["req"]], r["to"], r["blocks"], r["heavy"]])
-        elif kind == "keep":
-            add("keep", wid, rank[r["req"]])
+        elif kind in ("keep", "hand_back"):
+            add(kind, wid, rank[r["req"]])
         else:
             for key in ("admit", "preempt", "fail"):
                 for rid in r.get(key, ()):
@@ -117,7 +118,7 @@ def compare(sim: Log, real: Log) -> dict[str, dict[str, Any]]:
 SUMMARY_ROWS = ("num_chunks", "chunk_fill_mean", "num_padded_chunks", "num_slices",
                 "num_dispatches", "dispatches_per_decode", "num_heavy_dispatches",
                 "num_decode_steps", "decode_batch_mean", "num_admissions", "num_preemptions",
-                "num_failed", "num_kept")
+                "num_failed", "num_kept", "num_handed_back")
 
 
 def table(sim: dict[str, Any], reals: list[dict[str, Any]],

@@ -60,7 +60,7 @@ class PrefillInstance(_Decoding):
         self.num_rejected = 0  # hand-offs refused by a decode instance
         self._chunk: ChunkPlan | None = None
         self.local = (LocalDecode(cfg.local_decode_batch, cfg.local_decode_min_tokens,
-                                  cfg.local_decode_max_prompt_share)
+                                  cfg.local_decode_max_prompt_share, cfg.local_decode_hand_back)
                       if cfg.local_decode_batch else None)
         self.prompt_share = PromptShare()  # steps with prompt tokens, for self.local
         self._step_start_s = 0.0
@@ -71,6 +71,7 @@ class PrefillInstance(_Decoding):
                                          tail=sim.length_tail("oracle"))
         self.seqs = {}  # the kept requests (DECODING in the book)
         self.num_kept = 0  # requests kept in all
+        self.num_handed_back = 0  # kept requests handed to a decode instance after all
         self.max_kept = 0  # most kept at once
         self._decode: DecodeStepPlan | None = None
 
@@ -113,6 +114,8 @@ class PrefillInstance(_Decoding):
     def start_step(self) -> float | None:
         self._step_start_s = self.sim.loop.now_s
         predict_s = self.predict_new()
+        if self.local is not None and len(self.admission):
+            self._hand_back(self.local)
         if len(self.admission):
             return self._start_mixed(predict_s)
         chunk = self.chunker.plan(self.book.queue, self.alloc.num_free)
@@ -215,6 +218,23 @@ class PrefillInstance(_Decoding):
             self.admission.add(req_id, seq.req.prompt_len, seq.num_tokens, seq.req.bucket,
                                seq.req.output_len)
 
+    def _hand_back(self, local: LocalDecode) -> None:
+        """``PrefillRole._hand_back``: prompts wait beyond the next chunk; the kept requests
+        whose KV is whole go to a decode instance."""
+        book = self.book
+        if not local.hands_back(book.queue.num_queued_tokens, self.chunker.chunk_size):
+            return
+        for req_id in book.ids(Stage.DECODING):
+            seq = self.seqs[req_id]
+            if seq.num_computed != seq.num_tokens - 1:
+                continue  # preempted here: recomputed here
+            del self.seqs[req_id]
+            self.admission.remove(req_id)
+            book.hand_back(req_id)
+            self.record("hand_back", req=req_id)
+            self.num_handed_back += 1
+        self.dispatch_held()
+
     def load_report(self) -> LoadReport:
         book = self.book
         return LoadReport(self.worker_id, "prefill", book.count(Stage.NEW, Stage.QUEUED),
@@ -252,7 +272,8 @@ class DecodeInstance(_Decoding):
         if kind == "handoff":
             src: PrefillInstance = msg[1]
             req: SimRequest = msg[2]
-            seq = SimSeq(req, req.prompt_len + 1, num_computed=req.prompt_len)
+            num_tokens: int = msg[3]  # prompt + first token, + what a prefill worker decoded
+            seq = SimSeq(req, num_tokens, num_computed=num_tokens - 1)
             if not reserve(self.alloc, seq, seq.num_computed, self.block_size):
                 self.sim.send(src, ("rejected", req.req_id))
                 return

@@ -72,7 +72,8 @@ class PrefillRole(Role):
         # elastic P/D: the requests this worker keeps and decodes itself (greedy admission)
         num_local = cfg.prefill.local_decode_batch
         self.local = (LocalDecode(num_local, cfg.prefill.local_decode_min_tokens,
-                                  cfg.prefill.local_decode_max_prompt_share)
+                                  cfg.prefill.local_decode_max_prompt_share,
+                                  cfg.prefill.local_decode_hand_back)
                       if num_local else None)
         self.prompt_share = PromptShare()  # steps with prompt tokens (monotonic clock)
         self.admission = DecodeAdmission("greedy", block_size=w.block_size,
@@ -152,6 +153,8 @@ class PrefillRole(Role):
 
     def step(self) -> bool:
         self.predict_new()
+        if self.local is not None and len(self.admission):
+            self._hand_back(self.local)
         if len(self.admission):
             return self._mixed_step()
         chunk = self.chunker.plan(self.book.queue, self.w.allocator.num_free)
@@ -281,6 +284,21 @@ class PrefillRole(Role):
             self.admission.add(req_id, seq.num_prompt, seq.num_tokens, seq.predicted_bucket,
                                seq.params.max_tokens)
             self.w.decisions.record("keep", req=req_id)
+
+    def _hand_back(self, local: LocalDecode) -> None:
+        """Elastic: prompts wait beyond the next chunk, so the kept requests whose KV is whole
+        go to a decode worker now (one preempted here has none: it stays and is recomputed)."""
+        book = self.book
+        if not local.hands_back(book.queue.num_queued_tokens, self._chunk_size):
+            return
+        for req_id in book.ids(Stage.DECODING):
+            seq = book.get(req_id)
+            if seq.num_computed != seq.num_tokens - 1:
+                continue
+            self.admission.remove(req_id)
+            book.hand_back(req_id)
+            self.w.decisions.record("hand_back", req=req_id)
+        self.dispatch_held()
 
     def load_report(self) -> LoadReport:
         a, book = self.w.allocator, self.book
