@@ -88,6 +88,9 @@ ROWS: tuple[Row, ...] = (
     Row("elastic", "elastic P/D", mode="elastic"),
     Row("elastic-prefill", "elastic P/D", mode="elastic-prefill"),
     Row("elastic-decode", "elastic P/D", mode="elastic-decode"),
+    # keep whatever the prompt load, hand back when prompts queue (prefill.local_decode_hand_back)
+    Row("hand-back", "elastic P/D", sets=("prefill.local_decode_hand_back=true",
+                                          "prefill.local_decode_max_prompt_share=1")),
 )
 ROW_NAMES = tuple(r.name for r in ROWS)
 
