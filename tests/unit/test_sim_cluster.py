@@ -267,8 +267,9 @@ def test_elastic_prefill_hands_kept_requests_back_when_prompts_queue() -> None:
 
 def test_elastic_prefill_keeps_fewer_while_prompts_keep_it_busy() -> None:
     """HPHD at 1 req/s keeps the prefill instance ~30% busy with prompts: with the default
-    prompt share (0.1) it keeps fewer requests than whatever the load (1.0)."""
-    assert num_kept("HPHD", 1.0) < num_kept("HPHD", 1.0, local_decode_max_prompt_share=1.0)
+    prompt share of 0.1 it keeps fewer requests than whatever the load (1.0)."""
+    assert (num_kept("HPHD", 1.0, local_decode_max_prompt_share=0.1)
+            < num_kept("HPHD", 1.0, local_decode_max_prompt_share=1.0))
 
 
 def test_elastic_decode_prefills_light_prompts_behind_a_backlog() -> None:

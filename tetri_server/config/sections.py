@@ -286,7 +286,7 @@ class PrefillConfig(_Section):
     local_decode_min_tokens: int = 128
     """Elastic P/D: a prefill worker keeps only requests that can decode more than this many
     tokens (their max_tokens and predicted bucket's upper end); 0 = any request."""
-    local_decode_max_prompt_share: float = 0.1
+    local_decode_max_prompt_share: float = 0.3
     """Elastic P/D: ... and only while steps with prompt tokens took at most this share of the
     worker's last 10 s (a kept request gets one token per step); 1 = whatever the load."""
     local_decode_hand_back: bool = False

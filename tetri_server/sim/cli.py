@@ -115,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="elastic: keep only requests that can decode more than this (default 128)")
     p.add_argument("--local-decode-max-prompt-share", type=float,
                    help="elastic: keep only while prompt steps took at most this share of the "
-                        "last 10 s (default 0.1)")
+                        "last 10 s (default 0.3)")
     p.add_argument("--local-decode-hand-back", action="store_true", default=None,
                    help="elastic: kept requests go to a decode instance when prompts queue")
     p.add_argument("--local-prefill-tokens", type=int,
