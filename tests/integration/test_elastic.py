@@ -15,6 +15,15 @@ from tetri_server.messages import SamplingParams
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
 
+async def assert_all_freed(cluster) -> None:
+    usage = await wait_all_free(cluster)
+    assert all(u == 0 for u, _ in usage.values()), usage
+
+
+def decisions(tmp_path, worker: int = 0) -> list[dict]:
+    return [json.loads(line) for line in (tmp_path / f"decisions.w{worker}.jsonl").open()]
+
+
 async def run_long_then_crowd(tiny_llama, tmp_path, *sets: str) -> tuple[set, set, int, list]:
     """A long first request (300 tokens) decoding on one side, then a second one and a crowd of
     short ones (24 tokens) once the prefill worker's view shows the first; every output is
@@ -37,13 +46,12 @@ async def run_long_then_crowd(tiny_llama, tmp_path, *sets: str) -> tuple[set, se
             asyncio.gather(*(collect(cluster, p, GREEDY) for p in [second, *crowd])), 180)
         assert got == ref
         assert [await asyncio.wait_for(run_first, 180)] == ref_first
-        usage = await wait_all_free(cluster)
-        assert all(u == 0 for u, _ in usage.values()), usage
+        await assert_all_freed(cluster)
     finally:
         run_id = cluster.run_id
         await cluster.stop()
     assert segments(run_id) == []
-    records = [json.loads(line) for line in (tmp_path / "decisions.w0.jsonl").open()]
+    records = decisions(tmp_path)
     kept = {r["req"] for r in records if r["kind"] == "keep"}
     sent = {r["req"] for r in records if r["kind"] == "dispatch"}
     assert not kept & sent
@@ -89,11 +97,10 @@ async def test_light_prompts_prefilled_on_the_decode_worker_equal_transformers(t
         light_runs = [asyncio.ensure_future(collect(cluster, p, GREEDY)) for p in light]
         got = await asyncio.wait_for(asyncio.gather(*heavy_runs, *light_runs), 180)
         assert got == ref
-        usage = await wait_all_free(cluster)
-        assert all(u == 0 for u, _ in usage.values()), usage
+        await assert_all_freed(cluster)
     finally:
         await cluster.stop()
-    records = [json.loads(line) for line in (tmp_path / "decisions.w1.jsonl").open()]
+    records = decisions(tmp_path, 1)
     prefilled = {s[0] for r in records for s in r.get("slices", [])}
     assert prefilled, "no prompt was prefilled on the decode worker"
     assert all(n <= 48 for r in records for _, _, n in r.get("slices", []))
@@ -133,13 +140,12 @@ async def test_a_kept_request_handed_back_mid_decode_equals_transformers(tiny_ll
         got = [await asyncio.wait_for(r, 180) for r in (run_first, run_second)]
         assert got == ref
         assert got_burst == ref_burst
-        usage = await wait_all_free(cluster)
-        assert all(u == 0 for u, _ in usage.values()), usage
+        await assert_all_freed(cluster)
     finally:
         run_id = cluster.run_id
         await cluster.stop()
     assert segments(run_id) == []
-    records = [json.loads(line) for line in (tmp_path / "decisions.w0.jsonl").open()]
+    records = decisions(tmp_path)
     # the second was kept, then handed back once the burst queued, then dispatched (burst
     # requests may be kept too, once the backlog is gone)
     kept_id = 1 + min(r["req"] for r in records if r["kind"] == "dispatch")
