@@ -108,9 +108,8 @@ class PrefillBook(Generic[T]):
     def prefilled(self, req_id: int) -> T:
         """QUEUED -> HELD: the prompt is done and the request continues on a decode worker."""
         e = self._entry(req_id, Stage.QUEUED)
-        self._move(e, Stage.HELD)
+        self._hold(e)
         self.queue.remove(req_id)  # normally gone already: the chunker's on_done advanced it
-        self._entries[req_id] = self._entries.pop(req_id)  # to the back of the held order
         return e.req
 
     def dispatch(self) -> list[tuple[T, DispatchPlan]]:
@@ -137,8 +136,7 @@ class PrefillBook(Generic[T]):
         """DECODING -> HELD (at the back): a kept request goes to a decode worker after all; its
         hand-off carries the KV of its prompt and of the tokens decoded here."""
         e = self._entry(req_id, Stage.DECODING)
-        self._move(e, Stage.HELD)
-        self._entries[req_id] = self._entries.pop(req_id)
+        self._hold(e)
         return e.req
 
     def on_view(self, view: DecodeSnapshot) -> bool:
@@ -166,9 +164,8 @@ class PrefillBook(Generic[T]):
             return None
         assert e.plan is not None
         self.dispatcher.on_rejected(e.plan)
-        self._move(e, Stage.HELD)
+        self._hold(e)
         e.plan = None
-        self._entries[req_id] = self._entries.pop(req_id)
         self._await_view = True
         return e.req
 
@@ -186,6 +183,11 @@ class PrefillBook(Generic[T]):
 
     def _held(self) -> Iterator[tuple[int, Entry[T]]]:
         return ((rid, e) for rid, e in self._entries.items() if e.stage is Stage.HELD)
+
+    def _hold(self, e: Entry[T]) -> None:
+        """-> HELD, at the back of the held order (``dispatch`` goes in insertion order)."""
+        self._move(e, Stage.HELD)
+        self._entries[e.req_id] = self._entries.pop(e.req_id)
 
     def _move(self, e: Entry[T], stage: Stage) -> None:
         self._counts[e.stage] -= 1
