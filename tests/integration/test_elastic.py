@@ -27,7 +27,8 @@ def decisions(tmp_path, worker: int = 0) -> list[dict]:
 async def run_long_then_crowd(tiny_llama, tmp_path, *sets: str) -> tuple[set, set, int, list]:
     """A long first request (300 tokens) decoding on one side, then a second one and a crowd of
     short ones (24 tokens) once the prefill worker's view shows the first; every output is
-    checked against transformers. Returns (kept ids, dispatched ids, first id, records)."""
+    checked against transformers. Returns (kept ids, ids dispatched by the prefill worker or
+    prefilled on the decode worker, first id, the prefill worker's records)."""
     long_one = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
     first, second = random_prompts(2, 8000, (10, 30), seed=22)
     crowd = random_prompts(16, 8000, (1, 200), seed=23)
@@ -54,6 +55,8 @@ async def run_long_then_crowd(tiny_llama, tmp_path, *sets: str) -> tuple[set, se
     records = decisions(tmp_path)
     kept = {r["req"] for r in records if r["kind"] == "keep"}
     sent = {r["req"] for r in records if r["kind"] == "dispatch"}
+    # elastic decode side (on by default): a prompt behind the crowd may be prefilled there
+    sent |= {s[0] for r in decisions(tmp_path, 1) for s in r.get("slices", [])}
     assert not kept & sent
     return kept, sent, min(kept | sent), records
 
@@ -73,16 +76,17 @@ async def test_kept_and_handed_off_requests_both_equal_transformers(tiny_llama, 
 
 async def test_short_requests_are_handed_off_by_default(tiny_llama, tmp_path):
     """The same flow with the default local_decode_min_tokens (128): the 24-token requests,
-    which the test above keeps, all go to the decode worker; only the long one may stay."""
+    which the test above keeps, all go to the decode worker (handed off, or prefilled there);
+    only the long one may stay."""
     kept, sent, first_id, _ = await run_long_then_crowd(tiny_llama, tmp_path)
     assert kept <= {first_id}
     assert len(sent) >= 17
 
 
-async def test_light_prompts_prefilled_on_the_decode_worker_equal_transformers(tiny_llama,
-                                                                               tmp_path):
-    """With the prefill worker backlogged by long prompts, light prompts go to the decode
-    worker, which prefills them in slices riding in its decode steps."""
+async def test_prompts_prefilled_on_the_decode_worker_equal_transformers(tiny_llama, tmp_path):
+    """With the prefill worker backlogged by long prompts, prompts that finish sooner there go
+    to the decode worker, which prefills them in slices (``decode.local_prefill_tokens``)
+    riding in its decode steps."""
     heavy = random_prompts(6, 8000, (300, 400), seed=31)
     light = random_prompts(8, 8000, (1, 48), seed=32)
     ref = hf_greedy(tiny_llama, heavy + light, GREEDY.max_tokens)

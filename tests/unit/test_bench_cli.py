@@ -237,5 +237,5 @@ def test_the_elastic_preset_is_disaggregated_with_local_decodes():
     sets = [spec.argv[i + 1] for i, a in enumerate(spec.argv) if a == "--set"]
     assert spec.label == "elastic"
     assert "cluster.mode=disaggregated" in sets and "prefill.local_decode_batch=16" in sets
-    assert "decode.local_prefill_tokens=128" in sets
+    assert "decode.local_prefill_tokens=1024" in sets
     assert sets[-1] == "cluster.workers=2"  # the caller's sets come last: they win

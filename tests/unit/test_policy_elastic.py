@@ -122,25 +122,18 @@ def test_a_handed_back_request_is_dispatched_like_a_prefilled_one():
         book.hand_back(1)  # gone: only a kept request can be handed back
 
 
-class Load:
-    def __init__(self, wid: int, queued: int = 0, running: int = 0, role: str = "decode"):
-        self.worker_id, self.role = wid, role
-        self.num_queued_prompt_tokens, self.num_running, self.num_waiting = queued, running, 0
-        self.busy_s = 0.0
+def test_a_prompt_goes_to_a_decode_worker_only_behind_a_backlog():
+    local = LocalPrefill()
+    assert local.pick(900, 256, [(1, 0, 0), (2, 0, 5)]) == 1
+    assert local.pick(256, 256, [(1, 0, 0)]) is None  # starts in the next chunk anyway
+    assert local.pick(900, 256, []) is None  # no decode worker serving
 
 
-def test_a_light_prompt_goes_to_the_decode_worker_only_behind_a_backlog():
-    local = LocalPrefill(max_prompt_tokens=64)
-    backlogged, idle = Load(0, queued=900, role="prefill"), Load(0, queued=40, role="prefill")
-    assert local.pick(30, backlogged, 256, [Load(1), Load(2, running=5)]) == 1
-    assert local.pick(30, idle, 256, [Load(1)]) is None  # starts in the next chunk anyway
-    assert local.pick(65, backlogged, 256, [Load(1)]) is None  # not light
-    assert local.pick(30, backlogged, 256, []) is None  # no decode worker serving
-    assert local.pick(30, None, 256, [Load(1)]) is None  # no report of the prefill worker yet
-
-
-def test_the_decode_worker_with_the_smallest_prompt_backlog_and_only_if_sooner():
-    local = LocalPrefill(max_prompt_tokens=64)
-    p = Load(0, queued=300, role="prefill")
-    assert local.pick(30, p, 256, [Load(1, queued=120), Load(2, queued=40, running=9)]) == 2
-    assert local.pick(30, p, 256, [Load(1, queued=280)]) is None  # 280 + 30 >= 300
+def test_the_decode_worker_with_the_smallest_prompt_backlog_and_only_if_sooner_by_a_chunk():
+    local = LocalPrefill()
+    assert local.pick(600, 256, [(1, 120, 0), (2, 40, 9)]) == 2
+    assert local.pick(600, 256, [(1, 40, 3), (2, 40, 1)]) == 2  # tie: fewer requests
+    # the prompt finishes after what is queued ahead of it on either side: 600 there against
+    # 300 here, with a chunk (256) of margin for the decode rows sharing its steps
+    assert local.pick(600, 256, [(1, 300, 0)]) == 1
+    assert local.pick(600, 256, [(1, 344, 0)]) is None  # 344 + 256 >= 600

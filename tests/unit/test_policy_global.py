@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tetri_server.messages import LoadReport
-from tetri_server.policy import LeastLoadedPicker
+from tetri_server.policy import LeastLoadedPicker, LocalPrefill
 
 
 def report(
@@ -54,3 +54,27 @@ def test_coupled_mode_balances_requests_over_all_workers() -> None:
     assert picker.pick(100) == 1
     assert picker.pick(100) == 1
     assert picker.pick(100) == 0  # 5 against 5: fewer queued tokens wins
+
+
+def test_elastic_sends_a_prompt_to_a_decode_worker_that_finishes_it_sooner() -> None:
+    picker = LeastLoadedPicker(local_prefill=LocalPrefill())
+    picker.on_report(report(0, "prefill", 900))  # busy with a long prompt
+    picker.on_report(report(1, "decode", 0, running=20))
+    chunks = {0: 256}
+    assert picker.pick(400, chunk_sizes=chunks) == 1  # would wait behind 900 tokens
+    # what was sent counts until the next report: 400 then 700 tokens queued on the decode
+    # worker, and 700 + 256 >= 900, so the third prompt takes the prefill worker
+    assert picker.pick(300, chunk_sizes=chunks) == 1
+    assert picker.pick(200, chunk_sizes=chunks) == 0
+    assert picker.queued_tokens(0) == 1100 and picker.queued_tokens(1) == 700
+    picker.on_report(report(0, "prefill", 100))
+    assert picker.pick(50, chunk_sizes=chunks) == 0  # starts within the next chunk
+    assert picker.pick(50, exclude={1}, chunk_sizes=chunks) == 0
+
+
+def test_without_elastic_decode_workers_never_prefill() -> None:
+    picker = LeastLoadedPicker()
+    picker.on_report(report(0, "prefill", 5000))
+    picker.on_report(report(1, "decode", 0))
+    assert picker.pick(100, chunk_sizes={0: 128}) == 0
+    assert LeastLoadedPicker(coupled=True, local_prefill=LocalPrefill()).local_prefill is None

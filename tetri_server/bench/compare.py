@@ -37,10 +37,10 @@ TETRI_MODES = ("disaggregated", "coupled", "coupled-chunked")
 # Named variants a comparison may list beside the modes: (cluster.mode, extra key=value).
 MODE_PRESETS = {
     "elastic": ("disaggregated", ("prefill.local_decode_batch=16",
-                                  "decode.local_prefill_tokens=128")),
+                                  "decode.local_prefill_tokens=1024")),
     "elastic-prefill": ("disaggregated", ("prefill.local_decode_batch=16",)),  # ablations
     "split": ("disaggregated", ("prefill.local_decode_batch=0",)),  # the paper's strict split
-    "elastic-decode": ("disaggregated", ("decode.local_prefill_tokens=128",)),
+    "elastic-decode": ("disaggregated", ("decode.local_prefill_tokens=1024",)),
 }
 VLLM_LABEL = "vllm-cpu"
 READY_POLL_S = 0.5

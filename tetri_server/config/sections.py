@@ -321,10 +321,10 @@ class DecodeConfig(_Section):
     output given the bucket and the tokens generated so far, from the artifact's length
     distributions; the victim of a preemption is the request expected to run longest)."""
     local_prefill_tokens: int = 0
-    """Elastic P/D (disaggregated mode): control may send a prompt of at most this many tokens
-    to a decode worker while the prefill worker it would go to has over one chunk queued; the
-    decode worker prefills it in slices of at most this many tokens riding in its decode steps
-    (``policy/elastic.py``). 0: the strict split of the paper."""
+    """Elastic P/D (disaggregated mode): control sends a prompt to a decode worker when it
+    would finish there sooner (the prefill worker has over a chunk more queued ahead of it than
+    the decode worker); the decode worker prefills it in slices of at most this many tokens
+    riding in its decode steps (``policy/elastic.py``). 0: the strict split of the paper."""
 
     def _validate(self) -> None:
         self._at_least("max_batch", 1)

@@ -10,7 +10,7 @@ from typing import Any
 from tetri_server.config import Config
 from tetri_server.control.supervisor import WorkerHandle
 from tetri_server.messages import DecodeInstanceView, DecodeView, LoadReport, Ready
-from tetri_server.policy import LeastLoadedPicker
+from tetri_server.policy import LeastLoadedPicker, LocalPrefill
 
 log = logging.getLogger("tetri.monitor")
 
@@ -42,7 +42,9 @@ class Monitor:
         self.draining = draining
         self.metrics = metrics
         self.reports: dict[int, LoadReport] = {}
-        self.picker = LeastLoadedPicker(coupled=cfg.cluster.mode != "disaggregated")
+        elastic = cfg.decode.local_prefill_tokens > 0
+        self.picker = LeastLoadedPicker(coupled=cfg.cluster.mode != "disaggregated",
+                                        local_prefill=LocalPrefill() if elastic else None)
         self._view_seq = 0
         self._last_tick_s = 0.0
 
@@ -78,9 +80,11 @@ class Monitor:
         self.metrics.set_up(worker_id, False)
 
     def pick(self, num_prompt_tokens: int) -> int | None:
-        """The least-loaded serving entry worker (prefill, or coupled), or None."""
+        """The least-loaded serving entry worker (prefill, or coupled; elastic: or a decode
+        worker that prefills it sooner), or None."""
         down = [w for w, h in self.workers.items() if not h.is_ready or w in self.draining]
-        return self.picker.pick(num_prompt_tokens, exclude=down)
+        chunks = {w: h.chunk_size for w, h in self.workers.items() if h.chunk_size}
+        return self.picker.pick(num_prompt_tokens, exclude=down, chunk_sizes=chunks)
 
     def decode_view(self) -> DecodeView:
         """The decode workers that may receive hand-offs, from their latest reports."""

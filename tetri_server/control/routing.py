@@ -17,7 +17,6 @@ from tetri_server.control.requests import ReqState, Request
 from tetri_server.control.supervisor import WorkerHandle
 from tetri_server.control.table import RequestTable
 from tetri_server.messages import Abort, AddRequest, Handoff, HandoffRejected, KVPulled
-from tetri_server.policy import LocalPrefill
 
 MAX_RERUNS = 3
 
@@ -33,20 +32,17 @@ class Router:
         self.monitor = monitor
         self.accounting = accounting
         self.metrics = accounting.metrics
-        n = cfg.decode.local_prefill_tokens
-        self.local_prefill = LocalPrefill(n) if n and self.disaggregated else None
 
     def route(self, req: Request) -> None:
-        """Send to the least-loaded prefill (or coupled) worker; the prompt of a re-run
-        includes the tokens already streamed, so the stream continues where it stopped. With
-        no live worker to take it, it waits (bounded) for one."""
+        """Send to the least-loaded prefill (or coupled) worker, or (elastic) a decode worker
+        that prefills it sooner (``Monitor.pick``); the prompt of a re-run includes the tokens
+        already streamed, so the stream continues where it stopped. With no live worker to take
+        it, it waits (bounded) for one."""
         prompt = req.prompt_ids + req.output_ids
         wid = self.monitor.pick(len(prompt))
         if wid is None:
             self.table.park(req, self.deadline())
             return
-        if self.local_prefill is not None:
-            wid = self._elastic(wid, len(prompt), self.local_prefill)
         done = len(req.output_ids)
         p = req.params
         # a re-run after streamed tokens: its prompt holds them, and the client already has
@@ -59,16 +55,6 @@ class Router:
         req.wait_deadline_s = None if self.has_live("decode") else self.deadline()
         self.workers[wid].post(AddRequest(req.req_id, prompt, params, req.arrival_s,
                                           req.true_output_len, req.prompt_text))
-
-    def _elastic(self, wid: int, num_prompt_tokens: int, local: LocalPrefill) -> int:
-        """The picked prefill worker, or a serving decode worker that will start this light
-        prompt sooner (``policy.LocalPrefill``)."""
-        reports = self.monitor.reports
-        decodes = [r for d, r in reports.items() if r.role == "decode" and d in self.workers
-                   and self.workers[d].is_ready and d not in self.draining]
-        chunk = self.workers[wid].chunk_size or 1
-        pick = local.pick(num_prompt_tokens, reports.get(wid), chunk, decodes)
-        return wid if pick is None else pick
 
     def rerun(self, req: Request) -> None:
         """Re-run a request whose worker died, from its prompt plus what was streamed."""

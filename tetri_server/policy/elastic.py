@@ -36,7 +36,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from tetri_server.policy.views import DecodeSnapshot, WorkerLoad
+from tetri_server.policy.views import DecodeSnapshot
 
 
 @dataclass(frozen=True)
@@ -98,24 +98,26 @@ class PromptShare:
 
 @dataclass(frozen=True)
 class LocalPrefill:
-    """The decode side (``decode.local_prefill_tokens``): control sends a light prompt (at most
-    ``max_prompt_tokens``) to a decode worker instead of the prefill worker it picked when that
-    worker's backlog is over one chunk (the prompt would wait behind others) and the decode
-    worker's own prompt backlog is smaller. The decode worker prefills it in slices riding in
-    its decode steps (``max_prompt_tokens`` a step), so its batch keeps a bounded gap."""
+    """The decode side (``decode.local_prefill_tokens``): a prompt goes to a decode worker
+    instead of the prefill worker the global pick chose when the decode worker would finish it
+    sooner: the prefill worker's backlog is over one chunk (the prompt would not start in its
+    next chunk) and exceeds the decode worker's own prompt backlog by more than a chunk (a
+    margin for the decode rows that share its steps). A prompt finishes on either side after
+    the prompt tokens queued ahead of it plus its own, so comparing the backlogs compares the
+    finish times. The decode worker prefills it in slices of ``decode.local_prefill_tokens``
+    riding in its decode steps, so while the prefill worker is busy a second core prefills and
+    prompts stop queueing behind one prefill server; the price is the decode batch's gap during
+    those steps (what a coupled worker pays for every prompt)."""
 
-    max_prompt_tokens: int
-
-    def pick(self, num_prompt_tokens: int, prefill: WorkerLoad | None, chunk_size: int,
-             decodes: Sequence[WorkerLoad]) -> int | None:
-        """The decode worker to prefill this prompt, or None: the prefill worker takes it."""
-        if num_prompt_tokens > self.max_prompt_tokens or prefill is None or not decodes:
-            return None
-        backlog = prefill.num_queued_prompt_tokens
-        if backlog <= chunk_size:
-            return None  # the prefill worker starts it within its next chunk
-        best = min(decodes, key=lambda d: (d.num_queued_prompt_tokens,
-                                           d.num_waiting + d.num_running, d.worker_id))
-        if best.num_queued_prompt_tokens + num_prompt_tokens >= backlog:
+    def pick(self, backlog_tokens: int, chunk_size: int,
+             decodes: Sequence[tuple[int, int, int]]) -> int | None:
+        """The decode worker to prefill the prompt, or None: the prefill worker takes it.
+        ``backlog_tokens``: prompt tokens queued on the picked prefill worker ahead of it;
+        ``decodes``: (worker id, prompt tokens queued, requests held) of each serving decode
+        worker."""
+        if not decodes or backlog_tokens <= chunk_size:
+            return None  # none serving, or the prefill worker starts it within its next chunk
+        wid, queued, _ = min(decodes, key=lambda d: (d[1], d[2], d[0]))
+        if queued + chunk_size >= backlog_tokens:
             return None  # no sooner there
-        return best.worker_id
+        return wid

@@ -8,13 +8,19 @@ resets it); without that, a burst of arrivals would all land on the same worker.
 Load, disaggregated: prompt tokens queued or being prefilled on a ``prefill`` worker. Coupled
 (every worker prefills and decodes): requests waiting or running, then queued prompt tokens.
 Ties go to the lowest worker id.
+
+Elastic (``local_prefill``, disaggregated only): the prompt goes to a decode worker instead of
+the least-loaded prefill worker where ``LocalPrefill`` says it finishes sooner there; both sides'
+backlogs count what was sent since their last report. The router and the simulator call this one
+pick, so they place prompts alike.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
+from tetri_server.policy.elastic import LocalPrefill
 from tetri_server.policy.views import WorkerLoad
 
 
@@ -27,8 +33,9 @@ class _Sent:
 class LeastLoadedPicker:
     """Least-loaded worker choice for new requests (TetriInfer's global scheduler)."""
 
-    def __init__(self, *, coupled: bool = False) -> None:
+    def __init__(self, *, coupled: bool = False, local_prefill: LocalPrefill | None = None) -> None:
         self.coupled = coupled
+        self.local_prefill = None if coupled else local_prefill
         self._reports: dict[int, WorkerLoad] = {}
         self._sent: dict[int, _Sent] = {}
 
@@ -42,17 +49,25 @@ class LeastLoadedPicker:
         self._reports.pop(worker_id, None)
         self._sent.pop(worker_id, None)
 
+    def queued_tokens(self, worker_id: int) -> int:
+        """Prompt tokens queued on ``worker_id``: its report's plus those sent since."""
+        return (self._reports[worker_id].num_queued_prompt_tokens
+                + self._sent[worker_id].num_prompt_tokens)
+
     def load(self, worker_id: int) -> tuple[int, ...]:
         """The sort key of ``worker_id`` (smaller is less loaded)."""
         r, sent = self._reports[worker_id], self._sent[worker_id]
-        num_tokens = r.num_queued_prompt_tokens + sent.num_prompt_tokens
         if self.coupled:
-            return (r.num_waiting + r.num_running + sent.num_requests, num_tokens, worker_id)
-        return (num_tokens, worker_id)
+            return (r.num_waiting + r.num_running + sent.num_requests,
+                    self.queued_tokens(worker_id), worker_id)
+        return (self.queued_tokens(worker_id), worker_id)
 
-    def pick(self, num_prompt_tokens: int, exclude: Collection[int] = ()) -> int | None:
-        """The least-loaded eligible worker, counted as loaded with this request; None when no
-        worker is eligible. ``exclude``: workers not to route to (draining, restarting)."""
+    def pick(self, num_prompt_tokens: int, exclude: Collection[int] = (),
+             chunk_sizes: Mapping[int, int] | None = None) -> int | None:
+        """The least-loaded eligible worker (or, elastic, a decode worker that finishes the
+        prompt sooner), counted as loaded with this request; None when no worker is eligible.
+        ``exclude``: workers not to route to (draining, restarting); ``chunk_sizes``: each
+        prefill worker's chunk (missing: 1)."""
         eligible = [
             wid
             for wid, r in self._reports.items()
@@ -61,6 +76,14 @@ class LeastLoadedPicker:
         if not eligible:
             return None
         worker_id = min(eligible, key=self.load)
+        if self.local_prefill is not None:
+            decodes = [(wid, self.queued_tokens(wid),
+                        r.num_waiting + r.num_running + self._sent[wid].num_requests)
+                       for wid, r in self._reports.items()
+                       if wid not in exclude and r.role == "decode"]
+            chunk = (chunk_sizes or {}).get(worker_id) or 1
+            other = self.local_prefill.pick(self.queued_tokens(worker_id), chunk, decodes)
+            worker_id = worker_id if other is None else other
         sent = self._sent[worker_id]
         self._sent[worker_id] = _Sent(
             sent.num_requests + 1, sent.num_prompt_tokens + num_prompt_tokens

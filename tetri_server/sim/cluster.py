@@ -56,7 +56,7 @@ class SimConfig:
     local_decode_min_tokens: int = 128  # elastic: ... only if they can decode more than this
     local_decode_max_prompt_share: float = 0.3  # ... and while prompt steps take at most this
     local_decode_hand_back: bool = False  # elastic: kept ones go to decode when prompts queue
-    local_prefill_tokens: int = 0  # elastic: light prompts a decode instance prefills
+    local_prefill_tokens: int = 0  # elastic: prompt tokens a decode instance prefills a step
     decode_policy: DecodePolicyName = "reserve-dynamic"
     # [decode] estimate; "refined" reads the length tails of the shipped predictor artifact
     # whose granularity is ``granularity`` (none matching: the simulation does not start)
@@ -146,7 +146,9 @@ class Simulation:
             self.instances = [CoupledInstance(self, wid, num_blocks, chunked=chunked)
                               for wid in range(cfg.num_instances)]
         self.prefills = [i for i in self.instances if isinstance(i, PrefillInstance)]
-        self.picker = LeastLoadedPicker(coupled=cfg.mode != "disaggregated")
+        self.picker = LeastLoadedPicker(
+            coupled=cfg.mode != "disaggregated",
+            local_prefill=LocalPrefill() if cfg.local_prefill_tokens else None)
         self.flip_policy = (FlipPolicy(window_s=cfg.flip_window_s, idle_window_s=cfg.flip_idle_s,
                                        low_util=cfg.flip_low_load,
                                        cooldown_s=cfg.flip_min_interval_s)
@@ -157,18 +159,13 @@ class Simulation:
         self._view_seq = 0
         self._num_done = 0
         self.parked: list[SimRequest] = []
-        self.reports: dict[int, LoadReport] = {}  # the monitor's latest, per instance
-        self.local_prefill = (LocalPrefill(cfg.local_prefill_tokens)
-                              if cfg.local_prefill_tokens and cfg.mode == "disaggregated"
-                              else None)
 
     # ------------------------------------------------------------------ control
 
     def run(self) -> SimResult:
         wall0 = time.perf_counter()
         for inst in self.instances:
-            self.reports[inst.worker_id] = inst.load_report()  # Monitor.on_ready
-            self.picker.on_report(self.reports[inst.worker_id])
+            self.picker.on_report(inst.load_report())  # Monitor.on_ready
         for req in self.requests:
             self.loop.at(req.arrival_s, functools.partial(self.arrive, req))
         self.loop.at(0.0, self.tick)
@@ -189,16 +186,11 @@ class Simulation:
         )
 
     def arrive(self, req: SimRequest) -> None:
-        wid = self.picker.pick(req.prompt_len, exclude=self.draining)
+        chunks = {i.worker_id: self.cfg.chunk_size for i in self.instances}
+        wid = self.picker.pick(req.prompt_len, exclude=self.draining, chunk_sizes=chunks)
         if wid is None:
             self.parked.append(req)
             return
-        if self.local_prefill is not None:  # Router._elastic
-            decodes = [r for w, r in self.reports.items()
-                       if r.role == "decode" and w not in self.draining]
-            pick = self.local_prefill.pick(req.prompt_len, self.reports.get(wid),
-                                           self.cfg.chunk_size, decodes)
-            wid = wid if pick is None else pick
         self.instances[wid].deliver(("add", req))
 
     def tick(self) -> None:
@@ -206,7 +198,6 @@ class Simulation:
         reports = [inst.load_report() for inst in self.instances]
         for r in reports:
             self.picker.on_report(r)
-            self.reports[r.worker_id] = r
         serving = [r for r in reports if r.worker_id not in self.draining]
         if self.flip_policy is not None:
             self.flip_step(serving)
