@@ -1,5 +1,5 @@
 """The tiled prefill kernel inside tetri::ragged_attention (prompt chunks of >= 16 rows, fp32,
-AVX-512, head_dim 64/128, no window) against SDPA in float64: whole causal chunks, later chunks
+AVX-512 or AVX2, head_dim 64/128, no window) against SDPA in float64: whole causal chunks, later chunks
 at an offset, GQA, and the same bits for a sequence whatever else is in the batch or however
 many threads run it."""
 
@@ -19,8 +19,8 @@ from tetri_server.engine.attention import BatchMetadata, ragged_attention
 def built_op():
     if shutil.which("c++") is None and shutil.which("g++") is None:
         pytest.skip("no C++ compiler on this machine")
-    if torch.backends.cpu.get_cpu_capability() != "AVX512":
-        pytest.skip("the tiled prefill kernel is built only for AVX-512 (this build: "
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AVX2"):
+        pytest.skip("the tiled prefill kernel is built for AVX-512 and AVX2 (this build: "
                     f"{torch.backends.cpu.get_cpu_capability()}; such chunks take SDPA)")
     assert ops.load_cpu_ops(), "the C++ attention op did not build (see the WARNING above)"
     # else the op falls back to SDPA and every comparison below passes without the kernel
@@ -77,7 +77,7 @@ def assert_as_accurate_as_fp32_sdpa(q: torch.Tensor, pk: torch.Tensor, pv: torch
     assert err <= 2 * err_fp32 + 1e-6, f"max abs error {err:.2e}, fp32 SDPA {err_fp32:.2e}"
 
 
-CASES = [  # (q_len, ctx_len): a whole chunk (not a multiple of the 48-row tile), later chunks
+CASES = [  # (q_len, ctx_len): a whole chunk (no multiple of the 48- or 16-row tile), later chunks
     (200, 200), (70, 300), (16, 16), (17, 600), (256, 1024)]
 
 
