@@ -12,6 +12,9 @@ this CPU), so both versions run in the same process, one thread, pinned, CPU tim
 - ``--decode BxC``: engine decode steps at batch B over C-token contexts (the
   ``bench_engine`` driver), alternating the engine's ops (A) and the copy's (B) round by round;
   the medians and B/A;
+- ``--prefill``: the engine's prefill of a prompt of N tokens in one step, or ``N/C`` in steps
+  of C tokens as a prefill worker chunks it (a comma list), A and B alternating round by round,
+  best-of-3 per round; the medians and B/A;
 - ``--linear-rows``: with a linear_ops copy, each linear of one bench-model layer (qkv, o,
   gate|up GLU, down) at those row counts, hot (the same weight again) and cold (one of 8
   copies, after reading a 256 MB buffer), A/B interleaved; outputs checked equal.
@@ -43,6 +46,8 @@ from tetri_server.bench.engine_driver import EngineDriver, pin  # noqa: E402
 from tetri_server.engine import attention as attn  # noqa: E402
 from tetri_server.engine.ops import SOURCES, build_spec, load_cpu_ops  # noqa: E402
 from tetri_server.engine.ops import linear as lin  # noqa: E402
+from tetri_server.engine.runner import ScheduledSeq, StepPlan  # noqa: E402
+from tetri_server.engine.sequence import Sequence as Seq  # noqa: E402
 
 LAYER = {"qkv": (1536, 512), "o": (512, 512), "gate|up": (2816, 512), "down": (512, 1408)}
 
@@ -120,6 +125,40 @@ def ab_decode(configs: list[tuple[int, int]], rounds: int, replaced: set[str]) -
         print(f"| B={batch} ctx={ctx} | {ma:.2f} | {mb:.2f} | **{mb / ma:.3f}** |")
 
 
+def ab_prefill(specs: list[str], rounds: int, replaced: set[str]) -> None:
+    """``N`` (one step of a prompt of N tokens) or ``N/C`` (that prompt in steps of C tokens,
+    each chunk after the first attending to the KV of those before it, as a prefill worker runs
+    it)."""
+    lens = [(int(n), int(c or n)) for n, _, c in (spec.partition("/") for spec in specs)]
+    drv = EngineDriver(Timer(kind="cpu"), ROOT / "models" / "llama-bench", 1,
+                       max(n for n, _ in lens), 40)
+    model = drv.eng.model
+    a = model.kernels
+    b = variant_kernels(a, replaced)
+    print("| prefill | A ms (built) | B ms (copy) | B/A |\n|---|---:|---:|---:|")
+    for n, chunk in lens:
+        times: dict[str, list[float]] = {"A": [], "B": []}
+        seq = drv.new_seq(n)
+        if not drv.eng.kv_manager.reserve(seq, n):
+            raise RuntimeError("KV pool too small for the prefill A/B")
+
+        def run(seq: Seq = seq, n: int = n, chunk: int = chunk) -> None:
+            seq.num_computed = 0
+            for start in range(0, n, chunk):
+                drv.eng.runner.execute(StepPlan([ScheduledSeq(seq, min(chunk, n - start))]))
+
+        for r in range(rounds):
+            for key, kern in (("A", a), ("B", b)) if r % 2 == 0 else (("B", b), ("A", a)):
+                model.kernels = kern
+                run()
+                times[key].append(min(drv.timer.timed(run, "ab") for _ in range(3)))
+        drv.eng.kv_manager.free(seq)
+        model.kernels = a
+        ma, mb = (1e3 * statistics.median(times[k]) for k in "AB")
+        label = f"{n} tokens" + (f" in chunks of {chunk}" if chunk < n else "")
+        print(f"| {label} | {ma:.1f} | {mb:.1f} | **{mb / ma:.3f}** |")
+
+
 def layer_call(lib: object, glu: bool, a: torch.Tensor, packs: list[torch.Tensor],
                n: int) -> Callable[[int], torch.Tensor]:
     """Weight copy i through ``lib``'s packed_glu / packed_linear (n output features)."""
@@ -165,6 +204,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--source", type=Path, action="append", required=True)
     ap.add_argument("--decode", default="32x128,32x1024", help="BxC list; empty: none")
+    ap.add_argument("--prefill", default="",
+                    help="prompt lengths, N or N/CHUNK, e.g. 512,1024/256; empty: none")
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--linear-rows", default="1,16,32,256", help="empty: none")
     ap.add_argument("--cpu", type=int, default=0)
@@ -180,6 +221,9 @@ def main() -> int:
     if args.decode:
         configs = [tuple(int(v) for v in c.split("x")) for c in args.decode.split(",")]
         ab_decode(configs, args.rounds, replaced)  # type: ignore[arg-type]
+        print()
+    if args.prefill:
+        ab_prefill(args.prefill.split(","), args.rounds, replaced)
         print()
     if args.linear_rows and "linear_ops.cpp" in replaced:
         ab_linears([int(v) for v in args.linear_rows.split(",")])

@@ -18,6 +18,11 @@ BASE = ["predictor.kind=none", "decode.policy=greedy", "prefill.chunk_size=64",
         "cluster.worker_start_timeout_s=120", "server.drain_timeout_s=5"]
 
 
+# The paper's strict split (elastic P/D is on by default on both sides): for tests that need a
+# prefill worker that only prefills and a decode worker that only decodes.
+STRICT_SPLIT = ("prefill.local_decode_batch=0", "decode.local_prefill_tokens=0")
+
+
 def make_cluster(model: Path, mode: str, *extra: str) -> Cluster:
     cfg = load_config(None, [f"cluster.mode={mode}", f"model.path={model}", *BASE, *extra])
     return Cluster(cfg.resolve(cpu_count=os.cpu_count() or 1))

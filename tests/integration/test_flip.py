@@ -7,13 +7,13 @@ from __future__ import annotations
 import asyncio
 
 from tests.conftest import hf_greedy, random_prompts
-from tests.integration.conftest import collect, make_cluster, until
+from tests.integration.conftest import STRICT_SPLIT, collect, make_cluster, until
 from tetri_server.messages import SamplingParams
 
 FLIP = ["flip.enabled=true", "flip.window_s=1.0", "flip.idle_s=1.0", "flip.low_load=0.1",
         "flip.min_interval_s=0.5", "cluster.prefill_workers=2", "cluster.decode_workers=1",
         "monitor.interval_ms=100", "cluster.threads_per_worker=1", "decode.max_batch=6",
-        "prefill.local_decode_batch=0"]  # the strict split: an idle prefill worker to flip
+        *STRICT_SPLIT]  # an idle prefill worker to flip
 
 
 async def _until(check, timeout_s: float) -> bool:

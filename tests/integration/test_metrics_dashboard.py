@@ -12,7 +12,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.integration.conftest import api_cluster_factory
+from tests.integration.conftest import STRICT_SPLIT, api_cluster_factory
 from tests.unit.test_api_double import MODEL_NAME
 from tests.unit.test_api_support import ApiHarness, raw_request, wait_until
 
@@ -25,8 +25,9 @@ REQUESTS = [([5, 17, 300, 42], 6), ([9] * 30, 12), (list(range(100, 170)), 3),
             ([7, 8, 9, 10, 11], 9), ([400] * 12, 1)]
 
 
+# strict split: the hand-off count below is exact only if no prompt is prefilled where it decodes
 cluster_factory = api_cluster_factory(
-    "cluster.mode=disaggregated", "predictor.kind=none", "decode.policy=greedy",
+    *STRICT_SPLIT, "cluster.mode=disaggregated", "predictor.kind=none", "decode.policy=greedy",
     "prefill.chunk_size=64", "kv.num_blocks=200", "monitor.interval_ms=50",
     "server.request_timeout_s=60", "server.drain_timeout_s=5",
     f"model.served_name={MODEL_NAME}")

@@ -12,7 +12,7 @@ import signal
 import pytest
 
 from tests.conftest import hf_greedy, random_prompts
-from tests.integration.conftest import collect, make_cluster, until
+from tests.integration.conftest import STRICT_SPLIT, collect, make_cluster, until
 from tetri_server.control.protocol import GenerationError, WorkerUnavailableError
 from tetri_server.messages import SamplingParams
 
@@ -28,10 +28,12 @@ async def test_compaction_under_waiting_handoffs_keeps_every_output_right(tiny_l
     while requests that finish at the prefill worker fragment its pool; a long prompt then
     needs a run of blocks that only a compaction can make. The decode worker, resumed, must
     copy each request's own KV: every output equals transformers."""
-    # round-robin: dispatch on the (stale) view's free blocks alone, so all four go out
+    # round-robin: dispatch on the (stale) view's free blocks alone, so all four go out; the
+    # strict split: every prompt is prefilled on the prefill worker (the stopped decode worker
+    # would otherwise be sent those that finish sooner there, by its last report)
     cluster = make_cluster(tiny_llama, "disaggregated", "model.max_model_len=512",
                            "kv.num_blocks=48", "monitor.stall_timeout_s=120",
-                           "dispatch.policy=round-robin")
+                           "dispatch.policy=round-robin", *STRICT_SPLIT)
     waiting = random_prompts(4, 8000, (50, 60), seed=31)
     fillers = random_prompts(4, 8000, (50, 60), seed=32)
     big = random_prompts(1, 8000, (330, 330), seed=33)[0]
@@ -200,7 +202,7 @@ async def test_the_only_decode_worker_dying_is_not_an_outage(tiny_llama):
     are re-run from prompt + streamed tokens; every output equals transformers. (The strict
     split, so the long requests decode there rather than on the prefill worker.)"""
     cluster = make_cluster(tiny_llama, "disaggregated", "cluster.restart_backoff_s=0.1",
-                           "cluster.worker_wait_s=120", "prefill.local_decode_batch=0")
+                           "cluster.worker_wait_s=120", *STRICT_SPLIT)
     prompts = random_prompts(10, 8000, (10, 150), seed=39)
     params = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
     ref = hf_greedy(tiny_llama, prompts, params.max_tokens)
@@ -278,10 +280,11 @@ async def test_a_prefill_worker_whose_pool_is_full_of_held_kv_waits_instead_of_s
         tiny_llama):
     """Regression (issue: the step loop was not honest): with its pool full of KV waiting for
     a stopped decode worker, the prefill worker spun and counted the spin as busy time, which
-    feeds the flip rule and the benchmark's busy column."""
+    feeds the flip rule and the benchmark's busy column. (The strict split: the four prompts
+    all go to the prefill worker.)"""
     cluster = make_cluster(tiny_llama, "disaggregated", "model.max_model_len=512",
                            "kv.num_blocks=48", "monitor.stall_timeout_s=120",
-                           "dispatch.policy=round-robin")
+                           "dispatch.policy=round-robin", *STRICT_SPLIT)
     prompts = random_prompts(4, 8000, (250, 260), seed=42)  # 16-17 blocks each: 2 fit
     ref = hf_greedy(tiny_llama, prompts, GREEDY.max_tokens)
     await cluster.start()
@@ -305,7 +308,7 @@ async def test_a_flip_that_times_out_is_cancelled_on_the_worker(tiny_llama):
     """Regression: a flip whose drain outlasted control's bound was abandoned by control but
     the worker still switched roles later, silently. Now control tells it to cancel."""
     cluster = make_cluster(tiny_llama, "disaggregated", "cluster.decode_workers=2",
-                           "flip.min_interval_s=0", "prefill.local_decode_batch=0")
+                           "flip.min_interval_s=0", *STRICT_SPLIT)
     prompt = random_prompts(1, 8000, (10, 10), seed=43)[0]
     long = SamplingParams(max_tokens=1500, temperature=0.0, ignore_eos=True)
     await cluster.start()
@@ -383,7 +386,7 @@ async def test_a_seeded_sampled_stream_is_the_same_after_its_worker_dies(tiny_ll
     tokens when its decode worker is SIGKILLed mid-stream and it is re-run from prompt +
     streamed tokens (each draw depends on the seed and the token's index alone)."""
     cluster = make_cluster(tiny_llama, "disaggregated", "cluster.restart_backoff_s=0.1",
-                           "cluster.worker_wait_s=120", "prefill.local_decode_batch=0")
+                           "cluster.worker_wait_s=120", *STRICT_SPLIT)
     [prompt] = random_prompts(1, 8000, (20, 40), seed=43)
     params = SamplingParams(max_tokens=120, temperature=1.0, seed=7, ignore_eos=True)
     await cluster.start()

@@ -1,7 +1,7 @@
-"""The tiled prefill kernel inside tetri::ragged_attention (prompt chunks of >= 16 rows, fp32,
-AVX-512 or AVX2, head_dim 64/128, no window) against SDPA in float64: whole causal chunks, later chunks
-at an offset, GQA, and the same bits for a sequence whatever else is in the batch or however
-many threads run it."""
+"""The tiled prefill kernel inside tetri::ragged_attention (prompt chunks of >= 16 rows,
+fp32, AVX-512 or AVX2, head_dim 64/128, no window) against SDPA in float64: whole causal chunks,
+later chunks at an offset, GQA, and the same bits for a sequence whatever else is in the batch or
+however many threads run it."""
 
 from __future__ import annotations
 

@@ -34,13 +34,18 @@ from tetri_server.bench.report import BenchResult
 from tetri_server.bench.workload import BenchRequest, WorkloadSpec
 
 TETRI_MODES = ("disaggregated", "coupled", "coupled-chunked")
-# Named variants a comparison may list beside the modes: (cluster.mode, extra key=value).
+# Named variants a comparison may list beside the modes: (cluster.mode, extra key=value). The
+# default is elastic on both sides (prefill.local_decode_batch = 16, decode.local_prefill_tokens
+# = 1024); the presets name both sides explicitly or take one side or both away.
 MODE_PRESETS = {
     "elastic": ("disaggregated", ("prefill.local_decode_batch=16",
                                   "decode.local_prefill_tokens=1024")),
-    "elastic-prefill": ("disaggregated", ("prefill.local_decode_batch=16",)),  # ablations
-    "split": ("disaggregated", ("prefill.local_decode_batch=0",)),  # the paper's strict split
-    "elastic-decode": ("disaggregated", ("decode.local_prefill_tokens=1024",)),
+    "elastic-prefill": ("disaggregated", ("prefill.local_decode_batch=16",  # ablations
+                                          "decode.local_prefill_tokens=0")),
+    "split": ("disaggregated", ("prefill.local_decode_batch=0",  # the paper's strict split
+                                "decode.local_prefill_tokens=0")),
+    "elastic-decode": ("disaggregated", ("prefill.local_decode_batch=0",
+                                         "decode.local_prefill_tokens=1024")),
 }
 VLLM_LABEL = "vllm-cpu"
 READY_POLL_S = 0.5

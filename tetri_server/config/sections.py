@@ -320,7 +320,7 @@ class DecodeConfig(_Section):
     predicted bucket, raised a bucket at a time on overrun; the paper) or refined (the expected
     output given the bucket and the tokens generated so far, from the artifact's length
     distributions; the victim of a preemption is the request expected to run longest)."""
-    local_prefill_tokens: int = 0
+    local_prefill_tokens: int = 1024
     """Elastic P/D (disaggregated mode): control sends a prompt to a decode worker when it
     would finish there sooner (the prefill worker has over a chunk more queued ahead of it than
     the decode worker); the decode worker prefills it in slices of at most this many tokens

@@ -1,6 +1,6 @@
 """Elastic P/D: where a strict split of prefill and decode workers would leave one side idle
-while the other queues, the idle side lends a hand. Two pure rules (config: ``LocalDecode`` on
-by default with a batch of 16, ``LocalPrefill`` off):
+while the other queues, the idle side lends a hand. Two pure rules, both on by default
+(``LocalDecode`` with a batch of 16; ``LocalPrefill`` with slices of up to 1024 tokens a step):
 
 ``LocalDecode`` (the prefill side, ``prefill.local_decode_batch``): when a prefill worker keeps
 a request it has prefilled and decodes it itself instead of handing it off.

@@ -119,7 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--local-decode-hand-back", action="store_true", default=None,
                    help="elastic: kept requests go to a decode instance when prompts queue")
     p.add_argument("--local-prefill-tokens", type=int,
-                   help="elastic: light prompts (<= N tokens) a decode instance prefills")
+                   help="elastic: prompt tokens a decode instance prefills per step, for "
+                   "the prompts that finish sooner there (0: none)")
     p.add_argument("--decode-policy", choices=("greedy", "reserve-static", "reserve-dynamic"))
     p.add_argument("--decode-estimate", choices=("bucket", "refined"),
                    help="refined: the expected output given the tokens so far, from the shipped "

@@ -279,7 +279,7 @@ class DecodeInstance(_Decoding):
                 return
             self.pulling[req.req_id] = (seq, src)
             self.sim.pull(self, req.req_id, seq.num_computed)
-        elif kind == "add":  # elastic: a light prompt routed here
+        elif kind == "add":  # elastic: a prompt routed here (it finishes sooner)
             req = msg[1]
             self.seqs[req.req_id] = SimSeq(req, req.prompt_len)
             self.queue.add(req.req_id, req.prompt_len, req.arrival_s)

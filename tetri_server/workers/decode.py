@@ -5,11 +5,11 @@ worker's pool (one strided copy per extent) -> KVPulled (the prefill worker may 
 DecodeAdmission (greedy / reserve-static / reserve-dynamic) -> one token per step until a stop.
 Preempted requests lose their KV and are recomputed from their tokens when re-admitted.
 
-Elastic (``decode.local_prefill_tokens``): control may route a light prompt here while the
-prefill side is backlogged (``policy.LocalPrefill``). It waits in a FCFS ``PrefillQueue`` and
-its slices ride in the decode steps, at most ``local_prefill_tokens`` prompt tokens a step (so
-the batch's inter-token gap stays bounded); its first token is streamed from here and it joins
-the admission like a handed-off request.
+Elastic (``decode.local_prefill_tokens``): control may route a prompt here when it finishes
+sooner here than behind the prefill side's backlog (``policy.LocalPrefill``). It waits in a FCFS
+``PrefillQueue`` and its slices ride in the decode steps, at most ``local_prefill_tokens`` prompt
+tokens a step (so the batch's inter-token gap stays bounded); its first token is streamed from
+here and it joins the admission like a handed-off request.
 """
 
 from __future__ import annotations
