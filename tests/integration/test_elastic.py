@@ -27,8 +27,9 @@ def decisions(tmp_path, worker: int = 0) -> list[dict]:
 async def run_long_then_crowd(tiny_llama, tmp_path, *sets: str) -> tuple[set, set, int, list]:
     """A long first request (300 tokens) decoding on one side, then a second one and a crowd of
     short ones (24 tokens) once the prefill worker's view shows the first; every output is
-    checked against transformers. Returns (kept ids, ids dispatched by the prefill worker or
-    prefilled on the decode worker, first id, the prefill worker's records)."""
+    checked against transformers. The decode side's rule is off (every prompt is prefilled on
+    the prefill worker, the rule under test). Returns (kept ids, ids dispatched by the prefill
+    worker, first id, the prefill worker's records)."""
     long_one = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
     first, second = random_prompts(2, 8000, (10, 30), seed=22)
     crowd = random_prompts(16, 8000, (1, 200), seed=23)
@@ -36,7 +37,8 @@ async def run_long_then_crowd(tiny_llama, tmp_path, *sets: str) -> tuple[set, se
     ref = hf_greedy(tiny_llama, [second, *crowd], GREEDY.max_tokens)
     log = tmp_path / "decisions"
     cluster = make_cluster(tiny_llama, "disaggregated", "prefill.local_decode_batch=3",
-                           "monitor.interval_ms=20", f"monitor.decision_log={log}", *sets)
+                           "decode.local_prefill_tokens=0", "monitor.interval_ms=20",
+                           f"monitor.decision_log={log}", *sets)
     await cluster.start()
     try:
         run_first = asyncio.ensure_future(collect(cluster, first, long_one))
@@ -55,8 +57,6 @@ async def run_long_then_crowd(tiny_llama, tmp_path, *sets: str) -> tuple[set, se
     records = decisions(tmp_path)
     kept = {r["req"] for r in records if r["kind"] == "keep"}
     sent = {r["req"] for r in records if r["kind"] == "dispatch"}
-    # elastic decode side (on by default): a prompt behind the crowd may be prefilled there
-    sent |= {s[0] for r in decisions(tmp_path, 1) for s in r.get("slices", [])}
     assert not kept & sent
     return kept, sent, min(kept | sent), records
 
@@ -76,8 +76,8 @@ async def test_kept_and_handed_off_requests_both_equal_transformers(tiny_llama, 
 
 async def test_short_requests_are_handed_off_by_default(tiny_llama, tmp_path):
     """The same flow with the default local_decode_min_tokens (128): the 24-token requests,
-    which the test above keeps, all go to the decode worker (handed off, or prefilled there);
-    only the long one may stay."""
+    which the test above keeps, are all handed off to the decode worker; only the long one
+    may stay."""
     kept, sent, first_id, _ = await run_long_then_crowd(tiny_llama, tmp_path)
     assert kept <= {first_id}
     assert len(sent) >= 17

@@ -239,6 +239,27 @@ async def test_without_a_restart_requests_get_a_retryable_error_in_bounded_time(
         await cluster.stop()
 
 
+async def test_with_the_prefill_worker_gone_the_decode_worker_serves_new_prompts(tiny_llama):
+    """Elastic P/D (the default): while no prefill worker is serving, a new prompt goes to a
+    decode worker with room, which prefills and decodes it itself, instead of waiting for a
+    prefill worker and failing with a 503 after ``cluster.worker_wait_s``. The outputs equal
+    transformers."""
+    cluster = make_cluster(tiny_llama, "disaggregated", "cluster.restart_workers=false",
+                           "cluster.worker_wait_s=2")
+    prompts = random_prompts(3, 8000, (20, 90), seed=41)
+    ref = hf_greedy(tiny_llama, prompts, GREEDY.max_tokens)
+    await cluster.start()
+    try:
+        kill(cluster, 0)
+        await until(lambda: not cluster.workers[0].alive, 10, "the kill is seen")
+        got = await asyncio.wait_for(
+            asyncio.gather(*(collect(cluster, p, GREEDY) for p in prompts)), 120)
+        assert got == ref
+        assert cluster.requests == {}
+    finally:
+        await cluster.stop()
+
+
 async def test_a_worker_that_keeps_dying_makes_the_server_give_up(tiny_llama):
     """Restart hygiene: back-off between restarts, and after cluster.max_restarts deaths in a
     row the cluster reports a fatal error (the CLI exits non-zero: systemd acts)."""

@@ -122,18 +122,39 @@ def test_a_handed_back_request_is_dispatched_like_a_prefilled_one():
         book.hand_back(1)  # gone: only a kept request can be handed back
 
 
+ROOMY = 1000  # free blocks: room for any prompt below
+
+
 def test_a_prompt_goes_to_a_decode_worker_only_behind_a_backlog():
     local = LocalPrefill()
-    assert local.pick(900, 256, [(1, 0, 0), (2, 0, 5)]) == 1
-    assert local.pick(256, 256, [(1, 0, 0)]) is None  # starts in the next chunk anyway
-    assert local.pick(900, 256, []) is None  # no decode worker serving
+    assert local.pick(100, 900, 256, [(1, 0, 0, ROOMY), (2, 0, 5, ROOMY)]) == 1
+    assert local.pick(100, 256, 256, [(1, 0, 0, ROOMY)]) is None  # starts in the next chunk
+    assert local.pick(100, 900, 256, []) is None  # no decode worker serving
 
 
 def test_the_decode_worker_with_the_smallest_prompt_backlog_and_only_if_sooner_by_a_chunk():
     local = LocalPrefill()
-    assert local.pick(600, 256, [(1, 120, 0), (2, 40, 9)]) == 2
-    assert local.pick(600, 256, [(1, 40, 3), (2, 40, 1)]) == 2  # tie: fewer requests
+    assert local.pick(100, 600, 256, [(1, 120, 0, ROOMY), (2, 40, 9, ROOMY)]) == 2
+    assert local.pick(100, 600, 256, [(1, 40, 3, ROOMY), (2, 40, 1, ROOMY)]) == 2  # fewer held
     # the prompt finishes after what is queued ahead of it on either side: 600 there against
     # 300 here, with a chunk (256) of margin for the decode rows sharing its steps
-    assert local.pick(600, 256, [(1, 300, 0)]) == 1
-    assert local.pick(600, 256, [(1, 344, 0)]) is None  # 344 + 256 >= 600
+    assert local.pick(100, 600, 256, [(1, 300, 0, ROOMY)]) == 1
+    assert local.pick(100, 600, 256, [(1, 344, 0, ROOMY)]) is None  # 344 + 256 >= 600
+
+
+def test_only_a_decode_worker_with_room_for_the_prompt_takes_it():
+    """A decode worker reserves a prompt's blocks whole before its first slice: a long prompt
+    sent to a nearly full pool would wait there behind every hand-off."""
+    local = LocalPrefill(block_size=16)
+    # 1000 queued + 600 = 1600 tokens = 100 blocks: they must fit in half the free blocks
+    assert local.pick(600, 5000, 256, [(1, 1000, 0, 200)]) == 1
+    assert local.pick(600, 5000, 256, [(1, 1000, 0, 199)]) is None
+    # the emptier backlog without room loses to the one with room
+    assert local.pick(600, 5000, 256, [(1, 0, 0, 10), (2, 1000, 0, 400)]) == 2
+
+
+def test_with_no_prefill_worker_serving_a_decode_worker_with_room_takes_the_prompt():
+    local = LocalPrefill()
+    assert local.pick(100, None, 1, [(1, 500, 0, ROOMY), (2, 0, 3, ROOMY)]) == 2
+    assert local.pick(100, None, 1, [(1, 0, 0, 4)]) is None  # no room: it waits for one
+    assert local.pick(100, None, 1, []) is None

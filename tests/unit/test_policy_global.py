@@ -7,9 +7,10 @@ from tetri_server.policy import LeastLoadedPicker, LocalPrefill
 
 
 def report(
-    wid: int, role: str, queued_tokens: int, waiting: int = 0, running: int = 0
+    wid: int, role: str, queued_tokens: int, waiting: int = 0, running: int = 0,
+    free_blocks: int = 100,
 ) -> LoadReport:
-    return LoadReport(wid, role, waiting, running, queued_tokens, 100, 100, 0, 0, 0, 0.0)
+    return LoadReport(wid, role, waiting, running, queued_tokens, free_blocks, 100, 0, 0, 0, 0.0)
 
 
 def test_picks_the_prefill_worker_with_fewest_queued_prompt_tokens() -> None:
@@ -69,7 +70,35 @@ def test_elastic_sends_a_prompt_to_a_decode_worker_that_finishes_it_sooner() -> 
     assert picker.queued_tokens(0) == 1100 and picker.queued_tokens(1) == 700
     picker.on_report(report(0, "prefill", 100))
     assert picker.pick(50, chunk_sizes=chunks) == 0  # starts within the next chunk
-    assert picker.pick(50, exclude={1}, chunk_sizes=chunks) == 0
+
+
+def test_an_excluded_or_removed_decode_worker_takes_no_prompt() -> None:
+    picker = LeastLoadedPicker(local_prefill=LocalPrefill())
+    picker.on_report(report(0, "prefill", 900))
+    picker.on_report(report(1, "decode", 0))
+    chunks = {0: 256}
+    assert picker.pick(100, exclude={1}, chunk_sizes=chunks) == 0  # draining or restarting
+    picker.remove_worker(1)  # dead
+    assert picker.pick(100, chunk_sizes=chunks) == 0
+
+
+def test_with_the_prefill_worker_down_elastic_sends_prompts_to_a_decode_worker() -> None:
+    """The only prefill worker restarting: instead of waiting for it, a prompt goes to a
+    decode worker that has room (it prefills and decodes it itself); without elastic, or with
+    no room, the pick stays None (the router parks the request, bounded)."""
+    picker = LeastLoadedPicker(local_prefill=LocalPrefill())
+    picker.on_report(report(0, "prefill", 0))
+    picker.on_report(report(1, "decode", 0, running=3))
+    picker.on_report(report(2, "decode", 0, running=1))
+    assert picker.pick(100, exclude={0}) == 2  # fewer held requests
+    assert picker.pick(100, exclude={0}) == 1  # 100 tokens now queued on worker 2
+    picker.on_report(report(1, "decode", 0, free_blocks=2))
+    picker.on_report(report(2, "decode", 0, free_blocks=2))
+    assert picker.pick(100, exclude={0}) is None  # no room anywhere
+    strict = LeastLoadedPicker()
+    strict.on_report(report(0, "prefill", 0))
+    strict.on_report(report(1, "decode", 0))
+    assert strict.pick(100, exclude={0}) is None
 
 
 def test_without_elastic_decode_workers_never_prefill() -> None:
@@ -77,4 +106,4 @@ def test_without_elastic_decode_workers_never_prefill() -> None:
     picker.on_report(report(0, "prefill", 5000))
     picker.on_report(report(1, "decode", 0))
     assert picker.pick(100, chunk_sizes={0: 128}) == 0
-    assert LeastLoadedPicker(coupled=True, local_prefill=LocalPrefill()).local_prefill is None
+

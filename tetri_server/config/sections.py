@@ -323,8 +323,10 @@ class DecodeConfig(_Section):
     local_prefill_tokens: int = 1024
     """Elastic P/D (disaggregated mode): control sends a prompt to a decode worker when it
     would finish there sooner (the prefill worker has over a chunk more queued ahead of it than
-    the decode worker); the decode worker prefills it in slices of at most this many tokens
-    riding in its decode steps (``policy/elastic.py``). 0: the strict split of the paper."""
+    the decode worker), or when no prefill worker is serving, if the decode worker has room (its
+    queued prompts and this one in half its free KV blocks); the decode worker prefills it in
+    slices of at most this many tokens riding in its decode steps (``policy/elastic.py``; keep
+    it >= the prefill chunk). 0: the strict split of the paper."""
 
     def _validate(self) -> None:
         self._at_least("max_batch", 1)

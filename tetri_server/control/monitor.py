@@ -42,9 +42,9 @@ class Monitor:
         self.draining = draining
         self.metrics = metrics
         self.reports: dict[int, LoadReport] = {}
-        elastic = cfg.decode.local_prefill_tokens > 0
+        local = LocalPrefill(cfg.kv.block_size) if cfg.decode.local_prefill_tokens > 0 else None
         self.picker = LeastLoadedPicker(coupled=cfg.cluster.mode != "disaggregated",
-                                        local_prefill=LocalPrefill() if elastic else None)
+                                        local_prefill=local)
         self._view_seq = 0
         self._last_tick_s = 0.0
 

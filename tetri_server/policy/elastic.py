@@ -100,24 +100,40 @@ class PromptShare:
 class LocalPrefill:
     """The decode side (``decode.local_prefill_tokens``): a prompt goes to a decode worker
     instead of the prefill worker the global pick chose when the decode worker would finish it
-    sooner: the prefill worker's backlog is over one chunk (the prompt would not start in its
-    next chunk) and exceeds the decode worker's own prompt backlog by more than a chunk (a
-    margin for the decode rows that share its steps). A prompt finishes on either side after
-    the prompt tokens queued ahead of it plus its own, so comparing the backlogs compares the
-    finish times. The decode worker prefills it in slices of ``decode.local_prefill_tokens``
-    riding in its decode steps, so while the prefill worker is busy a second core prefills and
-    prompts stop queueing behind one prefill server; the price is the decode batch's gap during
-    those steps (what a coupled worker pays for every prompt)."""
+    sooner: the prefill worker's backlog exceeds the decode worker's own prompt backlog by more
+    than a chunk (a margin for the decode rows that share its steps), so the prompt would not
+    even start in the prefill worker's next chunk. A prompt finishes on either side after the
+    prompt tokens queued ahead of it plus its own, so comparing the backlogs compares the
+    finish times where both sides prefill at about the same rate: the decode worker's slices
+    of ``decode.local_prefill_tokens`` (1024) are at least a chunk. The decode worker prefills
+    it in those slices riding in its decode steps, so while the prefill worker is busy a second
+    core prefills and prompts stop queueing behind one prefill server; the price is the decode
+    batch's gap during those steps (what a coupled worker pays for every prompt).
 
-    def pick(self, backlog_tokens: int, chunk_size: int,
-             decodes: Sequence[tuple[int, int, int]]) -> int | None:
-        """The decode worker to prefill the prompt, or None: the prefill worker takes it.
-        ``backlog_tokens``: prompt tokens queued on the picked prefill worker ahead of it;
-        ``decodes``: (worker id, prompt tokens queued, requests held) of each serving decode
+    Only a decode worker with room takes a prompt: the KV of its queued prompts and this one
+    must fit in half of its free blocks (it reserves a prompt's blocks whole before the first
+    slice, and the other half stays for its running requests' growth and the hand-offs on their
+    way), so a long prompt never waits there for blocks behind hand-offs. With no prefill worker
+    serving (the only one restarting or dead), a decode worker with room takes the prompt
+    instead of it waiting for one."""
+
+    block_size: int = 16
+
+    def pick(self, num_prompt_tokens: int, backlog_tokens: int | None, chunk_size: int,
+             decodes: Sequence[tuple[int, int, int, int]]) -> int | None:
+        """The decode worker to prefill the prompt, or None: the prefill worker takes it (or,
+        with none serving, it waits for one). ``backlog_tokens``: prompt tokens queued on the
+        picked prefill worker ahead of it, None if no prefill worker is serving; ``decodes``:
+        (worker id, prompt tokens queued, requests held, free blocks) of each serving decode
         worker."""
-        if not decodes or backlog_tokens <= chunk_size:
-            return None  # none serving, or the prefill worker starts it within its next chunk
-        wid, queued, _ = min(decodes, key=lambda d: (d[1], d[2], d[0]))
-        if queued + chunk_size >= backlog_tokens:
-            return None  # no sooner there
+        roomy = [d for d in decodes if self.fits(num_prompt_tokens + d[1], d[3])]
+        if not roomy:
+            return None
+        wid, queued, _, _ = min(roomy, key=lambda d: (d[1], d[2], d[0]))
+        if backlog_tokens is not None and queued + chunk_size >= backlog_tokens:
+            return None  # no sooner there (the prefill worker starts it within a chunk)
         return wid
+
+    def fits(self, num_tokens: int, num_free_blocks: int) -> bool:
+        """The KV of ``num_tokens`` prompt tokens fits in half of ``num_free_blocks``."""
+        return -(-num_tokens // self.block_size) <= num_free_blocks // 2

@@ -10,8 +10,9 @@ Load, disaggregated: prompt tokens queued or being prefilled on a ``prefill`` wo
 Ties go to the lowest worker id.
 
 Elastic (``local_prefill``, disaggregated only): the prompt goes to a decode worker instead of
-the least-loaded prefill worker where ``LocalPrefill`` says it finishes sooner there; both sides'
-backlogs count what was sent since their last report. The router and the simulator call this one
+the least-loaded prefill worker where ``LocalPrefill`` says it finishes sooner there (or, with no
+prefill worker serving, to a decode worker with room); both sides' backlogs count what was sent
+since their last report. The router and the simulator call this one
 pick, so they place prompts alike.
 """
 
@@ -65,7 +66,8 @@ class LeastLoadedPicker:
     def pick(self, num_prompt_tokens: int, exclude: Collection[int] = (),
              chunk_sizes: Mapping[int, int] | None = None) -> int | None:
         """The least-loaded eligible worker (or, elastic, a decode worker that finishes the
-        prompt sooner), counted as loaded with this request; None when no worker is eligible.
+        prompt sooner, or one with room when no prefill worker is eligible), counted as loaded
+        with this request; None when no worker is eligible.
         ``exclude``: workers not to route to (draining, restarting); ``chunk_sizes``: each
         prefill worker's chunk (missing: 1)."""
         eligible = [
@@ -73,17 +75,19 @@ class LeastLoadedPicker:
             for wid, r in self._reports.items()
             if wid not in exclude and (self.coupled or r.role == "prefill")
         ]
-        if not eligible:
-            return None
-        worker_id = min(eligible, key=self.load)
+        worker_id = min(eligible, key=self.load) if eligible else None
         if self.local_prefill is not None:
             decodes = [(wid, self.queued_tokens(wid),
-                        r.num_waiting + r.num_running + self._sent[wid].num_requests)
+                        r.num_waiting + r.num_running + self._sent[wid].num_requests,
+                        r.num_free_blocks)
                        for wid, r in self._reports.items()
                        if wid not in exclude and r.role == "decode"]
-            chunk = (chunk_sizes or {}).get(worker_id) or 1
-            other = self.local_prefill.pick(self.queued_tokens(worker_id), chunk, decodes)
+            backlog = None if worker_id is None else self.queued_tokens(worker_id)
+            chunk = 1 if worker_id is None else (chunk_sizes or {}).get(worker_id) or 1
+            other = self.local_prefill.pick(num_prompt_tokens, backlog, chunk, decodes)
             worker_id = worker_id if other is None else other
+        if worker_id is None:
+            return None
         sent = self._sent[worker_id]
         self._sent[worker_id] = _Sent(
             sent.num_requests + 1, sent.num_prompt_tokens + num_prompt_tokens

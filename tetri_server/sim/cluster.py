@@ -148,7 +148,8 @@ class Simulation:
         self.prefills = [i for i in self.instances if isinstance(i, PrefillInstance)]
         self.picker = LeastLoadedPicker(
             coupled=cfg.mode != "disaggregated",
-            local_prefill=LocalPrefill() if cfg.local_prefill_tokens else None)
+            local_prefill=(LocalPrefill(cfg.block_size) if cfg.local_prefill_tokens
+                           else None))
         self.flip_policy = (FlipPolicy(window_s=cfg.flip_window_s, idle_window_s=cfg.flip_idle_s,
                                        low_util=cfg.flip_low_load,
                                        cooldown_s=cfg.flip_min_interval_s)
