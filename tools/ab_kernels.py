@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 import re
 import statistics
@@ -107,6 +108,19 @@ def variant_kernels(kern: object, replaced: set[str]) -> object:
     return dataclasses.replace(kern, **changes)  # type: ignore[type-var]
 
 
+def interleaved_ms(model: object, a: object, b: object, rounds: int,
+                   measure: Callable[[], list[float]]) -> tuple[float, float]:
+    """``measure`` with the engine's kernels (A) and the copy's (B), alternating round by round
+    (the order flipped every other round); the median ms of each."""
+    times: dict[str, list[float]] = {"A": [], "B": []}
+    for r in range(rounds):
+        for key, kern in (("A", a), ("B", b)) if r % 2 == 0 else (("B", b), ("A", a)):
+            model.kernels = kern  # type: ignore[attr-defined]
+            times[key] += measure()
+    model.kernels = a  # type: ignore[attr-defined]
+    return 1e3 * statistics.median(times["A"]), 1e3 * statistics.median(times["B"])
+
+
 def ab_decode(configs: list[tuple[int, int]], rounds: int, replaced: set[str]) -> None:
     batch, ctx = max(b for b, _ in configs), max(c for _, c in configs)
     drv = EngineDriver(Timer(kind="cpu"), ROOT / "models" / "llama-bench", batch, ctx, 40)
@@ -115,13 +129,8 @@ def ab_decode(configs: list[tuple[int, int]], rounds: int, replaced: set[str]) -
     b = variant_kernels(a, replaced)
     print("| decode step | A ms (built) | B ms (copy) | B/A |\n|---|---:|---:|---:|")
     for batch, ctx in configs:
-        times: dict[str, list[float]] = {"A": [], "B": []}
-        for r in range(rounds):
-            for key, kern in (("A", a), ("B", b)) if r % 2 == 0 else (("B", b), ("A", a)):
-                model.kernels = kern
-                times[key] += drv.decode_step_times(batch, ctx, 12, 2, "ab")
-        model.kernels = a
-        ma, mb = (1e3 * statistics.median(times[k]) for k in "AB")
+        ma, mb = interleaved_ms(model, a, b, rounds,
+                                functools.partial(drv.decode_step_times, batch, ctx, 12, 2, "ab"))
         print(f"| B={batch} ctx={ctx} | {ma:.2f} | {mb:.2f} | **{mb / ma:.3f}** |")
 
 
@@ -137,7 +146,6 @@ def ab_prefill(specs: list[str], rounds: int, replaced: set[str]) -> None:
     b = variant_kernels(a, replaced)
     print("| prefill | A ms (built) | B ms (copy) | B/A |\n|---|---:|---:|---:|")
     for n, chunk in lens:
-        times: dict[str, list[float]] = {"A": [], "B": []}
         seq = drv.new_seq(n)
         if not drv.eng.kv_manager.reserve(seq, n):
             raise RuntimeError("KV pool too small for the prefill A/B")
@@ -147,14 +155,12 @@ def ab_prefill(specs: list[str], rounds: int, replaced: set[str]) -> None:
             for start in range(0, n, chunk):
                 drv.eng.runner.execute(StepPlan([ScheduledSeq(seq, min(chunk, n - start))]))
 
-        for r in range(rounds):
-            for key, kern in (("A", a), ("B", b)) if r % 2 == 0 else (("B", b), ("A", a)):
-                model.kernels = kern
-                run()
-                times[key].append(min(drv.timer.timed(run, "ab") for _ in range(3)))
+        def best_of_3(run: Callable[[], None] = run) -> list[float]:
+            run()  # warm-up
+            return [min(drv.timer.timed(run, "ab") for _ in range(3))]
+
+        ma, mb = interleaved_ms(model, a, b, rounds, best_of_3)
         drv.eng.kv_manager.free(seq)
-        model.kernels = a
-        ma, mb = (1e3 * statistics.median(times[k]) for k in "AB")
         label = f"{n} tokens" + (f" in chunks of {chunk}" if chunk < n else "")
         print(f"| {label} | {ma:.1f} | {mb:.1f} | **{mb / ma:.3f}** |")
 

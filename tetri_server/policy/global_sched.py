@@ -12,8 +12,8 @@ Ties go to the lowest worker id.
 Elastic (``local_prefill``, disaggregated only): the prompt goes to a decode worker instead of
 the least-loaded prefill worker where ``LocalPrefill`` says it finishes sooner there (or, with no
 prefill worker serving, to a decode worker with room); both sides' backlogs count what was sent
-since their last report. The router and the simulator call this one
-pick, so they place prompts alike.
+since their last report. The router and the simulator call this one pick, so they place prompts
+alike.
 """
 
 from __future__ import annotations
@@ -82,8 +82,10 @@ class LeastLoadedPicker:
                         r.num_free_blocks)
                        for wid, r in self._reports.items()
                        if wid not in exclude and r.role == "decode"]
-            backlog = None if worker_id is None else self.queued_tokens(worker_id)
-            chunk = 1 if worker_id is None else (chunk_sizes or {}).get(worker_id) or 1
+            backlog, chunk = None, 1  # no prefill worker: any decode worker with room
+            if worker_id is not None:
+                backlog = self.queued_tokens(worker_id)
+                chunk = (chunk_sizes or {}).get(worker_id) or 1
             other = self.local_prefill.pick(num_prompt_tokens, backlog, chunk, decodes)
             worker_id = worker_id if other is None else other
         if worker_id is None:
