@@ -166,6 +166,7 @@ class DecodeInstanceView(msgspec.Struct, array_like=True):
     num_heavy: int
     num_light: int
     predicted_demand_blocks: int
+    num_queued_prompt_tokens: int = 0  # elastic: prompts routed to it, not yet prefilled
 
 
 class DecodeView(msgspec.Struct, tag=True, array_like=True):

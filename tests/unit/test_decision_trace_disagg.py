@@ -19,14 +19,13 @@ from tetri_server.kv.blocks import BlockAllocator
 from tetri_server.kv.manager import KVCacheManager
 from tetri_server.messages import (
     AddRequest,
-    DecodeInstanceView,
-    DecodeView,
     Handoff,
     HandoffRejected,
     KVPulled,
     SamplingParams,
 )
 from tetri_server.predictor import load_predictor
+from tetri_server.sim.cluster import decode_view
 from tetri_server.workers.decode import DecodeRole
 from tetri_server.workers.prefill import PrefillRole
 from tetri_server.workers.trace import DecisionLog
@@ -93,10 +92,7 @@ def replay() -> list[str]:
                                                      ignore_eos=True), float(step)))
         if step % 3 == 0:  # the monitor's broadcast, from the decode workers' reports
             seq += 1
-            views = [DecodeInstanceView(r.worker_id, r.num_free_blocks, r.num_total_blocks,
-                                        r.num_heavy, r.num_light, r.predicted_demand_blocks)
-                     for r in (d.load_report() for d in decodes)]
-            prefill.handle(DecodeView(seq, views))
+            prefill.handle(decode_view(seq, [d.load_report() for d in decodes]))
         if prefill.has_work():
             prefill.step()
         for msg in pw.sent:  # control forwards hand-offs; acks go back

@@ -45,6 +45,27 @@ def test_keeps_only_requests_that_can_decode_more_than_min_tokens():
     assert LocalDecode(max_batch=8).worth_keeping(1, 1)  # min_tokens 0: any request
 
 
+def prefilling(*queued: int) -> DecodeView:
+    """Decode workers holding 5 requests each, with these prompt tokens routed to them."""
+    return DecodeView(1, [DecodeInstanceView(w, 500, 1000, 2, 3, 0, q)
+                          for w, q in enumerate(queued)])
+
+
+def test_keeps_any_request_while_every_decode_worker_prefills_prompts():
+    # a hand-off now would wait behind whole prompts riding in the decode worker's steps
+    local = LocalDecode(max_batch=8, min_tokens=128, max_prompt_share=0.3)
+    assert local.worth_keeping(20, 32, prefilling(989))  # short: kept all the same
+    assert local.keep(5, 0, 256, prefilling(989), prompt_share=0.9)  # busy, as many here
+    assert local.keep(0, 0, 256, prefilling(989, 40))
+    # one decode worker free of prompts: the usual rules
+    assert not local.worth_keeping(20, 32, prefilling(989, 0))
+    assert not local.keep(5, 0, 256, prefilling(989, 0))
+    assert not local.keep(0, 0, 256, prefilling(989, 0), prompt_share=0.9)
+    # its own rules still hold: prompts waiting here, or the local batch full
+    assert not local.keep(0, 257, 256, prefilling(989))
+    assert not local.keep(8, 0, 256, prefilling(989))
+
+
 def test_keeps_only_while_prompt_steps_leave_the_worker_mostly_idle():
     local = LocalDecode(max_batch=8, max_prompt_share=0.1)
     assert local.keep(0, 0, 256, view(5), prompt_share=0.1)

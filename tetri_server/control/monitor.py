@@ -90,7 +90,8 @@ class Monitor:
         """The decode workers that may receive hand-offs, from their latest reports."""
         self._view_seq += 1
         decodes = [DecodeInstanceView(wid, r.num_free_blocks, r.num_total_blocks, r.num_heavy,
-                                      r.num_light, r.predicted_demand_blocks)
+                                      r.num_light, r.predicted_demand_blocks,
+                                      r.num_queued_prompt_tokens)
                    for wid, r in sorted(self.reports.items())
                    if r.role == "decode" and wid in self.workers
                    and self.workers[wid].is_ready and wid not in self.draining]

@@ -76,6 +76,7 @@ class _ViewTracker:
                     num_heavy=inst.num_heavy + num_heavy,
                     num_light=inst.num_light + len(mine) - num_heavy,
                     predicted_demand_blocks=inst.predicted_demand_blocks,
+                    num_queued_prompt_tokens=inst.num_queued_prompt_tokens,
                 )
             )
         return out

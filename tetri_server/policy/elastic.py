@@ -28,6 +28,10 @@ end: when more than a chunk of prompt tokens is waiting (``hands_back``), every 
 whose KV is whole is handed off like a freshly prefilled one, its hand-off carrying the KV of
 the tokens decoded here too. So the prefill worker decodes only in its idle spells, and a
 burst of prompts no longer leaves its kept requests one token per chunk step behind it.
+
+While every decode worker is prefilling prompts routed to it (``all_prefilling``), the
+prefill worker keeps any request whose prefill ends, whatever its length and the prompt share
+(its own batch and backlog rules still hold): a hand-off would wait there behind whole prompts.
 """
 
 from __future__ import annotations
@@ -46,11 +50,13 @@ class LocalDecode:
     max_prompt_share: float = 1.0  # keep only while prompt steps took at most this share
     hand_back: bool = False  # kept requests go to a decode worker when prompts queue
 
-    def worth_keeping(self, max_tokens: int, bucket_upper: int | None) -> bool:
+    def worth_keeping(self, max_tokens: int, bucket_upper: int | None,
+                      view: DecodeSnapshot | None = None) -> bool:
         """Whether a request with this output cap and predicted bucket end (None: open, or no
-        prediction) may decode here at all; ``keep`` then says whether there is room now."""
+        prediction) may decode here at all; ``keep`` then says whether there is room now. Any
+        request may while every decode worker is prefilling prompts (``all_prefilling``)."""
         most = max_tokens if bucket_upper is None else min(max_tokens, bucket_upper)
-        return most > self.min_tokens
+        return most > self.min_tokens or all_prefilling(view)
 
     def hands_back(self, num_queued_prompt_tokens: int, chunk_size: int) -> bool:
         """Whether the requests kept here go to a decode worker now: prompts wait beyond the
@@ -65,11 +71,23 @@ class LocalDecode:
             return False
         if num_queued_prompt_tokens > chunk_size:
             return False  # prompts are waiting: the chunks are theirs
+        if view is None or not view.decodes:
+            return prompt_share <= self.max_prompt_share  # none known (none up, or restarting)
+        if all_prefilling(view):
+            return True  # it would crawl there for sure; here only while prompts arrive
         if prompt_share > self.max_prompt_share:
             return False  # prefill keeps this worker busy: a kept request would crawl
-        if view is None or not view.decodes:
-            return True  # no decode worker known (none up yet, or all restarting)
         return num_local < min(d.num_heavy + d.num_light for d in view.decodes)
+
+
+def all_prefilling(view: DecodeSnapshot | None) -> bool:
+    """Every decode worker in the view has prompts routed to it waiting (``LocalPrefill``):
+    a request handed off now waits behind those prompts' slices, whole prompts riding in its
+    decode steps (session 22's HPLD ablation: a 21-token request handed off while the decode
+    worker prefilled a 989-token prompt took 63 ms a token, against 21 on an idle one), while
+    the prefill worker that just finished it may be idle."""
+    return view is not None and bool(view.decodes) and all(
+        d.num_queued_prompt_tokens > 0 for d in view.decodes)
 
 
 @dataclass

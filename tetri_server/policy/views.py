@@ -24,6 +24,8 @@ class DecodeInstanceLoad(Protocol):
     def num_light(self) -> int: ...
     @property
     def predicted_demand_blocks(self) -> int: ...
+    @property
+    def num_queued_prompt_tokens(self) -> int: ...  # elastic: prompts routed to it
 
 
 class DecodeSnapshot(Protocol):
@@ -64,3 +66,4 @@ class DecodeInstance:
     num_heavy: int
     num_light: int
     predicted_demand_blocks: int
+    num_queued_prompt_tokens: int = 0

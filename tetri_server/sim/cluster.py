@@ -303,6 +303,7 @@ def decode_view(seq: int, reports: list[LoadReport]) -> DecodeView:
     """``Monitor.decode_view`` from the decode instances' latest reports."""
     return DecodeView(seq, [DecodeInstanceView(r.worker_id, r.num_free_blocks,
                                                r.num_total_blocks, r.num_heavy, r.num_light,
-                                               r.predicted_demand_blocks)
+                                               r.predicted_demand_blocks,
+                                               r.num_queued_prompt_tokens)
                             for r in sorted(reports, key=lambda r: r.worker_id)
                             if r.role == "decode"])

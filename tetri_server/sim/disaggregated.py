@@ -205,7 +205,8 @@ class PrefillInstance(_Decoding):
         for req_id in book.ids(Stage.HELD):
             req = book.get(req_id).req
             upper = None if req.bucket >= self._last_bucket else (req.bucket + 1) * gran
-            if not local.worth_keeping(req.output_len, upper):  # max_tokens = the true length
+            # max_tokens = the true length
+            if not local.worth_keeping(req.output_len, upper, book.view):
                 continue
             if not local.keep(len(self.admission), book.queue.num_queued_tokens,
                               self.chunker.chunk_size, book.view,

@@ -273,7 +273,7 @@ class PrefillRole(Role):
         for req_id in book.ids(Stage.HELD):
             held = book.get(req_id)
             upper = self.predictor.upper_bound(held.predicted_bucket)
-            if not local.worth_keeping(held.params.max_tokens, upper):
+            if not local.worth_keeping(held.params.max_tokens, upper, book.view):
                 continue
             if not local.keep(len(self.admission), book.queue.num_queued_tokens,
                               self._chunk_size, book.view,
