@@ -88,6 +88,8 @@ ROWS: tuple[Row, ...] = (
     Row("elastic", "elastic P/D", mode="elastic"),
     Row("elastic-prefill", "elastic P/D", mode="elastic-prefill"),
     Row("elastic-decode", "elastic P/D", mode="elastic-decode"),
+    # keep whatever the prompt load (the prompt-share rule off), to the end
+    Row("keep-any-share", "elastic P/D", sets=("prefill.local_decode_max_prompt_share=1",)),
     # keep whatever the prompt load, hand back when prompts queue (prefill.local_decode_hand_back)
     Row("hand-back", "elastic P/D", sets=("prefill.local_decode_hand_back=true",
                                           "prefill.local_decode_max_prompt_share=1")),
