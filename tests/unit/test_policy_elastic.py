@@ -51,19 +51,23 @@ def prefilling(*queued: int) -> DecodeView:
                           for w, q in enumerate(queued)])
 
 
-def test_keeps_any_request_while_every_decode_worker_prefills_prompts():
+def test_keeps_while_every_decode_worker_prefills_prompts():
     # a hand-off now would wait behind whole prompts riding in the decode worker's steps
     local = LocalDecode(max_batch=8, min_tokens=128, max_prompt_share=0.3)
-    assert local.worth_keeping(20, 32, prefilling(989))  # short: kept all the same
-    assert local.keep(5, 0, 256, prefilling(989), prompt_share=0.9)  # busy, as many here
-    assert local.keep(0, 0, 256, prefilling(989, 40))
-    # one decode worker free of prompts: the usual rules
-    assert not local.worth_keeping(20, 32, prefilling(989, 0))
+    assert not local.worth_keeping(20, 32)
+    # a short request: kept only then, and whatever the prompt share
+    assert local.keep(5, 0, 256, prefilling(989), prompt_share=0.9, short=True)
+    assert local.keep(0, 0, 256, prefilling(989, 40), short=True)
+    assert not local.keep(0, 0, 256, prefilling(989, 0), short=True)  # one free of prompts
+    assert not local.keep(0, 0, 256, view(30), short=True)
+    assert not local.keep(0, 0, 256, None, short=True)
+    # a long one: whatever the decode workers hold, within the prompt share
+    assert local.keep(5, 0, 256, prefilling(989))  # as many here as there
     assert not local.keep(5, 0, 256, prefilling(989, 0))
-    assert not local.keep(0, 0, 256, prefilling(989, 0), prompt_share=0.9)
+    assert not local.keep(0, 0, 256, prefilling(989), prompt_share=0.9)
     # its own rules still hold: prompts waiting here, or the local batch full
-    assert not local.keep(0, 257, 256, prefilling(989))
-    assert not local.keep(8, 0, 256, prefilling(989))
+    assert not local.keep(0, 257, 256, prefilling(989), short=True)
+    assert not local.keep(8, 0, 256, prefilling(989), short=True)
 
 
 def test_keeps_only_while_prompt_steps_leave_the_worker_mostly_idle():

@@ -29,9 +29,10 @@ whose KV is whole is handed off like a freshly prefilled one, its hand-off carry
 the tokens decoded here too. So the prefill worker decodes only in its idle spells, and a
 burst of prompts no longer leaves its kept requests one token per chunk step behind it.
 
-While every decode worker is prefilling prompts routed to it (``all_prefilling``), the
-prefill worker keeps any request whose prefill ends, whatever its length and the prompt share
-(its own batch and backlog rules still hold): a hand-off would wait there behind whole prompts.
+While every decode worker is prefilling prompts routed to it (``all_prefilling``), a hand-off
+would wait there behind whole prompts: the prefill worker then keeps a request whatever the
+decode workers hold, and a short one (not ``worth_keeping``) whatever the prompt share too (it
+decodes at most ``min_tokens`` here, however slowly); its own batch and backlog rules hold.
 """
 
 from __future__ import annotations
@@ -50,13 +51,11 @@ class LocalDecode:
     max_prompt_share: float = 1.0  # keep only while prompt steps took at most this share
     hand_back: bool = False  # kept requests go to a decode worker when prompts queue
 
-    def worth_keeping(self, max_tokens: int, bucket_upper: int | None,
-                      view: DecodeSnapshot | None = None) -> bool:
+    def worth_keeping(self, max_tokens: int, bucket_upper: int | None) -> bool:
         """Whether a request with this output cap and predicted bucket end (None: open, or no
-        prediction) may decode here at all; ``keep`` then says whether there is room now. Any
-        request may while every decode worker is prefilling prompts (``all_prefilling``)."""
+        prediction) can decode more than ``min_tokens``; ``keep`` then says whether it stays."""
         most = max_tokens if bucket_upper is None else min(max_tokens, bucket_upper)
-        return most > self.min_tokens or all_prefilling(view)
+        return most > self.min_tokens
 
     def hands_back(self, num_queued_prompt_tokens: int, chunk_size: int) -> bool:
         """Whether the requests kept here go to a decode worker now: prompts wait beyond the
@@ -65,19 +64,23 @@ class LocalDecode:
         return self.hand_back and num_queued_prompt_tokens > chunk_size
 
     def keep(self, num_local: int, num_queued_prompt_tokens: int, chunk_size: int,
-             view: DecodeSnapshot | None, prompt_share: float = 0.0) -> bool:
-        """``prompt_share``: this worker's ``PromptShare.share`` now."""
+             view: DecodeSnapshot | None, prompt_share: float = 0.0, short: bool = False) -> bool:
+        """``prompt_share``: this worker's ``PromptShare.share`` now. ``short``: the request is
+        not ``worth_keeping``; it stays only while every decode worker is prefilling prompts
+        (``all_prefilling``), whatever the prompt share: there it would wait behind whole
+        prompts, here it decodes at most ``min_tokens`` however slowly."""
         if num_local >= self.max_batch:
             return False
         if num_queued_prompt_tokens > chunk_size:
             return False  # prompts are waiting: the chunks are theirs
-        if view is None or not view.decodes:
-            return prompt_share <= self.max_prompt_share  # none known (none up, or restarting)
-        if all_prefilling(view):
-            return True  # it would crawl there for sure; here only while prompts arrive
+        blocked = all_prefilling(view)
+        if short:
+            return blocked
         if prompt_share > self.max_prompt_share:
             return False  # prefill keeps this worker busy: a kept request would crawl
-        return num_local < min(d.num_heavy + d.num_light for d in view.decodes)
+        if view is None or not view.decodes:
+            return True  # no decode worker known (none up yet, or all restarting)
+        return blocked or num_local < min(d.num_heavy + d.num_light for d in view.decodes)
 
 
 def all_prefilling(view: DecodeSnapshot | None) -> bool:

@@ -205,12 +205,12 @@ class PrefillInstance(_Decoding):
         for req_id in book.ids(Stage.HELD):
             req = book.get(req_id).req
             upper = None if req.bucket >= self._last_bucket else (req.bucket + 1) * gran
-            # max_tokens = the true length
-            if not local.worth_keeping(req.output_len, upper, book.view):
-                continue
+            short = not local.worth_keeping(req.output_len, upper)  # max_tokens = true length
             if not local.keep(len(self.admission), book.queue.num_queued_tokens,
                               self.chunker.chunk_size, book.view,
-                              self.prompt_share.share(self.sim.loop.now_s)):
+                              self.prompt_share.share(self.sim.loop.now_s), short):
+                if short:
+                    continue
                 return
             seq = self.seqs[req_id] = book.keep(req_id)
             self.record("keep", req=req_id)

@@ -273,11 +273,12 @@ class PrefillRole(Role):
         for req_id in book.ids(Stage.HELD):
             held = book.get(req_id)
             upper = self.predictor.upper_bound(held.predicted_bucket)
-            if not local.worth_keeping(held.params.max_tokens, upper, book.view):
-                continue
+            short = not local.worth_keeping(held.params.max_tokens, upper)
             if not local.keep(len(self.admission), book.queue.num_queued_tokens,
                               self._chunk_size, book.view,
-                              self.prompt_share.share(time.monotonic())):
+                              self.prompt_share.share(time.monotonic()), short):
+                if short:
+                    continue
                 return
             seq = book.keep(req_id)
             seq.status = SeqStatus.RUNNING
