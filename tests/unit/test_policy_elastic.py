@@ -70,6 +70,17 @@ def test_keeps_while_every_decode_worker_prefills_prompts():
     assert not local.keep(8, 0, 256, prefilling(989), short=True)
 
 
+def test_choose_keeps_in_order_passing_over_short_ones_and_stopping_at_a_long_refusal():
+    local = LocalDecode(max_batch=2, min_tokens=128, max_prompt_share=0.3)
+    held = [(1, 20, 32), (2, 500, None), (3, 500, 512), (4, 500, None)]
+    assert local.choose(held, 0, 0, 256, view(5)) == [2, 3]  # short 1 passed over; batch 2
+    assert local.choose(held, 1, 0, 256, view(5)) == [2]
+    assert local.choose(held, 0, 0, 256, view(0)) == []  # an idle decode worker: hand off
+    assert local.choose(held, 0, 0, 256, prefilling(700)) == [1, 2]  # short ones too
+    assert local.choose([(1, 20, 32), (2, 500, None)], 0, 0, 256, view(5),
+                        prompt_share=0.9) == []  # share refuses the long one; 1 is short
+
+
 def test_keeps_only_while_prompt_steps_leave_the_worker_mostly_idle():
     local = LocalDecode(max_batch=8, max_prompt_share=0.1)
     assert local.keep(0, 0, 256, view(5), prompt_share=0.1)

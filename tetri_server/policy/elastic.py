@@ -38,7 +38,7 @@ decodes at most ``min_tokens`` here, however slowly); its own batch and backlog 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from tetri_server.policy.views import DecodeSnapshot
@@ -56,6 +56,23 @@ class LocalDecode:
         prediction) can decode more than ``min_tokens``; ``keep`` then says whether it stays."""
         most = max_tokens if bucket_upper is None else min(max_tokens, bucket_upper)
         return most > self.min_tokens
+
+    def choose(self, held: Iterable[tuple[int, int, int | None]], num_local: int,
+               num_queued_prompt_tokens: int, chunk_size: int, view: DecodeSnapshot | None,
+               prompt_share: float = 0.0) -> list[int]:
+        """The held requests to keep now, in their order: ``held`` gives (request id,
+        max_tokens, predicted bucket's upper end) of each; ``num_local``: requests decoding
+        here already. The first long one refused ends the choice (kept in order); a short one
+        refused is passed over."""
+        kept: list[int] = []
+        for req_id, max_tokens, bucket_upper in held:
+            short = not self.worth_keeping(max_tokens, bucket_upper)
+            if self.keep(num_local + len(kept), num_queued_prompt_tokens, chunk_size, view,
+                         prompt_share, short):
+                kept.append(req_id)
+            elif not short:
+                break
+        return kept
 
     def hands_back(self, num_queued_prompt_tokens: int, chunk_size: int) -> bool:
         """Whether the requests kept here go to a decode worker now: prompts wait beyond the

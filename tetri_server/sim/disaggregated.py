@@ -202,16 +202,14 @@ class PrefillInstance(_Decoding):
     def _keep_held(self, local: LocalDecode) -> None:
         book = self.book
         gran = self.sim.cfg.granularity
+        held = []
         for req_id in book.ids(Stage.HELD):
-            req = book.get(req_id).req
+            req = book.get(req_id).req  # its max_tokens is the true length
             upper = None if req.bucket >= self._last_bucket else (req.bucket + 1) * gran
-            short = not local.worth_keeping(req.output_len, upper)  # max_tokens = true length
-            if not local.keep(len(self.admission), book.queue.num_queued_tokens,
-                              self.chunker.chunk_size, book.view,
-                              self.prompt_share.share(self.sim.loop.now_s), short):
-                if short:
-                    continue
-                return
+            held.append((req_id, req.output_len, upper))
+        for req_id in local.choose(held, len(self.admission), book.queue.num_queued_tokens,
+                                   self.chunker.chunk_size, book.view,
+                                   self.prompt_share.share(self.sim.loop.now_s)):
             seq = self.seqs[req_id] = book.keep(req_id)
             self.record("keep", req=req_id)
             self.num_kept += 1

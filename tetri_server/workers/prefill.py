@@ -270,16 +270,14 @@ class PrefillRole(Role):
         """Elastic: keep held requests, in order, while the policy says decode is the busier
         side; they decode here, in this worker's own steps."""
         book = self.book
+        held = []
         for req_id in book.ids(Stage.HELD):
-            held = book.get(req_id)
-            upper = self.predictor.upper_bound(held.predicted_bucket)
-            short = not local.worth_keeping(held.params.max_tokens, upper)
-            if not local.keep(len(self.admission), book.queue.num_queued_tokens,
-                              self._chunk_size, book.view,
-                              self.prompt_share.share(time.monotonic()), short):
-                if short:
-                    continue
-                return
+            seq = book.get(req_id)
+            held.append((req_id, seq.params.max_tokens,
+                         self.predictor.upper_bound(seq.predicted_bucket)))
+        for req_id in local.choose(held, len(self.admission), book.queue.num_queued_tokens,
+                                   self._chunk_size, book.view,
+                                   self.prompt_share.share(time.monotonic())):
             seq = book.keep(req_id)
             seq.status = SeqStatus.RUNNING
             self.admission.add(req_id, seq.num_prompt, seq.num_tokens, seq.predicted_bucket,
