@@ -41,3 +41,19 @@ def test_only_ready_workers_not_draining_take_prompts_with_their_own_chunk() -> 
     assert pick_after_reports() == 0
     workers[0].is_ready = False  # and with it down, the decode worker takes the prompt
     assert pick_after_reports() == 1
+
+
+def test_the_decode_view_counts_prompts_routed_to_a_decode_worker_since_its_report() -> None:
+    # a decode worker prefilling a routed prompt in one long step cannot report until it ends;
+    # the prefill workers must see it busy meanwhile (a hand-off would wait behind the prompt)
+    workers = {0: SimpleNamespace(worker_id=0, role="prefill", is_ready=True, chunk_size=256),
+               1: SimpleNamespace(worker_id=1, role="decode", is_ready=True, chunk_size=0)}
+    monitor = Monitor(load_config(None, ["cluster.mode=disaggregated"]), workers, set(),
+                      Metrics("m"))
+    monitor.on_report(workers[0], report(0, "prefill", 900))
+    monitor.on_report(workers[1], report(1, "decode", 0))
+    assert [d.num_queued_prompt_tokens for d in monitor.decode_view().decodes] == [0]
+    assert monitor.pick(1000) == 1
+    assert [d.num_queued_prompt_tokens for d in monitor.decode_view().decodes] == [1000]
+    monitor.on_report(workers[1], report(1, "decode", 0))  # prefilled: its report says so
+    assert [d.num_queued_prompt_tokens for d in monitor.decode_view().decodes] == [0]

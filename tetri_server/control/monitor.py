@@ -87,11 +87,13 @@ class Monitor:
         return self.picker.pick(num_prompt_tokens, exclude=down, chunk_sizes=chunks)
 
     def decode_view(self) -> DecodeView:
-        """The decode workers that may receive hand-offs, from their latest reports."""
+        """The decode workers that may receive hand-offs, from their latest reports; their
+        queued prompt tokens count the prompts routed since (a decode worker prefilling one in
+        a long step cannot report until it ends)."""
         self._view_seq += 1
         decodes = [DecodeInstanceView(wid, r.num_free_blocks, r.num_total_blocks, r.num_heavy,
                                       r.num_light, r.predicted_demand_blocks,
-                                      r.num_queued_prompt_tokens)
+                                      self.picker.queued_tokens(wid))
                    for wid, r in sorted(self.reports.items())
                    if r.role == "decode" and wid in self.workers
                    and self.workers[wid].is_ready and wid not in self.draining]
