@@ -29,6 +29,13 @@ def test_rows_are_picked_in_table_order_with_the_coupled_baseline() -> None:
         ablation.select_rows("sjf,nope")
 
 
+def test_every_other_repeat_runs_the_rows_in_reverse() -> None:
+    rows = ablation.select_rows("default,sjf")
+    names = [[r.name for r in ablation.run_order(rows, k)] for k in range(3)]
+    assert names == [["coupled", "default", "sjf"], ["sjf", "default", "coupled"],
+                     ["coupled", "default", "sjf"]]
+
+
 @pytest.mark.parametrize("row", ablation.ROWS, ids=lambda r: r.name)
 def test_every_row_is_a_config_the_server_accepts(row: ablation.Row) -> None:
     spec = ablation.row_spec(row, "builtin:tiny", 1234, 2048, (), pool_blocks=160)

@@ -6,8 +6,9 @@
 Every row is a tetri_server started by ``compare.tetri_spec`` (a cluster mode or a
 ``MODE_PRESETS`` name plus ``--set`` items), one server at a time, every workload of the run
 against it; ``coupled`` always runs, since every row is divided by the coupled row of the same
-run. ``--repeat K`` runs the whole set of rows K times (rows interleaved, so that drifting load
-from other tenants spreads over all rows) and reports the mean and the spread of each metric.
+run. ``--repeat K`` runs the whole set of rows K times (rows interleaved, every other repeat in
+reverse order, so that drifting load from other tenants spreads over all rows) and reports the
+mean and the spread of each metric.
 
 A row is compared against ``base``: ``default`` (disaggregated with the shipped config), or a
 reference row with the same extra settings — e.g. the admission rows all run under a KV pool
@@ -107,6 +108,13 @@ def select_rows(names: str | None) -> list[Row]:
     if unknown:
         raise ValueError(f"unknown rows {', '.join(unknown)}; known: {', '.join(ROW_NAMES)}")
     return [r for r in ROWS if r.name in wanted | {BASELINE}]
+
+
+def run_order(rows: Sequence[Row], repeat: int) -> list[Row]:
+    """The rows of repeat ``repeat`` (from 0) in the order they run: as given on even repeats,
+    reversed on odd ones, so a load that drifts steadily through the run weighs on every row
+    alike over two repeats (A B C, C B A)."""
+    return list(rows) if repeat % 2 == 0 else list(rows)[::-1]
 
 
 def row_spec(row: Row, model: str, port: int, max_model_len: int, sets: Sequence[str],
@@ -241,7 +249,7 @@ def main(args: argparse.Namespace, build: Callable[[argparse.Namespace],
     max_len = built[0][0].max_model_len
     results: list[report.BenchResult] = []
     for k in range(args.repeat):
-        for r in rows:
+        for r in run_order(rows, k):
             spec = row_spec(r, args.model, free_port(), max_len, args.set, args.pool_blocks)
             spec = replace(spec, ready_timeout_s=args.ready_timeout_s)
             print(f"ablation: repeat {k + 1}/{args.repeat}, row {r.name}", file=sys.stderr)
