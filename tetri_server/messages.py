@@ -138,6 +138,7 @@ class AddRequest(msgspec.Struct, tag=True, array_like=True):
     arrival_s: float
     true_output_len: int | None = None  # only for predictor.kind = "oracle"
     prompt_text: str = ""  # for the length predictor
+    add_seq: int = 0  # the global pick's count of prompts sent to this worker, this one included
 
 
 class Abort(msgspec.Struct, tag=True, array_like=True):
@@ -273,6 +274,9 @@ class LoadReport(msgspec.Struct, tag=True, array_like=True):
     predicted_demand_blocks: int
     busy_s: float  # cumulative seconds spent in model steps
     num_preemptions: int = 0
+    # the highest AddRequest.add_seq this worker process handled before the report; None:
+    # whatever was sent before the report is in it (the simulator, a restart's empty report)
+    last_add_seq: int | None = None
 
 
 # ------------------------------------------------ prefill <-> decode (forwarded by control)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import msgspec
+
 from tetri_server.messages import LoadReport
 from tetri_server.policy import LeastLoadedPicker, LocalPrefill
 
@@ -35,6 +37,23 @@ def test_a_burst_between_reports_is_spread_by_counting_own_sends() -> None:
     assert picks == [0, 1, 1, 1]  # 1000 on worker 0 outweighs 200 + 300 on worker 1
     picker.on_report(report(0, "prefill", 0))  # worker 0 finished its work
     assert picker.pick(10) == 0
+
+
+def test_a_prompt_stays_counted_until_a_report_says_its_worker_handled_it() -> None:
+    picker = LeastLoadedPicker()
+    picker.on_report(report(0, "prefill", 0))
+    assert picker.pick(1000) == 0 and picker.stamp(0) == 1  # sent as add_seq 1
+    # a report that left before the prompt arrived (or none while a long step runs)
+    picker.on_report(msgspec.structs.replace(report(0, "prefill", 0), last_add_seq=0))
+    assert picker.queued_tokens(0) == 1000
+    picker.on_report(msgspec.structs.replace(report(0, "prefill", 1000), last_add_seq=1))
+    assert picker.queued_tokens(0) == 1000  # in the report now, not counted twice
+    assert picker.pick(10) == 0 and picker.stamp(0) == 2
+    picker.on_report(msgspec.structs.replace(report(0, "prefill", 0), last_add_seq=2))
+    assert picker.queued_tokens(0) == 0
+    assert picker.pick(10) == 0
+    picker.on_report(report(0, "prefill", 0))  # no stamp (a restart): counts everything
+    assert picker.queued_tokens(0) == 0
 
 
 def test_excluded_and_removed_workers_are_not_picked() -> None:

@@ -54,7 +54,8 @@ class Router:
         req.prompt_part = None  # a re-run computes the prompt's logprobs again from the start
         req.wait_deadline_s = None if self.has_live("decode") else self.deadline()
         self.workers[wid].post(AddRequest(req.req_id, prompt, params, req.arrival_s,
-                                          req.true_output_len, req.prompt_text))
+                                          req.true_output_len, req.prompt_text,
+                                          self.monitor.picker.stamp(wid)))
 
     def rerun(self, req: Request) -> None:
         """Re-run a request whose worker died, from its prompt plus what was streamed."""

@@ -2,8 +2,11 @@
 
 Contract: the control process feeds every load report (a ``views.WorkerLoad``) to ``on_report``
 and calls ``pick(num_prompt_tokens)`` per new request. Reports are up to one monitor interval
-old, so the picker adds what it sent to each worker since that worker's last report (a report
-resets it); without that, a burst of arrivals would all land on the same worker.
+old, so the picker adds what it sent to each worker that the report does not count yet;
+without that, a burst of arrivals would all land on the same worker. Each prompt sent is
+stamped (``stamp``: the worker's ``AddRequest.add_seq``) and a report says the last stamp its
+worker handled (``last_add_seq``): a report sent just before a prompt arrived leaves it
+counted, as does a worker in a long step that cannot report (None: the report counts all).
 
 Load, disaggregated: prompt tokens queued or being prefilled on a ``prefill`` worker. Coupled
 (every worker prefills and decodes): requests waiting or running, then queued prompt tokens.
@@ -19,16 +22,9 @@ alike.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
 
 from tetri_server.policy.elastic import LocalPrefill
 from tetri_server.policy.views import WorkerLoad
-
-
-@dataclass(frozen=True)
-class _Sent:
-    num_requests: int = 0
-    num_prompt_tokens: int = 0
 
 
 class LeastLoadedPicker:
@@ -38,28 +34,35 @@ class LeastLoadedPicker:
         self.coupled = coupled
         self.local_prefill = None if coupled else local_prefill
         self._reports: dict[int, WorkerLoad] = {}
-        self._sent: dict[int, _Sent] = {}
+        self._sent: dict[int, list[tuple[int, int]]] = {}  # (stamp, prompt tokens) not reported
+        self._stamps: dict[int, int] = {}  # the last stamp given per worker
 
     def on_report(self, report: WorkerLoad) -> None:
-        """Adopt a worker's latest report; forget what was sent to it before."""
-        self._reports[report.worker_id] = report
-        self._sent[report.worker_id] = _Sent()
+        """Adopt a worker's latest report; forget what was sent to it that the report counts."""
+        wid, seen = report.worker_id, report.last_add_seq
+        self._reports[wid] = report
+        self._sent[wid] = ([] if seen is None
+                           else [e for e in self._sent.get(wid, []) if e[0] > seen])
 
     def remove_worker(self, worker_id: int) -> None:
         """A worker died or left; it is not picked until it reports again."""
         self._reports.pop(worker_id, None)
         self._sent.pop(worker_id, None)
 
+    def stamp(self, worker_id: int) -> int:
+        """The stamp of the last prompt ``pick`` sent to ``worker_id`` (its ``add_seq``)."""
+        return self._stamps.get(worker_id, 0)
+
     def queued_tokens(self, worker_id: int) -> int:
         """Prompt tokens queued on ``worker_id``: its report's plus those sent since."""
         return (self._reports[worker_id].num_queued_prompt_tokens
-                + self._sent[worker_id].num_prompt_tokens)
+                + sum(n for _, n in self._sent[worker_id]))
 
     def load(self, worker_id: int) -> tuple[int, ...]:
         """The sort key of ``worker_id`` (smaller is less loaded)."""
-        r, sent = self._reports[worker_id], self._sent[worker_id]
+        r = self._reports[worker_id]
         if self.coupled:
-            return (r.num_waiting + r.num_running + sent.num_requests,
+            return (r.num_waiting + r.num_running + len(self._sent[worker_id]),
                     self.queued_tokens(worker_id), worker_id)
         return (self.queued_tokens(worker_id), worker_id)
 
@@ -78,7 +81,7 @@ class LeastLoadedPicker:
         worker_id = min(eligible, key=self.load) if eligible else None
         if self.local_prefill is not None:
             decodes = [(wid, self.queued_tokens(wid),
-                        r.num_waiting + r.num_running + self._sent[wid].num_requests,
+                        r.num_waiting + r.num_running + len(self._sent[wid]),
                         r.num_free_blocks)
                        for wid, r in self._reports.items()
                        if wid not in exclude and r.role == "decode"]
@@ -90,8 +93,6 @@ class LeastLoadedPicker:
             worker_id = worker_id if other is None else other
         if worker_id is None:
             return None
-        sent = self._sent[worker_id]
-        self._sent[worker_id] = _Sent(
-            sent.num_requests + 1, sent.num_prompt_tokens + num_prompt_tokens
-        )
+        stamp = self._stamps[worker_id] = self.stamp(worker_id) + 1
+        self._sent[worker_id].append((stamp, num_prompt_tokens))
         return worker_id

@@ -10,6 +10,7 @@ import signal
 import time
 from typing import Any
 
+import msgspec
 import torch
 
 from tetri_server.channel import Channel
@@ -118,6 +119,7 @@ class Worker:
         self.report_interval_s = self.cfg.monitor.interval_ms / 1000.0
         self._predictor: Any = None
         self.pending_role: str | None = None  # SetRole received; switch once drained
+        self.last_add_seq = 0  # the highest AddRequest.add_seq handled (the reports say it)
         self.decisions = DecisionLog.open(self.cfg.monitor.decision_log, self.worker_id)
         self.role = make_role(spec.role, self)
 
@@ -185,13 +187,18 @@ class Worker:
                         self.handle(msg)
                 now = time.monotonic()
                 if now >= next_report:
-                    self.send(self.role.load_report())
+                    self.send(self.load_report())
                     next_report = now + self.report_interval_s
         finally:
             self.decisions.close()
             self.transport.close()
             self.inbox.close()
             self.outbox.close()
+
+    def load_report(self) -> LoadReport:
+        """The role's report, with the last prompt stamp this process handled (the global
+        pick counts the prompts sent after it on top)."""
+        return msgspec.structs.replace(self.role.load_report(), last_add_seq=self.last_add_seq)
 
     def step(self) -> bool:
         """One step of the role; True if it made progress. If it raises, the requests of the
@@ -216,12 +223,14 @@ class Worker:
         if role != self.role.name:
             self.role = make_role(role, self)
         self.send(self.ready_message(switch_s=time.monotonic() - t0))
-        self.send(self.role.load_report())
+        self.send(self.load_report())
 
     def send(self, msg: object) -> None:
         self.outbox.send(msg, timeout_s=SEND_TIMEOUT_S)
 
     def handle(self, msg: object) -> None:
+        if isinstance(msg, AddRequest):  # from here on, our reports count it
+            self.last_add_seq = max(self.last_add_seq, msg.add_seq)
         if isinstance(msg, Shutdown):
             self.stopping = True
         elif isinstance(msg, PeerPools):
