@@ -6,8 +6,11 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from tetri_server.config import load_config
+from tetri_server.control.accounting import RequestAccounting
 from tetri_server.control.monitor import Monitor
-from tetri_server.messages import LoadReport
+from tetri_server.control.routing import Router
+from tetri_server.control.table import RequestTable
+from tetri_server.messages import LoadReport, SamplingParams
 from tetri_server.metrics import Metrics
 
 
@@ -57,3 +60,29 @@ def test_the_decode_view_counts_prompts_routed_to_a_decode_worker_since_its_repo
     assert [d.num_queued_prompt_tokens for d in monitor.decode_view().decodes] == [1000]
     monitor.on_report(workers[1], report(1, "decode", 0))  # prefilled: its report says so
     assert [d.num_queued_prompt_tokens for d in monitor.decode_view().decodes] == [0]
+
+
+def test_a_prompt_routed_to_a_decode_worker_sends_the_decode_view_at_once() -> None:
+    # the prefill worker must not wait for the next tick to learn it (a hand-off it makes
+    # meanwhile waits behind the prompt): the router tells the cluster, which re-sends the view
+    cfg = load_config(None, ["cluster.mode=disaggregated"])
+    posted: dict[int, list[object]] = {0: [], 1: []}
+    workers = {w: SimpleNamespace(worker_id=w, role=role, is_ready=True, chunk_size=chunk,
+                                  post=posted[w].append)
+               for w, role, chunk in ((0, "prefill", 256), (1, "decode", 0))}
+    monitor = Monitor(cfg, workers, set(), Metrics("m"))
+    views = []
+    router = Router(cfg, workers, set(), RequestTable(workers, 100), monitor,
+                    RequestAccounting(cfg, Metrics("m")),
+                    lambda: views.append(monitor.decode_view()))
+    table = router.table
+    monitor.on_report(workers[0], report(0, "prefill", 900))
+    monitor.on_report(workers[1], report(1, "decode", 0))
+    params = SamplingParams(max_tokens=4)
+    router.route(table.add([1] * 100, params, "", None))  # 900 tokens ahead: the decode worker
+    assert [type(m).__name__ for m in posted[1]] == ["AddRequest"]
+    assert [d.num_queued_prompt_tokens for v in views for d in v.decodes] == [100]
+    monitor.on_report(workers[0], report(0, "prefill", 0))  # the prefill worker is free
+    router.route(table.add([1] * 100, params, "", None))
+    assert [type(m).__name__ for m in posted[0]] == ["AddRequest"]
+    assert len(views) == 1  # a prompt to a prefill worker changes no decode worker's load

@@ -78,7 +78,7 @@ class Cluster:
         self.reports = self.monitor.reports
         self.accounting = RequestAccounting(self.cfg, self.metrics)
         self.router = Router(self.cfg, self.workers, self.draining, self.table, self.monitor,
-                             self.accounting)
+                             self.accounting, self._broadcast_view)
         self.flipper = FlipController(self)
         self._tick: asyncio.TimerHandle | None = None
         self._handlers: dict[type, Callable[[WorkerHandle, Any], None]] = {
@@ -268,14 +268,21 @@ class Cluster:
         for req in self.table.expired(now):
             self.fail(req, f"no worker could take the request within {wait:.0f} s "
                       "(workers restarting); retry", retry_after_s=max(1.0, wait / 2))
-        view: DecodeView = self.monitor.decode_view()
-        for h in self.workers.values():
-            if self.disaggregated and h.role == "prefill" and h.is_ready:
-                h.post(view)
+        self._broadcast_view()
         self.monitor.count_requests(len(self.table))
         self.flipper.on_tick()
         if not self.supervisor.stopping:
             self._schedule_tick()
+
+    def _broadcast_view(self) -> None:
+        """The decode view to every prefill worker: each tick, and when a prompt went to a
+        decode worker."""
+        if not self.disaggregated:
+            return
+        view: DecodeView = self.monitor.decode_view()
+        for h in self.workers.values():
+            if h.role == "prefill" and h.is_ready:
+                h.post(view)
 
     def _broadcast_pools(self) -> None:
         pools = [h.pool for h in self.workers.values() if h.is_ready and h.pool is not None]

@@ -6,7 +6,7 @@ who holds a request)."""
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import msgspec
 
@@ -23,8 +23,12 @@ MAX_RERUNS = 3
 
 class Router:
     def __init__(self, cfg: Config, workers: Mapping[int, WorkerHandle], draining: set[int],
-                 table: RequestTable, monitor: Monitor, accounting: RequestAccounting) -> None:
+                 table: RequestTable, monitor: Monitor, accounting: RequestAccounting,
+                 on_decode_prompt: Callable[[], None] = lambda: None) -> None:
         self.cfg = cfg
+        # elastic: a prompt went to a decode worker (the cluster re-sends the decode view, so
+        # prefill workers stop handing off behind it before the next tick)
+        self.on_decode_prompt = on_decode_prompt
         self.disaggregated = cfg.cluster.mode == "disaggregated"
         self.workers = workers
         self.draining = draining
@@ -56,6 +60,8 @@ class Router:
         self.workers[wid].post(AddRequest(req.req_id, prompt, params, req.arrival_s,
                                           req.true_output_len, req.prompt_text,
                                           self.monitor.picker.stamp(wid)))
+        if self.disaggregated and self.workers[wid].role == "decode":
+            self.on_decode_prompt()
 
     def rerun(self, req: Request) -> None:
         """Re-run a request whose worker died, from its prompt plus what was streamed."""

@@ -158,6 +158,7 @@ class Simulation:
         self._switching: set[int] = set()  # drained, switch under way
         self.flips: list[dict[str, object]] = []
         self._view_seq = 0
+        self._serving: list[LoadReport] = []  # the last tick's reports of serving instances
         self._num_done = 0
         self.parked: list[SimRequest] = []
 
@@ -193,22 +194,29 @@ class Simulation:
             self.parked.append(req)
             return
         self.instances[wid].deliver(("add", req))
+        if self.instances[wid].role == "decode" and self._serving:
+            self._broadcast_view()  # Router.on_decode_prompt
 
     def tick(self) -> None:
         """The monitor: every instance reports, the decode view goes to the prefill side."""
         reports = [inst.load_report() for inst in self.instances]
         for r in reports:
             self.picker.on_report(r)
-        serving = [r for r in reports if r.worker_id not in self.draining]
+        self._serving = [r for r in reports if r.worker_id not in self.draining]
         if self.flip_policy is not None:
-            self.flip_step(serving)
-        if self.prefills:
-            self._view_seq += 1
-            view = decode_view(self._view_seq, serving)
-            for inst in self.prefills:
-                inst.deliver(("view", view))
+            self.flip_step(self._serving)
+        self._broadcast_view()
         if self._num_done < len(self.requests):
             self.loop.after(self.cfg.monitor_interval_ms / 1000.0, self.tick)
+
+    def _broadcast_view(self) -> None:
+        """``Cluster._broadcast_view``: from the last tick's reports, with the prompts routed
+        to each decode instance since."""
+        if self.prefills:
+            self._view_seq += 1
+            view = decode_view(self._view_seq, self._serving, self.picker.queued_tokens)
+            for inst in self.prefills:
+                inst.deliver(("view", view))
 
     def send(self, dst: Instance, msg: tuple[object, ...]) -> None:
         """Instance -> control -> instance: delivered by the loop (no time passes), never inside
@@ -299,11 +307,14 @@ def load_tail(kind: str, granularity: int) -> LengthTail:
                      f"{granularity} (shipped: {', '.join(artifact.shipped_artifacts())})")
 
 
-def decode_view(seq: int, reports: list[LoadReport]) -> DecodeView:
-    """``Monitor.decode_view`` from the decode instances' latest reports."""
+def decode_view(seq: int, reports: list[LoadReport],
+                queued: Callable[[int], int] | None = None) -> DecodeView:
+    """``Monitor.decode_view`` from the decode instances' latest reports; ``queued``: a
+    worker's queued prompt tokens with those routed since its report (default: the report's)."""
     return DecodeView(seq, [DecodeInstanceView(r.worker_id, r.num_free_blocks,
                                                r.num_total_blocks, r.num_heavy, r.num_light,
                                                r.predicted_demand_blocks,
-                                               r.num_queued_prompt_tokens)
+                                               r.num_queued_prompt_tokens if queued is None
+                                               else queued(r.worker_id))
                             for r in sorted(reports, key=lambda r: r.worker_id)
                             if r.role == "decode"])
