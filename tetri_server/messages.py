@@ -175,6 +175,10 @@ class DecodeView(msgspec.Struct, tag=True, array_like=True):
 
     seq: int
     decodes: list[DecodeInstanceView]
+    # moves only when the decode workers' reports (or set) change: a view re-sent between
+    # reports keeps it, so a dispatcher keeps counting the hand-offs it sent since them;
+    # -1: not tracked (every view is from newer reports)
+    generation: int = -1
 
 
 class SetRole(msgspec.Struct, tag=True, array_like=True):

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import msgspec
+
 from tetri_server.config import load_config
 from tetri_server.control.accounting import RequestAccounting
 from tetri_server.control.monitor import Monitor
@@ -81,7 +83,19 @@ def test_a_prompt_routed_to_a_decode_worker_sends_the_decode_view_at_once() -> N
     params = SamplingParams(max_tokens=4)
     router.route(table.add([1] * 100, params, "", None))  # 900 tokens ahead: the decode worker
     assert [type(m).__name__ for m in posted[1]] == ["AddRequest"]
+    assert posted[1][0].add_seq == monitor.picker.stamp(1) == 1  # stamped for its report
     assert [d.num_queued_prompt_tokens for v in views for d in v.decodes] == [100]
+    # a view re-sent from the same reports keeps their generation (dispatchers keep counting
+    # their own hand-offs); a decode worker's report moves it
+    assert views[0].generation == monitor.decode_view().generation
+    stale = msgspec.structs.replace(report(1, "decode", 0), last_add_seq=0)  # left before it
+    monitor.on_report(workers[1], stale)
+    after = monitor.decode_view()
+    assert after.generation > views[0].generation
+    assert [d.num_queued_prompt_tokens for d in after.decodes] == [100]  # still counted
+    monitor.on_report(workers[1], msgspec.structs.replace(stale, num_queued_prompt_tokens=100,
+                                                          last_add_seq=1))
+    assert [d.num_queued_prompt_tokens for d in monitor.decode_view().decodes] == [100]
     monitor.on_report(workers[0], report(0, "prefill", 0))  # the prefill worker is free
     router.route(table.add([1] * 100, params, "", None))
     assert [type(m).__name__ for m in posted[0]] == ["AddRequest"]

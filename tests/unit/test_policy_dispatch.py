@@ -49,6 +49,16 @@ def test_empty_alpha_holds_until_a_newer_view_has_room() -> None:
     assert plan is not None and plan.decode_worker == 1
 
 
+def test_a_view_resent_from_the_same_reports_keeps_counting_own_dispatches() -> None:
+    dispatcher = tetri()
+    dispatcher.on_view(DecodeView(seq=1, decodes=[inst(0, free=20)], generation=5))
+    assert dispatcher.plan(1, 200, 0) is not None  # takes 13 of the 20 free blocks
+    dispatcher.on_view(DecodeView(seq=2, decodes=[inst(0, free=20)], generation=5))  # re-sent
+    assert dispatcher.plan(2, 200, 0) is None  # 7 left: no room, as before the re-send
+    dispatcher.on_view(DecodeView(seq=3, decodes=[inst(0, free=20)], generation=6))  # reports
+    assert dispatcher.plan(2, 200, 0) is not None  # a newer report: its count is the truth
+
+
 def test_picks_the_lower_heavy_share_of_the_two() -> None:
     dispatcher = tetri()
     dispatcher.on_view(DecodeView(seq=1, decodes=[inst(0, 500, heavy=4), inst(1, 500, light=4)]))

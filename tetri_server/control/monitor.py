@@ -46,6 +46,7 @@ class Monitor:
         self.picker = LeastLoadedPicker(coupled=cfg.cluster.mode != "disaggregated",
                                         local_prefill=local)
         self._view_seq = 0
+        self._view_generation = 0  # moves with each decode report, (re)start and removal
         self._last_tick_s = 0.0
 
     def start(self, now_s: float) -> None:
@@ -56,6 +57,8 @@ class Monitor:
     def on_report(self, h: WorkerHandle, msg: LoadReport) -> None:
         self.reports[h.worker_id] = msg
         self.picker.on_report(msg)
+        if msg.role == "decode":
+            self._view_generation += 1
         self.metrics.set_worker(
             h.worker_id, h.role, blocks_used=msg.num_total_blocks - msg.num_free_blocks,
             blocks_total=msg.num_total_blocks, busy_s=msg.busy_s,
@@ -69,6 +72,7 @@ class Monitor:
                            num_heavy=0, num_light=0, predicted_demand_blocks=0, busy_s=0.0)
         self.reports[h.worker_id] = empty
         self.picker.on_report(empty)
+        self._view_generation += 1
         self.metrics.set_up(h.worker_id, True)
         self.metrics.set_role(h.worker_id, msg.role)
         if msg.chunk_size:
@@ -76,6 +80,7 @@ class Monitor:
 
     def remove(self, worker_id: int) -> None:
         self.picker.remove_worker(worker_id)
+        self._view_generation += 1
         self.reports.pop(worker_id, None)
         self.metrics.set_up(worker_id, False)
 
@@ -97,7 +102,7 @@ class Monitor:
                    for wid, r in sorted(self.reports.items())
                    if r.role == "decode" and wid in self.workers
                    and self.workers[wid].is_ready and wid not in self.draining]
-        return DecodeView(self._view_seq, decodes)
+        return DecodeView(self._view_seq, decodes, self._view_generation)
 
     def count_requests(self, num_requests: int) -> None:
         """Running and waiting of the ``num_requests`` live ones. The reports are up to one

@@ -50,11 +50,14 @@ class _ViewTracker:
         self._since_view: dict[int, DispatchPlan] = {}  # req_id -> plan
 
     def on_view(self, view: DecodeSnapshot) -> bool:
-        """Adopt ``view`` if newer than the current one; returns whether it was adopted."""
+        """Adopt ``view`` if newer than the current one; returns whether it was adopted. Own
+        dispatches are forgotten only when the view comes from newer reports (another
+        ``generation``): one re-sent from the same reports does not count them yet."""
         if self.view is not None and view.seq <= self.view.seq:
             return False
+        if self.view is None or view.generation < 0 or view.generation != self.view.generation:
+            self._since_view.clear()
         self.view = view
-        self._since_view.clear()
         return True
 
     def on_rejected(self, plan: DispatchPlan) -> None:

@@ -35,6 +35,8 @@ class DecodeSnapshot(Protocol):
     def seq(self) -> int: ...
     @property
     def decodes(self) -> Sequence[DecodeInstanceLoad]: ...
+    @property
+    def generation(self) -> int: ...  # the same: built from the same reports
 
 
 class WorkerLoad(Protocol):

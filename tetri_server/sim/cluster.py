@@ -159,6 +159,7 @@ class Simulation:
         self.flips: list[dict[str, object]] = []
         self._view_seq = 0
         self._serving: list[LoadReport] = []  # the last tick's reports of serving instances
+        self._view_generation = 0
         self._num_done = 0
         self.parked: list[SimRequest] = []
 
@@ -203,6 +204,7 @@ class Simulation:
         for r in reports:
             self.picker.on_report(r)
         self._serving = [r for r in reports if r.worker_id not in self.draining]
+        self._view_generation += 1  # fresh reports
         if self.flip_policy is not None:
             self.flip_step(self._serving)
         self._broadcast_view()
@@ -214,7 +216,8 @@ class Simulation:
         to each decode instance since."""
         if self.prefills:
             self._view_seq += 1
-            view = decode_view(self._view_seq, self._serving, self.picker.queued_tokens)
+            view = decode_view(self._view_seq, self._serving, self.picker.queued_tokens,
+                               self._view_generation)
             for inst in self.prefills:
                 inst.deliver(("view", view))
 
@@ -308,7 +311,7 @@ def load_tail(kind: str, granularity: int) -> LengthTail:
 
 
 def decode_view(seq: int, reports: list[LoadReport],
-                queued: Callable[[int], int] | None = None) -> DecodeView:
+                queued: Callable[[int], int] | None = None, generation: int = -1) -> DecodeView:
     """``Monitor.decode_view`` from the decode instances' latest reports; ``queued``: a
     worker's queued prompt tokens with those routed since its report (default: the report's)."""
     return DecodeView(seq, [DecodeInstanceView(r.worker_id, r.num_free_blocks,
@@ -317,4 +320,4 @@ def decode_view(seq: int, reports: list[LoadReport],
                                                r.num_queued_prompt_tokens if queued is None
                                                else queued(r.worker_id))
                             for r in sorted(reports, key=lambda r: r.worker_id)
-                            if r.role == "decode"])
+                            if r.role == "decode"], generation)
