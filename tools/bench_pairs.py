@@ -5,8 +5,8 @@ prefilled? The scenario behind HPLD's slow decodes (elastic P/D, docs/benchmarks
         [--rows coupled,disaggregated,split] [--repeat 2] [--json OUT.json]
 
 Per pair: A (``--prompt-len`` random tokens, ``--output-len`` tokens, ``ignore_eos``) at t, B
-(the same lengths) at t + ``--gap-s`` — B arrives while A is still being prefilled — and the
-next pair once both ended plus a pause (pairs ``--period-s`` apart). With 1 prefill + 1 decode
+(the same lengths) at t + ``--gap-s`` — B arrives while A is still being prefilled — with
+pairs ``--period-s`` apart (open loop: keep it above a pair's JCT). With 1 prefill + 1 decode
 worker and the elastic decode side on, B goes to the idle decode worker and is prefilled there
 in one long step; A, prefilled meanwhile on the prefill worker, then either waits behind B's
 prefill on the decode worker or is kept and decoded by the (now idle) prefill worker. Coupled

@@ -55,8 +55,10 @@ def test_keeps_while_every_decode_worker_prefills_prompts():
     # a hand-off now would wait behind whole prompts riding in the decode worker's steps
     local = LocalDecode(max_batch=8, min_tokens=128, max_prompt_share=0.3)
     assert not local.worth_keeping(20, 32)
-    # a short request: kept only then, and whatever the prompt share
-    assert local.keep(5, 0, 256, prefilling(989), prompt_share=0.9, short=True)
+    # a short request: kept only then, within the prompt share (choose waives it for one
+    # whose max_tokens caps it)
+    assert local.keep(5, 0, 256, prefilling(989), prompt_share=0.3, short=True)
+    assert not local.keep(5, 0, 256, prefilling(989), prompt_share=0.9, short=True)
     assert local.keep(0, 0, 256, prefilling(989, 40), short=True)
     assert not local.keep(0, 0, 256, prefilling(989, 0), short=True)  # one free of prompts
     assert not local.keep(0, 0, 256, view(30), short=True)
@@ -79,6 +81,11 @@ def test_choose_keeps_in_order_passing_over_short_ones_and_stopping_at_a_long_re
     assert local.choose(held, 0, 0, 256, prefilling(700)) == [1, 2]  # short ones too
     assert local.choose([(1, 20, 32), (2, 500, None)], 0, 0, 256, view(5),
                         prompt_share=0.9) == []  # share refuses the long one; 1 is short
+    # while the decode side prefills, whatever the share only when max_tokens caps the request
+    capped, predicted = [(1, 20, 32)], [(1, 500, 32)]  # the second: short by its bucket alone
+    assert local.choose(capped, 0, 0, 256, prefilling(700), prompt_share=0.9) == [1]
+    assert local.choose(predicted, 0, 0, 256, prefilling(700), prompt_share=0.9) == []
+    assert local.choose(predicted, 0, 0, 256, prefilling(700), prompt_share=0.2) == [1]
 
 
 def test_keeps_only_while_prompt_steps_leave_the_worker_mostly_idle():

@@ -31,8 +31,9 @@ burst of prompts no longer leaves its kept requests one token per chunk step beh
 
 While every decode worker is prefilling prompts routed to it (``all_prefilling``), a hand-off
 would wait there behind whole prompts: the prefill worker then keeps a request whatever the
-decode workers hold, and a short one (not ``worth_keeping``) whatever the prompt share too (it
-decodes at most ``min_tokens`` here, however slowly); its own batch and backlog rules hold.
+decode workers hold, a short one (not ``worth_keeping``) too, and one whose ``max_tokens`` is
+at most ``min_tokens`` whatever the prompt share (it decodes that few here, however slowly);
+its own batch and backlog rules hold.
 """
 
 from __future__ import annotations
@@ -67,8 +68,9 @@ class LocalDecode:
         kept: list[int] = []
         for req_id, max_tokens, bucket_upper in held:
             short = not self.worth_keeping(max_tokens, bucket_upper)
+            capped = max_tokens <= self.min_tokens  # at most min_tokens here, whatever comes
             if self.keep(num_local + len(kept), num_queued_prompt_tokens, chunk_size, view,
-                         prompt_share, short):
+                         0.0 if capped else prompt_share, short):
                 kept.append(req_id)
             elif not short:
                 break
@@ -84,17 +86,18 @@ class LocalDecode:
              view: DecodeSnapshot | None, prompt_share: float = 0.0, short: bool = False) -> bool:
         """``prompt_share``: this worker's ``PromptShare.share`` now. ``short``: the request is
         not ``worth_keeping``; it stays only while every decode worker is prefilling prompts
-        (``all_prefilling``), whatever the prompt share: there it would wait behind whole
-        prompts, here it decodes at most ``min_tokens`` however slowly."""
+        (``all_prefilling``): there it would wait behind whole prompts (``choose`` passes a
+        share of 0 for one whose ``max_tokens`` caps it at ``min_tokens``: here it decodes that
+        few however slowly; a prediction alone may be wrong)."""
         if num_local >= self.max_batch:
             return False
         if num_queued_prompt_tokens > chunk_size:
             return False  # prompts are waiting: the chunks are theirs
+        if prompt_share > self.max_prompt_share:
+            return False  # prefill keeps this worker busy: a kept request would crawl
         blocked = all_prefilling(view)
         if short:
             return blocked
-        if prompt_share > self.max_prompt_share:
-            return False  # prefill keeps this worker busy: a kept request would crawl
         if view is None or not view.decodes:
             return True  # no decode worker known (none up yet, or all restarting)
         return blocked or num_local < min(d.num_heavy + d.num_light for d in view.decodes)
