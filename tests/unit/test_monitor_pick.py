@@ -60,8 +60,11 @@ def test_the_decode_view_counts_prompts_routed_to_a_decode_worker_since_its_repo
     assert [d.num_queued_prompt_tokens for d in monitor.decode_view().decodes] == [0]
     assert monitor.pick(1000) == 1
     assert [d.num_queued_prompt_tokens for d in monitor.decode_view().decodes] == [1000]
-    monitor.on_report(workers[1], report(1, "decode", 0))  # prefilled: its report says so
+    # prefilled: its report says so, and that the view is worth re-sending at once
+    assert monitor.on_report(workers[1], report(1, "decode", 0))
     assert [d.num_queued_prompt_tokens for d in monitor.decode_view().decodes] == [0]
+    assert not monitor.on_report(workers[1], report(1, "decode", 0))  # no change: none
+    assert not monitor.on_report(workers[0], report(0, "prefill", 0))
 
 
 def test_a_prompt_routed_to_a_decode_worker_sends_the_decode_view_at_once() -> None:

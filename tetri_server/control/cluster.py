@@ -84,7 +84,7 @@ class Cluster:
         self._handlers: dict[type, Callable[[WorkerHandle, Any], None]] = {
             StepOutput: self._on_step_output, Handoff: self.router.forward_handoff,
             KVPulled: self.router.on_kv_pulled, HandoffRejected: self.router.on_handoff_rejected,
-            StepFailed: self._on_step_failed, LoadReport: self.monitor.on_report,
+            StepFailed: self._on_step_failed, LoadReport: self._on_report,
             RequestFailed: self._on_request_failed, Ready: self._on_ready,
         }
 
@@ -273,6 +273,10 @@ class Cluster:
         self.flipper.on_tick()
         if not self.supervisor.stopping:
             self._schedule_tick()
+
+    def _on_report(self, h: WorkerHandle, msg: LoadReport) -> None:
+        if self.monitor.on_report(h, msg):
+            self._broadcast_view()  # a decode worker's routed prompts are all prefilled
 
     def _broadcast_view(self) -> None:
         """The decode view to every prefill worker: each tick, and when a prompt went to a
