@@ -34,9 +34,12 @@ def test_a_request_moves_through_the_stages_and_is_counted_once() -> None:
     b.add(1, "r1", 40, 0.0, prompt_text="hi", true_output_len=5)
     assert [e.prompt_text for e in b.new()] == ["hi"] and b.has_work()
     assert b.count(Stage.NEW) == 1 and len(b.queue) == 0
+    assert b.num_waiting_prompt_tokens() == 40  # reported from arrival, before its prediction
     b.predicted(1, bucket=2)
     assert b.count(Stage.QUEUED) == 1 and len(b.queue) == 1 and not b.new()
+    assert b.num_waiting_prompt_tokens() == 40  # once
     b.prefilled(1)
+    assert b.num_waiting_prompt_tokens() == 0
     assert b.count(Stage.HELD) == 1 and not b.has_work() and 1 in b
     assert b.dispatch() == []  # no view yet: nowhere to send it
     b.on_view(view(1, free=100))

@@ -94,6 +94,11 @@ class PrefillBook(Generic[T]):
                                       true_output_len)
         self._counts[Stage.NEW] += 1
 
+    def num_waiting_prompt_tokens(self) -> int:
+        """Prompt tokens not prefilled yet: the queue's and those of requests still waiting for
+        their prediction (a load report counts them from the moment the request arrived)."""
+        return self.queue.num_queued_tokens + sum(e.num_prompt for e in self.new())
+
     def new(self) -> list[Entry[T]]:
         """The requests waiting for a prediction, in arrival order."""
         return [e for e in self._entries.values() if e.stage is Stage.NEW]

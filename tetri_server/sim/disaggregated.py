@@ -238,7 +238,7 @@ class PrefillInstance(_Decoding):
         book = self.book
         return LoadReport(self.worker_id, "prefill", book.count(Stage.NEW, Stage.QUEUED),
                           book.count(Stage.HELD, Stage.HANDED_OFF, Stage.DECODING),
-                          book.queue.num_queued_tokens,
+                          book.num_waiting_prompt_tokens(),
                           self.alloc.num_free, self.alloc.num_blocks, 0, 0, 0, self.busy_s)
 
 
