@@ -26,7 +26,6 @@ import os
 import platform
 import random
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -34,9 +33,11 @@ from typing import Any
 
 import torch
 
+from tetri_server.bench.ablation import run_order
 from tetri_server.bench.client import ClientConfig, fetch_model_name, run_benchmark
 from tetri_server.bench.compare import free_port, running_server, tetri_spec
 from tetri_server.bench.cpu import machine_busy_cpu_s
+from tetri_server.bench.report import git_commit
 from tetri_server.bench.workload import BenchRequest
 
 MAX_MODEL_LEN = 2048
@@ -78,14 +79,6 @@ def measure(base_url: str, reqs: list[BenchRequest]) -> dict[str, Any]:
             "machine_busy_cores": busy}
 
 
-def git_rev() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "?"
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="models/llama-bench")
@@ -110,7 +103,7 @@ def main() -> int:
     runs: list[dict[str, dict[str, Any]]] = []
     for k in range(args.repeat):
         got: dict[str, dict[str, Any]] = {}
-        for row in rows if k % 2 == 0 else rows[::-1]:
+        for row in run_order(rows, k):
             print(f"repeat {k + 1}/{args.repeat}: {row}", file=sys.stderr, flush=True)
             spec = tetri_spec(row, model, free_port(), MAX_MODEL_LEN, args.set)
             with running_server(spec, Path(args.logs) / f"{row}-{k}.log"):
@@ -119,7 +112,7 @@ def main() -> int:
 
     isa = torch.backends.cpu.get_cpu_capability()
     print(f"`tools/bench_pairs.py --rows {','.join(rows)} --pairs {args.pairs} --gap-s "
-          f"{args.gap_s} --repeat {args.repeat}` at {git_rev()}, "
+          f"{args.gap_s} --repeat {args.repeat}` at {git_commit()}, "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.machine()}, ISA "
           f"{isa}, {os.cpu_count()} cores; prompts {args.prompt_len} tokens, outputs "
           f"{args.output_len}")
@@ -139,7 +132,7 @@ def main() -> int:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"runs": runs, "argv": sys.argv, "isa": isa,
-                                               "commit": git_rev()}, indent=1))
+                                               "commit": git_commit()}, indent=1))
     return 0
 
 

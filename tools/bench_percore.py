@@ -29,7 +29,6 @@ import os
 import platform
 import random
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -53,6 +52,7 @@ from tetri_server.bench.compare import (
 )
 from tetri_server.bench.cpu import machine_busy_cpu_s
 from tetri_server.bench.metrics import itls_s
+from tetri_server.bench.report import git_commit
 from tetri_server.bench.workload import BenchRequest
 
 PREFILL_LEN = 1024
@@ -120,14 +120,6 @@ def serve_and_measure(spec: Any, log: Path, rng_seed: int, vocab: int, n_prefill
     return out
 
 
-def git_rev() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "?"
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="models/llama-bench")
@@ -165,7 +157,7 @@ def main() -> int:
         rounds.append(row)
 
     isa = torch.backends.cpu.get_cpu_capability()
-    print(f"`tools/bench_percore.py --repeat {args.repeat}` at {git_rev()} on "
+    print(f"`tools/bench_percore.py --repeat {args.repeat}` at {git_commit()} on "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.machine()}, ISA "
           f"{isa}, {os.cpu_count()} cores; model {Path(model).name} fp32; compute on core 0 "
           "for both; vLLM " + ("`" + " ".join(vllm_cmd) + "`" if vllm_cmd else "NOT INSTALLED"))
@@ -193,7 +185,7 @@ def main() -> int:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"rounds": rounds, "ratios": summary,
-                                               "isa": isa, "commit": git_rev()}, indent=1))
+                                               "isa": isa, "commit": git_commit()}, indent=1))
     return 0
 
 

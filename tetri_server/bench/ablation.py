@@ -26,7 +26,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from tetri_server.bench import report
 from tetri_server.bench.compare import (
@@ -38,6 +38,8 @@ from tetri_server.bench.compare import (
 )
 from tetri_server.bench.metrics import SLO, Summary
 from tetri_server.bench.workload import BenchRequest, WorkloadSpec
+
+T = TypeVar("T")
 
 BASELINE = "coupled"
 POOL = "@pool"  # stands for kv.num_blocks=<--pool-blocks> in a row's settings
@@ -110,7 +112,7 @@ def select_rows(names: str | None) -> list[Row]:
     return [r for r in ROWS if r.name in wanted | {BASELINE}]
 
 
-def run_order(rows: Sequence[Row], repeat: int) -> list[Row]:
+def run_order(rows: Sequence[T], repeat: int) -> list[T]:
     """The rows of repeat ``repeat`` (from 0) in the order they run: as given on even repeats,
     reversed on odd ones, so a load that drifts steadily through the run weighs on every row
     alike over two repeats (A B C, C B A)."""

@@ -6,6 +6,7 @@ matplotlib is imported only when a plot is drawn (it belongs in the ``bench`` ex
 from __future__ import annotations
 
 import json
+import subprocess
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -24,6 +25,17 @@ PAPER_DELTAS_PCT: dict[str, tuple[float | None, float | None]] = {
     "HPHD": (None, -19.0),
     "Mixed": (-85.0, -50.0),
 }
+
+
+def git_commit(cwd: Path | None = None) -> str:
+    """The short commit of the checkout at ``cwd`` (default: the current directory), the one
+    a benchmark's servers run; "unknown" outside git."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, cwd=cwd, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    return out.stdout.strip() or "unknown"
 
 
 @dataclass

@@ -12,10 +12,10 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import subprocess
 import sys
 from pathlib import Path
 
+from tetri_server.bench.report import git_commit
 from tetri_server.sim.fit import PARAMS, fit_hardware, profile_json
 from tetri_server.sim.profiles import load_hardware
 
@@ -34,15 +34,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, cwd=Path(__file__).parent, timeout=10)
-        return out.stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from tetri_server.bench.engine_profile import QUICK, Shapes, measure
@@ -56,8 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     fit = fit_hardware(samples, shape, base, peak_flops=1e9 * max(info["matmul_peak_gflops"]),
                        mem_bw_Bps=1e9 * max(info["memcpy_gbps"]))
     when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    commit = git_commit(Path(__file__).parent)
     notes = (f"Fitted by `tetri-server sim fit --model {args.model}` on {when} at commit "
-             f"{_commit()} ({args.clock} clock, one core, one torch thread, "
+             f"{commit} ({args.clock} clock, one core, one torch thread, "
              f"{len(samples)} steps of {shape.name}); links and memory from {args.base}.")
     out = profile_json(fit, samples, notes, {"model_shape": shape.__dict__, "run": info})
     args.out.parent.mkdir(parents=True, exist_ok=True)
