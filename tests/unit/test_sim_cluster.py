@@ -191,8 +191,10 @@ def test_a_handoff_on_a_stale_view_is_rejected_and_dispatched_again() -> None:
     reqs = [SimRequest(i, 200, 30, 0.0) for i in range(2)]  # one per prefill instance
     sim = Simulation(cfg, cost, reqs)
     sim.run()
-    # both saw 20 free blocks and sent 13 each: the second does not fit and comes back
-    assert sum(i.num_rejected for i in sim.prefills) == 1
+    # both saw 20 free blocks and sent 13 each: the second does not fit and comes back; the
+    # view of 1 s still has the report of t=0 (the decode instance is inside a step at the
+    # tick and reports when it ends, as a worker does), so it comes back once more
+    assert sum(i.num_rejected for i in sim.prefills) == 2
     assert all(r.error is None and r.end_s is not None for r in reqs)
     assert max(r.end_s for r in reqs) > 2.0  # the views of 1 s and 2 s: room only at 2 s
     assert all(i.alloc.num_free == i.alloc.num_blocks for i in sim.instances)
@@ -331,3 +333,32 @@ def test_refined_estimate_needs_an_artifact_of_the_granularity(tmp_path) -> None
     assert main(argv) == 0
     assert json.loads(out.read_text())["config"]["sim"]["decode_estimate"] == "refined"
     assert main([*argv[:-2], "--granularity", "300", "--json", str(out)]) == 2
+
+
+def test_a_prompt_in_a_busy_decode_instances_inbox_stays_counted() -> None:
+    """Regression: every instance used to report at every tick, even one inside a step, with
+    no prompt stamp: a prompt routed to a decode instance in a long step was still in its inbox,
+    missing from its report, so the global pick and the decode view dropped it (the prefill
+    instance then handed requests off to wait behind it). Now an instance inside a step reports
+    when the step ends, and a report counts only the prompts whose stamps it has handled."""
+    cost = CostModel(load_hardware("this-cpu"), load_model("bench"))
+    cfg = SimConfig(max_model_len=2048, chunk_size=256, local_prefill_tokens=1024)
+    sim = Simulation(cfg, cost, [])
+    for inst in sim.instances:
+        sim.on_report(inst.report())  # as run() starts
+    prefill, decode = sim.instances
+    assert isinstance(prefill, PrefillInstance) and isinstance(decode, DecodeInstance)
+    decode.busy = True  # inside a step: what arrives waits in its inbox
+    sim.arrive(SimRequest(0, 1000, 8, 0.0))  # the prefill instance is idle: it takes it
+    sim.arrive(SimRequest(1, 1000, 8, 0.0))  # 1000 queued there: sooner on the decode one
+    assert [m[0] for m in decode.inbox] == ["add"]
+    sim.tick()
+    assert decode.report_due  # it reports when its step ends
+    assert sim.picker.queued_tokens(decode.worker_id) == 1000
+    assert prefill.book.view is not None
+    assert prefill.book.view.decodes[0].num_queued_prompt_tokens == 1000
+    sim.on_report(decode.report())  # sent before it read its inbox: the prompt stays counted
+    assert sim.picker.queued_tokens(decode.worker_id) == 1000
+    decode.take(decode.inbox.pop())
+    sim.on_report(decode.report())  # its own count now
+    assert decode.last_add_seq == 1 and sim.picker.queued_tokens(decode.worker_id) == 1000

@@ -2,9 +2,10 @@
 one event loop. ``Simulation(cfg, cost, requests).run()`` -> ``SimResult``.
 
 Control as in ``control/``: a new request goes to the least-loaded entry instance
-(``LeastLoadedPicker`` fed by load reports, as ``Monitor.pick``); every ``monitor_interval_ms``
-each instance's ``LoadReport`` is taken and the decode view is broadcast to the prefill
-instances (``Monitor.decode_view``). Messages through the control star cost no time; a KV
+(``LeastLoadedPicker`` fed by load reports, as ``Monitor.pick``), stamped as ``AddRequest.add_seq``
+is; every ``monitor_interval_ms`` each idle instance reports (an instance inside a step reports
+when the step ends, as a worker does) and the decode view is broadcast to the prefill instances
+(``Monitor.decode_view``). Messages through the control star cost no time; a KV
 hand-off occupies the receiving decode instance's inbound link for bytes / bandwidth + latency.
 """
 
@@ -158,7 +159,7 @@ class Simulation:
         self._switching: set[int] = set()  # drained, switch under way
         self.flips: list[dict[str, object]] = []
         self._view_seq = 0
-        self._serving: list[LoadReport] = []  # the last tick's reports of serving instances
+        self._reports: dict[int, LoadReport] = {}  # each instance's latest (Monitor.reports)
         self._view_generation = 0
         self._num_done = 0
         self.parked: list[SimRequest] = []
@@ -168,7 +169,7 @@ class Simulation:
     def run(self) -> SimResult:
         wall0 = time.perf_counter()
         for inst in self.instances:
-            self.picker.on_report(inst.load_report())  # Monitor.on_ready
+            self.on_report(inst.report())  # Monitor.on_ready
         for req in self.requests:
             self.loop.at(req.arrival_s, functools.partial(self.arrive, req))
         self.loop.at(0.0, self.tick)
@@ -194,29 +195,46 @@ class Simulation:
         if wid is None:
             self.parked.append(req)
             return
-        self.instances[wid].deliver(("add", req))
-        if self.instances[wid].role == "decode" and self._serving:
+        self.instances[wid].deliver(("add", req, self.picker.stamp(wid)))
+        if self.instances[wid].role == "decode":
             self._broadcast_view()  # Router.on_decode_prompt
 
     def tick(self) -> None:
-        """The monitor: every instance reports, the decode view goes to the prefill side."""
-        reports = [inst.load_report() for inst in self.instances]
-        for r in reports:
-            self.picker.on_report(r)
-        self._serving = [r for r in reports if r.worker_id not in self.draining]
-        self._view_generation += 1  # fresh reports
+        """The monitor: every idle instance reports (one in a step reports when it ends), the
+        decode view goes to the prefill side."""
+        for inst in self.instances:
+            if inst.busy:
+                inst.report_due = True
+            else:
+                self.on_report(inst.report())
         if self.flip_policy is not None:
-            self.flip_step(self._serving)
+            self.flip_step(self._serving())
         self._broadcast_view()
         if self._num_done < len(self.requests):
             self.loop.after(self.cfg.monitor_interval_ms / 1000.0, self.tick)
 
+    def on_report(self, report: LoadReport) -> None:
+        """``Cluster._on_report``: adopt it (``Monitor.on_report``); the view goes out again at
+        once when a decode instance has no routed prompt left to prefill after having some."""
+        wid = report.worker_id
+        before = self.picker.queued_tokens(wid) if wid in self._reports else 0
+        self._reports[wid] = report
+        self.picker.on_report(report)
+        if report.role == "decode":
+            self._view_generation += 1
+            if before > 0 and self.picker.queued_tokens(wid) == 0:
+                self._broadcast_view()
+
+    def _serving(self) -> list[LoadReport]:
+        """The latest reports of the instances not flipping."""
+        return [r for wid, r in sorted(self._reports.items()) if wid not in self.draining]
+
     def _broadcast_view(self) -> None:
-        """``Cluster._broadcast_view``: from the last tick's reports, with the prompts routed
-        to each decode instance since."""
+        """``Cluster._broadcast_view``: from the latest reports, with the prompts routed to each
+        decode instance since."""
         if self.prefills:
             self._view_seq += 1
-            view = decode_view(self._view_seq, self._serving, self.picker.queued_tokens,
+            view = decode_view(self._view_seq, self._serving(), self.picker.queued_tokens,
                                self._view_generation)
             for inst in self.prefills:
                 inst.deliver(("view", view))
@@ -257,11 +275,12 @@ class Simulation:
         new = cls(self, wid, old.alloc.num_blocks)
         new.alloc, new.busy_s, new.num_steps = old.alloc, old.busy_s, old.num_steps
         new.first_start_s, new.last_end_s = old.first_start_s, old.last_end_s
+        new.last_add_seq = old.last_add_seq  # one worker process across the flip
         self.instances[wid] = new
         self.prefills = [i for i in self.instances if isinstance(i, PrefillInstance)]
         del self.draining[wid]
         self._switching.discard(wid)
-        self.picker.on_report(new.load_report())
+        self.on_report(new.report())
         assert self.flip_policy is not None
         self.flip_policy.on_done(plan, self.loop.now_s)
         self.flips.append({"time_s": self.loop.now_s, "worker": wid,

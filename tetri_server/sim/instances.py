@@ -7,8 +7,11 @@ clock in place of the wall clock.
 Every instance runs the worker loop's shape: handle messages, plan a step with the policies,
 "execute" it (the step ends ``cost.step_s(...)`` later), update the policies. Messages that
 arrive while a step runs wait in the inbox until it ends, as on a real worker, which drains its
-inbox between steps. Blocks come from the real ``BlockAllocator``; the simulator does not model
-extents (a sequence may hold scattered blocks, as if compaction were free).
+inbox between steps; a report due while a step runs is sent when the step ends, before the
+inbox is read (``Worker.run``), and says the last prompt stamp handled (``last_add_seq``), so
+the global pick keeps counting a prompt still in the inbox. Blocks come from the real
+``BlockAllocator``; the simulator does not model extents (a sequence may hold scattered
+blocks, as if compaction were free).
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+import msgspec
 
 from tetri_server.kv.blocks import BlockAllocator, blocks_for
 from tetri_server.messages import LoadReport
@@ -97,6 +102,8 @@ class Instance:
         self.inbox: list[tuple[Any, ...]] = []
         self._kick_pending = False
         self._retry_pending = False
+        self.last_add_seq = 0  # the highest prompt stamp handled (Worker.last_add_seq)
+        self.report_due = False  # a monitor tick passed during the running step
         # decision log hook: gets the records a worker's DecisionLog writes (workers/trace.py)
         self.decisions: Callable[[dict[str, Any]], None] | None = None
         self.num_planned = 0  # DecisionLog.step: counted where the worker role counts it
@@ -112,8 +119,18 @@ class Instance:
         if self.busy:
             self.inbox.append(msg)
             return
-        self.handle(msg)
+        self.take(msg)
         self.kick()
+
+    def take(self, msg: tuple[Any, ...]) -> None:
+        """``Worker.handle``: a prompt's stamp (``("add", req, stamp)``) counts from here on."""
+        if msg[0] == "add" and len(msg) > 2:
+            self.last_add_seq = max(self.last_add_seq, msg[2])
+        self.handle(msg)
+
+    def report(self) -> LoadReport:
+        """``Worker.load_report``: the role's report with the last prompt stamp handled."""
+        return msgspec.structs.replace(self.load_report(), last_add_seq=self.last_add_seq)
 
     def kick(self) -> None:
         if not (self.busy or self._kick_pending):
@@ -151,9 +168,12 @@ class Instance:
     def _finish(self) -> None:
         self.finish_step()
         self.busy = False
+        if self.report_due:  # the report the worker could not send during its step
+            self.report_due = False
+            self.sim.on_report(self.report())
         inbox, self.inbox = self.inbox, []
         for msg in inbox:
-            self.handle(msg)
+            self.take(msg)
         self.kick()
 
     # the role: overridden

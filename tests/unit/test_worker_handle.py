@@ -1,0 +1,59 @@
+"""``Worker.handle`` and ``Worker.load_report`` on a worker without a model: the prompt stamps
+(``AddRequest.add_seq``) its reports carry, which the global pick trusts (test_policy_global)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tetri_server.messages import AddRequest, Guide, LoadReport, RequestFailed, SamplingParams
+from tetri_server.workers.base import Worker
+
+
+class _Role:
+    name = "prefill"
+
+    def __init__(self) -> None:
+        self.handled: list[object] = []
+
+    def handle(self, msg: object) -> None:
+        self.handled.append(msg)
+
+    def load_report(self) -> LoadReport:
+        return LoadReport(0, "prefill", len(self.handled), 0, 0, 10, 10, 0, 0, 0, 0.0)
+
+
+class _Grammars:
+    def check(self, guide: Any) -> str | None:
+        return None if guide is None else "bad guide"
+
+
+def worker() -> tuple[Worker, list[object]]:
+    w = object.__new__(Worker)  # the state handle() and load_report() use, no model or pool
+    sent: list[object] = []
+    w.last_add_seq = 0
+    w.role = _Role()  # type: ignore[assignment]
+    w.grammars = _Grammars()  # type: ignore[assignment]
+    w.send = sent.append  # type: ignore[method-assign,assignment]
+    return w, sent
+
+
+def add(req_id: int, add_seq: int, guide: Guide | None = None) -> AddRequest:
+    return AddRequest(req_id, [1, 2, 3], SamplingParams(guide=guide), 0.0, add_seq=add_seq)
+
+
+def test_a_report_carries_the_last_prompt_stamp_handled() -> None:
+    w, _ = worker()
+    assert w.load_report().last_add_seq == 0  # nothing handled yet: count every prompt sent
+    w.handle(add(7, 1))
+    w.handle(add(8, 2))
+    report = w.load_report()
+    assert report.last_add_seq == 2 and report.num_waiting == 2  # both in the role's count
+
+
+def test_a_prompt_failed_on_arrival_is_handled_too() -> None:
+    """A prompt refused before any work (its guide does not compile) is answered at once; the
+    pick must stop counting it, so its stamp counts as handled."""
+    w, sent = worker()
+    w.handle(add(7, 1, guide=Guide("regex", "(")))
+    assert [type(m) for m in sent] == [RequestFailed]
+    assert w.load_report().last_add_seq == 1
