@@ -268,10 +268,29 @@ def test_elastic_prefill_hands_kept_requests_back_when_prompts_queue() -> None:
 
 
 def test_elastic_prefill_keeps_fewer_while_prompts_keep_it_busy() -> None:
-    """HPHD at 1 req/s keeps the prefill instance ~30% busy with prompts: with the default
-    prompt share of 0.1 it keeps fewer requests than whatever the load (1.0)."""
+    """HPHD at 1 req/s keeps the prefill instance ~30% busy with prompts: with a prompt share
+    of 0.1 it keeps fewer requests than whatever the load (1.0, the default)."""
     assert (num_kept("HPHD", 1.0, local_decode_max_prompt_share=0.1)
             < num_kept("HPHD", 1.0, local_decode_max_prompt_share=1.0))
+
+
+def test_the_default_keeps_requests_while_the_decode_instance_is_saturated() -> None:
+    """Mixed at 2.5 req/s on this-cpu saturates the one decode instance while prompts keep the
+    prefill instance over 30% busy: a prompt-share rule of 0.3 (the default to session 23)
+    then keeps nothing and JCT ends ~19% above coupled's; the default (1: keep whatever the
+    prompt load) stays within 5% of it."""
+    cost = CostModel(load_hardware("this-cpu"), load_model("bench"))
+    reqs = from_workload(WorkloadSpec("Mixed", 120, 1, 1024, rate_rps=2.5))
+
+    def jct(cfg: SimConfig) -> float:
+        return float(simulate(cfg, cost, [dataclasses.replace(r) for r in reqs])["jct_mean_s"])
+
+    coupled = jct(SimConfig(mode="coupled", num_instances=2, max_model_len=1024))
+    shipped = SimConfig(max_model_len=1024, chunk_size=256, local_decode_batch=16,
+                        local_prefill_tokens=1024)
+    assert shipped.local_decode_max_prompt_share == 1.0
+    assert jct(shipped) <= 1.05 * coupled
+    assert jct(dataclasses.replace(shipped, local_decode_max_prompt_share=0.3)) > 1.1 * coupled
 
 
 def test_elastic_decode_prefills_light_prompts_behind_a_backlog() -> None:

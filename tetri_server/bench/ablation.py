@@ -91,11 +91,10 @@ ROWS: tuple[Row, ...] = (
     Row("elastic", "elastic P/D", mode="elastic"),
     Row("elastic-prefill", "elastic P/D", mode="elastic-prefill"),
     Row("elastic-decode", "elastic P/D", mode="elastic-decode"),
-    # keep whatever the prompt load (the prompt-share rule off), to the end
-    Row("keep-any-share", "elastic P/D", sets=("prefill.local_decode_max_prompt_share=1",)),
-    # keep whatever the prompt load, hand back when prompts queue (prefill.local_decode_hand_back)
-    Row("hand-back", "elastic P/D", sets=("prefill.local_decode_hand_back=true",
-                                          "prefill.local_decode_max_prompt_share=1")),
+    # keep only while prompt steps took at most 30% of the last 10 s (the default to session 23)
+    Row("prompt-share-0.3", "elastic P/D", sets=("prefill.local_decode_max_prompt_share=0.3",)),
+    # hand kept requests back when prompts queue (prefill.local_decode_hand_back)
+    Row("hand-back", "elastic P/D", sets=("prefill.local_decode_hand_back=true",)),
 )
 ROW_NAMES = tuple(r.name for r in ROWS)
 

@@ -286,9 +286,10 @@ class PrefillConfig(_Section):
     local_decode_min_tokens: int = 128
     """Elastic P/D: a prefill worker keeps only requests that can decode more than this many
     tokens (their max_tokens and predicted bucket's upper end); 0 = any request."""
-    local_decode_max_prompt_share: float = 0.3
+    local_decode_max_prompt_share: float = 1.0
     """Elastic P/D: ... and only while steps with prompt tokens took at most this share of the
-    worker's last 10 s (a kept request gets one token per step); 1 = whatever the load."""
+    worker's last 10 s (a kept request gets one token per step); 1 = whatever the load (the
+    default: docs/benchmarks.md, "The prompt-share rule off")."""
     local_decode_hand_back: bool = False
     """Elastic P/D: when more than a chunk of prompt tokens waits, a prefill worker hands the
     requests it kept to a decode worker (with the KV of what it decoded) instead of decoding

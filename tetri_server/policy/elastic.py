@@ -16,12 +16,15 @@ waits for them, and they finish where they are (no second hand-off). Only reques
 decode more than ``min_tokens`` are kept (``worth_keeping``: the request's ``max_tokens`` and
 its predicted bucket's upper end both above it): a short request takes little off the decode
 worker and pays the prefill worker's chunk steps for each of its tokens (measured: on LPLD,
-keeping every request raised mean TPOT 8% and JCT 9% over the strict split). And none is kept
-while the worker spent more than ``max_prompt_share`` of the last ``PromptShare.window_s``
-seconds in steps with prompt tokens (``PromptShare``): a kept request's tokens come one per
-step, and a step with a prompt chunk is several decode steps long (measured: on Mixed at 1 req/s,
-prefill busy ~20% of the run, keeping raised JCT 6% and the p99 inter-token gap 43% over the
-strict split; on Arena and LPHD, busy 2-3%, it lowered JCT 8-9%).
+keeping every request raised mean TPOT 8% and JCT 9% over the strict split). With
+``max_prompt_share`` below 1, none is kept while the worker spent more than that share of the
+last ``PromptShare.window_s`` seconds in steps with prompt tokens (``PromptShare``): a kept
+request's tokens come one per step, and a step with a prompt chunk is several decode steps long.
+Off by default (1.0): session 20 measured keeping at all on Mixed at 1 req/s on a fast machine
+(JCT +6%, p99 inter-token gap +43% over the strict split), but at 0.3 on Mixed at 1 req/s on
+the AVX2 machine of session 24 the prefill worker kept nothing while the decode worker was
+saturated (JCT 1.47x coupled's against 1.12x with the rule off, 80 requests, two repeats), and
+the rule never helped elsewhere (docs/benchmarks.md, "The prompt-share rule off").
 
 With ``hand_back`` (``prefill.local_decode_hand_back``) a kept request does not stay to the
 end: when more than a chunk of prompt tokens is waiting (``hands_back``), every kept request

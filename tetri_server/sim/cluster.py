@@ -55,7 +55,7 @@ class SimConfig:
     token_budget: int = 512  # coupled-chunked
     local_decode_batch: int = 0  # elastic: requests a prefill instance decodes itself
     local_decode_min_tokens: int = 128  # elastic: ... only if they can decode more than this
-    local_decode_max_prompt_share: float = 0.3  # ... and while prompt steps take at most this
+    local_decode_max_prompt_share: float = 1.0  # ... and while prompt steps take at most this
     local_decode_hand_back: bool = False  # elastic: kept ones go to decode when prompts queue
     local_prefill_tokens: int = 0  # elastic: prompt tokens a decode instance prefills a step
     decode_policy: DecodePolicyName = "reserve-dynamic"
