@@ -231,8 +231,12 @@ void run_panels(const float* x, int64_t k, const float* packed, const float* bia
         std::memcpy(bias_pad, bias + col, ncols * sizeof(float));
         b = bias_pad;
       }
-      for (int64_t r0 = 0; r0 < rows; r0 += step_rows) {
-        const int64_t r = std::min(step_rows, rows - r0);
+      // Rows split evenly over the fewest tiles (32 rows on AVX2: 6, 6, 5, 5, 5, 5, not
+      // 6 x 5 + 2): a tile of few rows has too few accumulator chains to hide the FMA
+      // latency, so it takes about as long per k step as a full one.
+      const int64_t row_tiles = (rows + step_rows - 1) / step_rows;
+      for (int64_t i = 0, r0 = 0, r = 0; i < row_tiles; ++i, r0 += r) {
+        r = (rows - r0 + row_tiles - i - 1) / (row_tiles - i);
         const int64_t first = next_lines * t / tiles, last = next_lines * (t + 1) / tiles;
         ++t;
         const TileFn fn = tall ? kTall<Glu>[r] : kWide<Glu>[r];
