@@ -58,17 +58,15 @@ class Monitor:
         """Adopt a report; True when it says a decode worker has no prompt left to prefill
         after having some (the cluster re-sends the decode view: prefill workers stop keeping
         requests for it)."""
-        wid = h.worker_id
-        before = self.picker.queued_tokens(wid) if wid in self.reports else 0
-        self.reports[wid] = msg
-        self.picker.on_report(msg)
+        self.reports[h.worker_id] = msg
+        emptied = self.picker.on_report(msg)
         if msg.role == "decode":
             self._view_generation += 1
         self.metrics.set_worker(
             h.worker_id, h.role, blocks_used=msg.num_total_blocks - msg.num_free_blocks,
             blocks_total=msg.num_total_blocks, busy_s=msg.busy_s,
             num_preemptions=msg.num_preemptions)
-        return msg.role == "decode" and before > 0 and self.picker.queued_tokens(wid) == 0
+        return emptied
 
     def on_ready(self, h: WorkerHandle, msg: Ready) -> None:
         """A worker (re)started or flipped: an empty report in its role until its first one."""

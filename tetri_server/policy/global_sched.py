@@ -37,12 +37,16 @@ class LeastLoadedPicker:
         self._sent: dict[int, list[tuple[int, int]]] = {}  # (stamp, prompt tokens) not reported
         self._stamps: dict[int, int] = {}  # the last stamp given per worker
 
-    def on_report(self, report: WorkerLoad) -> None:
-        """Adopt a worker's latest report; forget what was sent to it that the report counts."""
+    def on_report(self, report: WorkerLoad) -> bool:
+        """Adopt a worker's latest report; forget what was sent to it that the report counts.
+        True when it says a decode worker has no prompt left to prefill after having some
+        (the decode view goes out again: prefill workers stop keeping requests for it)."""
         wid, seen = report.worker_id, report.last_add_seq
+        before = self.queued_tokens(wid) if wid in self._reports else 0
         self._reports[wid] = report
         self._sent[wid] = ([] if seen is None
                            else [e for e in self._sent.get(wid, []) if e[0] > seen])
+        return report.role == "decode" and before > 0 and self.queued_tokens(wid) == 0
 
     def remove_worker(self, worker_id: int) -> None:
         """A worker died or left; it is not picked until it reports again."""

@@ -216,14 +216,12 @@ class Simulation:
     def on_report(self, report: LoadReport) -> None:
         """``Cluster._on_report``: adopt it (``Monitor.on_report``); the view goes out again at
         once when a decode instance has no routed prompt left to prefill after having some."""
-        wid = report.worker_id
-        before = self.picker.queued_tokens(wid) if wid in self._reports else 0
-        self._reports[wid] = report
-        self.picker.on_report(report)
+        self._reports[report.worker_id] = report
+        emptied = self.picker.on_report(report)
         if report.role == "decode":
             self._view_generation += 1
-            if before > 0 and self.picker.queued_tokens(wid) == 0:
-                self._broadcast_view()
+        if emptied:
+            self._broadcast_view()
 
     def _serving(self) -> list[LoadReport]:
         """The latest reports of the instances not flipping."""
