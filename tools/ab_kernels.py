@@ -109,16 +109,23 @@ def variant_kernels(kern: object, replaced: set[str]) -> object:
 
 
 def interleaved_ms(model: object, a: object, b: object, rounds: int,
-                   measure: Callable[[], list[float]]) -> tuple[float, float]:
+                   measure: Callable[[], list[float]]) -> tuple[float, float, float]:
     """``measure`` with the engine's kernels (A) and the copy's (B), alternating round by round
-    (the order flipped every other round); the median ms of each."""
+    (the order flipped every other round); the median ms of each, and the median over rounds of
+    B's median / A's in that round (paired: the machine's speed drifts over minutes here, and a
+    round's A and B ran seconds apart)."""
     times: dict[str, list[float]] = {"A": [], "B": []}
+    ratios = []
     for r in range(rounds):
+        got = {}
         for key, kern in (("A", a), ("B", b)) if r % 2 == 0 else (("B", b), ("A", a)):
             model.kernels = kern  # type: ignore[attr-defined]
-            times[key] += measure()
+            got[key] = measure()
+            times[key] += got[key]
+        ratios.append(statistics.median(got["B"]) / statistics.median(got["A"]))
     model.kernels = a  # type: ignore[attr-defined]
-    return 1e3 * statistics.median(times["A"]), 1e3 * statistics.median(times["B"])
+    return (1e3 * statistics.median(times["A"]), 1e3 * statistics.median(times["B"]),
+            statistics.median(ratios))
 
 
 def ab_decode(configs: list[tuple[int, int]], rounds: int, replaced: set[str]) -> None:
@@ -127,11 +134,12 @@ def ab_decode(configs: list[tuple[int, int]], rounds: int, replaced: set[str]) -
     model = drv.eng.model
     a = model.kernels
     b = variant_kernels(a, replaced)
-    print("| decode step | A ms (built) | B ms (copy) | B/A |\n|---|---:|---:|---:|")
+    print("| decode step | A ms (built) | B ms (copy) | B/A | B/A paired |\n"
+          "|---|---:|---:|---:|---:|")
     for batch, ctx in configs:
-        ma, mb = interleaved_ms(model, a, b, rounds,
+        ma, mb, paired = interleaved_ms(model, a, b, rounds,
                                 functools.partial(drv.decode_step_times, batch, ctx, 12, 2, "ab"))
-        print(f"| B={batch} ctx={ctx} | {ma:.2f} | {mb:.2f} | **{mb / ma:.3f}** |")
+        print(f"| B={batch} ctx={ctx} | {ma:.2f} | {mb:.2f} | {mb / ma:.3f} | **{paired:.3f}** |")
 
 
 def ab_prefill(specs: list[str], rounds: int, replaced: set[str]) -> None:
@@ -144,7 +152,7 @@ def ab_prefill(specs: list[str], rounds: int, replaced: set[str]) -> None:
     model = drv.eng.model
     a = model.kernels
     b = variant_kernels(a, replaced)
-    print("| prefill | A ms (built) | B ms (copy) | B/A |\n|---|---:|---:|---:|")
+    print("| prefill | A ms (built) | B ms (copy) | B/A | B/A paired |\n|---|---:|---:|---:|---:|")
     for n, chunk in lens:
         seq = drv.new_seq(n)
         if not drv.eng.kv_manager.reserve(seq, n):
@@ -159,10 +167,10 @@ def ab_prefill(specs: list[str], rounds: int, replaced: set[str]) -> None:
             run()  # warm-up
             return [min(drv.timer.timed(run, "ab") for _ in range(3))]
 
-        ma, mb = interleaved_ms(model, a, b, rounds, best_of_3)
+        ma, mb, paired = interleaved_ms(model, a, b, rounds, best_of_3)
         drv.eng.kv_manager.free(seq)
         label = f"{n} tokens" + (f" in chunks of {chunk}" if chunk < n else "")
-        print(f"| {label} | {ma:.1f} | {mb:.1f} | **{mb / ma:.3f}** |")
+        print(f"| {label} | {ma:.1f} | {mb:.1f} | {mb / ma:.3f} | **{paired:.3f}** |")
 
 
 def layer_call(lib: object, glu: bool, a: torch.Tensor, packs: list[torch.Tensor],
