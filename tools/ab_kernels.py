@@ -15,6 +15,9 @@ this CPU), so both versions run in the same process, one thread, pinned, CPU tim
 - ``--prefill``: the engine's prefill of a prompt of N tokens in one step, or ``N/C`` in steps
   of C tokens as a prefill worker chunks it (a comma list), A and B alternating round by round,
   best-of-3 per round; the medians and B/A;
+- ``--attention BxC``: with a ragged_attention copy, the op alone on one layer's decode batch
+  (B rows, each over C keys of its own; bench-model heads), hot (the same KV again) and cold
+  (after reading a 256 MB buffer), A/B interleaved; outputs checked equal;
 - ``--linear-rows``: with a linear_ops copy, each linear of one bench-model layer (qkv, o,
   gate|up GLU, down) at those row counts, hot (the same weight again) and cold (one of 8
   copies, after reading a 256 MB buffer), A/B interleaved; outputs checked equal.
@@ -214,6 +217,46 @@ def ab_linears(rows: list[int]) -> None:
             print(f"| {m} | {name} | {n * k * 4 / 1e6:.1f} | {cells[0]} | {cells[1]} |")
 
 
+def ab_attention(configs: list[tuple[int, int]]) -> None:
+    t, x = torch.ops.tetri, torch.ops.tetrix
+    gen = torch.Generator().manual_seed(0)
+    big = torch.empty(64 * 1024 * 1024)  # 256 MB read between cold calls
+    heads, d = 8, 64
+    print("| decode attention | KV MB | hot A / B ms | B/A | cold A / B ms | B/A | cold A GB/s |\n"
+          "|---|---:|---|---:|---|---:|---:|")
+    for batch, ctx in configs:
+        pool_k = torch.randn(heads, batch * ctx, d, generator=gen)
+        pool_v = torch.randn(heads, batch * ctx, d, generator=gen)
+        q = torch.randn(batch, heads, d, generator=gen)
+        meta = (torch.arange(batch), torch.ones(batch, dtype=torch.long),
+                torch.full((batch,), ctx), torch.arange(batch) * ctx)
+        outs = {"A": torch.empty_like(q), "B": torch.empty_like(q)}
+        fns = {key: functools.partial(lib.ragged_attention, q, pool_k, pool_v, outs[key], *meta,
+                                      1.0 / math.sqrt(d), 0)
+               for key, lib in (("A", t), ("B", x))}
+        fns["A"]()
+        fns["B"]()
+        if not torch.equal(outs["A"], outs["B"]):
+            print(f"  note: B={batch} ctx={ctx}: the copy's output differs from the built op's")
+        times: dict[tuple[str, str], list[float]] = {}
+        for rep in range(20):
+            for key in ("A", "B") if rep % 2 else ("B", "A"):
+                fns[key]()
+                t0 = time.process_time()
+                fns[key]()
+                times.setdefault((key, "hot"), []).append(time.process_time() - t0)
+                big.sum()
+                t0 = time.process_time()
+                fns[key]()
+                times.setdefault((key, "cold"), []).append(time.process_time() - t0)
+        med = {kk: 1e3 * statistics.median(v) for kk, v in times.items()}
+        cells = [f"{med[('A', h)]:.3f} / {med[('B', h)]:.3f} | "
+                 f"{med[('B', h)] / med[('A', h)]:.3f}" for h in ("hot", "cold")]
+        mb = 2 * pool_k.numel() * 4 / 1e6
+        print(f"| B={batch} ctx={ctx} | {mb:.1f} | {cells[0]} | {cells[1]} | "
+              f"{mb / med[('A', 'cold')]:.1f} |")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--source", type=Path, action="append", required=True)
@@ -221,6 +264,8 @@ def main() -> int:
     ap.add_argument("--prefill", default="",
                     help="prompt lengths, N or N/CHUNK, e.g. 512,1024/256; empty: none")
     ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--attention", default="1x512,32x128,32x1024",
+                    help="BxC list for a ragged_attention copy; empty: none")
     ap.add_argument("--linear-rows", default="1,16,32,256", help="empty: none")
     ap.add_argument("--cpu", type=int, default=0)
     args = ap.parse_args()
@@ -238,6 +283,10 @@ def main() -> int:
         print()
     if args.prefill:
         ab_prefill(args.prefill.split(","), args.rounds, replaced)
+        print()
+    if args.attention and "ragged_attention.cpp" in replaced:
+        shapes = (v.split("x") for v in args.attention.split(","))
+        ab_attention([(int(b), int(c)) for b, c in shapes])
         print()
     if args.linear_rows and "linear_ops.cpp" in replaced:
         ab_linears([int(v) for v in args.linear_rows.split(",")])

@@ -64,15 +64,6 @@ inline const float* as_float<float>(const float* src, float*, int64_t) {
   return src;
 }
 
-// Whether the kernel asks for the KV stream's cache lines ahead of use. On Intel (session 18's
-// Xeon) software prefetch took the op's KV read from ~9 to ~13 GB/s; on AMD Zen 3 (session 25)
-// the hardware prefetcher alone is faster (the op 4-14% at batch 32, ctx 128-1024; the
-// prefetch instructions cost ~12% even with the KV in cache), so AMD CPUs run without it.
-inline bool software_prefetch() {
-  static const bool on = !__builtin_cpu_is("amd");
-  return on;
-}
-
 // Ask for a row's cache lines ahead of use (the KV stream is read once, from DRAM).
 inline void prefetch_row(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
@@ -207,8 +198,8 @@ struct Scratch {
 template <typename T>
 void attend(const SeqInfo& s, int64_t h, int64_t groups, int64_t d, float scale, int64_t window,
             const T* q, int64_t q_s0, int64_t q_s1, const T* pk, const T* pv, int64_t kv_s0,
-            int64_t kv_s1, T* out, int64_t o_s0, int64_t o_s1, Scratch& w, bool prefetch,
-            const T* next_k, const T* next_v, int64_t next_rows) {
+            int64_t kv_s1, T* out, int64_t o_s0, int64_t o_s1, Scratch& w, const T* next_k,
+            const T* next_v, int64_t next_rows) {
   const T* kh = pk + h * kv_s0 + s.kv_start * kv_s1;
   const T* vh = pv + h * kv_s0 + s.kv_start * kv_s1;
   // fp32 with head_dim a multiple of the vector width up to kMaxND vectors: the register paths
@@ -233,7 +224,7 @@ void attend(const SeqInfo& s, int64_t h, int64_t groups, int64_t d, float scale,
       if constexpr (std::is_same_v<T, float>) {
         if (fast) {
           for (int64_t g = 0; g < groups; ++g) {  // the first block prefetches its values
-            const bool pf = prefetch && g == 0 && kb == lo;
+            const bool pf = g == 0 && kb == lo;
             scores_fn(w.q.data() + g * d, kh + kb * kv_s1, kv_s1, n, scale,
                       w.scores.data() + g * kKeyBlock, pf ? vh + kb * kv_s1 : nullptr,
                       pf ? n : 0);
@@ -241,9 +232,7 @@ void attend(const SeqInfo& s, int64_t h, int64_t groups, int64_t d, float scale,
         }
       }
       for (int64_t j = 0; j < n && !fast; ++j) {
-        if (prefetch && kb == lo) {  // later blocks: below
-          prefetch_row(vh + (kb + j) * kv_s1, d * sizeof(T));
-        }
+        if (kb == lo) prefetch_row(vh + (kb + j) * kv_s1, d * sizeof(T));  // later blocks: below
         const float* k = as_float(kh + (kb + j) * kv_s1, w.kbuf.data(), d);
         for (int64_t g = 0; g < groups; ++g) {
           w.scores[g * kKeyBlock + j] = dot(w.q.data() + g * d, k, d) * scale;
@@ -261,7 +250,7 @@ void attend(const SeqInfo& s, int64_t h, int64_t groups, int64_t d, float scale,
       const bool item_end = n_next == 0 && r + 1 == s.q_len && next_k != nullptr;
       const T* pf_k = item_end ? next_k : kh + (kb + n) * kv_s1;
       const T* pf_v = item_end ? next_v : vh + (kb + n) * kv_s1;
-      const int64_t pf_rows = !prefetch ? 0 : item_end ? next_rows : n_next;
+      const int64_t pf_rows = item_end ? next_rows : n_next;
       if constexpr (std::is_same_v<T, float>) {
         if (fast) {
           for (int64_t g = 0; g < groups; ++g) {  // the rescale is applied before the first key
@@ -304,15 +293,13 @@ void run_items(const std::vector<SeqInfo>& seqs, const std::vector<int64_t>& sho
   const T* kp = pool_k.data_ptr<T>();
   const T* vp = pool_v.data_ptr<T>();
   T* op = out.data_ptr<T>();
-  const bool prefetch = software_prefetch();
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t stop) {
     Scratch w(groups, d);
     for (int64_t it = begin; it < stop; ++it) {
       const SeqInfo& s = seqs[short_seqs[it / kv_heads]];
       const T *next_k = nullptr, *next_v = nullptr;
       int64_t next_rows = 0;
-      // the next item's first key block, fetched during this one's end
-      if (prefetch && it + 1 < stop) {
+      if (it + 1 < stop) {  // the next item's first key block, fetched during this one's end
         const SeqInfo& ns = seqs[short_seqs[(it + 1) / kv_heads]];
         const int64_t h = (it + 1) % kv_heads;
         const int64_t pos = ns.ctx_len - ns.q_len;
@@ -322,8 +309,8 @@ void run_items(const std::vector<SeqInfo>& seqs, const std::vector<int64_t>& sho
         next_rows = std::min(kKeyBlock, pos + 1 - lo);
       }
       attend<T>(s, it % kv_heads, groups, d, scale, window, qp, q.stride(0), q.stride(1), kp, vp,
-                pool_k.stride(0), pool_k.stride(1), op, out.stride(0), out.stride(1), w, prefetch,
-                next_k, next_v, next_rows);
+                pool_k.stride(0), pool_k.stride(1), op, out.stride(0), out.stride(1), w, next_k,
+                next_v, next_rows);
     }
   });
 }
