@@ -184,10 +184,36 @@ def layer_call(lib: object, glu: bool, a: torch.Tensor, packs: list[torch.Tensor
     return lambda i: lib.packed_linear(a, packs[i], None, n)  # type: ignore[attr-defined]
 
 
+def hot_cold_ms(fns: dict[str, Callable[[int | None], object]],
+                rounds: int) -> dict[tuple[str, str], float]:
+    """Median ms of A's and B's calls, hot (right after the same call) and cold (after reading
+    a 256 MB buffer), A and B interleaved, the order flipped every other round. ``fns[key](r)``
+    runs one call: r is None for a hot one, else the round (a cold call may use other data,
+    e.g. another copy of the weight)."""
+    big = torch.empty(64 * 1024 * 1024)
+    times: dict[tuple[str, str], list[float]] = {}
+    for rep in range(rounds):
+        for key in ("A", "B") if rep % 2 else ("B", "A"):
+            fns[key](None)
+            t0 = time.process_time()
+            fns[key](None)
+            times.setdefault((key, "hot"), []).append(time.process_time() - t0)
+            big.sum()
+            t0 = time.process_time()
+            fns[key](rep)
+            times.setdefault((key, "cold"), []).append(time.process_time() - t0)
+    return {kk: 1e3 * statistics.median(v) for kk, v in times.items()}
+
+
+def hot_cold_cells(med: dict[tuple[str, str], float]) -> str:
+    """The table cells "A / B ms | B/A" for hot, then cold."""
+    return " | ".join(f"{med[('A', h)]:.3f} / {med[('B', h)]:.3f} | "
+                      f"{med[('B', h)] / med[('A', h)]:.3f}" for h in ("hot", "cold"))
+
+
 def ab_linears(rows: list[int]) -> None:
     t, x = torch.ops.tetri, torch.ops.tetrix
     gen = torch.Generator().manual_seed(0)
-    big = torch.empty(64 * 1024 * 1024)  # 256 MB read between cold calls
 
     print("| rows | linear | MB | hot A / B ms | B/A | cold A / B ms | B/A |\n"
           "|---:|---|---:|---|---:|---|---:|")
@@ -200,27 +226,14 @@ def ab_linears(rows: list[int]) -> None:
             fns = {"A": layer_call(t, glu, a, ps, n), "B": layer_call(x, glu, a, ps, n)}
             if not torch.equal(fns["A"](0), fns["B"](0)):
                 print(f"  note: {name} at {m} rows: the copy's output differs from the built op's")
-            times: dict[tuple[str, str], list[float]] = {}
-            for rep in range(30):
-                for key in ("A", "B") if rep % 2 else ("B", "A"):
-                    fns[key](0)
-                    t0 = time.process_time()
-                    fns[key](0)
-                    times.setdefault((key, "hot"), []).append(time.process_time() - t0)
-                    big.sum()
-                    t0 = time.process_time()
-                    fns[key](1 + rep % 7)
-                    times.setdefault((key, "cold"), []).append(time.process_time() - t0)
-            med = {kk: 1e3 * statistics.median(v) for kk, v in times.items()}
-            cells = [f"{med[('A', h)]:.3f} / {med[('B', h)]:.3f} | "
-                     f"{med[('B', h)] / med[('A', h)]:.3f}" for h in ("hot", "cold")]
-            print(f"| {m} | {name} | {n * k * 4 / 1e6:.1f} | {cells[0]} | {cells[1]} |")
+            med = hot_cold_ms({key: lambda r, f=f: f(0 if r is None else 1 + r % 7)
+                               for key, f in fns.items()}, 30)
+            print(f"| {m} | {name} | {n * k * 4 / 1e6:.1f} | {hot_cold_cells(med)} |")
 
 
 def ab_attention(configs: list[tuple[int, int]]) -> None:
     t, x = torch.ops.tetri, torch.ops.tetrix
     gen = torch.Generator().manual_seed(0)
-    big = torch.empty(64 * 1024 * 1024)  # 256 MB read between cold calls
     heads, d = 8, 64
     print("| decode attention | KV MB | hot A / B ms | B/A | cold A / B ms | B/A | cold A GB/s |\n"
           "|---|---:|---|---:|---|---:|---:|")
@@ -238,22 +251,9 @@ def ab_attention(configs: list[tuple[int, int]]) -> None:
         fns["B"]()
         if not torch.equal(outs["A"], outs["B"]):
             print(f"  note: B={batch} ctx={ctx}: the copy's output differs from the built op's")
-        times: dict[tuple[str, str], list[float]] = {}
-        for rep in range(20):
-            for key in ("A", "B") if rep % 2 else ("B", "A"):
-                fns[key]()
-                t0 = time.process_time()
-                fns[key]()
-                times.setdefault((key, "hot"), []).append(time.process_time() - t0)
-                big.sum()
-                t0 = time.process_time()
-                fns[key]()
-                times.setdefault((key, "cold"), []).append(time.process_time() - t0)
-        med = {kk: 1e3 * statistics.median(v) for kk, v in times.items()}
-        cells = [f"{med[('A', h)]:.3f} / {med[('B', h)]:.3f} | "
-                 f"{med[('B', h)] / med[('A', h)]:.3f}" for h in ("hot", "cold")]
+        med = hot_cold_ms({key: lambda r, f=f: f() for key, f in fns.items()}, 20)
         mb = 2 * pool_k.numel() * 4 / 1e6
-        print(f"| B={batch} ctx={ctx} | {mb:.1f} | {cells[0]} | {cells[1]} | "
+        print(f"| B={batch} ctx={ctx} | {mb:.1f} | {hot_cold_cells(med)} | "
               f"{mb / med[('A', 'cold')]:.1f} |")
 
 
