@@ -140,8 +140,8 @@ def ab_decode(configs: list[tuple[int, int]], rounds: int, replaced: set[str]) -
     print("| decode step | A ms (built) | B ms (copy) | B/A | B/A paired |\n"
           "|---|---:|---:|---:|---:|")
     for batch, ctx in configs:
-        ma, mb, paired = interleaved_ms(model, a, b, rounds,
-                                functools.partial(drv.decode_step_times, batch, ctx, 12, 2, "ab"))
+        steps = functools.partial(drv.decode_step_times, batch, ctx, 12, 2, "ab")
+        ma, mb, paired = interleaved_ms(model, a, b, rounds, steps)
         print(f"| B={batch} ctx={ctx} | {ma:.2f} | {mb:.2f} | {mb / ma:.3f} | **{paired:.3f}** |")
 
 
@@ -257,6 +257,12 @@ def ab_attention(configs: list[tuple[int, int]]) -> None:
               f"{mb / med[('A', 'cold')]:.1f} |")
 
 
+def shapes(spec: str) -> list[tuple[int, int]]:
+    """``"32x128,8x64"`` as [(32, 128), (8, 64)]."""
+    pairs = [v.split("x") for v in spec.split(",")]
+    return [(int(b), int(c)) for b, c in pairs]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--source", type=Path, action="append", required=True)
@@ -278,15 +284,13 @@ def main() -> int:
           f"{args.cpu}, 1 thread, CPU time; A = the built ops, B = {sorted(replaced)} from "
           f"{', '.join(map(str, args.source))}\n")
     if args.decode:
-        configs = [tuple(int(v) for v in c.split("x")) for c in args.decode.split(",")]
-        ab_decode(configs, args.rounds, replaced)  # type: ignore[arg-type]
+        ab_decode(shapes(args.decode), args.rounds, replaced)
         print()
     if args.prefill:
         ab_prefill(args.prefill.split(","), args.rounds, replaced)
         print()
     if args.attention and "ragged_attention.cpp" in replaced:
-        shapes = (v.split("x") for v in args.attention.split(","))
-        ab_attention([(int(b), int(c)) for b, c in shapes])
+        ab_attention(shapes(args.attention))
         print()
     if args.linear_rows and "linear_ops.cpp" in replaced:
         ab_linears([int(v) for v in args.linear_rows.split(",")])
