@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from tetri_server.workers import calibrate
@@ -38,15 +39,49 @@ def test_a_cached_knee_of_another_engine_build_is_measured_again(tmp_path, monke
     monkeypatch.setattr(calibrate, "processor", lambda: "another CPU")
     calibrate.resolve_chunk_size(worker, 0)
     assert len(measured) == 3
+    monkeypatch.setattr(calibrate, "calibration_rule", lambda: "rule-new")
+    calibrate.resolve_chunk_size(worker, 0)
+    assert len(measured) == 4  # a pick of the old rule (best of 2, measured sizes only) is stale
     cached = json.loads(calibrate.cache_file().read_text())
-    assert len(cached) == 3 and all("ops-" in k for k in cached)
-    assert calibrate.resolve_chunk_size(worker, 384) == 384 and len(measured) == 3  # configured
+    assert len(cached) == 4 and all("ops-" in k and "|rule-" in k for k in cached)
+    assert calibrate.resolve_chunk_size(worker, 384) == 384 and len(measured) == 4  # configured
 
 
-def test_the_key_names_the_engine_sources_and_the_ops_build(tmp_path):
+def test_the_key_names_the_engine_sources_the_ops_build_and_the_rule(tmp_path):
     key = calibrate.cache_key(fake_worker(tmp_path))
     _, _, folder = calibrate.build_spec()
     assert folder.name in key and "|engine-" in key and calibrate.processor() in key
+    assert key.endswith(calibrate.calibration_rule()) and "|rule-" in key
+
+
+def test_rounds_are_interleaved_and_each_size_keeps_its_best_pass(monkeypatch):
+    """A slow spell of the machine slows one pass of several sizes, not every pass of one: each
+    round passes once over every size, and a size keeps its fastest pass."""
+    order: list[int] = []
+    slow = {(1, 128)}  # (round, size) passes that the machine slowed
+
+    class Runner:
+        def execute(self, plan):  # noqa: ANN001, ANN202
+            n = plan.num_tokens
+            order.append(n)
+            clock.now += n * 1e-4 * (3 if ((len(order) - 1) // 3, n) in slow else 1)
+
+    class Clock:
+        now = 0.0
+
+        def __call__(self) -> float:
+            return self.now
+
+    clock = Clock()
+    kv = SimpleNamespace(reserve=lambda seq, k: True, free=lambda seq: None)
+    worker = SimpleNamespace(max_model_len=1024, allocator=SimpleNamespace(num_blocks=16),
+                             block_size=16, model_spec=SimpleNamespace(vocab_size=100), kv=kv,
+                             runner=Runner(), device=torch.device("cpu"))
+    monkeypatch.setattr(calibrate, "pass_clock", lambda device: clock)
+    samples = calibrate.measure(worker, (32, 64, 128, 256), rounds=3)  # type: ignore[arg-type]
+    assert order == [32, 64, 128] * 3  # 256 does not fit in half of 16 x 16 blocks
+    assert samples == [(32, pytest.approx(32e-4)), (64, pytest.approx(64e-4)),
+                       (128, pytest.approx(128e-4))]
 
 
 def test_one_thread_cpu_passes_are_timed_in_cpu_time(monkeypatch):

@@ -63,7 +63,7 @@ def test_512_token_chunk_is_compute_bound_on_v100_for_opt13b_and_the_knee() -> N
     assert cost.step_s([(100, 0)], num_pad=412) == pytest.approx(cost.step_s([(512, 0)]), 0.05)
     cpu = CostModel(load_hardware("this-cpu"), load_model("bench"))
     assert cpu.step_s([(100, 0)], num_pad=412) == cpu.step_s([(100, 0)])
-    assert pick_chunk_size([(n, cpu.prefill_s(n)) for n in (64, 128, 256)]) in (64, 128, 256)
+    assert 64 <= pick_chunk_size([(n, cpu.prefill_s(n)) for n in (64, 128, 256)]) <= 256
 
 
 def test_handoff_is_bytes_over_link_plus_latency() -> None:

@@ -7,6 +7,7 @@ plateau: larger chunks only add latency, smaller ones waste the device.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Iterable
 
@@ -36,23 +37,38 @@ def _smooth(values: list[float]) -> list[float]:
     return [min(values[0], values[1]), *inner, values[-1]]
 
 
-def pick_chunk_size(samples: Iterable[tuple[int, float]], tolerance: float = 0.05) -> int:
-    """The smallest measured size whose smoothed throughput is within ``tolerance`` of the
-    plateau.
+def pick_chunk_size(samples: Iterable[tuple[int, float]], tolerance: float = 0.05,
+                    multiple: int = 16) -> int:
+    """The smallest size whose smoothed throughput is within ``tolerance`` of the plateau,
+    read off the curve between the measured sizes and rounded up to a ``multiple`` of tokens.
 
     ``samples``: measured ``(num_tokens, seconds per forward pass)`` pairs, e.g. over 32 ... 4096
     (repeats allowed: each size uses its median time). The curve is smoothed with a 3-point
     moving median and the plateau is its maximum, so one lucky or unlucky measurement inside the
     range moves neither the plateau nor the pick. The largest size has no right neighbour:
-    measure it (like every size) a few times. A curve that never flattens returns its largest
-    size (or the first within tolerance of it).
+    measure it (like every size) a few times.
+
+    Where the curve crosses ``(1 - tolerance) x plateau`` between two measured sizes, the
+    crossing is interpolated linearly in tokens. A pick limited to the measured sizes (powers
+    of two) jumps by 2x when noise moves one point across the line: on a CPU whose curve
+    approaches its plateau slowly it went 64 <-> 128 <-> 256 between runs of one build. The
+    interpolated crossing moves with the noise instead, a few percent for a few percent.
+    A curve that never flattens returns (about) its largest size.
     """
     if not 0 <= tolerance < 1:
         raise ValueError(f"tolerance must be in [0, 1), got {tolerance}")
+    if multiple < 1:
+        raise ValueError(f"multiple must be >= 1, got {multiple}")
     curve = throughput_curve(samples)
     smooth = _smooth([tps for _, tps in curve])
-    plateau = max(smooth)
+    line = (1.0 - tolerance) * max(smooth)
+    below: tuple[int, float] | None = None
     for (num_tokens, _), tps in zip(curve, smooth, strict=True):
-        if tps >= (1.0 - tolerance) * plateau:
-            return num_tokens
+        if tps >= line:
+            if below is None:
+                return num_tokens
+            n0, tps0 = below
+            cross = n0 + (line - tps0) / (tps - tps0) * (num_tokens - n0)
+            return min(num_tokens, max(n0 + 1, math.ceil(cross / multiple) * multiple))
+        below = (num_tokens, tps)
     raise AssertionError("unreachable: the plateau itself is within tolerance")

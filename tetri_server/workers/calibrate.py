@@ -1,10 +1,11 @@
 """Chunk-size calibration (``prefill.chunk_size = 0``): measure prefill throughput over token
-counts 32..4096 at start-up and pick the knee (``policy.knee``). The result is cached per
-(model, device, dtype, threads, processor, engine build) so later starts skip the measurement,
-and a new engine (other kernels, another torch) or another processor measures again: a knee
-measured for one engine must not stick to the next (it did: a cached 2048 outlived a change
-that moved the knee to 256). With one thread the passes are timed in the thread's CPU time, so
-time slices another process takes from the core do not bend the curve."""
+counts 32..4096 at start-up (the best of three interleaved rounds) and pick the knee
+(``policy.knee``). The result is cached per (model, device, dtype, threads, processor, engine
+build, calibration rule) so later starts skip the measurement, and a new engine (other kernels,
+another torch), another processor or another rule measures again: a knee measured for one
+engine must not stick to the next (it did: a cached 2048 outlived a change that moved the knee
+to 256). With one thread the passes are timed in the thread's CPU time, so time slices another
+process takes from the core do not bend the curve."""
 
 from __future__ import annotations
 
@@ -24,14 +25,14 @@ from tetri_server.engine.ops import build_spec
 from tetri_server.engine.runner import ScheduledSeq, StepPlan
 from tetri_server.engine.sequence import Sequence
 from tetri_server.messages import SamplingParams
-from tetri_server.policy import pick_chunk_size
+from tetri_server.policy import knee, pick_chunk_size
 
 if TYPE_CHECKING:
     from tetri_server.workers.base import Worker
 
 log = logging.getLogger("tetri.calibrate")
 SIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
-REPEATS = 2
+ROUNDS = 3
 
 
 def cache_file() -> Path:
@@ -62,6 +63,16 @@ def engine_build() -> str:
     return f"engine-{digest.hexdigest()[:12]}|{folder.name}"
 
 
+def calibration_rule() -> str:
+    """How the knee is measured and picked (this module and ``policy/knee.py``): a cached pick
+    made by another rule is measured again (the rule once moved from the measured sizes'
+    best-of-2 to an interpolated crossing of three interleaved rounds)."""
+    digest = hashlib.sha256()
+    for src in (Path(__file__), Path(knee.__file__)):
+        digest.update(src.resolve().read_bytes())
+    return f"rule-{digest.hexdigest()[:8]}"
+
+
 def cache_key(worker: Worker) -> str:
     folder = Path(worker.cfg.model.path).resolve()  # one entry however the path was typed
     model = str(folder)
@@ -70,7 +81,7 @@ def cache_key(worker: Worker) -> str:
         stamp = hashlib.sha256((folder / "config.json").read_bytes()).hexdigest()[:16]
     dtype = next(worker.model.parameters()).dtype
     return (f"{model}|{stamp}|{worker.device}|{dtype}|threads={torch.get_num_threads()}"
-            f"|{processor()}|{engine_build()}")
+            f"|{processor()}|{engine_build()}|{calibration_rule()}")
 
 
 def pass_clock(device: str) -> Callable[[], float]:
@@ -81,17 +92,18 @@ def pass_clock(device: str) -> Callable[[], float]:
     return time.perf_counter
 
 
-def measure(worker: Worker, sizes: tuple[int, ...] = SIZES) -> list[tuple[int, float]]:
-    """(tokens, seconds) of one packed prefill pass per size, best of ``REPEATS``."""
+def measure(worker: Worker, sizes: tuple[int, ...] = SIZES,
+            rounds: int = ROUNDS) -> list[tuple[int, float]]:
+    """(tokens, seconds) of one packed prefill pass per size, the best of ``rounds``. The
+    rounds are interleaved (each round passes once over every size), so a slow spell of the
+    machine slows one pass of several sizes rather than every pass of one size."""
     gen = torch.Generator().manual_seed(0)
     per_seq = max(1, min(worker.max_model_len - 1, 1024))
-    samples: list[tuple[int, float]] = []
+    fits = [n for n in sizes if n <= worker.allocator.num_blocks * worker.block_size // 2]
+    best = dict.fromkeys(fits, float("inf"))
     clock = pass_clock(str(worker.device))
-    for n in sizes:
-        if n > worker.allocator.num_blocks * worker.block_size // 2:
-            break
-        best = float("inf")
-        for _ in range(REPEATS):
+    for _ in range(rounds):
+        for n in fits:
             seqs = []
             left = n
             while left > 0:
@@ -104,11 +116,10 @@ def measure(worker: Worker, sizes: tuple[int, ...] = SIZES) -> list[tuple[int, f
                 left -= k
             t0 = clock()
             worker.runner.execute(StepPlan([ScheduledSeq(s, s.num_prompt) for s in seqs]))
-            best = min(best, max(clock() - t0, 1e-9))
+            best[n] = min(best[n], max(clock() - t0, 1e-9))
             for s in seqs:
                 worker.kv.free(s)
-        samples.append((n, best))
-    return samples
+    return list(best.items())
 
 
 def resolve_chunk_size(worker: Worker, configured: int) -> int:
