@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Callable
+from collections.abc import AsyncIterable, Callable
 from pathlib import Path
 
 import pytest
 
 from tetri_server.config import load_config
 from tetri_server.control.cluster import Cluster
-from tetri_server.messages import SamplingParams
+from tetri_server.messages import SamplingParams, TokenDelta
 
 BASE = ["predictor.kind=none", "decode.policy=greedy", "prefill.chunk_size=64",
         "kv.num_blocks=400", "cluster.workers=2", "server.request_timeout_s=60",
@@ -47,8 +47,13 @@ def api_cluster_factory(*sets: str):  # noqa: ANN201 - an ApiHarness backend fac
 
 async def collect(cluster: Cluster, prompt: list[int], params: SamplingParams) -> list[int]:
     """The output token ids of one request, streamed from the real cluster."""
+    return await tokens_of(cluster.submit(prompt, params))
+
+
+async def tokens_of(stream: AsyncIterable[TokenDelta]) -> list[int]:
+    """The output token ids of a submitted request's stream (``Cluster.submit``)."""
     out: list[int] = []
-    async for d in cluster.submit(prompt, params):
+    async for d in stream:
         out.extend(d.token_ids)
     return out
 
