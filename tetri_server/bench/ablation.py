@@ -95,6 +95,8 @@ ROWS: tuple[Row, ...] = (
     Row("prompt-share-0.3", "elastic P/D", sets=("prefill.local_decode_max_prompt_share=0.3",)),
     # hand kept requests back when prompts queue (prefill.local_decode_hand_back)
     Row("hand-back", "elastic P/D", sets=("prefill.local_decode_hand_back=true",)),
+    # the decode worker's prompt slices: at most 256 prompt tokens a step instead of 1024
+    Row("decode-slice-256", "elastic P/D", sets=("decode.local_prefill_tokens=256",)),
 )
 ROW_NAMES = tuple(r.name for r in ROWS)
 
