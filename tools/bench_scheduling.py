@@ -2,7 +2,7 @@
 instance-flip time (decision -> serving in the new role, with and without the drain).
 
     python tools/bench_scheduling.py [--model builtin:bench] [--threads 1] [--calibrations N]
-                                     [--no-flip]
+                                     [--rows N] [--no-flip]
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
+from tetri_server.config.sections import PrefillConfig  # noqa: E402
 from tetri_server.llm import make_engine  # noqa: E402
 from tetri_server.messages import SamplingParams  # noqa: E402
 from tetri_server.modelinfo import resolve_model_path  # noqa: E402
@@ -25,24 +26,26 @@ from tetri_server.policy import pick_chunk_size  # noqa: E402
 from tetri_server.workers.calibrate import ROUNDS, SIZES, measure  # noqa: E402
 
 
-def calibration(model: str, threads: int, times: int) -> None:
+def calibration(model: str, threads: int, times: int, rows: int) -> None:
     """The calibration as a prefill worker runs it, ``times`` over: the first one's curve and
-    every pick (how far the pick moves between calibrations of one build on one machine)."""
+    every pick (how far the pick moves between calibrations of one build on one machine). With
+    ``rows``, each pass holds that many decode rows too (a prefill worker that decodes
+    ``prefill.local_decode_batch`` requests itself) and the rates are of the prompt tokens."""
     torch.set_num_threads(threads)
     eng = make_engine(model, "kv.num_blocks=0", "kv.memory_gb=1.0")
     worker = SimpleNamespace(allocator=eng.allocator, block_size=eng.cfg.kv.block_size,
                              kv=eng.kv_manager, runner=eng.runner, model_spec=eng.spec,
                              max_model_len=eng.max_model_len, device=eng.device)
-    runs = [measure(worker, SIZES) for _ in range(times)]  # type: ignore[arg-type]
-    picks = [pick_chunk_size(samples) for samples in runs]
+    runs = [measure(worker, SIZES, rows=rows) for _ in range(times)]  # type: ignore[arg-type]
+    picks = [pick_chunk_size(samples, riders=rows) for samples in runs]
     samples, knee = runs[0], picks[0]
-    best = max(n / s for n, s in samples)
-    print(f"\n## Chunk-size calibration ({model}, {threads} thread(s))\n")
+    best = max((n - rows) / s for n, s in samples)
+    print(f"\n## Chunk-size calibration ({model}, {threads} thread(s), {rows} decode rows)\n")
     print(f"The first calibration (best of {ROUNDS} interleaved rounds per size):\n")
     print("| tokens per pass | ms | tokens/s | of best |")
     print("|---:|---:|---:|---:|")
     for n, s in samples:
-        print(f"| {n} | {s * 1e3:.1f} | {n / s:.0f} | {n / s / best:.0%} |")
+        print(f"| {n} | {s * 1e3:.1f} | {(n - rows) / s:.0f} | {(n - rows) / s / best:.0%} |")
     print(f"\ncalibrated chunk size: {knee}")
     if times > 1:
         print(f"picks of {times} calibrations: {', '.join(map(str, picks))} "
@@ -90,11 +93,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--calibrations", type=int, default=1,
                     help="calibrate this many times and print every pick")
+    ap.add_argument("--rows", type=int, default=PrefillConfig().local_decode_batch,
+                    help="decode rows in every pass (default: prefill.local_decode_batch)")
     ap.add_argument("--no-flip", action="store_true", help="only the calibration")
     args = ap.parse_args()
     model = str(resolve_model_path(args.model))
     os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[-1]})
-    calibration(model, args.threads, args.calibrations)
+    calibration(model, args.threads, args.calibrations, args.rows)
     os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
     if not args.no_flip:
         asyncio.run(flip_times(model))

@@ -114,6 +114,23 @@ def test_the_pick_moves_a_little_with_noise_where_a_measured_size_sits_on_the_li
     assert statistics.median(picks) in (128, 144)
 
 
+def test_decode_rows_riding_in_every_chunk_raise_the_pick() -> None:
+    """A prefill worker's own decode rows take part of each chunk at a cost per step about the
+    same whatever the chunk: the prompt rate of a small chunk suffers most, so its knee lies
+    above the knee of bare prompt passes."""
+
+    def step_s(num_prompt: int, num_rows: int) -> float:
+        return 1e-3 + num_rows * 0.6e-3 + num_prompt / 4000
+
+    bare = [(n, step_s(n, 0)) for n in SIZES]
+    mixed = [(n, step_s(n - 16, 16)) for n in SIZES]
+    assert pick_chunk_size(bare) == 96
+    assert pick_chunk_size(mixed, riders=16) >= 3 * 96
+    assert throughput_curve(mixed, riders=16)[0] == (32, 16 / step_s(16, 16))
+    with pytest.raises(ValueError):
+        throughput_curve([(16, 1.0)], riders=16)  # a chunk of decode rows only
+
+
 def test_throughput_curve_sorts_and_takes_median_time() -> None:
     curve = throughput_curve([(200, 1.0), (100, 1.0), (100, 3.0), (100, 2.0)])
     assert curve == [(100, 50.0), (200, 200.0)]

@@ -67,6 +67,7 @@ ROWS: tuple[Row, ...] = (
     Row("default", "defaults", base="coupled"),
     Row("sjf", "sort window", sets=("prefill.policy=sjf",)),
     Row("ljf", "sort window", sets=("prefill.policy=ljf",)),
+    Row("chunk-64", "chunk size", sets=("prefill.chunk_size=64",)),
     Row("chunk-256", "chunk size", sets=("prefill.chunk_size=256",)),
     Row("chunk-512", "chunk size", sets=("prefill.chunk_size=512",)),
     Row("admit-greedy", "decode admission", sets=("decode.policy=greedy",)),

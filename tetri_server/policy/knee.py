@@ -12,18 +12,22 @@ import statistics
 from collections.abc import Iterable
 
 
-def throughput_curve(samples: Iterable[tuple[int, float]]) -> list[tuple[int, float]]:
-    """``(num_tokens, tokens_per_s)`` sorted by size; repeated sizes use their median time."""
+def throughput_curve(samples: Iterable[tuple[int, float]],
+                     riders: int = 0) -> list[tuple[int, float]]:
+    """``(num_tokens, tokens_per_s)`` sorted by size; repeated sizes use their median time.
+    With ``riders``, each pass of ``num_tokens`` held that many one-token decode rows besides
+    its ``num_tokens - riders`` prompt tokens, and the rate counts the prompt tokens only."""
     times_s: dict[int, list[float]] = {}
     for num_tokens, seconds in samples:
-        if num_tokens < 1:
-            raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
+        if num_tokens <= riders or num_tokens < 1:
+            raise ValueError(f"num_tokens must be >= 1 and above the {riders} decode rows, "
+                             f"got {num_tokens}")
         if not seconds > 0:
             raise ValueError(f"seconds must be > 0, got {seconds} for {num_tokens} tokens")
         times_s.setdefault(num_tokens, []).append(seconds)
     if not times_s:
         raise ValueError("no samples")
-    return [(n, n / statistics.median(ts)) for n, ts in sorted(times_s.items())]
+    return [(n, (n - riders) / statistics.median(ts)) for n, ts in sorted(times_s.items())]
 
 
 def _smooth(values: list[float]) -> list[float]:
@@ -38,7 +42,7 @@ def _smooth(values: list[float]) -> list[float]:
 
 
 def pick_chunk_size(samples: Iterable[tuple[int, float]], tolerance: float = 0.05,
-                    multiple: int = 16) -> int:
+                    multiple: int = 16, riders: int = 0) -> int:
     """The smallest size whose smoothed throughput is within ``tolerance`` of the plateau,
     read off the curve between the measured sizes and rounded up to a ``multiple`` of tokens.
 
@@ -54,12 +58,18 @@ def pick_chunk_size(samples: Iterable[tuple[int, float]], tolerance: float = 0.0
     approaches its plateau slowly it went 64 <-> 128 <-> 256 between runs of one build. The
     interpolated crossing moves with the noise instead, a few percent for a few percent.
     A curve that never flattens returns (about) its largest size.
+
+    ``riders``: the decode rows that ride in every chunk (a prefill worker's own decode batch,
+    ``prefill.local_decode_batch``): the samples are passes of ``num_tokens`` tokens in all,
+    ``riders`` of them one-token decode rows, and the curve is the prompt tokens' rate. The
+    rows cost a step about the same whatever the chunk, so a small chunk spends a larger share
+    of its step on them: the knee of the prompt rate lies above the knee of bare prompt passes.
     """
     if not 0 <= tolerance < 1:
         raise ValueError(f"tolerance must be in [0, 1), got {tolerance}")
     if multiple < 1:
         raise ValueError(f"multiple must be >= 1, got {multiple}")
-    curve = throughput_curve(samples)
+    curve = throughput_curve(samples, riders)
     smooth = _smooth([tps for _, tps in curve])
     line = (1.0 - tolerance) * max(smooth)
     below: tuple[int, float] | None = None

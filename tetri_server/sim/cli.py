@@ -158,7 +158,7 @@ def sim_config(args: argparse.Namespace, cost: CostModel) -> SimConfig:
     if args.flip_window_s is not None:
         values["flip_idle_s"] = args.flip_window_s
     if values.get("chunk_size", 512) == 0:
-        values["chunk_size"] = knee_chunk_size(cost)
+        values["chunk_size"] = knee_chunk_size(cost, rows=values.get("local_decode_batch", 0))
     if values.get("num_kv_blocks") is None:
         values["num_kv_blocks"] = 0
     return SimConfig(**values)

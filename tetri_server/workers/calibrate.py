@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("tetri.calibrate")
 SIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
 ROUNDS = 3
+ROW_CONTEXT = 256  # tokens of context of each decode row in a calibration pass
 
 
 def cache_file() -> Path:
@@ -92,50 +93,72 @@ def pass_clock(device: str) -> Callable[[], float]:
     return time.perf_counter
 
 
-def measure(worker: Worker, sizes: tuple[int, ...] = SIZES,
-            rounds: int = ROUNDS) -> list[tuple[int, float]]:
+def measure(worker: Worker, sizes: tuple[int, ...] = SIZES, rounds: int = ROUNDS,
+            rows: int = 0) -> list[tuple[int, float]]:
     """(tokens, seconds) of one packed prefill pass per size, the best of ``rounds``. The
     rounds are interleaved (each round passes once over every size), so a slow spell of the
-    machine slows one pass of several sizes rather than every pass of one size."""
+    machine slows one pass of several sizes rather than every pass of one size. With ``rows``,
+    each pass of ``n`` tokens is the step a prefill worker that decodes ``rows`` requests itself
+    runs: ``n - rows`` prompt tokens and ``rows`` one-token decode rows over ``ROW_CONTEXT``
+    tokens each (sizes not above ``rows`` are skipped)."""
     gen = torch.Generator().manual_seed(0)
     per_seq = max(1, min(worker.max_model_len - 1, 1024))
-    fits = [n for n in sizes if n <= worker.allocator.num_blocks * worker.block_size // 2]
+    context = max(1, min(ROW_CONTEXT, worker.max_model_len - 1)) if rows else 0
+    room = worker.allocator.num_blocks * worker.block_size // 2
+    row_room = rows * -(-(context + 1) // worker.block_size) * worker.block_size
+    fits = [n for n in sizes if rows < n and n - rows + row_room <= room]
     best = dict.fromkeys(fits, float("inf"))
     clock = pass_clock(str(worker.device))
+
+    def sequence(num_tokens: int, num_computed: int) -> Sequence | None:
+        ids = torch.randint(5, worker.model_spec.vocab_size, (num_tokens,), generator=gen)
+        seq = Sequence(-1, ids.tolist(), num_tokens, SamplingParams(temperature=0.0),
+                       num_computed=num_computed)
+        return seq if worker.kv.reserve(seq, num_tokens) else None
+
     for _ in range(rounds):
         for n in fits:
-            seqs = []
-            left = n
+            items: list[ScheduledSeq] = []
+            for _ in range(rows):
+                # a decode row: one new token over a context whose KV is left as it is (only
+                # the row's cost counts here)
+                row = sequence(context + 1, context)
+                if row is not None:
+                    items.append(ScheduledSeq(row, 1))
+            left = n - rows
             while left > 0:
                 k = min(left, per_seq)
-                ids = torch.randint(5, worker.model_spec.vocab_size, (k,), generator=gen)
-                seq = Sequence(-1, ids.tolist(), k, SamplingParams(temperature=0.0))
-                if not worker.kv.reserve(seq, k):
+                seq = sequence(k, 0)
+                if seq is None:
                     break
-                seqs.append(seq)
+                items.append(ScheduledSeq(seq, k))
                 left -= k
             t0 = clock()
-            worker.runner.execute(StepPlan([ScheduledSeq(s, s.num_prompt) for s in seqs]))
+            worker.runner.execute(StepPlan(items))
             best[n] = min(best[n], max(clock() - t0, 1e-9))
-            for s in seqs:
-                worker.kv.free(s)
+            for item in items:
+                worker.kv.free(item.seq)
     return list(best.items())
 
 
-def resolve_chunk_size(worker: Worker, configured: int) -> int:
+def resolve_chunk_size(worker: Worker, configured: int, rows: int = 0) -> int:
+    """The configured chunk size, or (0) the knee of the prompt rate measured in passes that
+    hold ``rows`` decode rows too (``prefill.local_decode_batch``: the requests a prefill
+    worker decodes itself ride in its chunks and take part of each; ``policy.knee``)."""
     if configured > 0:
         return configured
-    key, path = cache_key(worker), cache_file()
+    key, path = cache_key(worker) + (f"|rows={rows}" if rows else ""), cache_file()
     cached: dict[str, int] = {}
     if path.is_file():
         cached = json.loads(path.read_text())
         if key in cached:
             log.info("chunk size %d (cached calibration for %s)", cached[key], key)
             return cached[key]
-    samples = measure(worker)
-    size = pick_chunk_size(samples)
-    log.warning("calibrated prefill chunk size %d from %s", size,
-                ", ".join(f"{n}:{n / s:.0f} tok/s" for n, s in samples))
+    samples = measure(worker, rows=rows)
+    size = pick_chunk_size(samples, riders=rows)
+    log.warning("calibrated prefill chunk size %d from %s%s", size,
+                ", ".join(f"{n}:{(n - rows) / s:.0f} tok/s" for n, s in samples),
+                f" (prompt tokens/s in steps with {rows} decode rows)" if rows else "")
     cached[key] = size
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")

@@ -56,7 +56,8 @@ class PrefillRole(Role):
     def __init__(self, w: Worker) -> None:
         super().__init__(w)
         cfg = self.w.cfg
-        self._chunk_size = resolve_chunk_size(w, cfg.prefill.chunk_size)
+        self._chunk_size = resolve_chunk_size(w, cfg.prefill.chunk_size,
+                                              rows=cfg.prefill.local_decode_batch)
         self.chunker = Chunker(self._chunk_size, block_size=self.w.block_size)
         self.predictor = w.predictor()
         gran = self.predictor.granularity
