@@ -22,7 +22,7 @@ from tetri_server.config.sections import PrefillConfig  # noqa: E402
 from tetri_server.llm import make_engine  # noqa: E402
 from tetri_server.messages import SamplingParams  # noqa: E402
 from tetri_server.modelinfo import resolve_model_path  # noqa: E402
-from tetri_server.policy import pick_chunk_size  # noqa: E402
+from tetri_server.policy import pick_chunk_size, throughput_curve  # noqa: E402
 from tetri_server.workers.calibrate import ROUNDS, SIZES, measure  # noqa: E402
 
 
@@ -39,13 +39,14 @@ def calibration(model: str, threads: int, times: int, rows: int) -> None:
     runs = [measure(worker, SIZES, rows=rows) for _ in range(times)]  # type: ignore[arg-type]
     picks = [pick_chunk_size(samples, riders=rows) for samples in runs]
     samples, knee = runs[0], picks[0]
-    best = max((n - rows) / s for n, s in samples)
+    curve = throughput_curve(samples, rows)
+    best = max(tps for _, tps in curve)
     print(f"\n## Chunk-size calibration ({model}, {threads} thread(s), {rows} decode rows)\n")
     print(f"The first calibration (best of {ROUNDS} interleaved rounds per size):\n")
     print("| tokens per pass | ms | tokens/s | of best |")
     print("|---:|---:|---:|---:|")
-    for n, s in samples:
-        print(f"| {n} | {s * 1e3:.1f} | {(n - rows) / s:.0f} | {(n - rows) / s / best:.0%} |")
+    for (n, s), (_, tps) in zip(samples, curve, strict=True):
+        print(f"| {n} | {s * 1e3:.1f} | {tps:.0f} | {tps / best:.0%} |")
     print(f"\ncalibrated chunk size: {knee}")
     if times > 1:
         print(f"picks of {times} calibrations: {', '.join(map(str, picks))} "

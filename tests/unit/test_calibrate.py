@@ -102,7 +102,7 @@ def test_passes_with_decode_rows_hold_the_rows_and_the_rest_of_the_chunk_in_prom
                              runner=Runner(), device=torch.device("cpu"))
     samples = calibrate.measure(worker, (2, 32, 64), rounds=1, rows=2)  # type: ignore[arg-type]
     assert [n for n, _ in samples] == [32, 64]
-    ctx = calibrate.ROW_CONTEXT
+    ctx = calibrate.RIDER_CONTEXT
     assert passes == [[(ctx, 1, ctx + 1)] * 2 + [(0, 30, 30)],
                       [(ctx, 1, ctx + 1)] * 2 + [(0, 62, 62)]]
     assert reserved == [ctx + 1, ctx + 1, 30, ctx + 1, ctx + 1, 62]

@@ -36,7 +36,7 @@ from tetri_server.policy.dispatch import (
 from tetri_server.policy.elastic import LocalDecode, LocalPrefill, PromptShare
 from tetri_server.policy.flip import FlipPlan, FlipPolicy
 from tetri_server.policy.global_sched import LeastLoadedPicker
-from tetri_server.policy.knee import pick_chunk_size, throughput_curve
+from tetri_server.policy.knee import RIDER_CONTEXT, pick_chunk_size, throughput_curve
 from tetri_server.policy.prefill import (
     PREFILL_ORDERS,
     ChunkSlice,
@@ -56,6 +56,7 @@ __all__ = [
     "DECODE_POLICIES",
     "ESTIMATES",
     "PREFILL_ORDERS",
+    "RIDER_CONTEXT",
     "AdmitPlan",
     "ChunkPlan",
     "ChunkSlice",

@@ -11,6 +11,9 @@ import math
 import statistics
 from collections.abc import Iterable
 
+# Tokens of context behind each decode row that rides in a calibration pass (``riders``)
+RIDER_CONTEXT = 256
+
 
 def throughput_curve(samples: Iterable[tuple[int, float]],
                      riders: int = 0) -> list[tuple[int, float]]:

@@ -25,7 +25,7 @@ from tetri_server.engine.ops import build_spec
 from tetri_server.engine.runner import ScheduledSeq, StepPlan
 from tetri_server.engine.sequence import Sequence
 from tetri_server.messages import SamplingParams
-from tetri_server.policy import knee, pick_chunk_size
+from tetri_server.policy import RIDER_CONTEXT, knee, pick_chunk_size, throughput_curve
 
 if TYPE_CHECKING:
     from tetri_server.workers.base import Worker
@@ -33,7 +33,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("tetri.calibrate")
 SIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
 ROUNDS = 3
-ROW_CONTEXT = 256  # tokens of context of each decode row in a calibration pass
 
 
 def cache_file() -> Path:
@@ -74,7 +73,7 @@ def calibration_rule() -> str:
     return f"rule-{digest.hexdigest()[:8]}"
 
 
-def cache_key(worker: Worker) -> str:
+def cache_key(worker: Worker, rows: int = 0) -> str:
     folder = Path(worker.cfg.model.path).resolve()  # one entry however the path was typed
     model = str(folder)
     stamp = ""
@@ -82,7 +81,8 @@ def cache_key(worker: Worker) -> str:
         stamp = hashlib.sha256((folder / "config.json").read_bytes()).hexdigest()[:16]
     dtype = next(worker.model.parameters()).dtype
     return (f"{model}|{stamp}|{worker.device}|{dtype}|threads={torch.get_num_threads()}"
-            f"|{processor()}|{engine_build()}|{calibration_rule()}")
+            f"|{processor()}|{engine_build()}|{calibration_rule()}"
+            + (f"|rows={rows}" if rows else ""))
 
 
 def pass_clock(device: str) -> Callable[[], float]:
@@ -99,11 +99,11 @@ def measure(worker: Worker, sizes: tuple[int, ...] = SIZES, rounds: int = ROUNDS
     rounds are interleaved (each round passes once over every size), so a slow spell of the
     machine slows one pass of several sizes rather than every pass of one size. With ``rows``,
     each pass of ``n`` tokens is the step a prefill worker that decodes ``rows`` requests itself
-    runs: ``n - rows`` prompt tokens and ``rows`` one-token decode rows over ``ROW_CONTEXT``
+    runs: ``n - rows`` prompt tokens and ``rows`` one-token decode rows over ``RIDER_CONTEXT``
     tokens each (sizes not above ``rows`` are skipped)."""
     gen = torch.Generator().manual_seed(0)
     per_seq = max(1, min(worker.max_model_len - 1, 1024))
-    context = max(1, min(ROW_CONTEXT, worker.max_model_len - 1)) if rows else 0
+    context = max(1, min(RIDER_CONTEXT, worker.max_model_len - 1)) if rows else 0
     room = worker.allocator.num_blocks * worker.block_size // 2
     row_room = rows * -(-(context + 1) // worker.block_size) * worker.block_size
     fits = [n for n in sizes if rows < n and n - rows + row_room <= room]
@@ -147,7 +147,7 @@ def resolve_chunk_size(worker: Worker, configured: int, rows: int = 0) -> int:
     worker decodes itself ride in its chunks and take part of each; ``policy.knee``)."""
     if configured > 0:
         return configured
-    key, path = cache_key(worker) + (f"|rows={rows}" if rows else ""), cache_file()
+    key, path = cache_key(worker, rows), cache_file()
     cached: dict[str, int] = {}
     if path.is_file():
         cached = json.loads(path.read_text())
@@ -157,7 +157,7 @@ def resolve_chunk_size(worker: Worker, configured: int, rows: int = 0) -> int:
     samples = measure(worker, rows=rows)
     size = pick_chunk_size(samples, riders=rows)
     log.warning("calibrated prefill chunk size %d from %s%s", size,
-                ", ".join(f"{n}:{(n - rows) / s:.0f} tok/s" for n, s in samples),
+                ", ".join(f"{n}:{tps:.0f} tok/s" for n, tps in throughput_curve(samples, rows)),
                 f" (prompt tokens/s in steps with {rows} decode rows)" if rows else "")
     cached[key] = size
     path.parent.mkdir(parents=True, exist_ok=True)
