@@ -139,6 +139,8 @@ class AddRequest(msgspec.Struct, tag=True, array_like=True):
     true_output_len: int | None = None  # only for predictor.kind = "oracle"
     prompt_text: str = ""  # for the length predictor
     add_seq: int = 0  # the global pick's count of prompts sent to this worker, this one included
+    # elastic, a prompt sent to a decode worker: the prefill side's chunk (0: none serving)
+    prefill_chunk: int = 0
 
 
 class Abort(msgspec.Struct, tag=True, array_like=True):

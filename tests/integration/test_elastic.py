@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
+
 from tests.conftest import hf_greedy, random_prompts
 from tests.integration.conftest import collect, make_cluster, segments, tokens_of, until
 from tests.integration.test_cluster import wait_all_free
@@ -83,11 +85,15 @@ async def test_short_requests_are_handed_off_by_default(tiny_llama, tmp_path):
     assert len(sent) >= 17
 
 
-async def test_prompts_prefilled_on_the_decode_worker_equal_transformers(tiny_llama, tmp_path):
+@pytest.mark.parametrize(("setting", "most"), [("decode.local_prefill_tokens=48", 48),
+                                               ("prefill.chunk_size=32", 32)])
+async def test_prompts_prefilled_on_the_decode_worker_equal_transformers(tiny_llama, tmp_path,
+                                                                        setting, most):
     """Prompts sent while the prefill worker's backlog is more than a chunk beyond the decode
-    worker's go to the decode worker, which prefills them in slices
-    (``decode.local_prefill_tokens``) riding in its decode steps; every output equals
-    transformers and both workers prefill some.
+    worker's go to the decode worker, which prefills them in slices riding in its decode steps,
+    at most ``decode.local_prefill_tokens`` and at most the prefill worker's chunk (control
+    sends it with the prompt; before, a 32-token chunk left slices of over 300 tokens);
+    every output equals transformers and both workers prefill some.
 
     All prompts are submitted in one go, so control routes each against the backlog of the
     prompts sent before it (``GlobalPicker.queued_tokens``), not against a worker report: a
@@ -97,7 +103,7 @@ async def test_prompts_prefilled_on_the_decode_worker_equal_transformers(tiny_ll
     light = random_prompts(8, 8000, (1, 48), seed=32)
     ref = hf_greedy(tiny_llama, heavy + light, GREEDY.max_tokens)
     log = tmp_path / "decisions"
-    cluster = make_cluster(tiny_llama, "disaggregated", "decode.local_prefill_tokens=48",
+    cluster = make_cluster(tiny_llama, "disaggregated", setting,
                            "monitor.interval_ms=20", f"monitor.decision_log={log}")
     await cluster.start()
     try:
@@ -111,7 +117,8 @@ async def test_prompts_prefilled_on_the_decode_worker_equal_transformers(tiny_ll
     prefilled = {s[0] for r in records for s in r.get("slices", [])}
     assert prefilled, "no prompt was prefilled on the decode worker"
     assert len(prefilled) < len(heavy + light), "the prefill worker prefilled none"
-    assert all(n <= 48 for r in records for _, _, n in r.get("slices", []))
+    sizes = [n for r in records for _, _, n in r.get("slices", [])]
+    assert max(sizes) <= most
 
 
 async def test_a_kept_request_handed_back_mid_decode_equals_transformers(tiny_llama, tmp_path):

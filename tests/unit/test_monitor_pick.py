@@ -87,6 +87,7 @@ def test_a_prompt_routed_to_a_decode_worker_sends_the_decode_view_at_once() -> N
     router.route(table.add([1] * 100, params, "", None))  # 900 tokens ahead: the decode worker
     assert [type(m).__name__ for m in posted[1]] == ["AddRequest"]
     assert posted[1][0].add_seq == monitor.picker.stamp(1) == 1  # stamped for its report
+    assert posted[1][0].prefill_chunk == 256  # its slices: at most the prefill side's chunk
     assert [d.num_queued_prompt_tokens for v in views for d in v.decodes] == [100]
     # a view re-sent from the same reports keeps their generation (dispatchers keep counting
     # their own hand-offs); a decode worker's report moves it
@@ -103,3 +104,17 @@ def test_a_prompt_routed_to_a_decode_worker_sends_the_decode_view_at_once() -> N
     router.route(table.add([1] * 100, params, "", None))
     assert [type(m).__name__ for m in posted[0]] == ["AddRequest"]
     assert len(views) == 1  # a prompt to a prefill worker changes no decode worker's load
+
+
+def test_the_prefill_chunk_sent_to_decode_workers_is_the_smallest_of_those_serving() -> None:
+    workers = {w: SimpleNamespace(worker_id=w, role=role, is_ready=True, chunk_size=chunk)
+               for w, role, chunk in ((0, "prefill", 256), (1, "prefill", 512),
+                                      (2, "decode", 0))}
+    draining: set[int] = set()
+    monitor = Monitor(load_config(None, ["cluster.mode=disaggregated"]), workers, draining,
+                      Metrics("m"))
+    assert monitor.prefill_chunk() == 256
+    draining.add(0)  # flipping to decode
+    assert monitor.prefill_chunk() == 512
+    workers[1].is_ready = False  # restarting: none serving, the decode side's own limit
+    assert monitor.prefill_chunk() == 0

@@ -201,3 +201,10 @@ def test_with_no_prefill_worker_serving_a_decode_worker_with_room_takes_the_prom
     assert local.pick(100, None, 1, [(1, 500, 0, ROOMY), (2, 0, 3, ROOMY)]) == 2
     assert local.pick(100, None, 1, [(1, 0, 0, 4)]) is None  # no room: it waits for one
     assert local.pick(100, None, 1, []) is None
+
+
+def test_a_decode_worker_prefills_at_most_the_prefill_chunk_a_step():
+    assert LocalPrefill.slice_tokens(1024, 256) == 256  # the chunk, under the limit
+    assert LocalPrefill.slice_tokens(1024, 2048) == 1024  # the limit, under the chunk
+    assert LocalPrefill.slice_tokens(1024, 0) == 1024  # no prefill worker serving
+    assert LocalPrefill.slice_tokens(1024, 256, follow_chunk=False) == 1024  # "fixed"

@@ -381,3 +381,25 @@ def test_a_prompt_in_a_busy_decode_instances_inbox_stays_counted() -> None:
     decode.take(decode.inbox.pop())
     sim.on_report(decode.report())  # its own count now
     assert decode.last_add_seq == 1 and sim.picker.queued_tokens(decode.worker_id) == 1000
+
+
+def test_elastic_decode_slices_follow_the_chunk_unless_fixed() -> None:
+    """``local_prefill_slice``: a decode instance prefills at most ``chunk_size`` prompt tokens
+    a step (``LocalPrefill.slice_tokens``, as the decode worker does with the chunk control
+    sends), or ``local_prefill_tokens`` a step when fixed."""
+    cost = CostModel(load_hardware("this-cpu"), load_model("bench"))
+    reqs = [SimRequest(i, 1000, 8, 0.0) for i in range(6)]
+    cfg = SimConfig(decode_policy="greedy", max_model_len=2048, chunk_size=128,
+                    local_prefill_tokens=1024, monitor_interval_ms=5)
+
+    def slice_sizes(c: SimConfig) -> list[int]:
+        sim = Simulation(c, cost, [dataclasses.replace(r) for r in reqs])
+        steps: list[dict[str, Any]] = []
+        sim.instances[1].decisions = steps.append
+        sim.run()
+        assert all(r.error is None and r.end_s is not None for r in sim.requests)
+        return [n for s in steps for _, _, n in s.get("slices", [])]
+
+    chunked = slice_sizes(cfg)
+    assert chunked and max(chunked) == 128
+    assert max(slice_sizes(dataclasses.replace(cfg, local_prefill_slice="fixed"))) > 128

@@ -96,8 +96,12 @@ ROWS: tuple[Row, ...] = (
     Row("prompt-share-0.3", "elastic P/D", sets=("prefill.local_decode_max_prompt_share=0.3",)),
     # hand kept requests back when prompts queue (prefill.local_decode_hand_back)
     Row("hand-back", "elastic P/D", sets=("prefill.local_decode_hand_back=true",)),
-    # the decode worker's prompt slices: at most 256 prompt tokens a step instead of 1024
-    Row("decode-slice-256", "elastic P/D", sets=("decode.local_prefill_tokens=256",)),
+    # the decode worker's prompt slices: 256 prompt tokens a step whatever the chunk (sessions
+    # 27's E6-E9, when the default was 1024 a step), and 1024 a step (the default to session 28;
+    # now at most the prefill chunk)
+    Row("decode-slice-256", "elastic P/D", sets=("decode.local_prefill_tokens=256",
+                                                 "decode.local_prefill_slice=fixed")),
+    Row("decode-slice-1024", "elastic P/D", sets=("decode.local_prefill_slice=fixed",)),
 )
 ROW_NAMES = tuple(r.name for r in ROWS)
 

@@ -16,6 +16,7 @@ LogLevel = Literal["debug", "info", "warning", "error"]
 PrefillPolicyName = Literal["fcfs", "sjf", "ljf"]
 DecodePolicyName = Literal["greedy", "reserve-static", "reserve-dynamic"]
 DecodeEstimate = Literal["bucket", "refined"]
+LocalPrefillSlice = Literal["chunk", "fixed"]
 PredictorKind = Literal["classifier", "oracle", "none"]
 DispatchPolicyName = Literal["power-of-two", "round-robin"]
 ToolCallParser = Literal["none", "hermes", "llama3_json", "mistral"]
@@ -328,6 +329,12 @@ class DecodeConfig(_Section):
     queued prompts and this one in half its free KV blocks); the decode worker prefills it in
     slices of at most this many tokens riding in its decode steps (``policy/elastic.py``; keep
     it >= the prefill chunk). 0: the strict split of the paper."""
+    local_prefill_slice: LocalPrefillSlice = "chunk"
+    """Elastic P/D: chunk = a decode worker's step also prefills at most the prefill workers'
+    chunk (the smallest of those serving; ``local_prefill_tokens`` when none is), so its decode
+    rows wait no longer behind a prompt slice than the prefill worker's kept rows wait behind a
+    chunk; fixed = ``local_prefill_tokens`` a step whatever the chunk (docs/benchmarks.md,
+    "The decode worker's slice")."""
 
     def _validate(self) -> None:
         self._at_least("max_batch", 1)

@@ -95,6 +95,13 @@ class Monitor:
         chunks = {w: h.chunk_size for w, h in self.workers.items() if h.chunk_size}
         return self.picker.pick(num_prompt_tokens, exclude=down, chunk_sizes=chunks)
 
+    def prefill_chunk(self) -> int:
+        """The smallest chunk of the serving prefill workers (0: none serving): the most prompt
+        tokens a decode worker prefills a step with ``decode.local_prefill_slice = "chunk"``."""
+        chunks = [h.chunk_size for w, h in self.workers.items()
+                  if h.role == "prefill" and h.is_ready and w not in self.draining and h.chunk_size]
+        return min(chunks, default=0)
+
     def decode_view(self) -> DecodeView:
         """The decode workers that may receive hand-offs, from their latest reports; their
         queued prompt tokens count the prompts routed since (a decode worker prefilling one in

@@ -57,10 +57,12 @@ class Router:
         req.owner, req.src, req.state = wid, -1, ReqState.PREFILL
         req.prompt_part = None  # a re-run computes the prompt's logprobs again from the start
         req.wait_deadline_s = None if self.has_live("decode") else self.deadline()
+        to_decode = self.disaggregated and self.workers[wid].role == "decode"
         self.workers[wid].post(AddRequest(req.req_id, prompt, params, req.arrival_s,
                                           req.true_output_len, req.prompt_text,
-                                          self.monitor.picker.stamp(wid)))
-        if self.disaggregated and self.workers[wid].role == "decode":
+                                          self.monitor.picker.stamp(wid),
+                                          self.monitor.prefill_chunk() if to_decode else 0))
+        if to_decode:
             self.on_decode_prompt()
 
     def rerun(self, req: Request) -> None:

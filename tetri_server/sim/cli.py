@@ -38,6 +38,7 @@ CONFIG_KEYS = {
     ("prefill", "local_decode_max_prompt_share"): "local_decode_max_prompt_share",
     ("prefill", "local_decode_hand_back"): "local_decode_hand_back",
     ("decode", "local_prefill_tokens"): "local_prefill_tokens",
+    ("decode", "local_prefill_slice"): "local_prefill_slice",
     ("decode", "policy"): "decode_policy", ("decode", "max_batch"): "max_batch",
     ("decode", "estimate"): "decode_estimate",
     ("predictor", "heavy_decode_tokens"): "heavy_decode_tokens",
@@ -57,6 +58,7 @@ FLAGS = {
     "local_decode_min_tokens": "local_decode_min_tokens",
     "local_decode_max_prompt_share": "local_decode_max_prompt_share",
     "local_decode_hand_back": "local_decode_hand_back",
+    "local_prefill_slice": "local_prefill_slice",
     "decode_policy": "decode_policy", "decode_estimate": "decode_estimate",
     "max_batch": "max_batch", "granularity": "granularity",
     "predictor_accuracy": "predictor_accuracy", "predictor_model": "predictor_model",
@@ -115,12 +117,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="elastic: keep only requests that can decode more than this (default 128)")
     p.add_argument("--local-decode-max-prompt-share", type=float,
                    help="elastic: keep only while prompt steps took at most this share of the "
-                        "last 10 s (default 0.3)")
+                        "last 10 s (default 1: whatever the load)")
     p.add_argument("--local-decode-hand-back", action="store_true", default=None,
                    help="elastic: kept requests go to a decode instance when prompts queue")
     p.add_argument("--local-prefill-tokens", type=int,
                    help="elastic: prompt tokens a decode instance prefills per step, for "
                    "the prompts that finish sooner there (0: none)")
+    p.add_argument("--local-prefill-slice", choices=("chunk", "fixed"),
+                   help="elastic: chunk = a decode instance's step also prefills at most the "
+                        "chunk size (default); fixed = --local-prefill-tokens a step")
     p.add_argument("--decode-policy", choices=("greedy", "reserve-static", "reserve-dynamic"))
     p.add_argument("--decode-estimate", choices=("bucket", "refined"),
                    help="refined: the expected output given the tokens so far, from the shipped "

@@ -58,6 +58,7 @@ class SimConfig:
     local_decode_max_prompt_share: float = 1.0  # ... and while prompt steps take at most this
     local_decode_hand_back: bool = False  # elastic: kept ones go to decode when prompts queue
     local_prefill_tokens: int = 0  # elastic: prompt tokens a decode instance prefills a step
+    local_prefill_slice: str = "chunk"  # ... and at most chunk_size of them, or "fixed"
     decode_policy: DecodePolicyName = "reserve-dynamic"
     # [decode] estimate; "refined" reads the length tails of the shipped predictor artifact
     # whose granularity is ``granularity`` (none matching: the simulation does not start)
@@ -95,6 +96,8 @@ class SimConfig:
             raise ValueError(f"decode_policy must be one of {DECODE_POLICIES}")
         if self.decode_estimate not in ESTIMATES:
             raise ValueError(f"decode_estimate must be one of {ESTIMATES}")
+        if self.local_prefill_slice not in ("chunk", "fixed"):
+            raise ValueError("local_prefill_slice must be chunk or fixed")
         if self.dispatch not in ("power-of-two", "round-robin"):
             raise ValueError("dispatch must be power-of-two or round-robin")
         if self.monitor_interval_ms <= 0:

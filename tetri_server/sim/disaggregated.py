@@ -14,6 +14,7 @@ from tetri_server.policy import (
     DecodeAdmission,
     DecodeStepPlan,
     LocalDecode,
+    LocalPrefill,
     PrefillQueue,
     PromptShare,
     RoundRobinDispatcher,
@@ -246,7 +247,8 @@ class DecodeInstance(_Decoding):
     """``workers/decode.py``: hand-off -> blocks for the prompt's KV -> pull over the link ->
     KV pulled (the prefill side frees) -> DecodeAdmission -> one token per step. Elastic
     (``local_prefill_tokens``): prompts routed here wait in a FCFS queue and ride in the decode
-    steps, at most that many prompt tokens a step."""
+    steps, at most that many prompt tokens a step (and at most ``chunk_size`` of them with
+    ``local_prefill_slice = "chunk"``, ``LocalPrefill.slice_tokens``)."""
 
     role = "decode"
 
@@ -265,6 +267,8 @@ class DecodeInstance(_Decoding):
         self.queue = PrefillQueue("fcfs")  # elastic: prompts prefilled here
         self._slices: tuple[ChunkSlice, ...] = ()
         self.num_prefilled = 0  # prompts prefilled here (elastic)
+        self.prompt_budget = LocalPrefill.slice_tokens(
+            cfg.local_prefill_tokens, cfg.chunk_size, cfg.local_prefill_slice == "chunk")
 
     def handle(self, msg: tuple[Any, ...]) -> None:
         kind = msg[0]
@@ -298,7 +302,7 @@ class DecodeInstance(_Decoding):
         slices: tuple[ChunkSlice, ...] = ()
         if len(self.queue):
             slices = coupled_chunked_plan(
-                self.queue, plan.run_ids, len(plan.run_ids) + self.sim.cfg.local_prefill_tokens,
+                self.queue, plan.run_ids, len(plan.run_ids) + self.prompt_budget,
                 num_free_blocks=self.admission.free_after(plan, free),
                 block_size=self.block_size).slices
         self.num_planned += 1

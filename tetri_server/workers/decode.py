@@ -8,8 +8,9 @@ Preempted requests lose their KV and are recomputed from their tokens when re-ad
 Elastic (``decode.local_prefill_tokens``): control may route a prompt here when it finishes
 sooner here than behind the prefill side's backlog (``policy.LocalPrefill``). It waits in a FCFS
 ``PrefillQueue`` and its slices ride in the decode steps, at most ``local_prefill_tokens`` prompt
-tokens a step (so the batch's inter-token gap stays bounded); its first token is streamed from
-here and it joins the admission like a handed-off request.
+tokens a step and (``local_prefill_slice = "chunk"``) at most the prefill side's chunk, which
+control sends with each prompt (so the batch's inter-token gap stays bounded); its first token
+is streamed from here and it joins the admission like a handed-off request.
 """
 
 from __future__ import annotations
@@ -28,7 +29,12 @@ from tetri_server.messages import (
     StepOutput,
     TokenDelta,
 )
-from tetri_server.policy import DecodeAdmission, PrefillQueue, coupled_chunked_plan
+from tetri_server.policy import (
+    DecodeAdmission,
+    LocalPrefill,
+    PrefillQueue,
+    coupled_chunked_plan,
+)
 from tetri_server.policy.prefill import ChunkSlice
 from tetri_server.predictor import PredictorError
 from tetri_server.workers.base import Role, Worker, length_tail
@@ -48,7 +54,7 @@ class DecodeRole(Role):
             tail=length_tail(w.cfg, w.cfg.predictor.kind))
         self.seqs: dict[int, Sequence] = {}  # handed off, and prompts routed here
         self.queue = PrefillQueue("fcfs")  # elastic: prompts this worker prefills itself
-        self.prompt_budget = self.w.cfg.decode.local_prefill_tokens
+        self.prompt_budget = self.w.cfg.decode.local_prefill_tokens  # prompt tokens a step
 
     def handle(self, msg: object) -> None:
         if isinstance(msg, Handoff):
@@ -73,6 +79,9 @@ class DecodeRole(Role):
                        predicted_bucket=bucket, predicted_len=predictor.lower_bound(bucket))
         self.seqs[seq.req_id] = seq
         self.queue.add(seq.req_id, seq.num_prompt, msg.arrival_s)
+        cfg = self.w.cfg.decode
+        self.prompt_budget = LocalPrefill.slice_tokens(
+            cfg.local_prefill_tokens, msg.prefill_chunk, cfg.local_prefill_slice == "chunk")
 
     def receive(self, h: Handoff) -> None:
         """Pull the request's KV into our pool and queue it for admission."""
