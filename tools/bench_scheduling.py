@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import statistics
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -23,7 +24,7 @@ from tetri_server.llm import make_engine  # noqa: E402
 from tetri_server.messages import SamplingParams  # noqa: E402
 from tetri_server.modelinfo import resolve_model_path  # noqa: E402
 from tetri_server.policy import pick_chunk_size, throughput_curve  # noqa: E402
-from tetri_server.workers.calibrate import ROUNDS, SIZES, measure  # noqa: E402
+from tetri_server.workers.calibrate import PICKS, ROUNDS, SIZES, measure  # noqa: E402
 
 
 def calibration(model: str, threads: int, times: int, rows: int) -> None:
@@ -51,6 +52,11 @@ def calibration(model: str, threads: int, times: int, rows: int) -> None:
     if times > 1:
         print(f"picks of {times} calibrations: {', '.join(map(str, picks))} "
               f"(max / min {max(picks) / min(picks):.2f})")
+        served = [statistics.median_low(picks[i:i + PICKS])
+                  for i in range(0, len(picks) - PICKS + 1, PICKS)]
+        if served:
+            print(f"served after {PICKS} starts (the median of each {PICKS} picks in turn): "
+                  f"{', '.join(map(str, served))}")
 
 
 async def flip_times(model: str) -> None:

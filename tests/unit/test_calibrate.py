@@ -31,6 +31,7 @@ def test_a_cached_knee_of_another_engine_build_is_measured_again(tmp_path, monke
         return [(n, n / 1000 if n < 256 else n / 4000) for n in (64, 128, 256, 512, 1024)]
 
     monkeypatch.setattr(calibrate, "measure", measure)
+    monkeypatch.setattr(calibrate, "PICKS", 1)  # one calibration per key is enough here
     monkeypatch.setattr(calibrate, "engine_build", lambda: "engine-old|ops-old")
     assert calibrate.resolve_chunk_size(worker, 0) == 256
     assert calibrate.resolve_chunk_size(worker, 0) == 256 and len(measured) == 1  # cached
@@ -45,6 +46,38 @@ def test_a_cached_knee_of_another_engine_build_is_measured_again(tmp_path, monke
     cached = json.loads(calibrate.cache_file().read_text())
     assert len(cached) == 4 and all("ops-" in k and "|rule-" in k for k in cached)
     assert calibrate.resolve_chunk_size(worker, 384) == 384 and len(measured) == 4  # configured
+
+
+def test_the_first_starts_each_calibrate_and_serve_the_median_pick(tmp_path, monkeypatch):
+    """One calibration on a loaded machine must not stick: six on a shared core picked 256 to
+    1424. The first ``PICKS`` starts calibrate once each and serve the median of the picks so
+    far (the lower of two); the later ones serve the median of the cached picks."""
+    monkeypatch.setenv("TETRI_CACHE_DIR", str(tmp_path / "cache"))
+    worker = fake_worker(tmp_path)
+    knees = iter([256, 1424, 384])  # the plateau from this size on, an outlier second
+
+    def measure(w, sizes=calibrate.SIZES, rows=0):  # noqa: ANN001, ANN202
+        k = next(knees)
+        return [(n, n / 1000 if n < k else n / (1000 * k / 32)) for n in (32, k - 16, k, 2 * k)]
+
+    monkeypatch.setattr(calibrate, "measure", measure)
+    assert calibrate.PICKS == 3
+    served = [calibrate.resolve_chunk_size(worker, 0) for _ in range(5)]
+    assert served == [256, 256, 384, 384, 384]  # and no fourth calibration (next() would raise)
+    [picks] = json.loads(calibrate.cache_file().read_text()).values()
+    assert picks == [256, 1424, 384]
+
+
+def test_a_single_pick_cached_by_an_older_build_counts_as_one(tmp_path, monkeypatch):
+    monkeypatch.setenv("TETRI_CACHE_DIR", str(tmp_path / "cache"))
+    worker = fake_worker(tmp_path)
+    calibrate.cache_file().parent.mkdir(parents=True)
+    calibrate.cache_file().write_text(json.dumps({calibrate.cache_key(worker): 416}))
+    monkeypatch.setattr(calibrate, "measure", lambda w, sizes=calibrate.SIZES, rows=0: [
+        (n, n / 1000 if n < 256 else n / 8000) for n in (32, 256, 512)])
+    assert calibrate.resolve_chunk_size(worker, 0) == 256  # median_low of 416 and 256
+    assert json.loads(calibrate.cache_file().read_text()) == {
+        calibrate.cache_key(worker): [416, 256]}
 
 
 def test_the_key_names_the_engine_sources_the_ops_build_and_the_rule(tmp_path):
@@ -119,6 +152,7 @@ def test_the_pick_for_a_worker_that_decodes_too_is_measured_and_cached_apart(tmp
         return [(n, 2e-3 + (5e-3 if rows else 0) + (n - rows) / 4000) for n in calibrate.SIZES]
 
     monkeypatch.setattr(calibrate, "measure", measure)
+    monkeypatch.setattr(calibrate, "PICKS", 1)
     bare = calibrate.resolve_chunk_size(worker, 0)
     riding = calibrate.resolve_chunk_size(worker, 0, rows=16)
     assert measured == [0, 16] and riding > 2 * bare
