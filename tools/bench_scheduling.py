@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import statistics
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -24,7 +23,13 @@ from tetri_server.llm import make_engine  # noqa: E402
 from tetri_server.messages import SamplingParams  # noqa: E402
 from tetri_server.modelinfo import resolve_model_path  # noqa: E402
 from tetri_server.policy import pick_chunk_size, throughput_curve  # noqa: E402
-from tetri_server.workers.calibrate import PICKS, ROUNDS, SIZES, measure  # noqa: E402
+from tetri_server.workers.calibrate import (  # noqa: E402
+    PICKS,
+    ROUNDS,
+    SIZES,
+    measure,
+    served_pick,
+)
 
 
 def calibration(model: str, threads: int, times: int, rows: int) -> None:
@@ -52,7 +57,7 @@ def calibration(model: str, threads: int, times: int, rows: int) -> None:
     if times > 1:
         print(f"picks of {times} calibrations: {', '.join(map(str, picks))} "
               f"(max / min {max(picks) / min(picks):.2f})")
-        served = [statistics.median_low(picks[i:i + PICKS])
+        served = [served_pick(picks[i:i + PICKS])
                   for i in range(0, len(picks) - PICKS + 1, PICKS)]
         if served:
             print(f"served after {PICKS} starts (the median of each {PICKS} picks in turn): "

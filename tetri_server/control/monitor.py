@@ -88,10 +88,14 @@ class Monitor:
         self.reports.pop(worker_id, None)
         self.metrics.set_up(worker_id, False)
 
+    def serving(self, worker_id: int) -> bool:
+        """Ready and not draining (flipping): control may send it work."""
+        return self.workers[worker_id].is_ready and worker_id not in self.draining
+
     def pick(self, num_prompt_tokens: int) -> int | None:
         """The least-loaded serving entry worker (prefill, or coupled; elastic: or a decode
         worker that prefills it sooner), or None."""
-        down = [w for w, h in self.workers.items() if not h.is_ready or w in self.draining]
+        down = [w for w in self.workers if not self.serving(w)]
         chunks = {w: h.chunk_size for w, h in self.workers.items() if h.chunk_size}
         return self.picker.pick(num_prompt_tokens, exclude=down, chunk_sizes=chunks)
 
@@ -99,7 +103,7 @@ class Monitor:
         """The smallest chunk of the serving prefill workers (0: none serving): the most prompt
         tokens a decode worker prefills a step with ``decode.local_prefill_slice = "chunk"``."""
         chunks = [h.chunk_size for w, h in self.workers.items()
-                  if h.role == "prefill" and h.is_ready and w not in self.draining and h.chunk_size]
+                  if h.role == "prefill" and self.serving(w) and h.chunk_size]
         return min(chunks, default=0)
 
     def decode_view(self) -> DecodeView:
@@ -111,8 +115,7 @@ class Monitor:
                                       r.num_light, r.predicted_demand_blocks,
                                       self.picker.queued_tokens(wid))
                    for wid, r in sorted(self.reports.items())
-                   if r.role == "decode" and wid in self.workers
-                   and self.workers[wid].is_ready and wid not in self.draining]
+                   if r.role == "decode" and wid in self.workers and self.serving(wid)]
         return DecodeView(self._view_seq, decodes, self._view_generation)
 
     def count_requests(self, num_requests: int) -> None:

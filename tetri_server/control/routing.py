@@ -81,8 +81,7 @@ class Router:
         """A worker of ``role`` is serving (always True for decode in the coupled modes)."""
         if role == "decode" and not self.disaggregated:
             return True
-        return any(h.is_ready and h.role == role and w not in self.draining
-                   for w, h in self.workers.items())
+        return any(h.role == role and self.monitor.serving(w) for w, h in self.workers.items())
 
     def deadline(self) -> float:
         return time.monotonic() + self.cfg.cluster.worker_wait_s
@@ -92,8 +91,7 @@ class Router:
         if req is None:
             return  # aborted meanwhile: the prefill worker freed its blocks on Abort
         dst = self.workers.get(msg.dst_worker)
-        if (dst is None or not dst.is_ready or dst.worker_id in self.draining
-                or dst.role != "decode"):
+        if dst is None or not self.monitor.serving(dst.worker_id) or dst.role != "decode":
             src.post(HandoffRejected(msg.req_id, f"decode worker {msg.dst_worker} is down"))
             return
         req.owner, req.src, req.state = dst.worker_id, src.worker_id, ReqState.HANDOFF

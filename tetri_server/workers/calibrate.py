@@ -147,6 +147,12 @@ def measure(worker: Worker, sizes: tuple[int, ...] = SIZES, rounds: int = ROUNDS
     return list(best.items())
 
 
+def served_pick(picks: list[int]) -> int:
+    """The chunk a start serves from the picks cached so far: their median, the lower one of
+    two (``PICKS`` calibrations, one per start, outvote one made on a loaded machine)."""
+    return statistics.median_low(picks)
+
+
 def resolve_chunk_size(worker: Worker, configured: int, rows: int = 0) -> int:
     """The configured chunk size, or (0) the knee of the prompt rate measured in passes that
     hold ``rows`` decode rows too (``prefill.local_decode_batch``: the requests a prefill
@@ -161,13 +167,13 @@ def resolve_chunk_size(worker: Worker, configured: int, rows: int = 0) -> int:
                   for k, v in json.loads(path.read_text()).items()}
     picks = cached.get(key, [])
     if len(picks) >= PICKS:
-        size = statistics.median_low(picks)
+        size = served_pick(picks)
         log.info("chunk size %d (median of the cached calibrations %s for %s)", size, picks,
                  key)
         return size
     samples = measure(worker, rows=rows)
     picks = cached[key] = [*picks, pick_chunk_size(samples, riders=rows)]
-    size = statistics.median_low(picks)
+    size = served_pick(picks)
     log.warning("calibrated prefill chunk size %d from %s%s; serving %d, the median of %s "
                 "(calibration %d of %d, one per start)", picks[-1],
                 ", ".join(f"{n}:{tps:.0f} tok/s" for n, tps in throughput_curve(samples, rows)),
