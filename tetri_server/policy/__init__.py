@@ -33,7 +33,7 @@ from tetri_server.policy.dispatch import (
     RoundRobinDispatcher,
     TetriDispatcher,
 )
-from tetri_server.policy.elastic import LocalDecode, LocalPrefill, PromptShare
+from tetri_server.policy.elastic import LocalDecode, LocalPrefill, PromptShare, StepLoad
 from tetri_server.policy.flip import FlipPlan, FlipPolicy
 from tetri_server.policy.global_sched import LeastLoadedPicker
 from tetri_server.policy.knee import RIDER_CONTEXT, pick_chunk_size, throughput_curve
@@ -74,6 +74,7 @@ __all__ = [
     "LengthTail",
     "LocalDecode",
     "PromptShare",
+    "StepLoad",
     "LocalPrefill",
     "MixedStepPlan",
     "PreemptPlan",

@@ -80,6 +80,7 @@ class _ViewTracker:
                     num_light=inst.num_light + len(mine) - num_heavy,
                     predicted_demand_blocks=inst.predicted_demand_blocks,
                     num_queued_prompt_tokens=inst.num_queued_prompt_tokens,
+                    step_x=inst.step_x,
                 )
             )
         return out

@@ -55,6 +55,7 @@ class LocalDecode:
     min_tokens: int = 0  # a kept request can decode more than this many tokens
     max_prompt_share: float = 1.0  # keep only while prompt steps took at most this share
     hand_back: bool = False  # kept requests go to a decode worker when prompts queue
+    min_step_x: float = 0.0  # keep only while every decode worker's steps are this much slower
 
     def worth_keeping(self, max_tokens: int, bucket_upper: int | None) -> bool:
         """Whether a request with this output cap and predicted bucket end (None: open, or no
@@ -104,7 +105,11 @@ class LocalDecode:
             return blocked
         if view is None or not view.decodes:
             return True  # no decode worker known (none up yet, or all restarting)
-        return blocked or num_local < min(d.num_heavy + d.num_light for d in view.decodes)
+        if blocked:
+            return True
+        if any(d.step_x < self.min_step_x for d in view.decodes):
+            return False  # a decode worker has headroom: there the request decodes faster
+        return num_local < min(d.num_heavy + d.num_light for d in view.decodes)
 
 
 def all_prefilling(view: DecodeSnapshot | None) -> bool:
@@ -115,6 +120,34 @@ def all_prefilling(view: DecodeSnapshot | None) -> bool:
     the prefill worker that just finished it may be idle."""
     return view is not None and bool(view.decodes) and all(
         d.num_queued_prompt_tokens > 0 for d in view.decodes)
+
+
+@dataclass
+class StepLoad:
+    """How loaded a decode worker is, from its own decode steps: their recent time (an
+    exponential average) over the fastest that average has been (one request, short contexts:
+    about its unloaded step). A step that also prefills prompt slices is not counted: its time
+    says how long the prompt is, not how many requests decode."""
+
+    weight: float = 0.2  # of the newest step in the average
+    _recent_s: float | None = None
+    _fastest_s: float | None = None
+
+    def add(self, step_s: float) -> None:
+        r = self._recent_s
+        self._recent_s = step_s if r is None else r + self.weight * (step_s - r)
+        if self._fastest_s is None or self._recent_s < self._fastest_s:
+            self._fastest_s = self._recent_s
+
+    def idle(self) -> None:
+        """No request decodes here: the next busy spell starts a new average."""
+        self._recent_s = None
+
+    def ratio(self) -> float:
+        """Recent step time over the fastest: 1 = unloaded; 0 = idle (or no step yet)."""
+        if self._recent_s is None or not self._fastest_s:
+            return 0.0
+        return self._recent_s / self._fastest_s
 
 
 @dataclass

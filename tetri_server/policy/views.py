@@ -26,6 +26,8 @@ class DecodeInstanceLoad(Protocol):
     def predicted_demand_blocks(self) -> int: ...
     @property
     def num_queued_prompt_tokens(self) -> int: ...  # elastic: prompts routed to it
+    @property
+    def step_x(self) -> float: ...  # elastic: recent step time over its fastest (0: idle)
 
 
 class DecodeSnapshot(Protocol):
@@ -71,3 +73,4 @@ class DecodeInstance:
     num_light: int
     predicted_demand_blocks: int
     num_queued_prompt_tokens: int = 0
+    step_x: float = 0.0

@@ -18,6 +18,7 @@ from tetri_server.policy import (
     PrefillQueue,
     PromptShare,
     RoundRobinDispatcher,
+    StepLoad,
     TetriDispatcher,
     coupled_chunked_plan,
 )
@@ -61,7 +62,8 @@ class PrefillInstance(_Decoding):
         self.num_rejected = 0  # hand-offs refused by a decode instance
         self._chunk: ChunkPlan | None = None
         self.local = (LocalDecode(cfg.local_decode_batch, cfg.local_decode_min_tokens,
-                                  cfg.local_decode_max_prompt_share, cfg.local_decode_hand_back)
+                                  cfg.local_decode_max_prompt_share, cfg.local_decode_hand_back,
+                                  cfg.local_decode_min_step_x)
                       if cfg.local_decode_batch else None)
         self.prompt_share = PromptShare()  # steps with prompt tokens, for self.local
         self._step_start_s = 0.0
@@ -269,6 +271,7 @@ class DecodeInstance(_Decoding):
         self.num_prefilled = 0  # prompts prefilled here (elastic)
         self.prompt_budget = LocalPrefill.slice_tokens(
             cfg.local_prefill_tokens, cfg.chunk_size, cfg.local_prefill_slice == "chunk")
+        self.step_load = StepLoad()  # reported, as workers/decode.py does
 
     def handle(self, msg: tuple[Any, ...]) -> None:
         kind = msg[0]
@@ -317,12 +320,17 @@ class DecodeInstance(_Decoding):
             self.admission.on_done(plan, set())
             return None
         self._plan, self._slices = plan, kept
-        return self.cost.step_s(items, 0, num_decode + sum(p.is_last for p in kept))
+        step_s = self.cost.step_s(items, 0, num_decode + sum(p.is_last for p in kept))
+        if num_decode == len(items):
+            self.step_load.add(step_s)
+        return step_s
 
     def finish_step(self) -> None:
         assert self._plan is not None
         plan, self._plan = self._plan, None
         self.decode_done(plan)
+        if not len(self.admission):
+            self.step_load.idle()
         slices, self._slices = self._slices, ()
         if slices:
             done = self.queue.advance(slices)
@@ -335,4 +343,4 @@ class DecodeInstance(_Decoding):
                           load.num_running, self.queue.num_queued_tokens,
                           self.alloc.num_free, self.alloc.num_blocks, load.num_heavy,
                           load.num_light, load.predicted_demand_blocks, self.busy_s,
-                          load.num_preemptions)
+                          load.num_preemptions, step_x=self.step_load.ratio())

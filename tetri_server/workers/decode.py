@@ -15,6 +15,8 @@ is streamed from here and it joins the admission like a handed-off request.
 
 from __future__ import annotations
 
+import time
+
 from tetri_server.engine.runner import StepPlan
 from tetri_server.engine.sampling import make_generator
 from tetri_server.engine.sequence import SeqStatus, Sequence
@@ -33,6 +35,7 @@ from tetri_server.policy import (
     DecodeAdmission,
     LocalPrefill,
     PrefillQueue,
+    StepLoad,
     coupled_chunked_plan,
 )
 from tetri_server.policy.prefill import ChunkSlice
@@ -55,6 +58,7 @@ class DecodeRole(Role):
         self.seqs: dict[int, Sequence] = {}  # handed off, and prompts routed here
         self.queue = PrefillQueue("fcfs")  # elastic: prompts this worker prefills itself
         self.prompt_budget = self.w.cfg.decode.local_prefill_tokens  # prompt tokens a step
+        self.step_load = StepLoad()  # reported: a prefill worker keeps requests while it is high
 
     def handle(self, msg: object) -> None:
         if isinstance(msg, Handoff):
@@ -141,7 +145,10 @@ class DecodeRole(Role):
         finished: set[int] = set()
         deltas: list[TokenDelta] = []
         if items:
+            t0 = time.monotonic()
             result = self.w.runner.execute(StepPlan(items))
+            if num_decode == len(items):
+                self.step_load.add(time.monotonic() - t0)
             for item, tok, lp in zip(items[:num_decode], result.sampled, result.logprobs,
                                      strict=False):
                 seq = item.seq
@@ -162,6 +169,8 @@ class DecodeRole(Role):
                     self.admission.add(seq.req_id, seq.num_prompt, seq.num_tokens,
                                        seq.predicted_bucket, seq.params.max_tokens)
         self.admission.on_done(plan, finished)
+        if not len(self.admission):
+            self.step_load.idle()
         if deltas:
             self.w.send(StepOutput(self.w.worker_id, deltas))
         # a step that only preempted or failed requests made progress: plan again at once
@@ -190,4 +199,5 @@ class DecodeRole(Role):
                           num_total_blocks=a.num_blocks, num_heavy=load.num_heavy,
                           num_light=load.num_light,
                           predicted_demand_blocks=load.predicted_demand_blocks,
-                          busy_s=self.w.busy_s, num_preemptions=load.num_preemptions)
+                          busy_s=self.w.busy_s, num_preemptions=load.num_preemptions,
+                          step_x=self.step_load.ratio())

@@ -74,7 +74,8 @@ class PrefillRole(Role):
         num_local = cfg.prefill.local_decode_batch
         self.local = (LocalDecode(num_local, cfg.prefill.local_decode_min_tokens,
                                   cfg.prefill.local_decode_max_prompt_share,
-                                  cfg.prefill.local_decode_hand_back)
+                                  cfg.prefill.local_decode_hand_back,
+                                  cfg.prefill.local_decode_min_step_x)
                       if num_local else None)
         self.prompt_share = PromptShare()  # steps with prompt tokens (monotonic clock)
         self.admission = DecodeAdmission("greedy", block_size=w.block_size,
