@@ -170,7 +170,8 @@ class DecodeInstanceView(msgspec.Struct, array_like=True):
     num_light: int
     predicted_demand_blocks: int
     num_queued_prompt_tokens: int = 0  # elastic: prompts routed to it, not yet prefilled
-    step_x: float = 0.0  # its recent decode step time over its fastest (StepLoad; 0: idle)
+    step_s: float = 0.0  # its recent decode step time (policy.StepTimes; 0: idle)
+    fastest_step_s: float = 0.0  # the fastest that has been (0: no step yet)
 
 
 class DecodeView(msgspec.Struct, tag=True, array_like=True):
@@ -284,8 +285,10 @@ class LoadReport(msgspec.Struct, tag=True, array_like=True):
     # the highest AddRequest.add_seq this worker process handled before the report; None:
     # whatever was sent before the report is in it (the simulator, a restart's empty report)
     last_add_seq: int | None = None
-    # decode: recent decode step time over the fastest (policy.StepLoad; 0: idle or unknown)
-    step_x: float = 0.0
+    # decode: its recent decode-only step time and the fastest that has been (policy.StepTimes;
+    # 0: idle, or no step yet)
+    step_s: float = 0.0
+    fastest_step_s: float = 0.0
 
 
 # ------------------------------------------------ prefill <-> decode (forwarded by control)

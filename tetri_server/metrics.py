@@ -159,6 +159,11 @@ class Metrics:
             "tetri_prefill_chunk_size",
             "Tokens per prefill forward pass (the calibrated knee) of each prefill worker.",
             "worker")
+        self.decode_step = gauge(
+            "tetri_decode_step_seconds",
+            "Each decode worker's recent decode step (an average; 0 = idle): its requests' "
+            "inter-token gap. With prefill.local_decode_balance a prefill worker keeps a "
+            "request only where its gap would be shorter.", "worker")
         self.ttft = histogram("tetri_time_to_first_token_seconds",
                               "Arrival to the first generated token.", TTFT_BUCKETS_S).labels(m)
         tpot_doc = "Per request: (last token - first token) / (output tokens - 1)."
@@ -269,10 +274,13 @@ class Metrics:
         blocks_total: int,
         busy_s: float,
         num_preemptions: int = 0,
+        step_s: float | None = None,
     ) -> None:
         """One worker's load report: KV usage now, and its *cumulative* busy seconds and
-        preemptions since it started (as in ``LoadReport``)."""
+        preemptions since it started (as in ``LoadReport``); a decode worker's ``step_s``."""
         key, m = str(worker), self.model_name
+        if step_s is not None:
+            self.decode_step.labels(m, key).set(step_s)
         self.kv_blocks_used.labels(m, key).set(blocks_used)
         self.kv_blocks_total.labels(m, key).set(blocks_total)
         self.kv_usage.labels(m, key).set(blocks_used / blocks_total if blocks_total else 0.0)

@@ -26,12 +26,14 @@ def decisions(tmp_path, worker: int = 0) -> list[dict]:
     return [json.loads(line) for line in (tmp_path / f"decisions.w{worker}.jsonl").open()]
 
 
-async def run_long_then_crowd(tiny_llama, tmp_path, *sets: str) -> tuple[set, set, int, list]:
+async def run_long_then_crowd(tiny_llama, tmp_path, *sets: str,
+                              steps_s: list[float] | None = None) -> tuple[set, set, int, list]:
     """A long first request (300 tokens) decoding on one side, then a second one and a crowd of
     short ones (24 tokens) once the prefill worker's view shows the first; every output is
     checked against transformers. The decode side's rule is off (every prompt is prefilled on
     the prefill worker, the rule under test). Returns (kept ids, ids dispatched by the prefill
-    worker, first id, the prefill worker's records)."""
+    worker, first id, the prefill worker's records); ``steps_s`` gets the decode worker's
+    reported recent step just before the crowd."""
     long_one = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
     first, second = random_prompts(2, 8000, (10, 30), seed=22)
     crowd = random_prompts(16, 8000, (1, 200), seed=23)
@@ -47,6 +49,8 @@ async def run_long_then_crowd(tiny_llama, tmp_path, *sets: str) -> tuple[set, se
         await until(lambda: any(r.num_running for r in cluster.reports.values()), 60,
                     "the first request decoding")
         await asyncio.sleep(1.0)  # >= 25 view broadcasts: the prefill worker sees it there
+        if steps_s is not None:
+            steps_s += [r.step_s for r in cluster.reports.values() if r.role == "decode"]
         got = await asyncio.wait_for(
             asyncio.gather(*(collect(cluster, p, GREEDY) for p in [second, *crowd])), 180)
         assert got == ref
@@ -74,6 +78,25 @@ async def test_kept_and_handed_off_requests_both_equal_transformers(tiny_llama, 
     assert kept and sent
     assert any(r["kind"] == "mixed_step" and r["run"] for r in records)
     assert max(len(r["run"]) for r in records if r["kind"] == "mixed_step") <= 3
+
+
+async def test_with_balance_a_request_is_kept_only_where_it_decodes_faster(tiny_llama, tmp_path):
+    """``prefill.local_decode_balance``: the decode worker reports its recent decode step
+    while it decodes; the prefill worker keeps a request only while its own expected gap is
+    shorter than that step, in the live numbers it logged with each keep; outputs equal
+    transformers either way."""
+    steps_s: list[float] = []
+    kept, sent, first_id, records = await run_long_then_crowd(
+        tiny_llama, tmp_path, "prefill.local_decode_min_tokens=0",
+        "prefill.local_decode_balance=true", steps_s=steps_s)
+    assert len(kept | sent) == 18 and len(steps_s) == 1
+    if first_id in sent:  # the decode worker decodes it: its step is reported, in seconds
+        assert 0 < steps_s[0] < 5
+    else:  # kept (no view yet): the decode worker is idle
+        assert steps_s[0] == 0
+    for r in records:  # (no decode worker in the view yet: kept, as without balance)
+        if r["kind"] == "keep" and r["decode_step_s"]:
+            assert r["gap_s"] < min(r["decode_step_s"]), r
 
 
 async def test_short_requests_are_handed_off_by_default(tiny_llama, tmp_path):

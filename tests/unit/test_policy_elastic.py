@@ -9,11 +9,14 @@ from tetri_server.messages import DecodeInstanceView, DecodeView
 from tetri_server.policy import (
     LocalDecode,
     LocalPrefill,
+    LocalSteps,
     PrefillBook,
     PrefillQueue,
     PromptShare,
     RoundRobinDispatcher,
     Stage,
+    StepTimes,
+    kept_gap_s,
 )
 
 
@@ -93,6 +96,65 @@ def test_keeps_only_while_prompt_steps_leave_the_worker_mostly_idle():
     assert local.keep(0, 0, 256, view(5), prompt_share=0.1)
     assert not local.keep(0, 0, 256, view(5), prompt_share=0.11)
     assert LocalDecode(max_batch=8).keep(0, 0, 256, view(5), prompt_share=1.0)  # default: off
+
+
+def stepping(*steps_s: float, held: int = 9) -> DecodeView:
+    """Decode workers holding ``held`` requests each, their recent steps ``steps_s`` long (the
+    fastest 10 ms)."""
+    return DecodeView(1, [DecodeInstanceView(w, 500, 1000, 0, held, 0, 0, s, 0.010)
+                          for w, s in enumerate(steps_s)])
+
+
+def test_with_balance_keeps_only_where_the_tokens_come_faster():
+    local = LocalDecode(max_batch=8, balance=True)
+    assert local.keep(0, 0, 256, stepping(0.030), gap_s=0.020)
+    assert not local.keep(0, 0, 256, stepping(0.020), gap_s=0.020)  # as fast there: hand off
+    assert not local.keep(0, 0, 256, stepping(0.030, 0.015), gap_s=0.020)  # one is faster
+    assert not local.keep(0, 0, 256, stepping(0.0), gap_s=0.020)  # an idle one
+    assert not local.keep(3, 0, 256, stepping(0.030, held=3), gap_s=0.020)  # as many here
+    assert LocalDecode(max_batch=8).keep(0, 0, 256, stepping(0.010), gap_s=0.020)  # default off
+    # a decode worker prefilling prompts still counts as blocked, whatever its steps
+    blocked = DecodeView(1, [DecodeInstanceView(0, 500, 1000, 0, 9, 0, 300, 0.005, 0.005)])
+    assert local.keep(0, 0, 256, blocked, gap_s=0.020)
+
+
+def test_a_kept_requests_gap_weighs_prompt_and_decode_steps_by_their_share_of_time():
+    assert kept_gap_s(0.0, 0.080, 0.010) == pytest.approx(0.010)
+    # half the time in 80 ms prompt steps, half in 10 ms decode steps: 1/(0.5/80 + 0.5/10) ms
+    assert kept_gap_s(0.5, 0.080, 0.010) == pytest.approx(1 / (0.5 / 0.080 + 0.5 / 0.010))
+    assert kept_gap_s(1.0, 0.080, 0.010) == pytest.approx(0.080)
+    assert kept_gap_s(0.5, 0.080, 0.0) == 0.0  # no decode step known
+
+
+def test_local_steps_fall_back_to_the_fastest_decode_step_when_nothing_decodes_here():
+    steps = LocalSteps()
+    assert steps.gap_s(0.0, stepping(0.030)) == pytest.approx(0.010)  # the decode side's fastest
+    assert steps.gap_s(0.0, None) == 0.0
+    steps.add(0.0, 5.0, prompt=True)  # half of the last 10 s in one 5 s prompt step
+    for k in range(10):
+        steps.add(5.0 + 0.02 * k, 5.02 + 0.02 * k, prompt=False)
+    assert steps.gap_s(10.0, stepping(0.030)) == pytest.approx(kept_gap_s(0.5, 5.0, 0.020))
+    steps.idle()  # nothing decodes here: the fallback again
+    assert steps.gap_s(10.0, stepping(0.030)) == pytest.approx(kept_gap_s(0.5, 5.0, 0.010))
+
+
+def test_step_times_average_the_recent_steps_and_remember_the_fastest():
+    times = StepTimes(weight=0.5)
+    assert (times.recent_s, times.fastest_s) == (0.0, 0.0)  # no step yet
+    for _ in range(20):
+        times.add(0.010)
+    assert times.recent_s == pytest.approx(0.010)
+    for _ in range(20):
+        times.add(0.030)
+    assert times.recent_s == pytest.approx(0.030, rel=1e-3)
+    assert times.fastest_s == pytest.approx(0.010)
+    times.idle()
+    assert times.recent_s == 0.0  # nothing steps here
+    times.add(0.020)  # a new busy spell starts a new average
+    assert times.recent_s == pytest.approx(0.020)
+    for _ in range(20):
+        times.add(0.005)
+    assert times.fastest_s == pytest.approx(0.005, rel=1e-3)
 
 
 def test_hands_back_only_when_asked_to_and_prompts_queue_beyond_a_chunk():

@@ -274,6 +274,15 @@ def test_elastic_prefill_keeps_fewer_while_prompts_keep_it_busy() -> None:
             < num_kept("HPHD", 1.0, local_decode_max_prompt_share=1.0))
 
 
+def test_elastic_prefill_with_balance_keeps_only_where_tokens_come_faster() -> None:
+    """HPHD at 1 req/s: the decode instance reports its recent step; with balance the prefill
+    instance keeps a request only while its own expected gap is shorter, so fewer than
+    whatever the decode side's steps, but some (its decode-only steps are faster than a loaded
+    decode instance's)."""
+    everything = num_kept("HPHD", 1.0)
+    assert 0 < num_kept("HPHD", 1.0, local_decode_balance=True) < everything
+
+
 def test_the_default_keeps_requests_while_the_decode_instance_is_saturated() -> None:
     """Mixed at 2.5 req/s on this-cpu saturates the one decode instance while prompts keep the
     prefill instance over 30% busy: a prompt-share rule of 0.3 (the default to session 23)

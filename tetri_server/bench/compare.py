@@ -46,6 +46,10 @@ MODE_PRESETS = {
                                 "decode.local_prefill_tokens=0")),
     "elastic-decode": ("disaggregated", ("prefill.local_decode_batch=0",
                                          "decode.local_prefill_tokens=1024")),
+    # which requests the prefill side keeps: only where they decode faster, or by the other
+    # rules alone (prefill.local_decode_balance on and off)
+    "keep-balanced": ("disaggregated", ("prefill.local_decode_balance=true",)),
+    "keep-any": ("disaggregated", ("prefill.local_decode_balance=false",)),
 }
 VLLM_LABEL = "vllm-cpu"
 READY_POLL_S = 0.5

@@ -295,18 +295,15 @@ class PrefillConfig(_Section):
     """Elastic P/D: when more than a chunk of prompt tokens waits, a prefill worker hands the
     requests it kept to a decode worker (with the KV of what it decoded) instead of decoding
     them to the end."""
-    local_decode_min_step_x: float = 0.0
-    """Elastic P/D: ... and only while every decode worker's recent decode steps take at least
-    this many times its fastest (``policy.StepLoad``: how loaded it is); below, a handed-off
-    request decodes faster there than in this worker's chunk steps. 0 = whatever the decode
-    workers' load."""
+    local_decode_balance: bool = False
+    """Elastic P/D: ... and only where the request's tokens would come faster than on every
+    decode worker: the mean gap here (this worker's steps with and without prompt tokens, by
+    the share of time each took, ``policy.kept_gap_s``) below each decode worker's recent
+    decode step."""
 
     def _validate(self) -> None:
         self._at_least("chunk_size", 0)
         self._at_least("local_decode_min_tokens", 0)
-        if self.local_decode_min_step_x < 0:
-            raise ConfigError(f"prefill.local_decode_min_step_x = "
-                              f"{self.local_decode_min_step_x} must be >= 0")
         if not 0 <= self.local_decode_max_prompt_share <= 1:
             raise ConfigError(f"prefill.local_decode_max_prompt_share = "
                               f"{self.local_decode_max_prompt_share} must be in [0, 1]")

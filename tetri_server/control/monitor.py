@@ -65,7 +65,8 @@ class Monitor:
         self.metrics.set_worker(
             h.worker_id, h.role, blocks_used=msg.num_total_blocks - msg.num_free_blocks,
             blocks_total=msg.num_total_blocks, busy_s=msg.busy_s,
-            num_preemptions=msg.num_preemptions)
+            num_preemptions=msg.num_preemptions,
+            step_s=msg.step_s if msg.role == "decode" else None)
         return emptied
 
     def on_ready(self, h: WorkerHandle, msg: Ready) -> None:
@@ -113,7 +114,8 @@ class Monitor:
         self._view_seq += 1
         decodes = [DecodeInstanceView(wid, r.num_free_blocks, r.num_total_blocks, r.num_heavy,
                                       r.num_light, r.predicted_demand_blocks,
-                                      self.picker.queued_tokens(wid), r.step_x)
+                                      self.picker.queued_tokens(wid), r.step_s,
+                                      r.fastest_step_s)
                    for wid, r in sorted(self.reports.items())
                    if r.role == "decode" and wid in self.workers and self.serving(wid)]
         return DecodeView(self._view_seq, decodes, self._view_generation)

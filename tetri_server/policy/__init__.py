@@ -33,7 +33,14 @@ from tetri_server.policy.dispatch import (
     RoundRobinDispatcher,
     TetriDispatcher,
 )
-from tetri_server.policy.elastic import LocalDecode, LocalPrefill, PromptShare, StepLoad
+from tetri_server.policy.elastic import (
+    LocalDecode,
+    LocalPrefill,
+    LocalSteps,
+    PromptShare,
+    StepTimes,
+    kept_gap_s,
+)
 from tetri_server.policy.flip import FlipPlan, FlipPolicy
 from tetri_server.policy.global_sched import LeastLoadedPicker
 from tetri_server.policy.knee import RIDER_CONTEXT, pick_chunk_size, throughput_curve
@@ -74,8 +81,9 @@ __all__ = [
     "LengthTail",
     "LocalDecode",
     "PromptShare",
-    "StepLoad",
+    "StepTimes",
     "LocalPrefill",
+    "LocalSteps",
     "MixedStepPlan",
     "PreemptPlan",
     "PrefillBook",
@@ -87,6 +95,7 @@ __all__ = [
     "TetriDispatcher",
     "coupled_chunked_plan",
     "coupled_step_plan",
+    "kept_gap_s",
     "num_blocks_for",
     "pick_chunk_size",
     "prefill_first_plan",

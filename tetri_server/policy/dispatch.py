@@ -80,7 +80,8 @@ class _ViewTracker:
                     num_light=inst.num_light + len(mine) - num_heavy,
                     predicted_demand_blocks=inst.predicted_demand_blocks,
                     num_queued_prompt_tokens=inst.num_queued_prompt_tokens,
-                    step_x=inst.step_x,
+                    step_s=inst.step_s,
+                    fastest_step_s=inst.fastest_step_s,
                 )
             )
         return out

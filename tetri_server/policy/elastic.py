@@ -55,7 +55,7 @@ class LocalDecode:
     min_tokens: int = 0  # a kept request can decode more than this many tokens
     max_prompt_share: float = 1.0  # keep only while prompt steps took at most this share
     hand_back: bool = False  # kept requests go to a decode worker when prompts queue
-    min_step_x: float = 0.0  # keep only while every decode worker's steps are this much slower
+    balance: bool = False  # keep only where a request decodes faster than on any decode worker
 
     def worth_keeping(self, max_tokens: int, bucket_upper: int | None) -> bool:
         """Whether a request with this output cap and predicted bucket end (None: open, or no
@@ -65,17 +65,18 @@ class LocalDecode:
 
     def choose(self, held: Iterable[tuple[int, int, int | None]], num_local: int,
                num_queued_prompt_tokens: int, chunk_size: int, view: DecodeSnapshot | None,
-               prompt_share: float = 0.0) -> list[int]:
+               prompt_share: float = 0.0, gap_s: float = 0.0) -> list[int]:
         """The held requests to keep now, in their order: ``held`` gives (request id,
         max_tokens, predicted bucket's upper end) of each; ``num_local``: requests decoding
-        here already. The first long one refused ends the choice (kept in order); a short one
-        refused is passed over."""
+        here already; ``gap_s``: a kept request's expected gap here (``kept_gap_s``). The first
+        long one refused ends the choice (kept in order); a short one refused is passed
+        over."""
         kept: list[int] = []
         for req_id, max_tokens, bucket_upper in held:
             short = not self.worth_keeping(max_tokens, bucket_upper)
             capped = max_tokens <= self.min_tokens  # at most min_tokens here, whatever comes
             if self.keep(num_local + len(kept), num_queued_prompt_tokens, chunk_size, view,
-                         0.0 if capped else prompt_share, short):
+                         0.0 if capped else prompt_share, short, gap_s):
                 kept.append(req_id)
             elif not short:
                 break
@@ -88,12 +89,15 @@ class LocalDecode:
         return self.hand_back and num_queued_prompt_tokens > chunk_size
 
     def keep(self, num_local: int, num_queued_prompt_tokens: int, chunk_size: int,
-             view: DecodeSnapshot | None, prompt_share: float = 0.0, short: bool = False) -> bool:
+             view: DecodeSnapshot | None, prompt_share: float = 0.0, short: bool = False,
+             gap_s: float = 0.0) -> bool:
         """``prompt_share``: this worker's ``PromptShare.share`` now. ``short``: the request is
         not ``worth_keeping``; it stays only while every decode worker is prefilling prompts
         (``all_prefilling``): there it would wait behind whole prompts (``choose`` passes a
         share of 0 for one whose ``max_tokens`` caps it at ``min_tokens``: here it decodes that
-        few however slowly; a prediction alone may be wrong)."""
+        few however slowly; a prediction alone may be wrong). ``gap_s``: with ``balance``, the
+        request stays only if this is below every decode worker's recent step
+        (``DecodeInstanceLoad.step_s``; 0, an idle one, never)."""
         if num_local >= self.max_batch:
             return False
         if num_queued_prompt_tokens > chunk_size:
@@ -107,8 +111,8 @@ class LocalDecode:
             return True  # no decode worker known (none up yet, or all restarting)
         if blocked:
             return True
-        if any(d.step_x < self.min_step_x for d in view.decodes):
-            return False  # a decode worker has headroom: there the request decodes faster
+        if self.balance and any(gap_s >= d.step_s for d in view.decodes):
+            return False  # it decodes at least as fast there
         return num_local < min(d.num_heavy + d.num_light for d in view.decodes)
 
 
@@ -123,31 +127,67 @@ def all_prefilling(view: DecodeSnapshot | None) -> bool:
 
 
 @dataclass
-class StepLoad:
-    """How loaded a decode worker is, from its own decode steps: their recent time (an
-    exponential average) over the fastest that average has been (one request, short contexts:
-    about its unloaded step). A step that also prefills prompt slices is not counted: its time
-    says how long the prompt is, not how many requests decode."""
+class StepTimes:
+    """A worker's recent step time (an exponential average of the steps it is given) and the
+    fastest that average has been. A decode worker gives it its decode-only steps (a step that
+    also prefills prompt slices says how long the prompt is, not how fast requests decode); a
+    prefill worker one for its steps with prompt tokens and one for those without."""
 
     weight: float = 0.2  # of the newest step in the average
-    _recent_s: float | None = None
-    _fastest_s: float | None = None
+    recent_s: float = 0.0  # 0: no step since the last idle spell
+    fastest_s: float = 0.0  # 0: no step yet
 
     def add(self, step_s: float) -> None:
-        r = self._recent_s
-        self._recent_s = step_s if r is None else r + self.weight * (step_s - r)
-        if self._fastest_s is None or self._recent_s < self._fastest_s:
-            self._fastest_s = self._recent_s
+        r = self.recent_s
+        self.recent_s = step_s if not r else r + self.weight * (step_s - r)
+        if not self.fastest_s or self.recent_s < self.fastest_s:
+            self.fastest_s = self.recent_s
 
     def idle(self) -> None:
-        """No request decodes here: the next busy spell starts a new average."""
-        self._recent_s = None
+        """Nothing to step here: the next busy spell starts a new average."""
+        self.recent_s = 0.0
 
-    def ratio(self) -> float:
-        """Recent step time over the fastest: 1 = unloaded; 0 = idle (or no step yet)."""
-        if self._recent_s is None or not self._fastest_s:
-            return 0.0
-        return self._recent_s / self._fastest_s
+
+@dataclass
+class LocalSteps:
+    """A prefill worker's own steps, as ``LocalDecode`` reads them: the share of the last
+    window in steps with prompt tokens, their recent time and that of its decode-only steps
+    (the requests it kept, alone). The owner adds each step (start, end) with its own clock and
+    says ``idle`` when nothing it kept decodes any more."""
+
+    prompt_share: PromptShare = field(default_factory=lambda: PromptShare())
+    prompt: StepTimes = field(default_factory=lambda: StepTimes())
+    decode: StepTimes = field(default_factory=lambda: StepTimes())
+
+    def add(self, start_s: float, end_s: float, *, prompt: bool) -> None:
+        if prompt:
+            self.prompt_share.add(start_s, end_s)
+            self.prompt.add(end_s - start_s)
+        else:
+            self.decode.add(end_s - start_s)
+
+    def idle(self) -> None:
+        self.decode.idle()
+
+    def gap_s(self, now_s: float, view: DecodeSnapshot | None) -> float:
+        """A kept request's expected gap here (``kept_gap_s``). With nothing decoding here, a
+        decode-only step is about the fastest a decode worker has had (one request, the same
+        model); 0 when that is not known either."""
+        decode_s = self.decode.recent_s or min(
+            (d.fastest_step_s for d in (view.decodes if view else ()) if d.fastest_step_s),
+            default=0.0)
+        return kept_gap_s(self.prompt_share.share(now_s), self.prompt.recent_s, decode_s)
+
+
+def kept_gap_s(prompt_share: float, prompt_step_s: float, decode_step_s: float) -> float:
+    """The mean gap between a kept request's tokens: one token per step, where a share
+    ``prompt_share`` of the time goes to steps with prompt tokens (``prompt_step_s`` each) and
+    the rest to decode-only steps (``decode_step_s`` each)."""
+    if decode_step_s <= 0:
+        return 0.0
+    if prompt_share <= 0 or prompt_step_s <= 0:
+        return decode_step_s
+    return 1.0 / (prompt_share / prompt_step_s + (1.0 - prompt_share) / decode_step_s)
 
 
 @dataclass

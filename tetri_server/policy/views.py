@@ -27,7 +27,9 @@ class DecodeInstanceLoad(Protocol):
     @property
     def num_queued_prompt_tokens(self) -> int: ...  # elastic: prompts routed to it
     @property
-    def step_x(self) -> float: ...  # elastic: recent step time over its fastest (0: idle)
+    def step_s(self) -> float: ...  # elastic: its recent decode step time (0: idle)
+    @property
+    def fastest_step_s(self) -> float: ...  # ... the fastest that has been (0: no step yet)
 
 
 class DecodeSnapshot(Protocol):
@@ -73,4 +75,5 @@ class DecodeInstance:
     num_light: int
     predicted_demand_blocks: int
     num_queued_prompt_tokens: int = 0
-    step_x: float = 0.0
+    step_s: float = 0.0
+    fastest_step_s: float = 0.0

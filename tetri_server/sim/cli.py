@@ -37,7 +37,7 @@ CONFIG_KEYS = {
     ("prefill", "local_decode_min_tokens"): "local_decode_min_tokens",
     ("prefill", "local_decode_max_prompt_share"): "local_decode_max_prompt_share",
     ("prefill", "local_decode_hand_back"): "local_decode_hand_back",
-    ("prefill", "local_decode_min_step_x"): "local_decode_min_step_x",
+    ("prefill", "local_decode_balance"): "local_decode_balance",
     ("decode", "local_prefill_tokens"): "local_prefill_tokens",
     ("decode", "local_prefill_slice"): "local_prefill_slice",
     ("decode", "policy"): "decode_policy", ("decode", "max_batch"): "max_batch",
@@ -59,7 +59,7 @@ FLAGS = {
     "local_decode_min_tokens": "local_decode_min_tokens",
     "local_decode_max_prompt_share": "local_decode_max_prompt_share",
     "local_decode_hand_back": "local_decode_hand_back",
-    "local_decode_min_step_x": "local_decode_min_step_x",
+    "local_decode_balance": "local_decode_balance",
     "local_prefill_slice": "local_prefill_slice",
     "decode_policy": "decode_policy", "decode_estimate": "decode_estimate",
     "max_batch": "max_batch", "granularity": "granularity",
@@ -122,9 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "last 10 s (default 1: whatever the load)")
     p.add_argument("--local-decode-hand-back", action="store_true", default=None,
                    help="elastic: kept requests go to a decode instance when prompts queue")
-    p.add_argument("--local-decode-min-step-x", type=float,
-                   help="elastic: keep only while every decode instance's recent steps take at "
-                        "least this many times its fastest (default 0: whatever its load)")
+    p.add_argument("--local-decode-balance", action=argparse.BooleanOptionalAction,
+                   default=None,
+                   help="elastic: keep a request only where its tokens would come faster than "
+                        "on every decode instance")
     p.add_argument("--local-prefill-tokens", type=int,
                    help="elastic: prompt tokens a decode instance prefills per step, for "
                    "the prompts that finish sooner there (0: none)")

@@ -57,7 +57,7 @@ class SimConfig:
     local_decode_min_tokens: int = 128  # elastic: ... only if they can decode more than this
     local_decode_max_prompt_share: float = 1.0  # ... and while prompt steps take at most this
     local_decode_hand_back: bool = False  # elastic: kept ones go to decode when prompts queue
-    local_decode_min_step_x: float = 0.0  # ... and keep only while decode steps are this slow
+    local_decode_balance: bool = False  # ... and only where it decodes faster than on decode
     local_prefill_tokens: int = 0  # elastic: prompt tokens a decode instance prefills a step
     local_prefill_slice: str = "chunk"  # ... and at most chunk_size of them, or "fixed"
     decode_policy: DecodePolicyName = "reserve-dynamic"
@@ -339,6 +339,7 @@ def decode_view(seq: int, reports: list[LoadReport],
                                                r.num_total_blocks, r.num_heavy, r.num_light,
                                                r.predicted_demand_blocks,
                                                r.num_queued_prompt_tokens if queued is None
-                                               else queued(r.worker_id), r.step_x)
+                                               else queued(r.worker_id), r.step_s,
+                                               r.fastest_step_s)
                             for r in sorted(reports, key=lambda r: r.worker_id)
                             if r.role == "decode"], generation)

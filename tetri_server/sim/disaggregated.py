@@ -15,10 +15,10 @@ from tetri_server.policy import (
     DecodeStepPlan,
     LocalDecode,
     LocalPrefill,
+    LocalSteps,
     PrefillQueue,
-    PromptShare,
     RoundRobinDispatcher,
-    StepLoad,
+    StepTimes,
     TetriDispatcher,
     coupled_chunked_plan,
 )
@@ -63,9 +63,9 @@ class PrefillInstance(_Decoding):
         self._chunk: ChunkPlan | None = None
         self.local = (LocalDecode(cfg.local_decode_batch, cfg.local_decode_min_tokens,
                                   cfg.local_decode_max_prompt_share, cfg.local_decode_hand_back,
-                                  cfg.local_decode_min_step_x)
+                                  cfg.local_decode_balance)
                       if cfg.local_decode_batch else None)
-        self.prompt_share = PromptShare()  # steps with prompt tokens, for self.local
+        self.steps = LocalSteps()  # for self.local
         self._step_start_s = 0.0
         self._last_bucket = num_buckets(cfg.max_model_len, cfg.granularity) - 1  # open
         self.admission = DecodeAdmission("greedy", block_size=self.block_size,
@@ -169,11 +169,13 @@ class PrefillInstance(_Decoding):
     def finish_step(self) -> None:
         assert self._chunk is not None
         now = self.sim.loop.now_s
-        if self._chunk.slices:
-            self.prompt_share.add(self._step_start_s, now)
+        if self._chunk.slices or self._decode is not None:
+            self.steps.add(self._step_start_s, now, prompt=bool(self._chunk.slices))
         if self._decode is not None:
             decode, self._decode = self._decode, None
             self.decode_done(decode)
+            if not len(self.admission):
+                self.steps.idle()
             for req_id in decode.run_ids:
                 if req_id not in self.seqs:  # finished
                     self.book.remove(req_id)
@@ -212,7 +214,8 @@ class PrefillInstance(_Decoding):
             held.append((req_id, req.output_len, upper))
         for req_id in local.choose(held, len(self.admission), book.queue.num_queued_tokens,
                                    self.chunker.chunk_size, book.view,
-                                   self.prompt_share.share(self.sim.loop.now_s)):
+                                   self.steps.prompt_share.share(self.sim.loop.now_s),
+                                   self.steps.gap_s(self.sim.loop.now_s, book.view)):
             seq = self.seqs[req_id] = book.keep(req_id)
             self.record("keep", req=req_id)
             self.num_kept += 1
@@ -271,7 +274,7 @@ class DecodeInstance(_Decoding):
         self.num_prefilled = 0  # prompts prefilled here (elastic)
         self.prompt_budget = LocalPrefill.slice_tokens(
             cfg.local_prefill_tokens, cfg.chunk_size, cfg.local_prefill_slice == "chunk")
-        self.step_load = StepLoad()  # reported, as workers/decode.py does
+        self.step_times = StepTimes()  # reported, as workers/decode.py does
 
     def handle(self, msg: tuple[Any, ...]) -> None:
         kind = msg[0]
@@ -322,7 +325,7 @@ class DecodeInstance(_Decoding):
         self._plan, self._slices = plan, kept
         step_s = self.cost.step_s(items, 0, num_decode + sum(p.is_last for p in kept))
         if num_decode == len(items):
-            self.step_load.add(step_s)
+            self.step_times.add(step_s)
         return step_s
 
     def finish_step(self) -> None:
@@ -330,7 +333,7 @@ class DecodeInstance(_Decoding):
         plan, self._plan = self._plan, None
         self.decode_done(plan)
         if not len(self.admission):
-            self.step_load.idle()
+            self.step_times.idle()
         slices, self._slices = self._slices, ()
         if slices:
             done = self.queue.advance(slices)
@@ -343,4 +346,5 @@ class DecodeInstance(_Decoding):
                           load.num_running, self.queue.num_queued_tokens,
                           self.alloc.num_free, self.alloc.num_blocks, load.num_heavy,
                           load.num_light, load.predicted_demand_blocks, self.busy_s,
-                          load.num_preemptions, step_x=self.step_load.ratio())
+                          load.num_preemptions, step_s=self.step_times.recent_s,
+                          fastest_step_s=self.step_times.fastest_s)

@@ -35,7 +35,7 @@ from tetri_server.policy import (
     DecodeAdmission,
     LocalPrefill,
     PrefillQueue,
-    StepLoad,
+    StepTimes,
     coupled_chunked_plan,
 )
 from tetri_server.policy.prefill import ChunkSlice
@@ -58,7 +58,7 @@ class DecodeRole(Role):
         self.seqs: dict[int, Sequence] = {}  # handed off, and prompts routed here
         self.queue = PrefillQueue("fcfs")  # elastic: prompts this worker prefills itself
         self.prompt_budget = self.w.cfg.decode.local_prefill_tokens  # prompt tokens a step
-        self.step_load = StepLoad()  # reported: a prefill worker keeps requests while it is high
+        self.step_times = StepTimes()  # decode-only steps, reported (elastic: LocalDecode)
 
     def handle(self, msg: object) -> None:
         if isinstance(msg, Handoff):
@@ -148,7 +148,7 @@ class DecodeRole(Role):
             t0 = time.monotonic()
             result = self.w.runner.execute(StepPlan(items))
             if num_decode == len(items):
-                self.step_load.add(time.monotonic() - t0)
+                self.step_times.add(time.monotonic() - t0)
             for item, tok, lp in zip(items[:num_decode], result.sampled, result.logprobs,
                                      strict=False):
                 seq = item.seq
@@ -170,7 +170,7 @@ class DecodeRole(Role):
                                        seq.predicted_bucket, seq.params.max_tokens)
         self.admission.on_done(plan, finished)
         if not len(self.admission):
-            self.step_load.idle()
+            self.step_times.idle()
         if deltas:
             self.w.send(StepOutput(self.w.worker_id, deltas))
         # a step that only preempted or failed requests made progress: plan again at once
@@ -200,4 +200,5 @@ class DecodeRole(Role):
                           num_light=load.num_light,
                           predicted_demand_blocks=load.predicted_demand_blocks,
                           busy_s=self.w.busy_s, num_preemptions=load.num_preemptions,
-                          step_x=self.step_load.ratio())
+                          step_s=self.step_times.recent_s,
+                          fastest_step_s=self.step_times.fastest_s)

@@ -34,8 +34,8 @@ from tetri_server.policy import (
     ChunkPlan,
     DecodeAdmission,
     LocalDecode,
+    LocalSteps,
     PrefillQueue,
-    PromptShare,
     RoundRobinDispatcher,
     TetriDispatcher,
     coupled_chunked_plan,
@@ -75,9 +75,9 @@ class PrefillRole(Role):
         self.local = (LocalDecode(num_local, cfg.prefill.local_decode_min_tokens,
                                   cfg.prefill.local_decode_max_prompt_share,
                                   cfg.prefill.local_decode_hand_back,
-                                  cfg.prefill.local_decode_min_step_x)
+                                  cfg.prefill.local_decode_balance)
                       if num_local else None)
-        self.prompt_share = PromptShare()  # steps with prompt tokens (monotonic clock)
+        self.steps = LocalSteps()  # for self.local (monotonic clock)
         self.admission = DecodeAdmission("greedy", block_size=w.block_size,
                                          num_total_blocks=w.allocator.num_blocks,
                                          max_batch=max(1, num_local),
@@ -171,7 +171,7 @@ class PrefillRole(Role):
         # Padding is bookkeeping only: on CPU, computing pad tokens is pure waste.
         t0 = time.monotonic()
         result = self.w.runner.execute(StepPlan(items))
-        self.prompt_share.add(t0, time.monotonic())
+        self.steps.add(t0, time.monotonic(), prompt=True)
         done = set(self.chunker.on_done(self.book.queue, chunk))
         self._send(prompt_parts(i.seq for i in items)
                    + self._first_tokens(items, result.sampled, result.logprobs, done))
@@ -203,8 +203,7 @@ class PrefillRole(Role):
             return bool(decode.preempt.req_ids or dropped)
         t0 = time.monotonic()
         result = self.w.runner.execute(StepPlan(items))
-        if prompt_items:
-            self.prompt_share.add(t0, time.monotonic())
+        self.steps.add(t0, time.monotonic(), prompt=bool(prompt_items))
         deltas, finished = [], set()
         for item, tok, lp in zip(items[:num_decode], result.sampled, result.logprobs,
                                  strict=False):
@@ -218,6 +217,8 @@ class PrefillRole(Role):
                 book.remove(seq.req_id)
                 self.w.kv.free(seq)
         self.admission.on_done(decode, finished)
+        if not len(self.admission):
+            self.steps.idle()
         done = set(book.queue.advance(chunk.slices))
         deltas += prompt_parts(i.seq for i in prompt_items)
         deltas += self._first_tokens(prompt_items, result.sampled[num_decode:],
@@ -277,14 +278,19 @@ class PrefillRole(Role):
             seq = book.get(req_id)
             held.append((req_id, seq.params.max_tokens,
                          self.predictor.upper_bound(seq.predicted_bucket)))
+        if not held:
+            return
+        now = time.monotonic()
+        gap_s = self.steps.gap_s(now, book.view)
         for req_id in local.choose(held, len(self.admission), book.queue.num_queued_tokens,
                                    self._chunk_size, book.view,
-                                   self.prompt_share.share(time.monotonic())):
+                                   self.steps.prompt_share.share(now), gap_s):
             seq = book.keep(req_id)
             seq.status = SeqStatus.RUNNING
             self.admission.add(req_id, seq.num_prompt, seq.num_tokens, seq.predicted_bucket,
                                seq.params.max_tokens)
-            self.w.decisions.record("keep", req=req_id)
+            self.w.decisions.record("keep", req=req_id, gap_s=gap_s, decode_step_s=[
+                d.step_s for d in (book.view.decodes if book.view else ())])
 
     def _hand_back(self, local: LocalDecode) -> None:
         """Elastic: prompts wait beyond the next chunk, so the kept requests whose KV is whole
