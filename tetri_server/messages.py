@@ -285,8 +285,8 @@ class LoadReport(msgspec.Struct, tag=True, array_like=True):
     # the highest AddRequest.add_seq this worker process handled before the report; None:
     # whatever was sent before the report is in it (the simulator, a restart's empty report)
     last_add_seq: int | None = None
-    # decode: its recent decode-only step time and the fastest that has been (policy.StepTimes;
-    # 0: idle, or no step yet)
+    # decode: its recent step time (steps with decode rows: its requests' gap) and the fastest
+    # that has been (policy.StepTimes; 0: idle, or no step yet)
     step_s: float = 0.0
     fastest_step_s: float = 0.0
 

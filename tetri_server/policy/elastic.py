@@ -27,6 +27,14 @@ the AVX2 machine of session 24 the prefill worker kept nothing while the decode 
 saturated (JCT 1.47x coupled's against 1.12x with the rule off, 80 requests, two repeats), and
 the rule never helped elsewhere (docs/benchmarks.md, "The prompt-share rule off").
 
+With ``balance`` (``prefill.local_decode_balance``) a request is kept only where its tokens
+would come faster than on every decode worker: its expected gap here (``kept_gap_s``: this
+worker's steps with prompt tokens and its decode-only steps, each by the share of the last
+10 s it took, ``LocalSteps``) below each decode worker's recent decode step (``StepTimes``,
+reported). Without it, the rules above keep requests at any load, and a kept request gets one
+token per chunk step while prompts arrive: on Mixed, most requests that missed a 20 ms TPOT
+were kept ones (a median gap of 12-14 ms, but 10-50 chunk steps of ~80 ms).
+
 With ``hand_back`` (``prefill.local_decode_hand_back``) a kept request does not stay to the
 end: when more than a chunk of prompt tokens is waiting (``hands_back``), every kept request
 whose KV is whole is handed off like a freshly prefilled one, its hand-off carrying the KV of
@@ -129,9 +137,10 @@ def all_prefilling(view: DecodeSnapshot | None) -> bool:
 @dataclass
 class StepTimes:
     """A worker's recent step time (an exponential average of the steps it is given) and the
-    fastest that average has been. A decode worker gives it its decode-only steps (a step that
-    also prefills prompt slices says how long the prompt is, not how fast requests decode); a
-    prefill worker one for its steps with prompt tokens and one for those without."""
+    fastest that average has been. A decode worker gives it every step with decode rows (the
+    average is then the mean gap its requests see, the steps that also prefill prompt slices
+    included; the fastest is about its one-request step); a prefill worker one for its steps
+    with prompt tokens and one for those without."""
 
     weight: float = 0.2  # of the newest step in the average
     recent_s: float = 0.0  # 0: no step since the last idle spell

@@ -324,7 +324,7 @@ class DecodeInstance(_Decoding):
             return None
         self._plan, self._slices = plan, kept
         step_s = self.cost.step_s(items, 0, num_decode + sum(p.is_last for p in kept))
-        if num_decode == len(items):
+        if num_decode:  # the gap its requests see, prompt slices and all
             self.step_times.add(step_s)
         return step_s
 

@@ -58,7 +58,7 @@ class DecodeRole(Role):
         self.seqs: dict[int, Sequence] = {}  # handed off, and prompts routed here
         self.queue = PrefillQueue("fcfs")  # elastic: prompts this worker prefills itself
         self.prompt_budget = self.w.cfg.decode.local_prefill_tokens  # prompt tokens a step
-        self.step_times = StepTimes()  # decode-only steps, reported (elastic: LocalDecode)
+        self.step_times = StepTimes()  # steps with decode rows, reported (elastic: LocalDecode)
 
     def handle(self, msg: object) -> None:
         if isinstance(msg, Handoff):
@@ -147,7 +147,7 @@ class DecodeRole(Role):
         if items:
             t0 = time.monotonic()
             result = self.w.runner.execute(StepPlan(items))
-            if num_decode == len(items):
+            if num_decode:  # the gap its requests see, prompt slices and all
                 self.step_times.add(time.monotonic() - t0)
             for item, tok, lp in zip(items[:num_decode], result.sampled, result.logprobs,
                                      strict=False):
