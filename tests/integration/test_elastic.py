@@ -68,12 +68,13 @@ async def run_long_then_crowd(tiny_llama, tmp_path, *sets: str,
 
 
 async def test_kept_and_handed_off_requests_both_equal_transformers(tiny_llama, tmp_path):
-    """With any request worth keeping (min_tokens 0, whatever the load): the first decodes on
+    """With any request worth keeping (min_tokens 0, whatever the load, balance off): the first
+    decodes on
     one side, the next one goes to the other side; then the crowd. All equal transformers, and
     no request takes both paths."""
     kept, sent, first_id, records = await run_long_then_crowd(
         tiny_llama, tmp_path, "prefill.local_decode_min_tokens=0",
-        "prefill.local_decode_max_prompt_share=1")
+        "prefill.local_decode_max_prompt_share=1", "prefill.local_decode_balance=false")
     assert (first_id in sent) == (first_id + 1 in kept)  # the second went the other way
     assert kept and sent
     assert any(r["kind"] == "mixed_step" and r["run"] for r in records)
@@ -160,6 +161,7 @@ async def test_a_kept_request_handed_back_mid_decode_equals_transformers(tiny_ll
                            "prefill.local_decode_min_tokens=0",
                            "prefill.local_decode_max_prompt_share=1",
                            "prefill.local_decode_hand_back=true",
+                           "prefill.local_decode_balance=false",
                            "monitor.interval_ms=20", f"monitor.decision_log={log}")
     await cluster.start()
     try:

@@ -375,7 +375,8 @@ async def test_killing_a_prefill_worker_that_decodes_kept_requests_loses_nothing
     of that worker while kept requests are mid-stream; they are re-run from prompt + streamed
     tokens elsewhere and every output equals transformers."""
     cluster = make_cluster(tiny_llama, "disaggregated", "cluster.prefill_workers=2",
-                           "prefill.local_decode_batch=4", "cluster.restart_backoff_s=0.1")
+                           "prefill.local_decode_batch=4", "prefill.local_decode_balance=false",
+                           "cluster.restart_backoff_s=0.1")
     prompts = random_prompts(10, 8000, (10, 60), seed=41)
     params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
     ref = hf_greedy(tiny_llama, prompts, params.max_tokens)

@@ -96,8 +96,8 @@ ROWS: tuple[Row, ...] = (
     Row("prompt-share-0.3", "elastic P/D", sets=("prefill.local_decode_max_prompt_share=0.3",)),
     # hand kept requests back when prompts queue (prefill.local_decode_hand_back)
     Row("hand-back", "elastic P/D", sets=("prefill.local_decode_hand_back=true",)),
-    # keep a request only where it decodes faster (prefill.local_decode_balance)
-    Row("keep-balanced", "elastic P/D", sets=("prefill.local_decode_balance=true",)),
+    # keep a request at any load, not only where it decodes faster (the default to session 29)
+    Row("keep-any", "elastic P/D", sets=("prefill.local_decode_balance=false",)),
     # the decode worker's prompt slices: 256 prompt tokens a step whatever the chunk (sessions
     # 27's E6-E9, when the default was 1024 a step), and 1024 a step (the default to session 28;
     # now at most the prefill chunk)

@@ -295,11 +295,12 @@ class PrefillConfig(_Section):
     """Elastic P/D: when more than a chunk of prompt tokens waits, a prefill worker hands the
     requests it kept to a decode worker (with the KV of what it decoded) instead of decoding
     them to the end."""
-    local_decode_balance: bool = False
+    local_decode_balance: bool = True
     """Elastic P/D: ... and only where the request's tokens would come faster than on every
     decode worker: the mean gap here (this worker's steps with and without prompt tokens, by
     the share of time each took, ``policy.kept_gap_s``) below each decode worker's recent
-    decode step."""
+    decode step (docs/benchmarks.md, "Keeping a request only where it decodes faster"). False:
+    the other rules alone."""
 
     def _validate(self) -> None:
         self._at_least("chunk_size", 0)
