@@ -33,7 +33,7 @@ worker's steps with prompt tokens and its decode-only steps, each by the share o
 10 s it took, ``LocalSteps``) below each decode worker's recent decode step (``StepTimes``,
 reported). Without it, the rules above keep requests at any load, and a kept request gets one
 token per chunk step while prompts arrive: on Mixed, most requests that missed a 20 ms TPOT
-were kept ones (a median gap of 12-14 ms, but 10-50 chunk steps of ~80 ms).
+were kept ones (a median gap of 12-14 ms, but 3-32 chunk steps of ~80 ms).
 
 With ``hand_back`` (``prefill.local_decode_hand_back``) a kept request does not stay to the
 end: when more than a chunk of prompt tokens is waiting (``hands_back``), every kept request
@@ -63,7 +63,7 @@ class LocalDecode:
     min_tokens: int = 0  # a kept request can decode more than this many tokens
     max_prompt_share: float = 1.0  # keep only while prompt steps took at most this share
     hand_back: bool = False  # kept requests go to a decode worker when prompts queue
-    balance: bool = False  # keep only where a request decodes faster than on any decode worker
+    balance: bool = False  # keep only where a request decodes faster than on every decode worker
 
     def worth_keeping(self, max_tokens: int, bucket_upper: int | None) -> bool:
         """Whether a request with this output cap and predicted bucket end (None: open, or no
@@ -157,37 +157,6 @@ class StepTimes:
         self.recent_s = 0.0
 
 
-@dataclass
-class LocalSteps:
-    """A prefill worker's own steps, as ``LocalDecode`` reads them: the share of the last
-    window in steps with prompt tokens, their recent time and that of its decode-only steps
-    (the requests it kept, alone). The owner adds each step (start, end) with its own clock and
-    says ``idle`` when nothing it kept decodes any more."""
-
-    prompt_share: PromptShare = field(default_factory=lambda: PromptShare())
-    prompt: StepTimes = field(default_factory=lambda: StepTimes())
-    decode: StepTimes = field(default_factory=lambda: StepTimes())
-
-    def add(self, start_s: float, end_s: float, *, prompt: bool) -> None:
-        if prompt:
-            self.prompt_share.add(start_s, end_s)
-            self.prompt.add(end_s - start_s)
-        else:
-            self.decode.add(end_s - start_s)
-
-    def idle(self) -> None:
-        self.decode.idle()
-
-    def gap_s(self, now_s: float, view: DecodeSnapshot | None) -> float:
-        """A kept request's expected gap here (``kept_gap_s``). With nothing decoding here, a
-        decode-only step is about the fastest a decode worker has had (one request, the same
-        model); 0 when that is not known either."""
-        decode_s = self.decode.recent_s or min(
-            (d.fastest_step_s for d in (view.decodes if view else ()) if d.fastest_step_s),
-            default=0.0)
-        return kept_gap_s(self.prompt_share.share(now_s), self.prompt.recent_s, decode_s)
-
-
 def kept_gap_s(prompt_share: float, prompt_step_s: float, decode_step_s: float) -> float:
     """The mean gap between a kept request's tokens: one token per step, where a share
     ``prompt_share`` of the time goes to steps with prompt tokens (``prompt_step_s`` each) and
@@ -221,6 +190,37 @@ class PromptShare:
         """Drop the steps that ended at or before ``before_s``."""
         while self._steps and self._steps[0][1] <= before_s:
             self._steps.popleft()
+
+
+@dataclass
+class LocalSteps:
+    """A prefill worker's own steps, as ``LocalDecode`` reads them: the share of the last
+    window in steps with prompt tokens, their recent time and that of its decode-only steps
+    (the requests it kept, alone). The owner adds each step (start, end) with its own clock and
+    says ``idle`` when nothing it kept decodes any more."""
+
+    prompt_share: PromptShare = field(default_factory=PromptShare)
+    prompt: StepTimes = field(default_factory=StepTimes)
+    decode: StepTimes = field(default_factory=StepTimes)
+
+    def add(self, start_s: float, end_s: float, *, prompt: bool) -> None:
+        if prompt:
+            self.prompt_share.add(start_s, end_s)
+            self.prompt.add(end_s - start_s)
+        else:
+            self.decode.add(end_s - start_s)
+
+    def idle(self) -> None:
+        self.decode.idle()
+
+    def gap_s(self, now_s: float, view: DecodeSnapshot | None) -> float:
+        """A kept request's expected gap here (``kept_gap_s``). With nothing decoding here, a
+        decode-only step is about the fastest a decode worker has had (one request, the same
+        model); 0 when that is not known either."""
+        decode_s = self.decode.recent_s or min(
+            (d.fastest_step_s for d in (view.decodes if view else ()) if d.fastest_step_s),
+            default=0.0)
+        return kept_gap_s(self.prompt_share.share(now_s), self.prompt.recent_s, decode_s)
 
 
 @dataclass(frozen=True)
