@@ -173,6 +173,14 @@ class DecodeInstanceView(msgspec.Struct, array_like=True):
     step_s: float = 0.0  # its recent decode step time (policy.StepTimes; 0: idle)
     fastest_step_s: float = 0.0  # the fastest that has been (0: no step yet)
 
+    @classmethod
+    def of(cls, r: LoadReport, num_queued_prompt_tokens: int) -> DecodeInstanceView:
+        """A decode worker as its report ``r`` shows it, its queued prompt tokens given (the
+        monitor and the simulator count prompts routed since the report)."""
+        return cls(r.worker_id, r.num_free_blocks, r.num_total_blocks, r.num_heavy,
+                   r.num_light, r.predicted_demand_blocks, num_queued_prompt_tokens, r.step_s,
+                   r.fastest_step_s)
+
 
 class DecodeView(msgspec.Struct, tag=True, array_like=True):
     """Broadcast by the cluster monitor to every prefill worker every ``monitor.interval_ms``."""

@@ -112,10 +112,7 @@ class Monitor:
         queued prompt tokens count the prompts routed since (a decode worker prefilling one in
         a long step cannot report until it ends)."""
         self._view_seq += 1
-        decodes = [DecodeInstanceView(wid, r.num_free_blocks, r.num_total_blocks, r.num_heavy,
-                                      r.num_light, r.predicted_demand_blocks,
-                                      self.picker.queued_tokens(wid), r.step_s,
-                                      r.fastest_step_s)
+        decodes = [DecodeInstanceView.of(r, self.picker.queued_tokens(wid))
                    for wid, r in sorted(self.reports.items())
                    if r.role == "decode" and wid in self.workers and self.serving(wid)]
         return DecodeView(self._view_seq, decodes, self._view_generation)

@@ -335,11 +335,7 @@ def decode_view(seq: int, reports: list[LoadReport],
                 queued: Callable[[int], int] | None = None, generation: int = -1) -> DecodeView:
     """``Monitor.decode_view`` from the decode instances' latest reports; ``queued``: a
     worker's queued prompt tokens with those routed since its report (default: the report's)."""
-    return DecodeView(seq, [DecodeInstanceView(r.worker_id, r.num_free_blocks,
-                                               r.num_total_blocks, r.num_heavy, r.num_light,
-                                               r.predicted_demand_blocks,
-                                               r.num_queued_prompt_tokens if queued is None
-                                               else queued(r.worker_id), r.step_s,
-                                               r.fastest_step_s)
+    return DecodeView(seq, [DecodeInstanceView.of(r, r.num_queued_prompt_tokens if queued is None
+                                                     else queued(r.worker_id))
                             for r in sorted(reports, key=lambda r: r.worker_id)
                             if r.role == "decode"], generation)
