@@ -133,9 +133,10 @@ def test_local_steps_fall_back_to_the_fastest_decode_step_when_nothing_decodes_h
     steps.add(0.0, 5.0, prompt=True)  # half of the last 10 s in one 5 s prompt step
     for k in range(10):
         steps.add(5.0 + 0.02 * k, 5.02 + 0.02 * k, prompt=False)
-    assert steps.gap_s(10.0, stepping(0.030)) == pytest.approx(kept_gap_s(0.5, 5.0, 0.020))
+    share = steps.prompt_share.share(10.0)
+    assert steps.gap_s(share, stepping(0.030)) == pytest.approx(kept_gap_s(0.5, 5.0, 0.020))
     steps.idle()  # nothing decodes here: the fallback again
-    assert steps.gap_s(10.0, stepping(0.030)) == pytest.approx(kept_gap_s(0.5, 5.0, 0.010))
+    assert steps.gap_s(share, stepping(0.030)) == pytest.approx(kept_gap_s(0.5, 5.0, 0.010))
 
 
 def test_step_times_average_the_recent_steps_and_remember_the_fastest():

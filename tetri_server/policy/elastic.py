@@ -213,14 +213,15 @@ class LocalSteps:
     def idle(self) -> None:
         self.decode.idle()
 
-    def gap_s(self, now_s: float, view: DecodeSnapshot | None) -> float:
-        """A kept request's expected gap here (``kept_gap_s``). With nothing decoding here, a
-        decode-only step is about the fastest a decode worker has had (one request, the same
-        model); 0 when that is not known either."""
+    def gap_s(self, prompt_share: float, view: DecodeSnapshot | None) -> float:
+        """A kept request's expected gap here (``kept_gap_s``), ``prompt_share`` being
+        ``self.prompt_share.share`` now (the caller has it already). With nothing decoding
+        here, a decode-only step is about the fastest a decode worker has had (one request, the
+        same model); 0 when that is not known either."""
         decode_s = self.decode.recent_s or min(
             (d.fastest_step_s for d in (view.decodes if view else ()) if d.fastest_step_s),
             default=0.0)
-        return kept_gap_s(self.prompt_share.share(now_s), self.prompt.recent_s, decode_s)
+        return kept_gap_s(prompt_share, self.prompt.recent_s, decode_s)
 
 
 @dataclass(frozen=True)

@@ -212,10 +212,10 @@ class PrefillInstance(_Decoding):
             req = book.get(req_id).req  # its max_tokens is the true length
             upper = None if req.bucket >= self._last_bucket else (req.bucket + 1) * gran
             held.append((req_id, req.output_len, upper))
+        share = self.steps.prompt_share.share(self.sim.loop.now_s)
         for req_id in local.choose(held, len(self.admission), book.queue.num_queued_tokens,
-                                   self.chunker.chunk_size, book.view,
-                                   self.steps.prompt_share.share(self.sim.loop.now_s),
-                                   self.steps.gap_s(self.sim.loop.now_s, book.view)):
+                                   self.chunker.chunk_size, book.view, share,
+                                   self.steps.gap_s(share, book.view)):
             seq = self.seqs[req_id] = book.keep(req_id)
             self.record("keep", req=req_id)
             self.num_kept += 1

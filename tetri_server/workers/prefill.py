@@ -280,11 +280,10 @@ class PrefillRole(Role):
                          self.predictor.upper_bound(seq.predicted_bucket)))
         if not held:
             return
-        now = time.monotonic()
-        gap_s = self.steps.gap_s(now, book.view)
+        share = self.steps.prompt_share.share(time.monotonic())
+        gap_s = self.steps.gap_s(share, book.view)
         for req_id in local.choose(held, len(self.admission), book.queue.num_queued_tokens,
-                                   self._chunk_size, book.view,
-                                   self.steps.prompt_share.share(now), gap_s):
+                                   self._chunk_size, book.view, share, gap_s):
             seq = book.keep(req_id)
             seq.status = SeqStatus.RUNNING
             self.admission.add(req_id, seq.num_prompt, seq.num_tokens, seq.predicted_bucket,
