@@ -301,9 +301,14 @@ class PrefillConfig(_Section):
     the share of time each took, ``policy.kept_gap_s``) below each decode worker's recent
     decode step (docs/benchmarks.md, "Keeping a request only where it decodes faster"). False:
     the other rules alone."""
+    local_decode_chunk: int = 0
+    """Elastic P/D: the most tokens (the kept requests' decode rows and prompt slices) in a
+    step of a prefill worker that decodes requests it kept, so their tokens do not wait a whole
+    chunk behind each prompt (Sarathi's token budget); 0 = the chunk."""
 
     def _validate(self) -> None:
         self._at_least("chunk_size", 0)
+        self._at_least("local_decode_chunk", 0)
         self._at_least("local_decode_min_tokens", 0)
         if not 0 <= self.local_decode_max_prompt_share <= 1:
             raise ConfigError(f"prefill.local_decode_max_prompt_share = "

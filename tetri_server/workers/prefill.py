@@ -78,6 +78,8 @@ class PrefillRole(Role):
                                   cfg.prefill.local_decode_balance)
                       if num_local else None)
         self.steps = LocalSteps()  # for self.local (monotonic clock)
+        self._mixed_chunk = min(cfg.prefill.local_decode_chunk or self._chunk_size,
+                                self._chunk_size)  # tokens of a step with kept requests' rows
         self.admission = DecodeAdmission("greedy", block_size=w.block_size,
                                          num_total_blocks=w.allocator.num_blocks,
                                          max_batch=max(1, num_local),
@@ -183,7 +185,7 @@ class PrefillRole(Role):
         the rest of the chunk (Sarathi-style), in one forward."""
         free, book = self.w.allocator.num_free, self.book
         decode = self.admission.plan(free)
-        slices = coupled_chunked_plan(book.queue, decode.run_ids, self._chunk_size,
+        slices = coupled_chunked_plan(book.queue, decode.run_ids, self._mixed_chunk,
                                       num_free_blocks=self.admission.free_after(decode, free),
                                       block_size=self.w.block_size).slices
         self.w.decisions.step += 1
