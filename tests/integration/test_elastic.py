@@ -81,6 +81,48 @@ async def test_kept_and_handed_off_requests_both_equal_transformers(tiny_llama, 
     assert max(len(r["run"]) for r in records if r["kind"] == "mixed_step") <= 3
 
 
+async def test_steps_with_kept_rows_take_at_most_the_local_decode_chunk(tiny_llama, tmp_path):
+    """``prefill.local_decode_chunk``: while the prefill worker decodes a request it kept,
+    prompts arriving meanwhile are prefilled in its steps beside the kept row, at most that
+    many tokens a step, row and slices together (the 64-token chunk would take more), and
+    every output equals transformers."""
+    long_one = SamplingParams(max_tokens=800, temperature=0.0, ignore_eos=True)
+    pair = random_prompts(2, 8000, (10, 30), seed=24)
+    crowd = random_prompts(8, 8000, (20, 60), seed=25)
+    ref_pair = hf_greedy(tiny_llama, pair, long_one.max_tokens)
+    ref = hf_greedy(tiny_llama, crowd, GREEDY.max_tokens)
+    log = tmp_path / "decisions"
+    cluster = make_cluster(tiny_llama, "disaggregated", "prefill.local_decode_batch=3",
+                           "prefill.local_decode_min_tokens=0", "prefill.local_decode_balance=false",
+                           "prefill.local_decode_chunk=12", "decode.local_prefill_tokens=0",
+                           "monitor.interval_ms=20", f"monitor.decision_log={log}")
+    await cluster.start()
+    try:
+        first = asyncio.ensure_future(collect(cluster, pair[0], long_one))
+        await until(lambda: any(r.num_running for r in cluster.reports.values()), 60,
+                    "the first request decoding")
+        second = cluster.submit(pair[1], long_one).__aiter__()
+        head: list[int] = []
+        while not head:  # its first token: prefilled, and kept or handed off
+            head = list((await asyncio.wait_for(second.__anext__(), 60)).token_ids)
+        rest = asyncio.ensure_future(tokens_of(second))
+        # at once, while the long ones decode (one of them kept: the first if the prefill
+        # worker had no view yet, else the second)
+        runs = [collect(cluster, p, GREEDY) for p in crowd]
+        assert await asyncio.wait_for(asyncio.gather(*runs), 180) == ref
+        second_out = head + await asyncio.wait_for(rest, 180)
+        assert [await asyncio.wait_for(first, 180), second_out] == ref_pair
+        await assert_all_freed(cluster)
+    finally:
+        await cluster.stop()
+    records = decisions(tmp_path)
+    assert {r["req"] for r in records if r["kind"] == "keep"}
+    mixed = [r for r in records if r["kind"] == "mixed_step" and r["run"] and r["slices"]]
+    assert mixed, "no prompt slice rode beside a kept request's row"
+    for r in mixed:
+        assert len(r["run"]) + sum(n for _, _, n in r["slices"]) <= 12, r
+
+
 async def test_with_balance_a_request_is_kept_only_where_it_decodes_faster(tiny_llama, tmp_path):
     """``prefill.local_decode_balance``: the decode worker reports its recent decode step
     while it decodes; the prefill worker keeps a request only while its own expected gap is

@@ -139,6 +139,23 @@ def test_local_steps_fall_back_to_the_fastest_decode_step_when_nothing_decodes_h
     assert steps.gap_s(share, stepping(0.030)) == pytest.approx(kept_gap_s(0.5, 5.0, 0.010))
 
 
+def test_a_prompt_step_counts_as_a_step_of_the_mixed_tokens():
+    """With ``mixed_tokens`` (``prefill.local_decode_chunk``), a kept request would wait a step
+    of that many tokens behind each prompt, not a whole chunk: a 256-token step of 80 ms counts
+    as 20 ms at 64 tokens; a step no larger counts as it was, and so does every step without
+    the limit."""
+    steps = LocalSteps(mixed_tokens=64)
+    steps.add(0.0, 0.080, prompt=True, num_tokens=256)
+    assert steps.prompt.recent_s == pytest.approx(0.020)
+    steps = LocalSteps(mixed_tokens=64)
+    steps.add(0.0, 0.030, prompt=True, num_tokens=48)
+    assert steps.prompt.recent_s == pytest.approx(0.030)
+    steps = LocalSteps()
+    steps.add(0.0, 0.080, prompt=True, num_tokens=256)
+    assert steps.prompt.recent_s == pytest.approx(0.080)
+    assert steps.prompt_share.share(0.080) == pytest.approx(0.008)  # time share: as it was
+
+
 def test_step_times_average_the_recent_steps_and_remember_the_fastest():
     times = StepTimes(weight=0.5)
     assert (times.recent_s, times.fastest_s) == (0.0, 0.0)  # no step yet

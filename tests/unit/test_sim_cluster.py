@@ -412,3 +412,26 @@ def test_elastic_decode_slices_follow_the_chunk_unless_fixed() -> None:
     chunked = slice_sizes(cfg)
     assert chunked and max(chunked) == 128
     assert max(slice_sizes(dataclasses.replace(cfg, local_prefill_slice="fixed"))) > 128
+
+
+def test_elastic_prefill_steps_with_kept_rows_take_at_most_the_local_decode_chunk() -> None:
+    """``local_decode_chunk``: a prefill instance's steps that carry its kept requests' rows
+    take at most that many tokens, rows and prompt slices together (the worker's rule); without
+    it they fill the chunk."""
+    cost = CostModel(load_hardware("this-cpu"), load_model("bench"))
+    reqs = from_workload(WorkloadSpec("Mixed", 60, 1, 1024, rate_rps=2.0))
+    cfg = SimConfig(decode_policy="greedy", max_model_len=1024, chunk_size=256,
+                    local_decode_batch=4, local_decode_min_tokens=0)
+
+    def mixed_sizes(c: SimConfig) -> list[int]:
+        sim = Simulation(c, cost, [dataclasses.replace(r) for r in reqs])
+        steps: list[dict[str, Any]] = []
+        sim.instances[0].decisions = steps.append
+        sim.run()
+        assert all(r.error is None and r.end_s is not None for r in sim.requests)
+        return [len(s["run"]) + sum(n for _, _, n in s["slices"]) for s in steps
+                if s["kind"] == "mixed_step" and s["slices"]]
+
+    assert max(mixed_sizes(cfg)) == 256
+    limited = mixed_sizes(dataclasses.replace(cfg, local_decode_chunk=64))
+    assert limited and max(limited) == 64

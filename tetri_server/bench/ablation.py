@@ -104,6 +104,8 @@ ROWS: tuple[Row, ...] = (
     Row("decode-slice-256", "elastic P/D", sets=("decode.local_prefill_tokens=256",
                                                  "decode.local_prefill_slice=fixed")),
     Row("decode-slice-1024", "elastic P/D", sets=("decode.local_prefill_slice=fixed",)),
+    # steps with decode rows fill the whole chunk on both sides (the default to session 30)
+    Row("mixed-full-chunk", "elastic P/D", sets=("prefill.local_decode_chunk=0",)),
 )
 ROW_NAMES = tuple(r.name for r in ROWS)
 

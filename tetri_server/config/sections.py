@@ -301,10 +301,12 @@ class PrefillConfig(_Section):
     the share of time each took, ``policy.kept_gap_s``) below each decode worker's recent
     decode step (docs/benchmarks.md, "Keeping a request only where it decodes faster"). False:
     the other rules alone."""
-    local_decode_chunk: int = 0
+    local_decode_chunk: int = 128
     """Elastic P/D: the most tokens (the kept requests' decode rows and prompt slices) in a
-    step of a prefill worker that decodes requests it kept, so their tokens do not wait a whole
-    chunk behind each prompt (Sarathi's token budget); 0 = the chunk."""
+    step of a prefill worker that decodes requests it kept, and (``decode.local_prefill_slice
+    = "chunk"``) the most prompt tokens a decode worker prefills beside its batch, so decode
+    rows do not wait a whole chunk behind each prompt (Sarathi's token budget;
+    docs/benchmarks.md, "Steps with decode rows take at most 128 tokens"); 0 = the chunk."""
 
     def _validate(self) -> None:
         self._at_least("chunk_size", 0)
@@ -342,10 +344,11 @@ class DecodeConfig(_Section):
     it >= the prefill chunk). 0: the strict split of the paper."""
     local_prefill_slice: LocalPrefillSlice = "chunk"
     """Elastic P/D: chunk = a decode worker's step also prefills at most the prefill workers'
-    chunk (the smallest of those serving; ``local_prefill_tokens`` when none is), so its decode
-    rows wait no longer behind a prompt slice than the prefill worker's kept rows wait behind a
-    chunk; fixed = ``local_prefill_tokens`` a step whatever the chunk (docs/benchmarks.md,
-    "The decode worker's slice")."""
+    chunk (the smallest of those serving, at most ``prefill.local_decode_chunk``;
+    ``local_prefill_tokens`` when none is), so its decode rows wait no longer behind a prompt
+    slice than the prefill worker's kept rows wait behind theirs; fixed =
+    ``local_prefill_tokens`` a step whatever the chunk (docs/benchmarks.md, "The decode
+    worker's slice")."""
 
     def _validate(self) -> None:
         self._at_least("max_batch", 1)

@@ -10,7 +10,7 @@ from typing import Any
 from tetri_server.config import Config
 from tetri_server.control.supervisor import WorkerHandle
 from tetri_server.messages import DecodeInstanceView, DecodeView, LoadReport, Ready
-from tetri_server.policy import LeastLoadedPicker, LocalPrefill
+from tetri_server.policy import LeastLoadedPicker, LocalPrefill, mixed_chunk
 
 log = logging.getLogger("tetri.monitor")
 
@@ -101,11 +101,13 @@ class Monitor:
         return self.picker.pick(num_prompt_tokens, exclude=down, chunk_sizes=chunks)
 
     def prefill_chunk(self) -> int:
-        """The smallest chunk of the serving prefill workers (0: none serving): the most prompt
-        tokens a decode worker prefills a step with ``decode.local_prefill_slice = "chunk"``."""
+        """The smallest chunk of the serving prefill workers, at most
+        ``prefill.local_decode_chunk`` (``mixed_chunk``; 0: none serving): the most prompt
+        tokens a decode worker prefills a step with ``decode.local_prefill_slice = "chunk"``,
+        as many as a prefill worker's step with kept requests' rows takes."""
         chunks = [h.chunk_size for w, h in self.workers.items()
                   if h.role == "prefill" and self.serving(w) and h.chunk_size]
-        return min(chunks, default=0)
+        return mixed_chunk(min(chunks), self.cfg.prefill.local_decode_chunk) if chunks else 0
 
     def decode_view(self) -> DecodeView:
         """The decode workers that may receive hand-offs, from their latest reports; their

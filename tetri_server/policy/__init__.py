@@ -40,6 +40,7 @@ from tetri_server.policy.elastic import (
     PromptShare,
     StepTimes,
     kept_gap_s,
+    mixed_chunk,
 )
 from tetri_server.policy.flip import FlipPlan, FlipPolicy
 from tetri_server.policy.global_sched import LeastLoadedPicker
@@ -96,6 +97,7 @@ __all__ = [
     "coupled_chunked_plan",
     "coupled_step_plan",
     "kept_gap_s",
+    "mixed_chunk",
     "num_blocks_for",
     "pick_chunk_size",
     "prefill_first_plan",

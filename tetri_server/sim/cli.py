@@ -38,6 +38,7 @@ CONFIG_KEYS = {
     ("prefill", "local_decode_max_prompt_share"): "local_decode_max_prompt_share",
     ("prefill", "local_decode_hand_back"): "local_decode_hand_back",
     ("prefill", "local_decode_balance"): "local_decode_balance",
+    ("prefill", "local_decode_chunk"): "local_decode_chunk",
     ("decode", "local_prefill_tokens"): "local_prefill_tokens",
     ("decode", "local_prefill_slice"): "local_prefill_slice",
     ("decode", "policy"): "decode_policy", ("decode", "max_batch"): "max_batch",
@@ -60,6 +61,7 @@ FLAGS = {
     "local_decode_max_prompt_share": "local_decode_max_prompt_share",
     "local_decode_hand_back": "local_decode_hand_back",
     "local_decode_balance": "local_decode_balance",
+    "local_decode_chunk": "local_decode_chunk",
     "local_prefill_slice": "local_prefill_slice",
     "decode_policy": "decode_policy", "decode_estimate": "decode_estimate",
     "max_batch": "max_batch", "granularity": "granularity",
@@ -126,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
                    default=None,
                    help="elastic: keep a request only where its tokens would come faster than "
                         "on every decode instance")
+    p.add_argument("--local-decode-chunk", type=int,
+                   help="elastic: most tokens of a prefill instance's step that carries its "
+                        "kept requests' rows (0 = the chunk size)")
     p.add_argument("--local-prefill-tokens", type=int,
                    help="elastic: prompt tokens a decode instance prefills per step, for "
                    "the prompts that finish sooner there (0: none)")

@@ -21,6 +21,7 @@ from tetri_server.policy import (
     StepTimes,
     TetriDispatcher,
     coupled_chunked_plan,
+    mixed_chunk,
 )
 from tetri_server.policy.dispatch import Dispatcher
 from tetri_server.policy.prefill import ChunkSlice
@@ -65,7 +66,9 @@ class PrefillInstance(_Decoding):
                                   cfg.local_decode_max_prompt_share, cfg.local_decode_hand_back,
                                   cfg.local_decode_balance)
                       if cfg.local_decode_batch else None)
-        self.steps = LocalSteps()  # for self.local
+        # tokens of a step with kept requests' rows (prefill.local_decode_chunk)
+        self.mixed_chunk = mixed_chunk(cfg.chunk_size, cfg.local_decode_chunk)
+        self.steps = LocalSteps(self.mixed_chunk)  # for self.local
         self._step_start_s = 0.0
         self._last_bucket = num_buckets(cfg.max_model_len, cfg.granularity) - 1  # open
         self.admission = DecodeAdmission("greedy", block_size=self.block_size,
@@ -130,7 +133,7 @@ class PrefillInstance(_Decoding):
         """The kept requests decode and prompt slices fill the rest of the chunk."""
         free = self.alloc.num_free
         decode = self.admission.plan(free)
-        slices = coupled_chunked_plan(self.book.queue, decode.run_ids, self.chunker.chunk_size,
+        slices = coupled_chunked_plan(self.book.queue, decode.run_ids, self.mixed_chunk,
                                       num_free_blocks=self.admission.free_after(decode, free),
                                       block_size=self.block_size).slices
         self.num_planned += 1
@@ -170,7 +173,9 @@ class PrefillInstance(_Decoding):
         assert self._chunk is not None
         now = self.sim.loop.now_s
         if self._chunk.slices or self._decode is not None:
-            self.steps.add(self._step_start_s, now, prompt=bool(self._chunk.slices))
+            num_decode = 0 if self._decode is None else len(self._decode.run_ids)
+            self.steps.add(self._step_start_s, now, prompt=bool(self._chunk.slices),
+                           num_tokens=num_decode + self._chunk.num_tokens)
         if self._decode is not None:
             decode, self._decode = self._decode, None
             self.decode_done(decode)
@@ -273,7 +278,8 @@ class DecodeInstance(_Decoding):
         self._slices: tuple[ChunkSlice, ...] = ()
         self.num_prefilled = 0  # prompts prefilled here (elastic)
         self.prompt_budget = LocalPrefill.slice_tokens(
-            cfg.local_prefill_tokens, cfg.chunk_size, cfg.local_prefill_slice == "chunk")
+            cfg.local_prefill_tokens, mixed_chunk(cfg.chunk_size, cfg.local_decode_chunk),
+            cfg.local_prefill_slice == "chunk")
         self.step_times = StepTimes()  # reported, as workers/decode.py does
 
     def handle(self, msg: tuple[Any, ...]) -> None:

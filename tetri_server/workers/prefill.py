@@ -39,6 +39,7 @@ from tetri_server.policy import (
     RoundRobinDispatcher,
     TetriDispatcher,
     coupled_chunked_plan,
+    mixed_chunk,
 )
 from tetri_server.policy.dispatch import Dispatcher
 from tetri_server.policy.prefill_book import Entry, PrefillBook, Stage
@@ -77,9 +78,9 @@ class PrefillRole(Role):
                                   cfg.prefill.local_decode_hand_back,
                                   cfg.prefill.local_decode_balance)
                       if num_local else None)
-        self.steps = LocalSteps()  # for self.local (monotonic clock)
-        self._mixed_chunk = min(cfg.prefill.local_decode_chunk or self._chunk_size,
-                                self._chunk_size)  # tokens of a step with kept requests' rows
+        # tokens of a step with kept requests' rows
+        self._mixed_chunk = mixed_chunk(self._chunk_size, cfg.prefill.local_decode_chunk)
+        self.steps = LocalSteps(self._mixed_chunk)  # for self.local (monotonic clock)
         self.admission = DecodeAdmission("greedy", block_size=w.block_size,
                                          num_total_blocks=w.allocator.num_blocks,
                                          max_batch=max(1, num_local),
@@ -173,7 +174,7 @@ class PrefillRole(Role):
         # Padding is bookkeeping only: on CPU, computing pad tokens is pure waste.
         t0 = time.monotonic()
         result = self.w.runner.execute(StepPlan(items))
-        self.steps.add(t0, time.monotonic(), prompt=True)
+        self.steps.add(t0, time.monotonic(), prompt=True, num_tokens=chunk.num_tokens)
         done = set(self.chunker.on_done(self.book.queue, chunk))
         self._send(prompt_parts(i.seq for i in items)
                    + self._first_tokens(items, result.sampled, result.logprobs, done))
@@ -205,7 +206,8 @@ class PrefillRole(Role):
             return bool(decode.preempt.req_ids or dropped)
         t0 = time.monotonic()
         result = self.w.runner.execute(StepPlan(items))
-        self.steps.add(t0, time.monotonic(), prompt=bool(prompt_items))
+        self.steps.add(t0, time.monotonic(), prompt=bool(prompt_items),
+                       num_tokens=num_decode + chunk.num_tokens)
         deltas, finished = [], set()
         for item, tok, lp in zip(items[:num_decode], result.sampled, result.logprobs,
                                  strict=False):
