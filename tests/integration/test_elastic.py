@@ -93,8 +93,9 @@ async def test_steps_with_kept_rows_take_at_most_the_local_decode_chunk(tiny_lla
     ref = hf_greedy(tiny_llama, crowd, GREEDY.max_tokens)
     log = tmp_path / "decisions"
     cluster = make_cluster(tiny_llama, "disaggregated", "prefill.local_decode_batch=3",
-                           "prefill.local_decode_min_tokens=0", "prefill.local_decode_balance=false",
-                           "prefill.local_decode_chunk=12", "decode.local_prefill_tokens=0",
+                           "prefill.local_decode_min_tokens=0",
+                           "prefill.local_decode_balance=false", "prefill.local_decode_chunk=12",
+                           "decode.local_prefill_tokens=0",
                            "monitor.interval_ms=20", f"monitor.decision_log={log}")
     await cluster.start()
     try:
@@ -152,14 +153,16 @@ async def test_short_requests_are_handed_off_by_default(tiny_llama, tmp_path):
 
 
 @pytest.mark.parametrize(("setting", "most"), [("decode.local_prefill_tokens=48", 48),
-                                               ("prefill.chunk_size=32", 32)])
+                                               ("prefill.chunk_size=32", 32),
+                                               ("prefill.local_decode_chunk=40", 40)])
 async def test_prompts_prefilled_on_the_decode_worker_equal_transformers(tiny_llama, tmp_path,
                                                                         setting, most):
     """Prompts sent while the prefill worker's backlog is more than a chunk beyond the decode
     worker's go to the decode worker, which prefills them in slices riding in its decode steps,
-    at most ``decode.local_prefill_tokens`` and at most the prefill worker's chunk (control
-    sends it with the prompt; before, a 32-token chunk left slices of over 300 tokens);
-    every output equals transformers and both workers prefill some.
+    at most ``decode.local_prefill_tokens`` and at most the prefill worker's chunk capped at
+    ``prefill.local_decode_chunk`` (control sends it with the prompt; before, a 32-token chunk
+    left slices of over 300 tokens); every output equals transformers and both workers prefill
+    some.
 
     All prompts are submitted in one go, so control routes each against the backlog of the
     prompts sent before it (``GlobalPicker.queued_tokens``), not against a worker report: a
