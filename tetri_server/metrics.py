@@ -29,6 +29,7 @@ role it reports now).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -294,10 +295,15 @@ class Metrics:
         self.phase.labels(self.model_name, phase).observe(seconds)
 
     def set_role(self, worker: int | str, role: str) -> None:
-        """The worker's role now (at start-up, a restart, a flip)."""
-        key = str(worker)
+        """The worker's role now (at start-up, a restart, a flip); the gauges of a role it no
+        longer has (a decode worker's step, a prefill worker's chunk) drop its series."""
+        key, m = str(worker), self.model_name
         for r in ROLES:
-            self.worker_role.labels(self.model_name, key, r).set(1 if r == role else 0)
+            self.worker_role.labels(m, key, r).set(1 if r == role else 0)
+        for gauge, kept_by in ((self.decode_step, "decode"), (self.prefill_chunk_size, "prefill")):
+            if role != kept_by:
+                with contextlib.suppress(KeyError):  # never set for this worker
+                    gauge.remove(m, key)
 
     def observe_flip(self, from_role: str, to_role: str, *, total_s: float,
                      switch_s: float) -> None:

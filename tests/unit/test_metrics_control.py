@@ -133,6 +133,26 @@ def test_roles_show_the_current_role_only_and_flips_count_with_durations() -> No
     assert s[("tetri_flip_seconds_sum", (("part", "switch"),))] == 0.25
 
 
+def test_a_flipped_worker_drops_the_gauges_of_its_old_role() -> None:
+    """A decode worker's recent step and a prefill worker's chunk describe that role only:
+    after a flip /metrics no longer shows the old role's last value for that worker."""
+    m = Metrics("m")
+    m.set_role(0, "prefill")
+    m.set_chunk_size(0, 256)
+    m.set_role(1, "decode")
+    m.set_worker(1, "decode", blocks_used=0, blocks_total=64, busy_s=1.0, step_s=0.02)
+    step, chunk = ("tetri_decode_step_seconds", (("worker", "1"),)), (
+        "tetri_prefill_chunk_size", (("worker", "0"),))
+    assert _samples(m)[step] == 0.02 and _samples(m)[chunk] == 256
+    m.set_role(1, "prefill")  # both flipped
+    m.set_role(0, "decode")
+    assert step not in _samples(m) and chunk not in _samples(m)
+    m.set_role(0, "decode")  # again, with nothing to drop
+    m.set_role(1, "prefill")
+    m.set_chunk_size(1, 128)
+    assert _samples(m)[("tetri_prefill_chunk_size", (("worker", "1"),))] == 128
+
+
 def test_itl_counts_every_token_after_the_first_and_kv_usage_stays_in_0_1() -> None:
     m = Metrics("m")
     lengths = [1, 4, 7]
