@@ -173,9 +173,9 @@ def mixed_chunk(chunk_size: int, limit: int) -> int:
     requests, or a decode worker's batch beside a prompt slice): the chunk, and at most
     ``limit`` (``prefill.local_decode_chunk``; 0: no limit), so the rows do not wait a whole
     chunk behind each prompt (Sarathi's token budget). On one Zen 5 core, 128 beside a
-    272-token chunk took 41% off the p99 inter-token gap on Mixed at 2.6 req/s (17-53% in
-    sweeps of 2.2-3.4) at 6% lower mean JCT, and cost TTFT: 9% there, 8-35% on LPHD
-    (docs/benchmarks.md, "Steps with decode rows take at most 128 tokens")."""
+    272-token chunk took 28-41% off the p99 inter-token gap on Mixed, but cost TTFT (8-35%)
+    and on LPHD JCT (4-12%), so the default is no limit (docs/benchmarks.md, "Capping the
+    steps with decode rows at 128 tokens")."""
     return min(limit, chunk_size) if limit > 0 else chunk_size
 
 

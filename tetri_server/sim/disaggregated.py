@@ -130,7 +130,8 @@ class PrefillInstance(_Decoding):
         return self._start_chunk(chunk, [], predict_s, pad=True)
 
     def _start_mixed(self, predict_s: float) -> float | None:
-        """The kept requests decode and prompt slices fill the rest of the chunk."""
+        """The kept requests decode and prompt slices fill the rest of the chunk (of
+        ``local_decode_chunk`` when set)."""
         free = self.alloc.num_free
         decode = self.admission.plan(free)
         slices = coupled_chunked_plan(self.book.queue, decode.run_ids, self.mixed_chunk,

@@ -183,7 +183,8 @@ class PrefillRole(Role):
 
     def _mixed_step(self) -> bool:
         """Elastic: the requests this worker kept decode one token each and prompt slices fill
-        the rest of the chunk (Sarathi-style), in one forward."""
+        the rest of the chunk, or of ``prefill.local_decode_chunk`` when set (Sarathi-style),
+        in one forward."""
         free, book = self.w.allocator.num_free, self.book
         decode = self.admission.plan(free)
         slices = coupled_chunked_plan(book.queue, decode.run_ids, self._mixed_chunk,
