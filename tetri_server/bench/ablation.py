@@ -107,6 +107,8 @@ ROWS: tuple[Row, ...] = (
     # steps with decode rows take at most 128 tokens on both sides (session 30; the default is
     # the whole chunk)
     Row("mixed-chunk-128", "elastic P/D", sets=("prefill.local_decode_chunk=128",)),
+    # a prefill worker keeps up to 32 requests, not 16 (its chunk is calibrated with 32 rows)
+    Row("local-decode-batch-32", "elastic P/D", sets=("prefill.local_decode_batch=32",)),
 )
 ROW_NAMES = tuple(r.name for r in ROWS)
 
