@@ -19,6 +19,7 @@ from tetri_server.bench.slo import Calibration, SLOScale
 from tetri_server.bench.sweep import (
     ModeSweep,
     calibration_requests,
+    interleaved_order,
     parse_rates,
     probe_lengths,
     reference_mode,
@@ -201,3 +202,33 @@ def test_sweep_end_to_end_against_fake_servers(
     again = json.loads(out2.read_text())
     assert again["slo_calibration"] == result["slo_calibration"]
     assert again["modes"][0]["mode"] == "mine" and again["modes"][0]["calibration"] is None
+
+
+def test_interleaved_order_runs_every_mode_at_a_rate_before_the_next() -> None:
+    a, b, c = fake_spec("a"), fake_spec("b"), fake_spec("c")
+    order = [(k, s.label) for k, s in interleaved_order(3, [a, b, c])]
+    assert order == [(0, "a"), (0, "b"), (0, "c"), (1, "c"), (1, "b"), (1, "a"),
+                     (2, "a"), (2, "b"), (2, "c")]
+
+
+def test_interleaved_sweep_against_fake_servers(
+    tmp_path: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--interleave``: a server per (rate, mode), in ``interleaved_order``; each mode
+    calibrated once and its points ascending by rate, as without it."""
+    monkeypatch.setattr(cli, "tetri_spec", lambda mode, *_: fake_spec(mode))
+    out = tmp_path / "sweep.json"
+    argv = ["sweep", "--modes", "disaggregated,coupled", "--rates", "20,40", "--interleave",
+            "--model", str(model_dir), "--workload", "LPLD", "--num-requests", "4",
+            "--no-progress", "--no-plots", "--out", str(tmp_path), "--json", str(out)]
+    assert cli.main(argv) == 0
+    result = json.loads(out.read_text())
+    assert [m["mode"] for m in result["modes"]] == ["disaggregated", "coupled"]
+    for mode in result["modes"]:
+        assert mode["rates"] == [20.0, 40.0] and mode["calibration"]["step_s"] > 0
+        assert all(len(p["records"]) == 4 for p in mode["points"])
+        for rate in ("20", "40"):
+            assert (tmp_path / f"{mode['mode']}@{rate}.log").exists()
+    with pytest.raises(SystemExit, match="--interleave"):
+        cli.main(["sweep", "--url", "http://127.0.0.1:9", "--interleave", "--rates", "20",
+                  *argv[6:]])

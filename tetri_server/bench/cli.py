@@ -49,6 +49,7 @@ from tetri_server.bench.sweep import (
     parse_rates,
     reference_mode,
     requests_at,
+    sweep_interleaved,
     sweep_spawned,
     sweep_url,
 )
@@ -349,6 +350,8 @@ def _sweep_one_url(
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
+    if args.interleave and args.url:
+        raise SystemExit("--interleave starts the modes itself: give --modes, not --url")
     try:
         scale = SLOScale(args.slo_ttft_x, args.slo_tpot_x, args.slo_target)
         rates = parse_rates(args.rates)
@@ -378,7 +381,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             not args.no_progress,
             args.send_true_output_len,
         )
-        sweeps = [sweep_spawned(s, built, vocab, opts, measure, args.seed) for s in specs]
+        sweeps = (sweep_interleaved(specs, built, vocab, opts, measure, args.seed)
+                  if args.interleave else
+                  [sweep_spawned(s, built, vocab, opts, measure, args.seed) for s in specs])
     cal = loaded or next(s.calibration for s in sweeps if s.label == ref)
     assert cal is not None
     text = sweep_table(sweeps, cal, scale)
@@ -454,6 +459,12 @@ def parser() -> argparse.ArgumentParser:
     swp.add_argument("--num-workers", type=int, help="--url: for perf/$; default from /metrics")
     swp.add_argument("--api-key")
     swp.add_argument("--set", action="append", default=[], help="key=value for every tetri server")
+    swp.add_argument(
+        "--interleave",
+        action="store_true",
+        help="--modes: every mode at a rate before the next rate, each point on a server of its "
+        "own, the modes' order reversed every other rate (a drifting machine weighs on all alike)",
+    )
     swp.add_argument("--vllm-bin", help="vllm executable, for vllm-cpu in --modes")
     swp.add_argument("--vllm-workers", type=int, default=1)
     swp.add_argument("--ready-timeout-s", type=float, default=300.0)

@@ -4,7 +4,11 @@ For one running server (``--url``) or for each mode started in turn (``--modes``
 ``compare`` starts them): calibrate the unloaded latencies with a few sequential requests, then
 send the same workload open-loop at each rate in ascending order. The server stays up between
 rates; a rate's run ends when its last request has. Attainment is computed per rate, the goodput
-over the rates.
+over the rates. With ``--interleave`` (``--modes`` only) every mode runs at a rate before any
+runs at the next, each on a server started for that point, the modes' order reversed at every
+other rate: a machine whose speed drifts through the run (session 30 measured coupled's share
+within the SLOs at one rate move from 51% to 88% between runs) then weighs on every mode
+alike, instead of on whichever mode ran in the slow spell.
 
 One SLO for every mode: the SLO is the *model's* unloaded latency on this machine, so all modes
 are judged against the calibration of one reference mode (``coupled`` when it is swept, else
@@ -21,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from tetri_server.bench.ablation import run_order
 from tetri_server.bench.client import ClientConfig, fetch_model_name, run_benchmark
 from tetri_server.bench.compare import CompareOptions, ServerSpec, run_workloads, running_server
 from tetri_server.bench.metrics import SLO, summarize, tpot_s, ttft_s
@@ -179,6 +184,38 @@ def sweep_url(
         summary = summarize(run, SLO(), num_workers)
         sweep.results.append(BenchResult(label, spec, summary, run, server_config or {}))
     return sweep
+
+
+def interleaved_order(num_rates: int, specs: Sequence[ServerSpec]) -> list[tuple[int, ServerSpec]]:
+    """(rate index, mode) in the order ``sweep_interleaved`` runs them: every mode at a rate
+    before the next rate, the modes as given at even rates and reversed at odd ones (A B C,
+    C B A, ...; ``ablation.run_order``)."""
+    return [(k, s) for k in range(num_rates) for s in run_order(specs, k)]
+
+
+def sweep_interleaved(
+    specs: Sequence[ServerSpec],
+    built: _Built,
+    vocab: tuple[int, frozenset[int]],
+    opts: CompareOptions,
+    measure: bool = True,
+    seed: int = 0,
+) -> list[ModeSweep]:
+    """Each (rate, mode) of ``interleaved_order`` on a server started for it (its log:
+    ``opts.out_dir/<label>@<rate>.log``); a mode is calibrated (if ``measure``) at its first
+    start. One ``ModeSweep`` per spec, its results ascending by rate as ``sweep_spawned``'s."""
+    sweeps = {s.label: ModeSweep(s.label, None) for s in specs}
+    for k, spec in interleaved_order(len(built), specs):
+        point = built[k]
+        log = opts.out_dir / f"{spec.label}@{point[0].rate_rps:g}.log"
+        with running_server(spec, log) as proc:
+            sweep = sweeps[spec.label]
+            if measure and k == 0:
+                model = asyncio.run(fetch_model_name(spec.base_url))
+                sweep.calibration = calibrate(spec.base_url, model, point[0].max_model_len,
+                                              vocab, seed, opts.progress, spec.label)
+            sweep.results += run_workloads(spec, proc, [point], opts)
+    return [sweeps[s.label] for s in specs]
 
 
 def sweep_spawned(
