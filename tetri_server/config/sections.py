@@ -306,7 +306,7 @@ class PrefillConfig(_Section):
     step of a prefill worker that decodes requests it kept, and (``decode.local_prefill_slice
     = "chunk"``) the most prompt tokens a decode worker prefills beside its batch, so decode
     rows do not wait a whole chunk behind each prompt (Sarathi's token budget); 0 = the chunk
-    (the default: 128 took 28-41% off the p99 inter-token gap on Mixed but cost TTFT and, on
+    (the default: 128 took 28-50% off the p99 inter-token gap on Mixed but cost TTFT and, on
     LPHD, JCT; docs/benchmarks.md, "Capping the steps with decode rows at 128 tokens")."""
 
     def _validate(self) -> None:
