@@ -87,9 +87,10 @@ def test_a_prompt_routed_to_a_decode_worker_sends_the_decode_view_at_once() -> N
     router.route(table.add([1] * 100, params, "", None))  # 900 tokens ahead: the decode worker
     assert [type(m).__name__ for m in posted[1]] == ["AddRequest"]
     assert posted[1][0].add_seq == monitor.picker.stamp(1) == 1  # stamped for its report
-    assert posted[1][0].prefill_chunk == 256  # its slices: at most the prefill side's chunk
-    assert Monitor(load_config(None, ["prefill.local_decode_chunk=128"]), workers, set(),
-                   Metrics("m")).prefill_chunk() == 128  # ... and the cap
+    # its slices: at most the prefill side's chunk and prefill.local_decode_chunk (128)
+    assert posted[1][0].prefill_chunk == 128
+    assert Monitor(load_config(None, ["prefill.local_decode_chunk=0"]), workers, set(),
+                   Metrics("m")).prefill_chunk() == 256  # no cap: the chunk
     assert [d.num_queued_prompt_tokens for v in views for d in v.decodes] == [100]
     # a view re-sent from the same reports keeps their generation (dispatchers keep counting
     # their own hand-offs); a decode worker's report moves it
@@ -113,7 +114,8 @@ def test_the_prefill_chunk_sent_to_decode_workers_is_the_smallest_of_those_servi
                for w, role, chunk in ((0, "prefill", 256), (1, "prefill", 512),
                                       (2, "decode", 0))}
     draining: set[int] = set()
-    monitor = Monitor(load_config(None, ["cluster.mode=disaggregated"]), workers, draining,
+    monitor = Monitor(load_config(None, ["cluster.mode=disaggregated",
+                                         "prefill.local_decode_chunk=0"]), workers, draining,
                       Metrics("m"))
     assert monitor.prefill_chunk() == 256
     draining.add(0)  # flipping to decode

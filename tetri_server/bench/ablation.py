@@ -104,9 +104,8 @@ ROWS: tuple[Row, ...] = (
     Row("decode-slice-256", "elastic P/D", sets=("decode.local_prefill_tokens=256",
                                                  "decode.local_prefill_slice=fixed")),
     Row("decode-slice-1024", "elastic P/D", sets=("decode.local_prefill_slice=fixed",)),
-    # steps with decode rows take at most 128 tokens on both sides (session 30; the default is
-    # the whole chunk)
-    Row("mixed-chunk-128", "elastic P/D", sets=("prefill.local_decode_chunk=128",)),
+    # steps with decode rows fill the whole chunk on both sides (the default to session 30)
+    Row("mixed-full-chunk", "elastic P/D", sets=("prefill.local_decode_chunk=0",)),
     # a prefill worker keeps up to 32 requests, not 16 (its chunk is calibrated with 32 rows)
     Row("local-decode-batch-32", "elastic P/D", sets=("prefill.local_decode_batch=32",)),
 )

@@ -50,9 +50,9 @@ MODE_PRESETS = {
     # rules alone (prefill.local_decode_balance on and off)
     "keep-balanced": ("disaggregated", ("prefill.local_decode_balance=true",)),
     "keep-any": ("disaggregated", ("prefill.local_decode_balance=false",)),
-    # steps that carry decode rows take at most 128 tokens on both sides (the default: the
-    # whole chunk)
-    "mixed-chunk-128": ("disaggregated", ("prefill.local_decode_chunk=128",)),
+    # steps that carry decode rows fill the whole chunk on both sides
+    # (prefill.local_decode_chunk = 0; the default to session 30)
+    "mixed-full-chunk": ("disaggregated", ("prefill.local_decode_chunk=0",)),
 }
 VLLM_LABEL = "vllm-cpu"
 READY_POLL_S = 0.5

@@ -301,13 +301,12 @@ class PrefillConfig(_Section):
     the share of time each took, ``policy.kept_gap_s``) below each decode worker's recent
     decode step (docs/benchmarks.md, "Keeping a request only where it decodes faster"). False:
     the other rules alone."""
-    local_decode_chunk: int = 0
+    local_decode_chunk: int = 128
     """Elastic P/D: the most tokens (the kept requests' decode rows and prompt slices) in a
     step of a prefill worker that decodes requests it kept, and (``decode.local_prefill_slice
     = "chunk"``) the most prompt tokens a decode worker prefills beside its batch, so decode
-    rows do not wait a whole chunk behind each prompt (Sarathi's token budget); 0 = the chunk
-    (the default: 128 took 28-50% off the p99 inter-token gap on Mixed but cost TTFT and, on
-    LPHD, JCT; docs/benchmarks.md, "Capping the steps with decode rows at 128 tokens")."""
+    rows do not wait a whole chunk behind each prompt (Sarathi's token budget;
+    docs/benchmarks.md, "Capping the steps with decode rows at 128 tokens"); 0 = the chunk."""
 
     def _validate(self) -> None:
         self._at_least("chunk_size", 0)

@@ -173,9 +173,10 @@ def mixed_chunk(chunk_size: int, limit: int) -> int:
     requests, or a decode worker's batch beside a prompt slice): the chunk, and at most
     ``limit`` (``prefill.local_decode_chunk``; 0: no limit), so the rows do not wait a whole
     chunk behind each prompt (Sarathi's token budget). On one Zen 5 core, 128 beside a
-    272-token chunk took 28-50% off the p99 inter-token gap on Mixed, but cost TTFT (8-35%)
-    and on LPHD JCT (4-12%), so the default is no limit (docs/benchmarks.md, "Capping the
-    steps with decode rows at 128 tokens")."""
+    272-token chunk took 28-50% off the p99 inter-token gap on Mixed, and in sweeps with the
+    modes interleaved it held more requests within the SLOs on Mixed and LPHD; ablations past
+    LPHD's capacity measured JCT 4-12% higher (docs/benchmarks.md, "Capping the steps with
+    decode rows at 128 tokens")."""
     return min(limit, chunk_size) if limit > 0 else chunk_size
 
 
