@@ -392,6 +392,18 @@ def test_a_prompt_in_a_busy_decode_instances_inbox_stays_counted() -> None:
     assert decode.last_add_seq == 1 and sim.picker.queued_tokens(decode.worker_id) == 1000
 
 
+def decisions_of(cfg: SimConfig, cost: CostModel, reqs: list[SimRequest],
+                 instance: int) -> list[dict[str, Any]]:
+    """The decision records of one instance over a simulation of ``reqs`` (copies), every
+    request finished."""
+    sim = Simulation(cfg, cost, [dataclasses.replace(r) for r in reqs])
+    records: list[dict[str, Any]] = []
+    sim.instances[instance].decisions = records.append
+    sim.run()
+    assert all(r.error is None and r.end_s is not None for r in sim.requests)
+    return records
+
+
 def test_elastic_decode_slices_follow_the_chunk_unless_fixed() -> None:
     """``local_prefill_slice``: a decode instance prefills at most ``chunk_size`` prompt tokens
     a step (``LocalPrefill.slice_tokens``, as the decode worker does with the chunk control
@@ -402,12 +414,7 @@ def test_elastic_decode_slices_follow_the_chunk_unless_fixed() -> None:
                     local_prefill_tokens=1024, monitor_interval_ms=5)
 
     def slice_sizes(c: SimConfig) -> list[int]:
-        sim = Simulation(c, cost, [dataclasses.replace(r) for r in reqs])
-        steps: list[dict[str, Any]] = []
-        sim.instances[1].decisions = steps.append
-        sim.run()
-        assert all(r.error is None and r.end_s is not None for r in sim.requests)
-        return [n for s in steps for _, _, n in s.get("slices", [])]
+        return [n for s in decisions_of(c, cost, reqs, 1) for _, _, n in s.get("slices", [])]
 
     chunked = slice_sizes(cfg)
     assert chunked and max(chunked) == 128
@@ -424,12 +431,8 @@ def test_elastic_prefill_steps_with_kept_rows_take_at_most_the_local_decode_chun
                     local_decode_batch=4, local_decode_min_tokens=0)
 
     def mixed_sizes(c: SimConfig) -> list[int]:
-        sim = Simulation(c, cost, [dataclasses.replace(r) for r in reqs])
-        steps: list[dict[str, Any]] = []
-        sim.instances[0].decisions = steps.append
-        sim.run()
-        assert all(r.error is None and r.end_s is not None for r in sim.requests)
-        return [len(s["run"]) + sum(n for _, _, n in s["slices"]) for s in steps
+        return [len(s["run"]) + sum(n for _, _, n in s["slices"])
+                for s in decisions_of(c, cost, reqs, 0)
                 if s["kind"] == "mixed_step" and s["slices"]]
 
     assert max(mixed_sizes(cfg)) == 256
