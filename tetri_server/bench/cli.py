@@ -53,6 +53,9 @@ from tetri_server.bench.sweep import (
     sweep_spawned,
     sweep_url,
 )
+from tetri_server.bench.sweep import (
+    add_arguments as add_sweep_arguments,
+)
 from tetri_server.bench.sweep_report import machine_info, sweep_json, sweep_table
 from tetri_server.bench.workload import (
     CLASSES,
@@ -443,38 +446,7 @@ def parser() -> argparse.ArgumentParser:
     )
     _add_workload_args(cmp)
     swp = sub.add_parser("sweep", help="SLO goodput: one workload at several rates")
-    where = swp.add_mutually_exclusive_group(required=True)
-    where.add_argument("--url", help="sweep this running server")
-    where.add_argument(
-        "--modes",
-        help=f"start each in turn and sweep it: {', '.join(TETRI_MODES)}, {VLLM_LABEL}",
-    )
-    where.add_argument(
-        "--spawn", action="store_true", help="same as --modes " + ",".join(TETRI_MODES)
-    )
-    swp.add_argument("--json", type=Path, help="result file (default --out/sweep.json)")
-    swp.add_argument("--label", default="server", help="--url: name of the server in the table")
-    swp.add_argument("--model-name", help="--url: model field to send; default from /v1/models")
-    swp.add_argument("--server-config", help="--url: JSON object (or @file) recorded")
-    swp.add_argument("--num-workers", type=int, help="--url: for perf/$; default from /metrics")
-    swp.add_argument("--api-key")
-    swp.add_argument("--set", action="append", default=[], help="key=value for every tetri server")
-    swp.add_argument(
-        "--interleave",
-        action="store_true",
-        help="--modes: every mode at a rate before the next rate, each point on a server of its "
-        "own, the modes' order reversed every other rate (a drifting machine weighs on all alike)",
-    )
-    swp.add_argument("--vllm-bin", help="vllm executable, for vllm-cpu in --modes")
-    swp.add_argument("--vllm-workers", type=int, default=1)
-    swp.add_argument("--ready-timeout-s", type=float, default=300.0)
-    swp.add_argument(
-        "--slo-reference",
-        help="mode whose calibration sets every mode's SLO (default coupled if swept, else first)",
-    )
-    swp.add_argument(
-        "--calibration", help="use this calibration (an earlier sweep's JSON) instead of measuring"
-    )
+    add_sweep_arguments(swp)
     _add_workload_args(swp, sweep=True)
     abl = sub.add_parser("ablation", help="one row per lever changed from the defaults")
     ablation.add_arguments(abl)

@@ -18,16 +18,25 @@ calibration is stored beside it.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from tetri_server.bench.ablation import run_order
 from tetri_server.bench.client import ClientConfig, fetch_model_name, run_benchmark
-from tetri_server.bench.compare import CompareOptions, ServerSpec, run_workloads, running_server
+from tetri_server.bench.compare import (
+    TETRI_MODES,
+    VLLM_LABEL,
+    CompareOptions,
+    ServerSpec,
+    run_workloads,
+    running_server,
+)
 from tetri_server.bench.metrics import SLO, summarize, tpot_s, ttft_s
 from tetri_server.bench.prompts import RandomIdPrompts
 from tetri_server.bench.report import BenchResult
@@ -186,6 +195,13 @@ def sweep_url(
     return sweep
 
 
+def calibrate_started(spec: ServerSpec, max_model_len: int, vocab: tuple[int, frozenset[int]],
+                      seed: int, progress: bool) -> Calibration:
+    """``calibrate`` the server of ``spec``, started here, under its own label."""
+    model = asyncio.run(fetch_model_name(spec.base_url))
+    return calibrate(spec.base_url, model, max_model_len, vocab, seed, progress, spec.label)
+
+
 def interleaved_order(num_rates: int, specs: Sequence[ServerSpec]) -> list[tuple[int, ServerSpec]]:
     """(rate index, mode) in the order ``sweep_interleaved`` runs them: every mode at a rate
     before the next rate, the modes as given at even rates and reversed at odd ones (A B C,
@@ -211,9 +227,8 @@ def sweep_interleaved(
         with running_server(spec, log) as proc:
             sweep = sweeps[spec.label]
             if measure and k == 0:
-                model = asyncio.run(fetch_model_name(spec.base_url))
-                sweep.calibration = calibrate(spec.base_url, model, point[0].max_model_len,
-                                              vocab, seed, opts.progress, spec.label)
+                sweep.calibration = calibrate_started(spec, point[0].max_model_len, vocab, seed,
+                                                      opts.progress)
             sweep.results += run_workloads(spec, proc, [point], opts)
     return [sweeps[s.label] for s in specs]
 
@@ -229,9 +244,42 @@ def sweep_spawned(
     """Start ``spec``, calibrate it (if ``measure``), run every rate, stop it; its log goes
     to ``opts.out_dir/<label>.log``."""
     with running_server(spec, opts.out_dir / f"{spec.label}.log") as proc:
-        cal = None
-        if measure:
-            model = asyncio.run(fetch_model_name(spec.base_url))
-            max_len = built[0][0].max_model_len
-            cal = calibrate(spec.base_url, model, max_len, vocab, seed, opts.progress, spec.label)
+        cal = (calibrate_started(spec, built[0][0].max_model_len, vocab, seed, opts.progress)
+               if measure else None)
         return ModeSweep(spec.label, cal, run_workloads(spec, proc, built, opts))
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``bench sweep`` options of its own (the workload's are ``cli._add_workload_args``)."""
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--url", help="sweep this running server")
+    where.add_argument(
+        "--modes",
+        help=f"start each in turn and sweep it: {', '.join(TETRI_MODES)}, {VLLM_LABEL}",
+    )
+    where.add_argument(
+        "--spawn", action="store_true", help="same as --modes " + ",".join(TETRI_MODES)
+    )
+    p.add_argument("--json", type=Path, help="result file (default --out/sweep.json)")
+    p.add_argument("--label", default="server", help="--url: name of the server in the table")
+    p.add_argument("--model-name", help="--url: model field to send; default from /v1/models")
+    p.add_argument("--server-config", help="--url: JSON object (or @file) recorded")
+    p.add_argument("--num-workers", type=int, help="--url: for perf/$; default from /metrics")
+    p.add_argument("--api-key")
+    p.add_argument("--set", action="append", default=[], help="key=value for every tetri server")
+    p.add_argument(
+        "--interleave",
+        action="store_true",
+        help="--modes: every mode at a rate before the next rate, each point on a server of its "
+        "own, the modes' order reversed every other rate (a drifting machine weighs on all alike)",
+    )
+    p.add_argument("--vllm-bin", help="vllm executable, for vllm-cpu in --modes")
+    p.add_argument("--vllm-workers", type=int, default=1)
+    p.add_argument("--ready-timeout-s", type=float, default=300.0)
+    p.add_argument(
+        "--slo-reference",
+        help="mode whose calibration sets every mode's SLO (default coupled if swept, else first)",
+    )
+    p.add_argument(
+        "--calibration", help="use this calibration (an earlier sweep's JSON) instead of measuring"
+    )
