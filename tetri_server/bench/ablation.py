@@ -108,6 +108,8 @@ ROWS: tuple[Row, ...] = (
     Row("mixed-full-chunk", "elastic P/D", sets=("prefill.local_decode_chunk=0",)),
     # a prefill worker keeps up to 32 requests, not 16 (its chunk is calibrated with 32 rows)
     Row("local-decode-batch-32", "elastic P/D", sets=("prefill.local_decode_batch=32",)),
+    # a prefill worker keeps a short request too, where it decodes faster there (balance)
+    Row("keep-short", "elastic P/D", sets=("prefill.local_decode_min_tokens=0",)),
 )
 ROW_NAMES = tuple(r.name for r in ROWS)
 
