@@ -265,6 +265,15 @@ def test_the_decode_worker_with_the_smallest_prompt_backlog_and_only_if_sooner_b
     assert local.pick(100, 600, 256, [(1, 344, 0, ROOMY)]) is None  # 344 + 256 >= 600
 
 
+def test_with_no_margin_a_prompt_goes_where_fewer_prompt_tokens_wait():
+    """``decode.local_prefill_margin = 0``: prompts spread as in a coupled cluster."""
+    local = LocalPrefill(margin=0.0)
+    assert local.pick(100, 1, 256, [(1, 0, 0, ROOMY)]) == 1  # any backlog on the prefill side
+    assert local.pick(100, 0, 256, [(1, 0, 0, ROOMY)]) is None  # an idle prefill worker
+    assert local.pick(100, 300, 256, [(1, 300, 0, ROOMY)]) is None  # level: the prefill side
+    assert LocalPrefill(margin=0.5).pick(100, 300, 256, [(1, 100, 0, ROOMY)]) == 1  # 228 < 300
+
+
 def test_only_a_decode_worker_with_room_for_the_prompt_takes_it():
     """A decode worker reserves a prompt's blocks whole before its first slice: a long prompt
     sent to a nearly full pool would wait there behind every hand-off."""

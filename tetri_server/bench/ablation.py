@@ -110,6 +110,11 @@ ROWS: tuple[Row, ...] = (
     Row("local-decode-batch-32", "elastic P/D", sets=("prefill.local_decode_batch=32",)),
     # a prefill worker keeps a short request too, where it decodes faster there (balance)
     Row("keep-short", "elastic P/D", sets=("prefill.local_decode_min_tokens=0",)),
+    # a prompt goes to a decode worker whenever the prefill worker has more queued, as a
+    # coupled cluster spreads prompts (not only beyond a chunk more); then short ones kept too
+    Row("decode-margin-0", "elastic P/D", sets=("decode.local_prefill_margin=0",)),
+    Row("margin-0-keep-short", "elastic P/D", base="decode-margin-0",
+        sets=("decode.local_prefill_margin=0", "prefill.local_decode_min_tokens=0")),
 )
 ROW_NAMES = tuple(r.name for r in ROWS)
 

@@ -349,10 +349,15 @@ class DecodeConfig(_Section):
     slice than the prefill worker's kept rows wait behind theirs; fixed =
     ``local_prefill_tokens`` a step whatever the chunk (docs/benchmarks.md, "The decode
     worker's slice")."""
+    local_prefill_margin: float = 1.0
+    """Elastic P/D: a prompt goes to a decode worker only when the prefill worker has more than
+    this many prefill chunks of prompt tokens queued beyond the decode worker's (0: more at
+    all, as a coupled cluster spreads prompts)."""
 
     def _validate(self) -> None:
         self._at_least("max_batch", 1)
         self._at_least("local_prefill_tokens", 0)
+        self._at_least("local_prefill_margin", 0)
 
 
 @dataclass(frozen=True, kw_only=True)

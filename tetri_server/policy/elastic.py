@@ -265,9 +265,14 @@ class LocalPrefill:
     slice, and the other half stays for its running requests' growth and the hand-offs on their
     way), so a long prompt never waits there for blocks behind hand-offs. With no prefill worker
     serving (the only one restarting or dead), a decode worker with room takes the prompt
-    instead of it waiting for one."""
+    instead of it waiting for one.
+
+    ``margin`` (``decode.local_prefill_margin``) is that margin in prefill chunks: at 0 a
+    prompt goes to the decode worker whenever the prefill worker has more prompt tokens queued
+    than the decode worker, as a coupled cluster spreads its prompts."""
 
     block_size: int = 16
+    margin: float = 1.0  # prefill chunks the prefill worker's backlog must exceed the decode one
 
     def pick(self, num_prompt_tokens: int, backlog_tokens: int | None, chunk_size: int,
              decodes: Sequence[tuple[int, int, int, int]]) -> int | None:
@@ -280,8 +285,8 @@ class LocalPrefill:
         if not roomy:
             return None
         wid, queued, _, _ = min(roomy, key=lambda d: (d[1], d[2], d[0]))
-        if backlog_tokens is not None and queued + chunk_size >= backlog_tokens:
-            return None  # no sooner there (the prefill worker starts it within a chunk)
+        if backlog_tokens is not None and queued + self.margin * chunk_size >= backlog_tokens:
+            return None  # no sooner there (the prefill worker starts it within the margin)
         return wid
 
     @staticmethod

@@ -41,6 +41,7 @@ CONFIG_KEYS = {
     ("prefill", "local_decode_chunk"): "local_decode_chunk",
     ("decode", "local_prefill_tokens"): "local_prefill_tokens",
     ("decode", "local_prefill_slice"): "local_prefill_slice",
+    ("decode", "local_prefill_margin"): "local_prefill_margin",
     ("decode", "policy"): "decode_policy", ("decode", "max_batch"): "max_batch",
     ("decode", "estimate"): "decode_estimate",
     ("predictor", "heavy_decode_tokens"): "heavy_decode_tokens",
@@ -63,6 +64,7 @@ FLAGS = {
     "local_decode_balance": "local_decode_balance",
     "local_decode_chunk": "local_decode_chunk",
     "local_prefill_slice": "local_prefill_slice",
+    "local_prefill_margin": "local_prefill_margin",
     "decode_policy": "decode_policy", "decode_estimate": "decode_estimate",
     "max_batch": "max_batch", "granularity": "granularity",
     "predictor_accuracy": "predictor_accuracy", "predictor_model": "predictor_model",
@@ -137,6 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--local-prefill-slice", choices=("chunk", "fixed"),
                    help="elastic: chunk = a decode instance's step also prefills at most the "
                         "chunk size (default); fixed = --local-prefill-tokens a step")
+    p.add_argument("--local-prefill-margin", type=float,
+                   help="elastic: a prompt goes to a decode instance when the prefill one has "
+                        "this many chunks more queued (default 1; 0: more at all)")
     p.add_argument("--decode-policy", choices=("greedy", "reserve-static", "reserve-dynamic"))
     p.add_argument("--decode-estimate", choices=("bucket", "refined"),
                    help="refined: the expected output given the tokens so far, from the shipped "

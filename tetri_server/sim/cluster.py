@@ -61,6 +61,7 @@ class SimConfig:
     local_decode_chunk: int = 0  # elastic: most tokens of a step with kept rows; 0 = chunk_size
     local_prefill_tokens: int = 0  # elastic: prompt tokens a decode instance prefills a step
     local_prefill_slice: str = "chunk"  # ... and at most chunk_size of them, or "fixed"
+    local_prefill_margin: float = 1.0  # ... when prefill's backlog exceeds it by this many chunks
     decode_policy: DecodePolicyName = "reserve-dynamic"
     # [decode] estimate; "refined" reads the length tails of the shipped predictor artifact
     # whose granularity is ``granularity`` (none matching: the simulation does not start)
@@ -154,7 +155,8 @@ class Simulation:
         self.prefills = [i for i in self.instances if isinstance(i, PrefillInstance)]
         self.picker = LeastLoadedPicker(
             coupled=cfg.mode != "disaggregated",
-            local_prefill=(LocalPrefill(cfg.block_size) if cfg.local_prefill_tokens
+            local_prefill=(LocalPrefill(cfg.block_size, cfg.local_prefill_margin)
+                           if cfg.local_prefill_tokens
                            else None))
         self.flip_policy = (FlipPolicy(window_s=cfg.flip_window_s, idle_window_s=cfg.flip_idle_s,
                                        low_util=cfg.flip_low_load,
