@@ -48,6 +48,20 @@ def test_only_ready_workers_not_draining_take_prompts_with_their_own_chunk() -> 
     assert pick_after_reports() == 1
 
 
+def test_the_margin_from_the_config_decides_when_a_prompt_goes_to_the_decode_worker() -> None:
+    def pick(*sets: str) -> int | None:
+        workers = {0: SimpleNamespace(worker_id=0, role="prefill", is_ready=True, chunk_size=256),
+                   1: SimpleNamespace(worker_id=1, role="decode", is_ready=True, chunk_size=0)}
+        monitor = Monitor(load_config(None, ["cluster.mode=disaggregated", *sets]), workers,
+                          set(), Metrics("m"))
+        monitor.on_report(workers[0], report(0, "prefill", 200))  # within the next chunk
+        monitor.on_report(workers[1], report(1, "decode", 0))
+        return monitor.pick(100)
+
+    assert pick() == 0  # a chunk of margin by default
+    assert pick("decode.local_prefill_margin=0") == 1  # any backlog there: here
+
+
 def test_the_decode_view_counts_prompts_routed_to_a_decode_worker_since_its_report() -> None:
     # a decode worker prefilling a routed prompt in one long step cannot report until it ends;
     # the prefill workers must see it busy meanwhile (a hand-off would wait behind the prompt)
