@@ -81,11 +81,10 @@ async def test_kept_and_handed_off_requests_both_equal_transformers(tiny_llama, 
     assert max(len(r["run"]) for r in records if r["kind"] == "mixed_step") <= 3
 
 
-async def test_steps_with_kept_rows_take_at_most_the_local_decode_chunk(tiny_llama, tmp_path):
-    """``prefill.local_decode_chunk``: while the prefill worker decodes a request it kept,
-    prompts arriving meanwhile are prefilled in its steps beside the kept row, at most that
-    many tokens a step, row and slices together (the 64-token chunk would take more), and
-    every output equals transformers."""
+async def run_kept_pair_then_crowd(tiny_llama, tmp_path, *sets: str) -> list[dict]:
+    """Two long requests (one kept by the prefill worker: 3 at most, a 12-token mixed step),
+    then a crowd of short prompts at once while they decode; every output must equal
+    transformers. Returns the decision records."""
     long_one = SamplingParams(max_tokens=800, temperature=0.0, ignore_eos=True)
     pair = random_prompts(2, 8000, (10, 30), seed=24)
     crowd = random_prompts(8, 8000, (20, 60), seed=25)
@@ -96,7 +95,7 @@ async def test_steps_with_kept_rows_take_at_most_the_local_decode_chunk(tiny_lla
                            "prefill.local_decode_min_tokens=0",
                            "prefill.local_decode_balance=false", "prefill.local_decode_chunk=12",
                            "decode.local_prefill_tokens=0",
-                           "monitor.interval_ms=20", f"monitor.decision_log={log}")
+                           "monitor.interval_ms=20", f"monitor.decision_log={log}", *sets)
     await cluster.start()
     try:
         first = asyncio.ensure_future(collect(cluster, pair[0], long_one))
@@ -118,8 +117,38 @@ async def test_steps_with_kept_rows_take_at_most_the_local_decode_chunk(tiny_lla
         await cluster.stop()
     records = decisions(tmp_path)
     assert {r["req"] for r in records if r["kind"] == "keep"}
+    return records
+
+
+async def test_steps_with_kept_rows_take_at_most_the_local_decode_chunk(tiny_llama, tmp_path):
+    """``prefill.local_decode_chunk``: while the prefill worker decodes a request it kept,
+    prompts arriving meanwhile are prefilled in its steps beside the kept row, at most that
+    many tokens a step, row and slices together (the 64-token chunk would take more), and
+    every output equals transformers."""
+    records = await run_kept_pair_then_crowd(tiny_llama, tmp_path)
     mixed = [r for r in records if r["kind"] == "mixed_step" and r["run"] and r["slices"]]
     assert mixed, "no prompt slice rode beside a kept request's row"
+    for r in mixed:
+        assert len(r["run"]) + sum(n for _, _, n in r["slices"]) <= 12, r
+
+
+async def test_with_prompt_first_a_backlog_within_a_chunk_runs_alone(tiny_llama, tmp_path):
+    """``prefill.local_decode_prompt_first``: while a kept request decodes, the crowd's backlog
+    beyond the 64-token chunk still goes in mixed steps of at most 12 tokens, and once it fits
+    one chunk it runs alone, in a pure prefill chunk; every output equals transformers."""
+    records = await run_kept_pair_then_crowd(tiny_llama, tmp_path,
+                                             "prefill.local_decode_prompt_first=true")
+    steps = [r for r in records if r["kind"] in ("chunk", "mixed_step")]
+
+    def beside_a_kept_one(i: int) -> bool:  # a request decoded here in a step before and after
+        before = {q for r in steps[:i] if r["kind"] == "mixed_step" for q in r["run"]}
+        return any(q in before for r in steps[i + 1:] if r["kind"] == "mixed_step"
+                   for q in r["run"])
+
+    alone = [i for i, r in enumerate(steps) if r["kind"] == "chunk" and beside_a_kept_one(i)]
+    assert alone, "no chunk ran alone while a kept request waited"
+    mixed = [r for r in steps if r["kind"] == "mixed_step" and r["run"] and r["slices"]]
+    assert mixed, "the backlog beyond a chunk did not mix"
     for r in mixed:
         assert len(r["run"]) + sum(n for _, _, n in r["slices"]) <= 12, r
 

@@ -297,3 +297,12 @@ def test_a_decode_worker_prefills_at_most_the_prefill_chunk_a_step():
     assert LocalPrefill.slice_tokens(1024, 2048) == 1024  # the limit, under the chunk
     assert LocalPrefill.slice_tokens(1024, 0) == 1024  # no prefill worker serving
     assert LocalPrefill.slice_tokens(1024, 256, follow_chunk=False) == 1024  # "fixed"
+
+
+def test_prompt_first_runs_a_backlog_within_a_chunk_alone() -> None:
+    local = LocalDecode(4, prompt_first=True)
+    assert local.prompt_alone(200, 256)  # the whole backlog in one pure chunk
+    assert local.prompt_alone(256, 256)
+    assert not local.prompt_alone(257, 256)  # more: the steps mix, the rows capped with them
+    assert not local.prompt_alone(0, 256)  # nothing queued: the kept requests decode
+    assert not LocalDecode(4).prompt_alone(200, 256)  # off by default

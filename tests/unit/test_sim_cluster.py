@@ -438,3 +438,23 @@ def test_elastic_prefill_steps_with_kept_rows_take_at_most_the_local_decode_chun
     assert max(mixed_sizes(cfg)) == 256
     limited = mixed_sizes(dataclasses.replace(cfg, local_decode_chunk=64))
     assert limited and max(limited) == 64
+
+
+def test_elastic_prompt_first_runs_a_backlog_within_a_chunk_alone() -> None:
+    """``local_decode_prompt_first``: a prefill instance with kept requests runs a pure chunk
+    when every queued prompt token fits in it (the worker's rule, ``prompt_alone``), and mixes
+    only a larger backlog; without it every step beside a kept request mixes."""
+    cost = CostModel(load_hardware("this-cpu"), load_model("bench"))
+    reqs = from_workload(WorkloadSpec("Mixed", 60, 1, 1024, rate_rps=2.0))
+    cfg = SimConfig(decode_policy="greedy", max_model_len=1024, chunk_size=256,
+                    local_decode_batch=4, local_decode_min_tokens=0, local_decode_chunk=64)
+
+    def chunks_beside_kept(c: SimConfig) -> int:
+        steps = [s for s in decisions_of(c, cost, reqs, 0)
+                 if s["kind"] in ("chunk", "mixed_step")]
+        ran = [set(s.get("run", ())) for s in steps]
+        return sum(1 for i, s in enumerate(steps) if s["kind"] == "chunk"
+                   and set().union(*ran[:i]) & set().union(*ran[i + 1:]))
+
+    assert chunks_beside_kept(cfg) == 0
+    assert chunks_beside_kept(dataclasses.replace(cfg, local_decode_prompt_first=True)) > 0

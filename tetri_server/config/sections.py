@@ -307,6 +307,11 @@ class PrefillConfig(_Section):
     = "chunk"``) the most prompt tokens a decode worker prefills beside its batch, so decode
     rows do not wait a whole chunk behind each prompt (Sarathi's token budget;
     docs/benchmarks.md, "Capping the steps with decode rows at 128 tokens"); 0 = the chunk."""
+    local_decode_prompt_first: bool = False
+    """Elastic P/D: while every queued prompt token fits in one chunk, a prefill worker that
+    decodes requests it kept runs that chunk alone (its kept rows wait one step) instead of
+    mixing them into steps of ``local_decode_chunk`` tokens; beyond a chunk of backlog the
+    steps mix (``LocalDecode.prompt_alone``)."""
 
     def _validate(self) -> None:
         self._at_least("chunk_size", 0)

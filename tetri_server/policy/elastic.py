@@ -64,6 +64,7 @@ class LocalDecode:
     max_prompt_share: float = 1.0  # keep only while prompt steps took at most this share
     hand_back: bool = False  # kept requests go to a decode worker when prompts queue
     balance: bool = False  # keep only where a request decodes faster than on every decode worker
+    prompt_first: bool = False  # a backlog of at most a chunk runs alone, in one step
 
     def worth_keeping(self, max_tokens: int, bucket_upper: int | None) -> bool:
         """Whether a request with this output cap and predicted bucket end (None: open, or no
@@ -89,6 +90,16 @@ class LocalDecode:
             elif not short:
                 break
         return kept
+
+    def prompt_alone(self, num_queued_prompt_tokens: int, chunk_size: int) -> bool:
+        """With ``prompt_first`` (``prefill.local_decode_prompt_first``): the next step is a
+        pure prefill chunk while the kept requests wait one step, because every queued prompt
+        token fits in it. Without it, a kept request's row rides in each step, which is then
+        capped at the mixed chunk: a 400-token prompt takes four steps of 128, each also
+        computing up to ``max_batch`` rows, where a coupled worker runs it in one. Beyond a
+        chunk of backlog the steps mix as before (prompts queue: the kept rows would wait a
+        chunk behind each)."""
+        return self.prompt_first and 0 < num_queued_prompt_tokens <= chunk_size
 
     def hands_back(self, num_queued_prompt_tokens: int, chunk_size: int) -> bool:
         """Whether the requests kept here go to a decode worker now: prompts wait beyond the

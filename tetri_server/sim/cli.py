@@ -39,6 +39,7 @@ CONFIG_KEYS = {
     ("prefill", "local_decode_hand_back"): "local_decode_hand_back",
     ("prefill", "local_decode_balance"): "local_decode_balance",
     ("prefill", "local_decode_chunk"): "local_decode_chunk",
+    ("prefill", "local_decode_prompt_first"): "local_decode_prompt_first",
     ("decode", "local_prefill_tokens"): "local_prefill_tokens",
     ("decode", "local_prefill_slice"): "local_prefill_slice",
     ("decode", "local_prefill_margin"): "local_prefill_margin",
@@ -63,6 +64,7 @@ FLAGS = {
     "local_decode_hand_back": "local_decode_hand_back",
     "local_decode_balance": "local_decode_balance",
     "local_decode_chunk": "local_decode_chunk",
+    "local_decode_prompt_first": "local_decode_prompt_first",
     "local_prefill_slice": "local_prefill_slice",
     "local_prefill_margin": "local_prefill_margin",
     "decode_policy": "decode_policy", "decode_estimate": "decode_estimate",
@@ -133,6 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--local-decode-chunk", type=int,
                    help="elastic: most tokens of a prefill instance's step that carries its "
                         "kept requests' rows (0 = the chunk size)")
+    p.add_argument("--local-decode-prompt-first", action=argparse.BooleanOptionalAction,
+                   default=None,
+                   help="elastic: a prompt backlog within a chunk runs in a step of its own, "
+                        "the kept rows waiting one step")
     p.add_argument("--local-prefill-tokens", type=int,
                    help="elastic: prompt tokens a decode instance prefills per step, for "
                    "the prompts that finish sooner there (0: none)")

@@ -64,7 +64,7 @@ class PrefillInstance(_Decoding):
         self._chunk: ChunkPlan | None = None
         self.local = (LocalDecode(cfg.local_decode_batch, cfg.local_decode_min_tokens,
                                   cfg.local_decode_max_prompt_share, cfg.local_decode_hand_back,
-                                  cfg.local_decode_balance)
+                                  cfg.local_decode_balance, cfg.local_decode_prompt_first)
                       if cfg.local_decode_batch else None)
         # tokens of a step with kept requests' rows (prefill.local_decode_chunk)
         self.mixed_chunk = mixed_chunk(cfg.chunk_size, cfg.local_decode_chunk)
@@ -122,7 +122,8 @@ class PrefillInstance(_Decoding):
         predict_s = self.predict_new()
         if self.local is not None and len(self.admission):
             self._hand_back(self.local)
-        if len(self.admission):
+        if len(self.admission) and not self.local.prompt_alone(  # type: ignore[union-attr]
+                self.book.queue.num_queued_tokens, self.chunker.chunk_size):
             return self._start_mixed(predict_s)
         chunk = self.chunker.plan(self.book.queue, self.alloc.num_free)
         if chunk is None:

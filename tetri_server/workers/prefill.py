@@ -76,7 +76,8 @@ class PrefillRole(Role):
         self.local = (LocalDecode(num_local, cfg.prefill.local_decode_min_tokens,
                                   cfg.prefill.local_decode_max_prompt_share,
                                   cfg.prefill.local_decode_hand_back,
-                                  cfg.prefill.local_decode_balance)
+                                  cfg.prefill.local_decode_balance,
+                                  cfg.prefill.local_decode_prompt_first)
                       if num_local else None)
         # tokens of a step with kept requests' rows
         self._mixed_chunk = mixed_chunk(self._chunk_size, cfg.prefill.local_decode_chunk)
@@ -160,7 +161,8 @@ class PrefillRole(Role):
         self.predict_new()
         if self.local is not None and len(self.admission):
             self._hand_back(self.local)
-        if len(self.admission):
+        if len(self.admission) and not self.local.prompt_alone(  # type: ignore[union-attr]
+                self.book.queue.num_queued_tokens, self.chunker.chunk_size):
             return self._mixed_step()
         chunk = self.chunker.plan(self.book.queue, self.w.allocator.num_free)
         if chunk is None:
