@@ -305,4 +305,5 @@ def test_prompt_first_runs_a_backlog_within_a_chunk_alone() -> None:
     assert local.prompt_alone(256, 256)
     assert not local.prompt_alone(257, 256)  # more: the steps mix, the rows capped with them
     assert not local.prompt_alone(0, 256)  # nothing queued: the kept requests decode
+    assert not local.prompt_alone(200, 256, last_alone=True)  # never twice in a row
     assert not LocalDecode(4).prompt_alone(200, 256)  # off by default

@@ -91,15 +91,18 @@ class LocalDecode:
                 break
         return kept
 
-    def prompt_alone(self, num_queued_prompt_tokens: int, chunk_size: int) -> bool:
+    def prompt_alone(self, num_queued_prompt_tokens: int, chunk_size: int,
+                     last_alone: bool = False) -> bool:
         """With ``prompt_first`` (``prefill.local_decode_prompt_first``): the next step is a
         pure prefill chunk while the kept requests wait one step, because every queued prompt
-        token fits in it. Without it, a kept request's row rides in each step, which is then
-        capped at the mixed chunk: a 400-token prompt takes four steps of 128, each also
-        computing up to ``max_batch`` rows, where a coupled worker runs it in one. Beyond a
-        chunk of backlog the steps mix as before (prompts queue: the kept rows would wait a
-        chunk behind each)."""
-        return self.prompt_first and 0 < num_queued_prompt_tokens <= chunk_size
+        token fits in it; never twice in a row (``last_alone``: the last step was one), so
+        prompts arriving one by one cannot starve the kept requests. Without it, a kept
+        request's row rides in each step, which is then capped at the mixed chunk: a 400-token
+        prompt takes four steps of 128, each also computing up to ``max_batch`` rows, where a
+        coupled worker runs it in one. Beyond a chunk of backlog the steps mix as before
+        (prompts queue: the kept rows would wait a chunk behind each)."""
+        return (self.prompt_first and not last_alone
+                and 0 < num_queued_prompt_tokens <= chunk_size)
 
     def hands_back(self, num_queued_prompt_tokens: int, chunk_size: int) -> bool:
         """Whether the requests kept here go to a decode worker now: prompts wait beyond the

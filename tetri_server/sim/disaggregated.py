@@ -69,6 +69,7 @@ class PrefillInstance(_Decoding):
         # tokens of a step with kept requests' rows (prefill.local_decode_chunk)
         self.mixed_chunk = mixed_chunk(cfg.chunk_size, cfg.local_decode_chunk)
         self.steps = LocalSteps(self.mixed_chunk)  # for self.local
+        self._alone = False  # the last step was a pure chunk beside kept requests
         self._step_start_s = 0.0
         self._last_bucket = num_buckets(cfg.max_model_len, cfg.granularity) - 1  # open
         self.admission = DecodeAdmission("greedy", block_size=self.block_size,
@@ -122,9 +123,11 @@ class PrefillInstance(_Decoding):
         predict_s = self.predict_new()
         if self.local is not None and len(self.admission):
             self._hand_back(self.local)
-        if len(self.admission) and not self.local.prompt_alone(  # type: ignore[union-attr]
-                self.book.queue.num_queued_tokens, self.chunker.chunk_size):
+        alone, self._alone = self._alone, False
+        if len(self.admission) and (self.local is None or not self.local.prompt_alone(
+                self.book.queue.num_queued_tokens, self.chunker.chunk_size, alone)):
             return self._start_mixed(predict_s)
+        self._alone = bool(len(self.admission))  # a pure chunk beside kept requests
         chunk = self.chunker.plan(self.book.queue, self.alloc.num_free)
         if chunk is None:
             return None

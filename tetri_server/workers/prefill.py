@@ -82,6 +82,7 @@ class PrefillRole(Role):
         # tokens of a step with kept requests' rows
         self._mixed_chunk = mixed_chunk(self._chunk_size, cfg.prefill.local_decode_chunk)
         self.steps = LocalSteps(self._mixed_chunk)  # for self.local (monotonic clock)
+        self._alone = False  # the last step was a pure chunk beside kept requests
         self.admission = DecodeAdmission("greedy", block_size=w.block_size,
                                          num_total_blocks=w.allocator.num_blocks,
                                          max_batch=max(1, num_local),
@@ -161,9 +162,11 @@ class PrefillRole(Role):
         self.predict_new()
         if self.local is not None and len(self.admission):
             self._hand_back(self.local)
-        if len(self.admission) and not self.local.prompt_alone(  # type: ignore[union-attr]
-                self.book.queue.num_queued_tokens, self.chunker.chunk_size):
+        alone, self._alone = self._alone, False
+        if len(self.admission) and (self.local is None or not self.local.prompt_alone(
+                self.book.queue.num_queued_tokens, self.chunker.chunk_size, alone)):
             return self._mixed_step()
+        self._alone = bool(len(self.admission))  # a pure chunk beside kept requests
         chunk = self.chunker.plan(self.book.queue, self.w.allocator.num_free)
         if chunk is None:
             return False  # no blocks for the head request: wait for an ack or an abort
