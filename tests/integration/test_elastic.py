@@ -132,12 +132,13 @@ async def test_steps_with_kept_rows_take_at_most_the_local_decode_chunk(tiny_lla
         assert len(r["run"]) + sum(n for _, _, n in r["slices"]) <= 12, r
 
 
-async def test_with_prompt_first_a_backlog_within_a_chunk_runs_alone(tiny_llama, tmp_path):
+async def test_with_prompt_first_a_small_backlog_runs_alone(tiny_llama, tmp_path):
     """``prefill.local_decode_prompt_first``: while a kept request decodes, the crowd's backlog
-    beyond the 64-token chunk still goes in mixed steps of at most 12 tokens, and once it fits
-    one chunk it runs alone, in a pure prefill chunk; every output equals transformers."""
+    beyond a 40-token mixed step still goes in mixed steps, and one that fits runs alone, in a
+    pure prefill chunk; every output equals transformers."""
     records = await run_kept_pair_then_crowd(tiny_llama, tmp_path,
-                                             "prefill.local_decode_prompt_first=true")
+                                             "prefill.local_decode_prompt_first=true",
+                                             "prefill.local_decode_chunk=40")
     steps = [r for r in records if r["kind"] in ("chunk", "mixed_step")]
 
     def beside_a_kept_one(i: int) -> bool:  # a request decoded here in a step before and after
@@ -148,9 +149,9 @@ async def test_with_prompt_first_a_backlog_within_a_chunk_runs_alone(tiny_llama,
     alone = [i for i, r in enumerate(steps) if r["kind"] == "chunk" and beside_a_kept_one(i)]
     assert alone, "no chunk ran alone while a kept request waited"
     mixed = [r for r in steps if r["kind"] == "mixed_step" and r["run"] and r["slices"]]
-    assert mixed, "the backlog beyond a chunk did not mix"
+    assert mixed, "the backlog beyond a mixed step did not mix"
     for r in mixed:
-        assert len(r["run"]) + sum(n for _, _, n in r["slices"]) <= 12, r
+        assert len(r["run"]) + sum(n for _, _, n in r["slices"]) <= 40, r
 
 
 async def test_with_balance_a_request_is_kept_only_where_it_decodes_faster(tiny_llama, tmp_path):

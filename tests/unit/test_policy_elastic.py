@@ -299,11 +299,11 @@ def test_a_decode_worker_prefills_at_most_the_prefill_chunk_a_step():
     assert LocalPrefill.slice_tokens(1024, 256, follow_chunk=False) == 1024  # "fixed"
 
 
-def test_prompt_first_runs_a_backlog_within_a_chunk_alone() -> None:
+def test_prompt_first_runs_a_backlog_within_a_mixed_step_alone() -> None:
     local = LocalDecode(4, prompt_first=True)
-    assert local.prompt_alone(200, 256)  # the whole backlog in one pure chunk
-    assert local.prompt_alone(256, 256)
-    assert not local.prompt_alone(257, 256)  # more: the steps mix, the rows capped with them
-    assert not local.prompt_alone(0, 256)  # nothing queued: the kept requests decode
-    assert not local.prompt_alone(200, 256, last_alone=True)  # never twice in a row
-    assert not LocalDecode(4).prompt_alone(200, 256)  # off by default
+    assert local.prompt_alone(100, 128)  # the whole backlog in one pure step
+    assert local.prompt_alone(128, 128)
+    assert not local.prompt_alone(129, 128)  # more: mixed steps, the kept rows in each
+    assert not local.prompt_alone(0, 128)  # nothing queued: the kept requests decode
+    assert not local.prompt_alone(100, 128, last_alone=True)  # never twice in a row
+    assert not LocalDecode(4).prompt_alone(100, 128)  # off by default

@@ -440,10 +440,11 @@ def test_elastic_prefill_steps_with_kept_rows_take_at_most_the_local_decode_chun
     assert limited and max(limited) == 64
 
 
-def test_elastic_prompt_first_runs_a_backlog_within_a_chunk_alone() -> None:
+def test_elastic_prompt_first_runs_a_backlog_within_a_mixed_step_alone() -> None:
     """``local_decode_prompt_first``: a prefill instance with kept requests runs a pure chunk
-    when every queued prompt token fits in it (the worker's rule, ``prompt_alone``), and mixes
-    only a larger backlog; without it every step beside a kept request mixes."""
+    when every queued prompt token fits in a mixed step (the worker's rule,
+    ``prompt_alone``), and mixes only a larger backlog; without it every step beside a kept
+    request mixes."""
     cost = CostModel(load_hardware("this-cpu"), load_model("bench"))
     reqs = from_workload(WorkloadSpec("Mixed", 60, 1, 1024, rate_rps=2.0))
     cfg = SimConfig(decode_policy="greedy", max_model_len=1024, chunk_size=256,

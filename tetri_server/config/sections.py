@@ -308,10 +308,11 @@ class PrefillConfig(_Section):
     rows do not wait a whole chunk behind each prompt (Sarathi's token budget;
     docs/benchmarks.md, "Capping the steps with decode rows at 128 tokens"); 0 = the chunk."""
     local_decode_prompt_first: bool = False
-    """Elastic P/D: while every queued prompt token fits in one chunk, a prefill worker that
-    decodes requests it kept runs that chunk alone (its kept rows wait one step) instead of
-    mixing them into steps of ``local_decode_chunk`` tokens; beyond a chunk of backlog the
-    steps mix (``LocalDecode.prompt_alone``)."""
+    """Elastic P/D: while every queued prompt token fits in one step of
+    ``local_decode_chunk`` tokens, a prefill worker that decodes requests it kept prefills them
+    in a step of their own (its kept rows wait one step, never two in a row) instead of
+    computing every kept row beside them; a larger backlog goes in mixed steps
+    (``LocalDecode.prompt_alone``)."""
 
     def _validate(self) -> None:
         self._at_least("chunk_size", 0)

@@ -91,18 +91,17 @@ class LocalDecode:
                 break
         return kept
 
-    def prompt_alone(self, num_queued_prompt_tokens: int, chunk_size: int,
+    def prompt_alone(self, num_queued_prompt_tokens: int, mixed_chunk: int,
                      last_alone: bool = False) -> bool:
         """With ``prompt_first`` (``prefill.local_decode_prompt_first``): the next step is a
-        pure prefill chunk while the kept requests wait one step, because every queued prompt
-        token fits in it; never twice in a row (``last_alone``: the last step was one), so
-        prompts arriving one by one cannot starve the kept requests. Without it, a kept
-        request's row rides in each step, which is then capped at the mixed chunk: a 400-token
-        prompt takes four steps of 128, each also computing up to ``max_batch`` rows, where a
-        coupled worker runs it in one. Beyond a chunk of backlog the steps mix as before
-        (prompts queue: the kept rows would wait a chunk behind each)."""
+        pure prefill step of the whole backlog while the kept requests wait one step, because
+        every queued prompt token fits in a mixed step (``mixed_chunk``, so the kept rows wait
+        no longer than one); never twice in a row (``last_alone``: the last step was one), so
+        prompts arriving one by one cannot starve the kept requests. Without it, a short
+        prompt's step also computes every kept row (up to ``max_batch``), where a coupled
+        worker runs it alone. A larger backlog goes in mixed steps as before."""
         return (self.prompt_first and not last_alone
-                and 0 < num_queued_prompt_tokens <= chunk_size)
+                and 0 < num_queued_prompt_tokens <= mixed_chunk)
 
     def hands_back(self, num_queued_prompt_tokens: int, chunk_size: int) -> bool:
         """Whether the requests kept here go to a decode worker now: prompts wait beyond the

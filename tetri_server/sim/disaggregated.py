@@ -125,7 +125,7 @@ class PrefillInstance(_Decoding):
             self._hand_back(self.local)
         alone, self._alone = self._alone, False
         if len(self.admission) and (self.local is None or not self.local.prompt_alone(
-                self.book.queue.num_queued_tokens, self.chunker.chunk_size, alone)):
+                self.book.queue.num_queued_tokens, self.mixed_chunk, alone)):
             return self._start_mixed(predict_s)
         self._alone = bool(len(self.admission))  # a pure chunk beside kept requests
         chunk = self.chunker.plan(self.book.queue, self.alloc.num_free)

@@ -164,7 +164,7 @@ class PrefillRole(Role):
             self._hand_back(self.local)
         alone, self._alone = self._alone, False
         if len(self.admission) and (self.local is None or not self.local.prompt_alone(
-                self.book.queue.num_queued_tokens, self.chunker.chunk_size, alone)):
+                self.book.queue.num_queued_tokens, self._mixed_chunk, alone)):
             return self._mixed_step()
         self._alone = bool(len(self.admission))  # a pure chunk beside kept requests
         chunk = self.chunker.plan(self.book.queue, self.w.allocator.num_free)
