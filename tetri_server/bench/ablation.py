@@ -113,7 +113,7 @@ ROWS: tuple[Row, ...] = (
     # a prompt goes to a decode worker whenever the prefill worker has more queued, as a
     # coupled cluster spreads prompts (not only beyond a chunk more); then short ones kept too
     Row("decode-margin-0", "elastic P/D", sets=("decode.local_prefill_margin=0",)),
-    # a prompt backlog within a chunk runs alone, the kept rows waiting one step
+    # a prompt backlog within a mixed step runs alone, the kept rows waiting one step
     Row("prompt-first", "elastic P/D", sets=("prefill.local_decode_prompt_first=true",)),
     Row("margin-0-keep-short", "elastic P/D", base="decode-margin-0",
         sets=("decode.local_prefill_margin=0", "prefill.local_decode_min_tokens=0")),

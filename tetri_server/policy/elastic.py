@@ -64,7 +64,7 @@ class LocalDecode:
     max_prompt_share: float = 1.0  # keep only while prompt steps took at most this share
     hand_back: bool = False  # kept requests go to a decode worker when prompts queue
     balance: bool = False  # keep only where a request decodes faster than on every decode worker
-    prompt_first: bool = False  # a backlog of at most a chunk runs alone, in one step
+    prompt_first: bool = False  # a backlog of at most a mixed step runs alone, in one step
 
     def worth_keeping(self, max_tokens: int, bucket_upper: int | None) -> bool:
         """Whether a request with this output cap and predicted bucket end (None: open, or no

@@ -137,8 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "kept requests' rows (0 = the chunk size)")
     p.add_argument("--local-decode-prompt-first", action=argparse.BooleanOptionalAction,
                    default=None,
-                   help="elastic: a prompt backlog within a chunk runs in a step of its own, "
-                        "the kept rows waiting one step")
+                   help="elastic: a prompt backlog within --local-decode-chunk runs in a step "
+                        "of its own, the kept rows waiting one step")
     p.add_argument("--local-prefill-tokens", type=int,
                    help="elastic: prompt tokens a decode instance prefills per step, for "
                    "the prompts that finish sooner there (0: none)")
