@@ -29,7 +29,12 @@ from typing import Any
 import aiohttp
 
 from tetri_server.bench import ablation, data, report
-from tetri_server.bench.client import ClientConfig, fetch_model_name, run_benchmark
+from tetri_server.bench.client import (
+    ClientConfig,
+    add_server_arguments,
+    fetch_model_name,
+    run_benchmark,
+)
 from tetri_server.bench.compare import (
     TETRI_MODES,
     VLLM_LABEL,
@@ -421,11 +426,7 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="benchmark a running server")
     run.add_argument("--url", required=True, help="e.g. http://127.0.0.1:8010")
-    run.add_argument("--label", default="server", help="name of this configuration in tables")
-    run.add_argument("--model-name", help="model field to send; default: first of /v1/models")
-    run.add_argument("--server-config", help="JSON object (or @file) recorded with the results")
-    run.add_argument("--num-workers", type=int, help="for perf/$; default: workers in /metrics")
-    run.add_argument("--api-key")
+    add_server_arguments(run)
     _add_workload_args(run)
     cmp = sub.add_parser("compare", help="start each server mode in turn and compare")
     cmp.add_argument("--modes", default=",".join(TETRI_MODES))

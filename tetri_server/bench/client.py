@@ -10,6 +10,7 @@ silence inside a stream, whole request, whole run.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import json
@@ -238,3 +239,13 @@ async def fetch_model_name(base_url: str, timeout_s: float = 10.0) -> str:
             resp.raise_for_status()
             listing = await resp.json()
     return str(listing["data"][0]["id"])
+
+
+def add_server_arguments(p: argparse.ArgumentParser, when: str = "") -> None:
+    """The options that describe a running server to benchmark; ``when`` prefixes their help
+    (e.g. ``"--url: "`` where the command can also start the servers itself)."""
+    p.add_argument("--label", default="server", help=f"{when}name of the server in the tables")
+    p.add_argument("--model-name", help=f"{when}model field to send; default: first of /v1/models")
+    p.add_argument("--server-config", help=f"{when}JSON object (or @file) recorded with results")
+    p.add_argument("--num-workers", type=int, help=f"{when}for perf/$; default: from /metrics")
+    p.add_argument("--api-key")

@@ -28,7 +28,12 @@ from typing import Any
 import numpy as np
 
 from tetri_server.bench.ablation import run_order
-from tetri_server.bench.client import ClientConfig, fetch_model_name, run_benchmark
+from tetri_server.bench.client import (
+    ClientConfig,
+    add_server_arguments,
+    fetch_model_name,
+    run_benchmark,
+)
 from tetri_server.bench.compare import (
     TETRI_MODES,
     VLLM_LABEL,
@@ -261,11 +266,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--spawn", action="store_true", help="same as --modes " + ",".join(TETRI_MODES)
     )
     p.add_argument("--json", type=Path, help="result file (default --out/sweep.json)")
-    p.add_argument("--label", default="server", help="--url: name of the server in the table")
-    p.add_argument("--model-name", help="--url: model field to send; default from /v1/models")
-    p.add_argument("--server-config", help="--url: JSON object (or @file) recorded")
-    p.add_argument("--num-workers", type=int, help="--url: for perf/$; default from /metrics")
-    p.add_argument("--api-key")
+    add_server_arguments(p, when="--url: ")
     p.add_argument("--set", action="append", default=[], help="key=value for every tetri server")
     p.add_argument(
         "--interleave",
