@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import time
 from pathlib import Path
 
 import pytest
@@ -102,3 +103,6 @@ def test_a_worker_killed_by_a_signal_keeps_every_record(tmp_path):
     assert proc.returncode == -signal.SIGTERM
     lines = (tmp_path / "d.w0.jsonl").read_text().splitlines()
     assert len(lines) == 200 and json.loads(lines[-1])["step"] == 199
+    # a worker's log carries the machine's monotonic clock, so logs of two workers line up
+    stamps = [json.loads(line)["t"] for line in lines]
+    assert stamps == sorted(stamps) and 0 < stamps[0] <= time.monotonic()
