@@ -62,6 +62,22 @@ def test_the_margin_from_the_config_decides_when_a_prompt_goes_to_the_decode_wor
     assert pick("decode.local_prefill_margin=0") == 1  # any backlog there: here
 
 
+def test_the_gap_bound_from_the_config_reaches_the_pick() -> None:
+    def pick(*sets: str) -> int | None:
+        workers = {0: SimpleNamespace(worker_id=0, role="prefill", is_ready=True, chunk_size=256),
+                   1: SimpleNamespace(worker_id=1, role="decode", is_ready=True, chunk_size=0)}
+        monitor = Monitor(load_config(None, ["cluster.mode=disaggregated", *sets]), workers,
+                          set(), Metrics("m"))
+        monitor.on_report(workers[0], report(0, "prefill", 900))
+        monitor.on_report(workers[1], msgspec.structs.replace(
+            report(1, "decode", 0), step_s=0.050, fastest_step_s=0.010))  # 5x its fastest
+        return monitor.pick(100)
+
+    assert pick() == 1  # no bound by default
+    assert pick("decode.local_prefill_max_gap_x=3") == 0
+    assert pick("decode.local_prefill_max_gap_x=6") == 1
+
+
 def test_the_decode_view_counts_prompts_routed_to_a_decode_worker_since_its_report() -> None:
     # a decode worker prefilling a routed prompt in one long step cannot report until it ends;
     # the prefill workers must see it busy meanwhile (a hand-off would wait behind the prompt)

@@ -7,6 +7,7 @@ import pytest
 
 from tetri_server.messages import DecodeInstanceView, DecodeView
 from tetri_server.policy import (
+    DecodeRoom,
     LocalDecode,
     LocalPrefill,
     LocalSteps,
@@ -272,6 +273,22 @@ def test_with_no_margin_a_prompt_goes_where_fewer_prompt_tokens_wait():
     assert local.pick(100, 0, 256, [(1, 0, 0, ROOMY)]) is None  # an idle prefill worker
     assert local.pick(100, 300, 256, [(1, 300, 0, ROOMY)]) is None  # level: the prefill side
     assert LocalPrefill(margin=0.5).pick(100, 300, 256, [(1, 100, 0, ROOMY)]) == 1  # 228 < 300
+
+
+def test_with_a_gap_bound_a_decode_worker_slower_than_it_takes_no_prompt():
+    """``decode.local_prefill_max_gap_x``: a decode worker whose recent step is past the bound
+    (its prompt slices or its batch already slow its requests) takes no prompt, unless no
+    prefill worker serves it."""
+    local = LocalPrefill(max_gap_x=3.0)
+    fast = DecodeRoom(1, 0, 0, ROOMY, step_s=0.030, fastest_step_s=0.010)  # 3x: at the bound
+    slow = DecodeRoom(2, 0, 0, ROOMY, step_s=0.031, fastest_step_s=0.010)
+    assert local.pick(100, 900, 256, [fast]) == 1
+    assert local.pick(100, 900, 256, [slow]) is None
+    assert local.pick(100, 900, 256, [slow, fast._replace(num_queued_tokens=200)]) == 1
+    assert local.pick(100, None, 1, [slow]) == 2  # no prefill worker serving: it takes it
+    idle = DecodeRoom(3, 0, 0, ROOMY, step_s=0.0, fastest_step_s=0.0)  # no step yet
+    assert local.pick(100, 900, 256, [idle]) == 3
+    assert LocalPrefill().pick(100, 900, 256, [slow]) == 2  # no bound by default
 
 
 def test_only_a_decode_worker_with_room_for_the_prompt_takes_it():

@@ -91,6 +91,18 @@ def test_elastic_sends_a_prompt_to_a_decode_worker_that_finishes_it_sooner() -> 
     assert picker.pick(50, chunk_sizes=chunks) == 0  # starts within the next chunk
 
 
+def test_a_decode_worker_reports_its_step_times_to_the_gap_bound() -> None:
+    """``LocalPrefill.max_gap_x`` reads each decode worker's report: past 3x its fastest
+    step, the prompt stays with the busy prefill worker."""
+    picker = LeastLoadedPicker(local_prefill=LocalPrefill(max_gap_x=3.0))
+    picker.on_report(report(0, "prefill", 900))
+    slow = msgspec.structs.replace(report(1, "decode", 0), step_s=0.040, fastest_step_s=0.010)
+    picker.on_report(slow)
+    assert picker.pick(100, chunk_sizes={0: 256}) == 0
+    picker.on_report(msgspec.structs.replace(slow, step_s=0.020))
+    assert picker.pick(100, chunk_sizes={0: 256}) == 1
+
+
 def test_an_excluded_or_removed_decode_worker_takes_no_prompt() -> None:
     picker = LeastLoadedPicker(local_prefill=LocalPrefill())
     picker.on_report(report(0, "prefill", 900))

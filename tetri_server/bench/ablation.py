@@ -117,6 +117,9 @@ ROWS: tuple[Row, ...] = (
     Row("prompt-first", "elastic P/D", sets=("prefill.local_decode_prompt_first=true",)),
     Row("margin-0-keep-short", "elastic P/D", base="decode-margin-0",
         sets=("decode.local_prefill_margin=0", "prefill.local_decode_min_tokens=0")),
+    # a decode worker takes a prompt only while its recent step is at most 3x its fastest
+    # (the benchmark's TPOT SLO: 3x the unloaded step)
+    Row("decode-gap-3x", "elastic P/D", sets=("decode.local_prefill_max_gap_x=3",)),
 )
 ROW_NAMES = tuple(r.name for r in ROWS)
 

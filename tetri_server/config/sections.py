@@ -359,11 +359,17 @@ class DecodeConfig(_Section):
     """Elastic P/D: a prompt goes to a decode worker only when the prefill worker has more than
     this many prefill chunks of prompt tokens queued beyond the decode worker's (0: more at
     all, as a coupled cluster spreads prompts)."""
+    local_prefill_max_gap_x: float = 0.0
+    """Elastic P/D: a decode worker takes a prompt only while its recent step (the gap its
+    requests see) is at most this many times the fastest it has had, about its one-request step
+    (3 is the benchmark's TPOT SLO); while no prefill worker is serving it takes one anyway.
+    0: no bound."""
 
     def _validate(self) -> None:
         self._at_least("max_batch", 1)
         self._at_least("local_prefill_tokens", 0)
         self._at_least("local_prefill_margin", 0)
+        self._at_least("local_prefill_max_gap_x", 0)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -42,7 +42,8 @@ class Monitor:
         self.draining = draining
         self.metrics = metrics
         self.reports: dict[int, LoadReport] = {}
-        local = (LocalPrefill(cfg.kv.block_size, cfg.decode.local_prefill_margin)
+        local = (LocalPrefill(cfg.kv.block_size, cfg.decode.local_prefill_margin,
+                              cfg.decode.local_prefill_max_gap_x)
                  if cfg.decode.local_prefill_tokens > 0 else None)
         self.picker = LeastLoadedPicker(coupled=cfg.cluster.mode != "disaggregated",
                                         local_prefill=local)

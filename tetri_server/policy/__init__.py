@@ -34,6 +34,7 @@ from tetri_server.policy.dispatch import (
     TetriDispatcher,
 )
 from tetri_server.policy.elastic import (
+    DecodeRoom,
     LocalDecode,
     LocalPrefill,
     LocalSteps,
@@ -59,6 +60,7 @@ from tetri_server.policy.views import DecodeInstance, DecodeInstanceLoad, Decode
 __all__ = [
     "DecodeInstance",
     "DecodeInstanceLoad",
+    "DecodeRoom",
     "DecodeSnapshot",
     "WorkerLoad",
     "DECODE_POLICIES",

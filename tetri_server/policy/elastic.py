@@ -53,6 +53,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from tetri_server.policy.views import DecodeSnapshot
 
@@ -259,6 +260,17 @@ class LocalSteps:
         return kept_gap_s(prompt_share, self.prompt.recent_s, decode_s)
 
 
+class DecodeRoom(NamedTuple):
+    """What ``LocalPrefill.pick`` reads of a serving decode worker."""
+
+    worker_id: int
+    num_queued_tokens: int  # prompt tokens routed to it, not yet prefilled
+    num_held: int  # requests it holds (waiting and running)
+    num_free_blocks: int
+    step_s: float = 0.0  # its recent step (``StepTimes.recent_s``; 0: idle)
+    fastest_step_s: float = 0.0  # the fastest that has been (0: no step yet)
+
+
 @dataclass(frozen=True)
 class LocalPrefill:
     """The decode side (``decode.local_prefill_tokens``): a prompt goes to a decode worker
@@ -282,25 +294,46 @@ class LocalPrefill:
 
     ``margin`` (``decode.local_prefill_margin``) is that margin in prefill chunks: at 0 a
     prompt goes to the decode worker whenever the prefill worker has more prompt tokens queued
-    than the decode worker, as a coupled cluster spreads its prompts."""
+    than the decode worker, as a coupled cluster spreads its prompts.
+
+    ``max_gap_x`` (``decode.local_prefill_max_gap_x``; 0: no bound) keeps the decode worker's
+    requests within a TPOT target: it takes a prompt only while its recent step (the gap its
+    requests see, prompt slices included) is at most that many times the fastest it has had
+    (about its one-request step), the way the benchmark's TPOT SLO is 3 x the unloaded step.
+    Its slices then stop while they, or its batch, keep its steps past the bound, and resume as
+    they come back under it. Past the decode worker's capacity without it, both sides ran steps
+    with prompt tokens and decode rows and every request's gap grew (session 32, "The decode
+    worker's steps under a TPOT bound" in docs/benchmarks.md). With no prefill worker serving,
+    the bound does not apply: the prompt has nowhere else to go."""
 
     block_size: int = 16
     margin: float = 1.0  # prefill chunks the prefill worker's backlog must exceed the decode one
+    max_gap_x: float = 0.0  # take a prompt only while the step is <= this x the fastest (0: any)
 
     def pick(self, num_prompt_tokens: int, backlog_tokens: int | None, chunk_size: int,
-             decodes: Sequence[tuple[int, int, int, int]]) -> int | None:
+             decodes: Sequence[DecodeRoom | tuple[int, int, int, int]]) -> int | None:
         """The decode worker to prefill the prompt, or None: the prefill worker takes it (or,
         with none serving, it waits for one). ``backlog_tokens``: prompt tokens queued on the
         picked prefill worker ahead of it, None if no prefill worker is serving; ``decodes``:
-        (worker id, prompt tokens queued, requests held, free blocks) of each serving decode
-        worker."""
-        roomy = [d for d in decodes if self.fits(num_prompt_tokens + d[1], d[3])]
+        each serving decode worker (``DecodeRoom``; a tuple of its first four fields has no
+        step times)."""
+        rooms = [DecodeRoom(*d) for d in decodes]
+        roomy = [d for d in rooms if self.fits(num_prompt_tokens + d.num_queued_tokens,
+                                               d.num_free_blocks)
+                 and (backlog_tokens is None or not self.over_gap(d))]
         if not roomy:
             return None
-        wid, queued, _, _ = min(roomy, key=lambda d: (d[1], d[2], d[0]))
-        if backlog_tokens is not None and queued + self.margin * chunk_size >= backlog_tokens:
+        best = min(roomy, key=lambda d: (d.num_queued_tokens, d.num_held, d.worker_id))
+        if (backlog_tokens is not None
+                and best.num_queued_tokens + self.margin * chunk_size >= backlog_tokens):
             return None  # no sooner there (the prefill worker starts it within the margin)
-        return wid
+        return best.worker_id
+
+    def over_gap(self, d: DecodeRoom) -> bool:
+        """With ``max_gap_x``: the decode worker's recent step is past the bound (an idle one,
+        or one with no step yet, never is)."""
+        return (self.max_gap_x > 0 and d.fastest_step_s > 0
+                and d.step_s > self.max_gap_x * d.fastest_step_s)
 
     @staticmethod
     def slice_tokens(limit: int, prefill_chunk: int, follow_chunk: bool = True) -> int:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 
-from tetri_server.policy.elastic import LocalPrefill
+from tetri_server.policy.elastic import DecodeRoom, LocalPrefill
 from tetri_server.policy.views import WorkerLoad
 
 
@@ -84,9 +84,9 @@ class LeastLoadedPicker:
         ]
         worker_id = min(eligible, key=self.load) if eligible else None
         if self.local_prefill is not None:
-            decodes = [(wid, self.queued_tokens(wid),
-                        r.num_waiting + r.num_running + len(self._sent[wid]),
-                        r.num_free_blocks)
+            decodes = [DecodeRoom(wid, self.queued_tokens(wid),
+                                  r.num_waiting + r.num_running + len(self._sent[wid]),
+                                  r.num_free_blocks, r.step_s, r.fastest_step_s)
                        for wid, r in self._reports.items()
                        if wid not in exclude and r.role == "decode"]
             backlog, chunk = None, 1  # no prefill worker: any decode worker with room

@@ -62,6 +62,10 @@ class WorkerLoad(Protocol):
     def busy_s(self) -> float: ...
     @property
     def last_add_seq(self) -> int | None: ...
+    @property
+    def step_s(self) -> float: ...  # a decode worker's recent step (0: idle, or not decode)
+    @property
+    def fastest_step_s(self) -> float: ...  # ... the fastest that has been (0: no step yet)
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ CONFIG_KEYS = {
     ("decode", "local_prefill_tokens"): "local_prefill_tokens",
     ("decode", "local_prefill_slice"): "local_prefill_slice",
     ("decode", "local_prefill_margin"): "local_prefill_margin",
+    ("decode", "local_prefill_max_gap_x"): "local_prefill_max_gap_x",
     ("decode", "policy"): "decode_policy", ("decode", "max_batch"): "max_batch",
     ("decode", "estimate"): "decode_estimate",
     ("predictor", "heavy_decode_tokens"): "heavy_decode_tokens",
@@ -67,6 +68,7 @@ FLAGS = {
     "local_decode_prompt_first": "local_decode_prompt_first",
     "local_prefill_slice": "local_prefill_slice",
     "local_prefill_margin": "local_prefill_margin",
+    "local_prefill_max_gap_x": "local_prefill_max_gap_x",
     "decode_policy": "decode_policy", "decode_estimate": "decode_estimate",
     "max_batch": "max_batch", "granularity": "granularity",
     "predictor_accuracy": "predictor_accuracy", "predictor_model": "predictor_model",
@@ -148,6 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--local-prefill-margin", type=float,
                    help="elastic: a prompt goes to a decode instance when the prefill one has "
                         "this many chunks more queued (default 1; 0: more at all)")
+    p.add_argument("--local-prefill-max-gap-x", type=float,
+                   help="elastic: ... only while its recent step is at most this many times "
+                        "its fastest (default 0: no bound)")
     p.add_argument("--decode-policy", choices=("greedy", "reserve-static", "reserve-dynamic"))
     p.add_argument("--decode-estimate", choices=("bucket", "refined"),
                    help="refined: the expected output given the tokens so far, from the shipped "

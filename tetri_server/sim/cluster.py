@@ -63,6 +63,7 @@ class SimConfig:
     local_prefill_tokens: int = 0  # elastic: prompt tokens a decode instance prefills a step
     local_prefill_slice: str = "chunk"  # ... and at most chunk_size of them, or "fixed"
     local_prefill_margin: float = 1.0  # ... when prefill's backlog exceeds it by this many chunks
+    local_prefill_max_gap_x: float = 0.0  # ... while its step is <= this x its fastest (0: any)
     decode_policy: DecodePolicyName = "reserve-dynamic"
     # [decode] estimate; "refined" reads the length tails of the shipped predictor artifact
     # whose granularity is ``granularity`` (none matching: the simulation does not start)
@@ -156,7 +157,8 @@ class Simulation:
         self.prefills = [i for i in self.instances if isinstance(i, PrefillInstance)]
         self.picker = LeastLoadedPicker(
             coupled=cfg.mode != "disaggregated",
-            local_prefill=(LocalPrefill(cfg.block_size, cfg.local_prefill_margin)
+            local_prefill=(LocalPrefill(cfg.block_size, cfg.local_prefill_margin,
+                                        cfg.local_prefill_max_gap_x)
                            if cfg.local_prefill_tokens
                            else None))
         self.flip_policy = (FlipPolicy(window_s=cfg.flip_window_s, idle_window_s=cfg.flip_idle_s,
