@@ -326,6 +326,31 @@ def test_elastic_decode_prefills_light_prompts_behind_a_backlog() -> None:
     assert light_ttft(sim) < light_ttft(strict)
 
 
+def test_elastic_decode_takes_no_prompt_while_its_steps_are_past_the_gap_bound() -> None:
+    """``local_prefill_max_gap_x``: the simulated decode instance reports its step times as the
+    worker does, and the shared pick stops sending it prompts while its recent step is past the
+    bound (here its first slice beside four decoding requests already is)."""
+    cost = CostModel(load_hardware("this-cpu"), load_model("bench"))
+    early = [SimRequest(i, 20, 400, 0.0) for i in range(4)]  # decoding when the backlog comes
+    heavy = [SimRequest(4 + i, 1000, 8, 0.5) for i in range(6)]
+    light = [SimRequest(10 + i, 40, 8, 0.5 + 0.02 * i) for i in range(12)]
+    cfg = SimConfig(decode_policy="greedy", max_model_len=2048, chunk_size=256,
+                    monitor_interval_ms=5, local_prefill_tokens=64)
+
+    def num_prefilled_on_decode(max_gap_x: float) -> int:
+        sim = Simulation(dataclasses.replace(cfg, local_prefill_max_gap_x=max_gap_x), cost,
+                         [dataclasses.replace(r) for r in early + heavy + light])
+        sim.run()
+        assert all(r.error is None and r.end_s is not None for r in sim.requests)
+        decode = sim.instances[1]
+        assert isinstance(decode, DecodeInstance)
+        return decode.num_prefilled
+
+    unbounded = num_prefilled_on_decode(0.0)
+    assert unbounded > 0
+    assert num_prefilled_on_decode(1.1) < unbounded
+
+
 def test_refined_estimate_preempts_the_request_expected_to_run_longest() -> None:
     """A pool too small for five decodes: the bucket estimate preempts the newest request, the
     refined one (the g=200 artifact's tails) the one whose true bucket says it runs longest."""
