@@ -132,6 +132,19 @@ async def test_steps_with_kept_rows_take_at_most_the_local_decode_chunk(tiny_lla
         assert len(r["run"]) + sum(n for _, _, n in r["slices"]) <= 12, r
 
 
+async def test_past_the_backlog_bound_steps_with_kept_rows_take_the_whole_chunk(tiny_llama,
+                                                                              tmp_path):
+    """``prefill.local_decode_full_chunk_backlog``: while the crowd's backlog exceeds it, a step
+    beside the kept row takes the 64-token chunk, not the 12-token mixed step; once it is down
+    to the bound, 12 again; every output equals transformers."""
+    records = await run_kept_pair_then_crowd(tiny_llama, tmp_path,
+                                             "prefill.local_decode_full_chunk_backlog=100")
+    sizes = [len(r["run"]) + sum(n for _, _, n in r["slices"]) for r in records
+             if r["kind"] == "mixed_step" and r["run"] and r["slices"]]
+    assert max(sizes) > 12, sizes  # the crowd (8 prompts of 20-60 tokens) is over 100 tokens
+    assert max(sizes) <= 64 and min(sizes) <= 12, sizes
+
+
 async def test_with_prompt_first_a_small_backlog_runs_alone(tiny_llama, tmp_path):
     """``prefill.local_decode_prompt_first``: while a kept request decodes, the crowd's backlog
     beyond a 40-token mixed step still goes in mixed steps, and one that fits runs alone, in a

@@ -324,3 +324,14 @@ def test_prompt_first_runs_a_backlog_within_a_mixed_step_alone() -> None:
     assert not local.prompt_alone(0, 128)  # nothing queued: the kept requests decode
     assert not local.prompt_alone(100, 128, last_alone=True)  # never twice in a row
     assert not LocalDecode(4).prompt_alone(100, 128)  # off by default
+
+
+def test_a_backlog_beyond_the_bound_gets_steps_of_the_whole_chunk() -> None:
+    """``prefill.local_decode_full_chunk_backlog``: past it, a step with kept rows takes the
+    chunk (prompts at the chunk's rate); at or below it, ``local_decode_chunk``."""
+    local = LocalDecode(4, full_chunk_backlog=1024)
+    assert local.step_tokens(1025, 128, 432) == 432
+    assert local.step_tokens(1024, 128, 432) == 128
+    assert local.step_tokens(0, 128, 432) == 128
+    assert local.step_tokens(5000, 432, 256) == 432  # never below the mixed chunk
+    assert LocalDecode(4).step_tokens(5000, 128, 432) == 128  # off by default

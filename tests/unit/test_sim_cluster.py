@@ -463,6 +463,10 @@ def test_elastic_prefill_steps_with_kept_rows_take_at_most_the_local_decode_chun
     assert max(mixed_sizes(cfg)) == 256
     limited = mixed_sizes(dataclasses.replace(cfg, local_decode_chunk=64))
     assert limited and max(limited) == 64
+    # with a backlog bound, a longer backlog gets the whole chunk again
+    grown = mixed_sizes(dataclasses.replace(cfg, local_decode_chunk=64,
+                                            local_decode_full_chunk_backlog=300))
+    assert max(grown) == 256 and min(grown) <= 64
 
 
 def test_elastic_prompt_first_runs_a_backlog_within_a_mixed_step_alone() -> None:

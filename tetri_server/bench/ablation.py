@@ -120,6 +120,10 @@ ROWS: tuple[Row, ...] = (
     # a decode worker takes a prompt only while its recent step is at most 3x its fastest
     # (the benchmark's TPOT SLO: 3x the unloaded step)
     Row("decode-gap-3x", "elastic P/D", sets=("decode.local_prefill_max_gap_x=3",)),
+    # past ~two Mixed prompts of backlog, the prefill worker's steps with kept rows take the
+    # whole chunk (prompts at the chunk's rate) instead of local_decode_chunk
+    Row("full-chunk-backlog", "elastic P/D",
+        sets=("prefill.local_decode_full_chunk_backlog=1024",)),
 )
 ROW_NAMES = tuple(r.name for r in ROWS)
 

@@ -313,10 +313,15 @@ class PrefillConfig(_Section):
     in a step of their own (its kept rows wait one step, never two in a row) instead of
     computing every kept row beside them; a larger backlog goes in mixed steps
     (``LocalDecode.prompt_alone``)."""
+    local_decode_full_chunk_backlog: int = 0
+    """Elastic P/D: while more than this many prompt tokens wait, a step that carries kept
+    requests' rows takes the whole chunk, not ``local_decode_chunk`` (prompts then prefill at
+    the chunk's rate, the rows waiting a chunk step each time). 0: never."""
 
     def _validate(self) -> None:
         self._at_least("chunk_size", 0)
         self._at_least("local_decode_chunk", 0)
+        self._at_least("local_decode_full_chunk_backlog", 0)
         self._at_least("local_decode_min_tokens", 0)
         if not 0 <= self.local_decode_max_prompt_share <= 1:
             raise ConfigError(f"prefill.local_decode_max_prompt_share = "

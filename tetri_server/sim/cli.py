@@ -40,6 +40,7 @@ CONFIG_KEYS = {
     ("prefill", "local_decode_balance"): "local_decode_balance",
     ("prefill", "local_decode_chunk"): "local_decode_chunk",
     ("prefill", "local_decode_prompt_first"): "local_decode_prompt_first",
+    ("prefill", "local_decode_full_chunk_backlog"): "local_decode_full_chunk_backlog",
     ("decode", "local_prefill_tokens"): "local_prefill_tokens",
     ("decode", "local_prefill_slice"): "local_prefill_slice",
     ("decode", "local_prefill_margin"): "local_prefill_margin",
@@ -66,6 +67,7 @@ FLAGS = {
     "local_decode_balance": "local_decode_balance",
     "local_decode_chunk": "local_decode_chunk",
     "local_decode_prompt_first": "local_decode_prompt_first",
+    "local_decode_full_chunk_backlog": "local_decode_full_chunk_backlog",
     "local_prefill_slice": "local_prefill_slice",
     "local_prefill_margin": "local_prefill_margin",
     "local_prefill_max_gap_x": "local_prefill_max_gap_x",
@@ -141,6 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
                    default=None,
                    help="elastic: a prompt backlog within --local-decode-chunk runs in a step "
                         "of its own, the kept rows waiting one step")
+    p.add_argument("--local-decode-full-chunk-backlog", type=int,
+                   help="elastic: beyond this many queued prompt tokens a step with kept rows "
+                        "takes the whole chunk (default 0: never)")
     p.add_argument("--local-prefill-tokens", type=int,
                    help="elastic: prompt tokens a decode instance prefills per step, for "
                    "the prompts that finish sooner there (0: none)")

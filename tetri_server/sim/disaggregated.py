@@ -64,7 +64,8 @@ class PrefillInstance(_Decoding):
         self._chunk: ChunkPlan | None = None
         self.local = (LocalDecode(cfg.local_decode_batch, cfg.local_decode_min_tokens,
                                   cfg.local_decode_max_prompt_share, cfg.local_decode_hand_back,
-                                  cfg.local_decode_balance, cfg.local_decode_prompt_first)
+                                  cfg.local_decode_balance, cfg.local_decode_prompt_first,
+                                  cfg.local_decode_full_chunk_backlog)
                       if cfg.local_decode_batch else None)
         # tokens of a step with kept requests' rows (prefill.local_decode_chunk)
         self.mixed_chunk = mixed_chunk(cfg.chunk_size, cfg.local_decode_chunk)
@@ -138,7 +139,9 @@ class PrefillInstance(_Decoding):
         ``local_decode_chunk`` when set)."""
         free = self.alloc.num_free
         decode = self.admission.plan(free)
-        slices = coupled_chunked_plan(self.book.queue, decode.run_ids, self.mixed_chunk,
+        tokens = (self.mixed_chunk if self.local is None else self.local.step_tokens(
+            self.book.queue.num_queued_tokens, self.mixed_chunk, self.chunker.chunk_size))
+        slices = coupled_chunked_plan(self.book.queue, decode.run_ids, tokens,
                                       num_free_blocks=self.admission.free_after(decode, free),
                                       block_size=self.block_size).slices
         self.num_planned += 1

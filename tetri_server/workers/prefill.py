@@ -77,7 +77,8 @@ class PrefillRole(Role):
                                   cfg.prefill.local_decode_max_prompt_share,
                                   cfg.prefill.local_decode_hand_back,
                                   cfg.prefill.local_decode_balance,
-                                  cfg.prefill.local_decode_prompt_first)
+                                  cfg.prefill.local_decode_prompt_first,
+                                  cfg.prefill.local_decode_full_chunk_backlog)
                       if num_local else None)
         # tokens of a step with kept requests' rows
         self._mixed_chunk = mixed_chunk(self._chunk_size, cfg.prefill.local_decode_chunk)
@@ -192,7 +193,9 @@ class PrefillRole(Role):
         in one forward."""
         free, book = self.w.allocator.num_free, self.book
         decode = self.admission.plan(free)
-        slices = coupled_chunked_plan(book.queue, decode.run_ids, self._mixed_chunk,
+        tokens = (self._mixed_chunk if self.local is None else self.local.step_tokens(
+            book.queue.num_queued_tokens, self._mixed_chunk, self._chunk_size))
+        slices = coupled_chunked_plan(book.queue, decode.run_ids, tokens,
                                       num_free_blocks=self.admission.free_after(decode, free),
                                       block_size=self.w.block_size).slices
         self.w.decisions.step += 1
