@@ -113,7 +113,9 @@ class LocalDecode:
         prefill a token at a lower rate (on the Intel machine of session 32: 1849 tokens/s in
         steps of 128 against 2437 in the chunk of 432, each beside 16 rows), which past the
         cluster's capacity is what runs out: there the prompts go at the chunk's rate, the
-        kept rows waiting a chunk step each time."""
+        kept rows waiting a chunk step each time. Off by default: at 1024 it changed neither
+        TTFT nor JCT on Mixed at 2.2 req/s there (past a chunk of backlog ``keep`` keeps no
+        new request, so such steps are rare)."""
         if 0 < self.full_chunk_backlog < num_queued_prompt_tokens:
             return max(chunk_size, mixed_chunk)
         return mixed_chunk
@@ -315,10 +317,11 @@ class LocalPrefill:
     requests see, prompt slices included) is at most that many times the fastest it has had
     (about its one-request step), the way the benchmark's TPOT SLO is 3 x the unloaded step.
     Its slices then stop while they, or its batch, keep its steps past the bound, and resume as
-    they come back under it. Past the decode worker's capacity without it, both sides ran steps
-    with prompt tokens and decode rows and every request's gap grew (session 32, "The decode
-    worker's steps under a TPOT bound" in docs/benchmarks.md). With no prefill worker serving,
-    the bound does not apply: the prompt has nowhere else to go."""
+    they come back under it. With no prefill worker serving, the bound does not apply: the
+    prompt has nowhere else to go. Off by default: on Mixed past coupled's capacity (1.8 and
+    2.2 req/s on the Intel machine of session 32) a bound of 3 cut the mean TPOT 2-4 ms but
+    raised TTFT up to 1.3x and held no more requests within the SLOs (docs/benchmarks.md, "An
+    Intel machine (session 32)")."""
 
     block_size: int = 16
     margin: float = 1.0  # prefill chunks the prefill worker's backlog must exceed the decode one

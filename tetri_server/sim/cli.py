@@ -156,8 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="elastic: a prompt goes to a decode instance when the prefill one has "
                         "this many chunks more queued (default 1; 0: more at all)")
     p.add_argument("--local-prefill-max-gap-x", type=float,
-                   help="elastic: ... only while its recent step is at most this many times "
-                        "its fastest (default 0: no bound)")
+                   help="elastic: a decode instance takes a prompt only while its recent "
+                        "step is at most this many times its fastest (default 0: no bound)")
     p.add_argument("--decode-policy", choices=("greedy", "reserve-static", "reserve-dynamic"))
     p.add_argument("--decode-estimate", choices=("bucket", "refined"),
                    help="refined: the expected output given the tokens so far, from the shipped "
