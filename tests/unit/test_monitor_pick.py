@@ -48,43 +48,42 @@ def test_only_ready_workers_not_draining_take_prompts_with_their_own_chunk() -> 
     assert pick_after_reports() == 1
 
 
-def test_the_margin_from_the_config_decides_when_a_prompt_goes_to_the_decode_worker() -> None:
-    def pick(*sets: str) -> int | None:
-        workers = {0: SimpleNamespace(worker_id=0, role="prefill", is_ready=True, chunk_size=256),
-                   1: SimpleNamespace(worker_id=1, role="decode", is_ready=True, chunk_size=0)}
-        monitor = Monitor(load_config(None, ["cluster.mode=disaggregated", *sets]), workers,
-                          set(), Metrics("m"))
-        monitor.on_report(workers[0], report(0, "prefill", 200))  # within the next chunk
-        monitor.on_report(workers[1], report(1, "decode", 0))
-        return monitor.pick(100)
+def pair_monitor(*sets: str) -> tuple[Monitor, dict[int, SimpleNamespace]]:
+    """A monitor over one prefill worker (chunk 256) and one decode worker, both ready, with
+    the config ``sets``."""
+    workers = {0: SimpleNamespace(worker_id=0, role="prefill", is_ready=True, chunk_size=256),
+               1: SimpleNamespace(worker_id=1, role="decode", is_ready=True, chunk_size=0)}
+    return (Monitor(load_config(None, ["cluster.mode=disaggregated", *sets]), workers, set(),
+                    Metrics("m")), workers)
 
-    assert pick() == 0  # a chunk of margin by default
-    assert pick("decode.local_prefill_margin=0") == 1  # any backlog there: here
+
+def pick_with(prefill_queued: int, decode: LoadReport, *sets: str) -> int | None:
+    """Where ``pair_monitor(*sets)`` sends a 100-token prompt once the prefill worker reports
+    ``prefill_queued`` prompt tokens queued and the decode worker reports ``decode``."""
+    monitor, workers = pair_monitor(*sets)
+    monitor.on_report(workers[0], report(0, "prefill", prefill_queued))
+    monitor.on_report(workers[1], decode)
+    return monitor.pick(100)
+
+
+def test_the_margin_from_the_config_decides_when_a_prompt_goes_to_the_decode_worker() -> None:
+    idle = report(1, "decode", 0)
+    assert pick_with(200, idle) == 0  # within the next chunk: a chunk of margin by default
+    assert pick_with(200, idle, "decode.local_prefill_margin=0") == 1  # any backlog: there
 
 
 def test_the_gap_bound_from_the_config_reaches_the_pick() -> None:
-    def pick(*sets: str) -> int | None:
-        workers = {0: SimpleNamespace(worker_id=0, role="prefill", is_ready=True, chunk_size=256),
-                   1: SimpleNamespace(worker_id=1, role="decode", is_ready=True, chunk_size=0)}
-        monitor = Monitor(load_config(None, ["cluster.mode=disaggregated", *sets]), workers,
-                          set(), Metrics("m"))
-        monitor.on_report(workers[0], report(0, "prefill", 900))
-        monitor.on_report(workers[1], msgspec.structs.replace(
-            report(1, "decode", 0), step_s=0.050, fastest_step_s=0.010))  # 5x its fastest
-        return monitor.pick(100)
-
-    assert pick() == 1  # no bound by default
-    assert pick("decode.local_prefill_max_gap_x=3") == 0
-    assert pick("decode.local_prefill_max_gap_x=6") == 1
+    slow = msgspec.structs.replace(report(1, "decode", 0), step_s=0.050,
+                                   fastest_step_s=0.010)  # 5x its fastest
+    assert pick_with(900, slow) == 1  # no bound by default
+    assert pick_with(900, slow, "decode.local_prefill_max_gap_x=3") == 0
+    assert pick_with(900, slow, "decode.local_prefill_max_gap_x=6") == 1
 
 
 def test_the_decode_view_counts_prompts_routed_to_a_decode_worker_since_its_report() -> None:
     # a decode worker prefilling a routed prompt in one long step cannot report until it ends;
     # the prefill workers must see it busy meanwhile (a hand-off would wait behind the prompt)
-    workers = {0: SimpleNamespace(worker_id=0, role="prefill", is_ready=True, chunk_size=256),
-               1: SimpleNamespace(worker_id=1, role="decode", is_ready=True, chunk_size=0)}
-    monitor = Monitor(load_config(None, ["cluster.mode=disaggregated"]), workers, set(),
-                      Metrics("m"))
+    monitor, workers = pair_monitor()
     monitor.on_report(workers[0], report(0, "prefill", 900))
     monitor.on_report(workers[1], report(1, "decode", 0))
     assert [d.num_queued_prompt_tokens for d in monitor.decode_view().decodes] == [0]
