@@ -247,32 +247,33 @@ def test_a_handed_back_request_is_dispatched_like_a_prefilled_one():
 
 
 ROOMY = 1000  # free blocks: room for any prompt below
+D = DecodeRoom  # (worker id, prompt tokens queued, requests held, free blocks[, step times])
 
 
 def test_a_prompt_goes_to_a_decode_worker_only_behind_a_backlog():
     local = LocalPrefill()
-    assert local.pick(100, 900, 256, [(1, 0, 0, ROOMY), (2, 0, 5, ROOMY)]) == 1
-    assert local.pick(100, 256, 256, [(1, 0, 0, ROOMY)]) is None  # starts in the next chunk
+    assert local.pick(100, 900, 256, [D(1, 0, 0, ROOMY), D(2, 0, 5, ROOMY)]) == 1
+    assert local.pick(100, 256, 256, [D(1, 0, 0, ROOMY)]) is None  # starts in the next chunk
     assert local.pick(100, 900, 256, []) is None  # no decode worker serving
 
 
 def test_the_decode_worker_with_the_smallest_prompt_backlog_and_only_if_sooner_by_a_chunk():
     local = LocalPrefill()
-    assert local.pick(100, 600, 256, [(1, 120, 0, ROOMY), (2, 40, 9, ROOMY)]) == 2
-    assert local.pick(100, 600, 256, [(1, 40, 3, ROOMY), (2, 40, 1, ROOMY)]) == 2  # fewer held
+    assert local.pick(100, 600, 256, [D(1, 120, 0, ROOMY), D(2, 40, 9, ROOMY)]) == 2
+    assert local.pick(100, 600, 256, [D(1, 40, 3, ROOMY), D(2, 40, 1, ROOMY)]) == 2  # fewer held
     # the prompt finishes after what is queued ahead of it on either side: 600 there against
     # 300 here, with a chunk (256) of margin for the decode rows sharing its steps
-    assert local.pick(100, 600, 256, [(1, 300, 0, ROOMY)]) == 1
-    assert local.pick(100, 600, 256, [(1, 344, 0, ROOMY)]) is None  # 344 + 256 >= 600
+    assert local.pick(100, 600, 256, [D(1, 300, 0, ROOMY)]) == 1
+    assert local.pick(100, 600, 256, [D(1, 344, 0, ROOMY)]) is None  # 344 + 256 >= 600
 
 
 def test_with_no_margin_a_prompt_goes_where_fewer_prompt_tokens_wait():
     """``decode.local_prefill_margin = 0``: prompts spread as in a coupled cluster."""
     local = LocalPrefill(margin=0.0)
-    assert local.pick(100, 1, 256, [(1, 0, 0, ROOMY)]) == 1  # any backlog on the prefill side
-    assert local.pick(100, 0, 256, [(1, 0, 0, ROOMY)]) is None  # an idle prefill worker
-    assert local.pick(100, 300, 256, [(1, 300, 0, ROOMY)]) is None  # level: the prefill side
-    assert LocalPrefill(margin=0.5).pick(100, 300, 256, [(1, 100, 0, ROOMY)]) == 1  # 228 < 300
+    assert local.pick(100, 1, 256, [D(1, 0, 0, ROOMY)]) == 1  # any backlog on the prefill side
+    assert local.pick(100, 0, 256, [D(1, 0, 0, ROOMY)]) is None  # an idle prefill worker
+    assert local.pick(100, 300, 256, [D(1, 300, 0, ROOMY)]) is None  # level: the prefill side
+    assert LocalPrefill(margin=0.5).pick(100, 300, 256, [D(1, 100, 0, ROOMY)]) == 1  # 228 < 300
 
 
 def test_with_a_gap_bound_a_decode_worker_slower_than_it_takes_no_prompt():
@@ -280,13 +281,13 @@ def test_with_a_gap_bound_a_decode_worker_slower_than_it_takes_no_prompt():
     (its prompt slices or its batch already slow its requests) takes no prompt, unless no
     prefill worker serves it."""
     local = LocalPrefill(max_gap_x=3.0)
-    fast = DecodeRoom(1, 0, 0, ROOMY, step_s=0.030, fastest_step_s=0.010)  # 3x: at the bound
-    slow = DecodeRoom(2, 0, 0, ROOMY, step_s=0.031, fastest_step_s=0.010)
+    fast = D(1, 0, 0, ROOMY, step_s=0.030, fastest_step_s=0.010)  # 3x: at the bound
+    slow = D(2, 0, 0, ROOMY, step_s=0.031, fastest_step_s=0.010)
     assert local.pick(100, 900, 256, [fast]) == 1
     assert local.pick(100, 900, 256, [slow]) is None
     assert local.pick(100, 900, 256, [slow, fast._replace(num_queued_tokens=200)]) == 1
     assert local.pick(100, None, 1, [slow]) == 2  # no prefill worker serving: it takes it
-    idle = DecodeRoom(3, 0, 0, ROOMY, step_s=0.0, fastest_step_s=0.0)  # no step yet
+    idle = D(3, 0, 0, ROOMY, step_s=0.0, fastest_step_s=0.0)  # no step yet
     assert local.pick(100, 900, 256, [idle]) == 3
     assert LocalPrefill().pick(100, 900, 256, [slow]) == 2  # no bound by default
 
@@ -296,16 +297,16 @@ def test_only_a_decode_worker_with_room_for_the_prompt_takes_it():
     sent to a nearly full pool would wait there behind every hand-off."""
     local = LocalPrefill(block_size=16)
     # 1000 queued + 600 = 1600 tokens = 100 blocks: they must fit in half the free blocks
-    assert local.pick(600, 5000, 256, [(1, 1000, 0, 200)]) == 1
-    assert local.pick(600, 5000, 256, [(1, 1000, 0, 199)]) is None
+    assert local.pick(600, 5000, 256, [D(1, 1000, 0, 200)]) == 1
+    assert local.pick(600, 5000, 256, [D(1, 1000, 0, 199)]) is None
     # the emptier backlog without room loses to the one with room
-    assert local.pick(600, 5000, 256, [(1, 0, 0, 10), (2, 1000, 0, 400)]) == 2
+    assert local.pick(600, 5000, 256, [D(1, 0, 0, 10), D(2, 1000, 0, 400)]) == 2
 
 
 def test_with_no_prefill_worker_serving_a_decode_worker_with_room_takes_the_prompt():
     local = LocalPrefill()
-    assert local.pick(100, None, 1, [(1, 500, 0, ROOMY), (2, 0, 3, ROOMY)]) == 2
-    assert local.pick(100, None, 1, [(1, 0, 0, 4)]) is None  # no room: it waits for one
+    assert local.pick(100, None, 1, [D(1, 500, 0, ROOMY), D(2, 0, 3, ROOMY)]) == 2
+    assert local.pick(100, None, 1, [D(1, 0, 0, 4)]) is None  # no room: it waits for one
     assert local.pick(100, None, 1, []) is None
 
 

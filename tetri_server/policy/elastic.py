@@ -328,14 +328,12 @@ class LocalPrefill:
     max_gap_x: float = 0.0  # take a prompt only while the step is <= this x the fastest (0: any)
 
     def pick(self, num_prompt_tokens: int, backlog_tokens: int | None, chunk_size: int,
-             decodes: Sequence[DecodeRoom | tuple[int, int, int, int]]) -> int | None:
+             decodes: Sequence[DecodeRoom]) -> int | None:
         """The decode worker to prefill the prompt, or None: the prefill worker takes it (or,
         with none serving, it waits for one). ``backlog_tokens``: prompt tokens queued on the
         picked prefill worker ahead of it, None if no prefill worker is serving; ``decodes``:
-        each serving decode worker (``DecodeRoom``; a tuple of its first four fields has no
-        step times)."""
-        rooms = [DecodeRoom(*d) for d in decodes]
-        roomy = [d for d in rooms if self.fits(num_prompt_tokens + d.num_queued_tokens,
+        each serving decode worker."""
+        roomy = [d for d in decodes if self.fits(num_prompt_tokens + d.num_queued_tokens,
                                                d.num_free_blocks)
                  and (backlog_tokens is None or not self.over_gap(d))]
         if not roomy:
