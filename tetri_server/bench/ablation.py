@@ -107,10 +107,11 @@ ROWS: tuple[Row, ...] = (
     # steps with decode rows fill the whole chunk on both sides (the default to session 30)
     Row("mixed-full-chunk", "elastic P/D", sets=("prefill.local_decode_chunk=0",)),
     # ... on the prefill worker only: its steps with kept rows take the whole chunk (prompts
-    # at the chunk's rate), the decode worker's prompt slices stay at 128 tokens beside its batch
+    # at the chunk's rate), the decode worker's prompt slices stay at 128 tokens beside its
+    # batch (at most the chunk; E35-E37 ran with decode.local_prefill_slice=fixed, the same
+    # slices where the chunk is over 128)
     Row("prefill-full-chunk", "elastic P/D", base="mixed-full-chunk",
-        sets=("prefill.local_decode_chunk=0", "decode.local_prefill_slice=fixed",
-              "decode.local_prefill_tokens=128")),
+        sets=("prefill.local_decode_chunk=0", "decode.local_prefill_tokens=128")),
     # ... or 256 tokens (on the Intel machine of session 32, 94% of the chunk's prompt rate
     # beside 16 rows, against 76% at 128)
     Row("mixed-chunk-256", "elastic P/D", sets=("prefill.local_decode_chunk=256",)),

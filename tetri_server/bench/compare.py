@@ -53,6 +53,9 @@ MODE_PRESETS = {
     # steps that carry decode rows fill the whole chunk on both sides
     # (prefill.local_decode_chunk = 0; the default to session 30)
     "mixed-full-chunk": ("disaggregated", ("prefill.local_decode_chunk=0",)),
+    # ... on the prefill worker only; the decode worker's prompt slices stay at 128 tokens
+    "prefill-full-chunk": ("disaggregated", ("prefill.local_decode_chunk=0",
+                                             "decode.local_prefill_tokens=128")),
 }
 VLLM_LABEL = "vllm-cpu"
 READY_POLL_S = 0.5
