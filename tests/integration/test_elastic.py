@@ -145,6 +145,20 @@ async def test_past_the_backlog_bound_steps_with_kept_rows_take_the_whole_chunk(
     assert max(sizes) <= 64 and min(sizes) <= 12, sizes
 
 
+async def test_while_prompts_took_under_the_share_steps_with_kept_rows_take_the_chunk(
+        tiny_llama, tmp_path):
+    """``prefill.local_decode_full_chunk_share``: steps with prompt tokens took well under the
+    whole of the last 10 s (the tiny model prefills in milliseconds), so with a share of 1 a
+    step beside the kept row takes up to the 64-token chunk, not the 12-token mixed step; every
+    output equals transformers."""
+    records = await run_kept_pair_then_crowd(tiny_llama, tmp_path,
+                                             "prefill.local_decode_full_chunk_share=1")
+    sizes = [len(r["run"]) + sum(n for _, _, n in r["slices"]) for r in records
+             if r["kind"] == "mixed_step" and r["run"] and r["slices"]]
+    assert max(sizes) > 12, sizes  # the crowd (8 prompts of 20-60 tokens) is over 12 tokens
+    assert max(sizes) <= 64, sizes
+
+
 async def test_with_prompt_first_a_small_backlog_runs_alone(tiny_llama, tmp_path):
     """``prefill.local_decode_prompt_first``: while a kept request decodes, the crowd's backlog
     beyond a 40-token mixed step still goes in mixed steps, and one that fits runs alone, in a

@@ -336,3 +336,15 @@ def test_a_backlog_beyond_the_bound_gets_steps_of_the_whole_chunk() -> None:
     assert local.step_tokens(0, 128, 432) == 128
     assert local.step_tokens(5000, 432, 256) == 432  # never below the mixed chunk
     assert LocalDecode(4).step_tokens(5000, 128, 432) == 128  # off by default
+
+
+def test_while_prompts_are_rare_a_step_with_kept_rows_takes_the_whole_chunk() -> None:
+    """``prefill.local_decode_full_chunk_share``: while steps with prompt tokens took less than
+    that share of the last 10 s, a step with kept rows takes the chunk; from it on,
+    ``local_decode_chunk``."""
+    local = LocalDecode(4, full_chunk_share=0.25)
+    assert local.step_tokens(300, 128, 432, prompt_share=0.0) == 432
+    assert local.step_tokens(300, 128, 432, prompt_share=0.24) == 432
+    assert local.step_tokens(300, 128, 432, prompt_share=0.25) == 128
+    assert local.step_tokens(300, 128, 432, prompt_share=0.9) == 128
+    assert LocalDecode(4).step_tokens(300, 128, 432, prompt_share=0.0) == 128  # off by default

@@ -467,6 +467,13 @@ def test_elastic_prefill_steps_with_kept_rows_take_at_most_the_local_decode_chun
     grown = mixed_sizes(dataclasses.replace(cfg, local_decode_chunk=64,
                                             local_decode_full_chunk_backlog=300))
     assert max(grown) == 256 and min(grown) <= 64
+    # with a share bound, steps take the whole chunk while prompts took little of the last
+    # 10 s, and the cap once they took more (at 2 req/s both happen)
+    shared = mixed_sizes(dataclasses.replace(cfg, local_decode_chunk=64,
+                                             local_decode_full_chunk_share=0.3))
+    assert max(shared) == 256 and min(shared) <= 64
+    assert max(mixed_sizes(dataclasses.replace(cfg, local_decode_chunk=64,
+                                               local_decode_full_chunk_share=1.0))) == 256
 
 
 def test_elastic_prompt_first_runs_a_backlog_within_a_mixed_step_alone() -> None:

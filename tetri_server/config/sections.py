@@ -317,11 +317,20 @@ class PrefillConfig(_Section):
     """Elastic P/D: while more than this many prompt tokens wait, a step that carries kept
     requests' rows takes the whole chunk, not ``local_decode_chunk`` (prompts then prefill at
     the chunk's rate, the rows waiting a chunk step each time). 0: never."""
+    local_decode_full_chunk_share: float = 0.0
+    """Elastic P/D: while steps with prompt tokens took less than this share of the worker's
+    last 10 s, a step that carries kept requests' rows takes the whole chunk, not
+    ``local_decode_chunk``: while prompts are rare, a prompt goes at the chunk's rate and the
+    kept rows wait one long step for it, not several shorter ones (``LocalDecode.step_tokens``).
+    0: never."""
 
     def _validate(self) -> None:
         self._at_least("chunk_size", 0)
         self._at_least("local_decode_chunk", 0)
         self._at_least("local_decode_full_chunk_backlog", 0)
+        if not 0 <= self.local_decode_full_chunk_share <= 1:
+            raise ConfigError(f"prefill.local_decode_full_chunk_share = "
+                              f"{self.local_decode_full_chunk_share} must be in [0, 1]")
         self._at_least("local_decode_min_tokens", 0)
         if not 0 <= self.local_decode_max_prompt_share <= 1:
             raise ConfigError(f"prefill.local_decode_max_prompt_share = "

@@ -67,6 +67,7 @@ class LocalDecode:
     balance: bool = False  # keep only where a request decodes faster than on every decode worker
     prompt_first: bool = False  # a backlog of at most a mixed step runs alone, in one step
     full_chunk_backlog: int = 0  # beyond this many queued prompt tokens, mixed steps: the chunk
+    full_chunk_share: float = 0.0  # below this prompt share, mixed steps: the chunk
 
     def worth_keeping(self, max_tokens: int, bucket_upper: int | None) -> bool:
         """Whether a request with this output cap and predicted bucket end (None: open, or no
@@ -106,17 +107,24 @@ class LocalDecode:
                 and 0 < num_queued_prompt_tokens <= mixed_chunk)
 
     def step_tokens(self, num_queued_prompt_tokens: int, mixed_chunk: int,
-                    chunk_size: int) -> int:
-        """The most tokens of the next step with kept rows: ``mixed_chunk``, and with
-        ``full_chunk_backlog`` (``prefill.local_decode_full_chunk_backlog``) the whole chunk
-        while more prompt tokens than that wait. Small steps keep the kept rows' gap short, but
-        prefill a token at a lower rate (on the Intel machine of session 32: 1849 tokens/s in
-        steps of 128 against 2437 in the chunk of 432, each beside 16 rows), which past the
-        cluster's capacity is what runs out: there the prompts go at the chunk's rate, the
-        kept rows waiting a chunk step each time. Off by default: at 1024 it changed neither
-        TTFT nor JCT on Mixed at 2.2 req/s there (past a chunk of backlog ``keep`` keeps no
-        new request, so such steps are rare)."""
-        if 0 < self.full_chunk_backlog < num_queued_prompt_tokens:
+                    chunk_size: int, prompt_share: float = 0.0) -> int:
+        """The most tokens of the next step with kept rows: ``mixed_chunk``, or the whole chunk
+        with ``full_chunk_backlog`` (``prefill.local_decode_full_chunk_backlog``) while more
+        prompt tokens than that wait, or with ``full_chunk_share``
+        (``prefill.local_decode_full_chunk_share``) while steps with prompt tokens took less
+        than that share of the worker's last 10 s (``prompt_share``).
+
+        Small steps keep the kept rows' gap short, but prefill a token at a lower rate (on the
+        Intel machine of session 32: 1849 tokens/s in steps of 128 against 2437 in the chunk of
+        432, each beside 16 rows), and a prompt then takes several steps, each a long gap for
+        every kept row. While prompts are rare, whole chunks give the prompts the chunk's rate
+        and the kept rows fewer long gaps; as they come more often, the long gaps of whole
+        chunks become more than 1% of all (the p99 gap) and small steps win there (E35-E37 in
+        docs/benchmarks.md, "Whole chunks on the prefill worker"). The backlog rule is off by
+        default: at 1024 it changed neither TTFT nor JCT on Mixed at 2.2 req/s on that machine
+        (past a chunk of backlog ``keep`` keeps no new request, so such steps are rare)."""
+        if (0 < self.full_chunk_backlog < num_queued_prompt_tokens
+                or prompt_share < self.full_chunk_share):
             return max(chunk_size, mixed_chunk)
         return mixed_chunk
 

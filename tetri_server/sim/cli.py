@@ -41,6 +41,7 @@ CONFIG_KEYS = {
     ("prefill", "local_decode_chunk"): "local_decode_chunk",
     ("prefill", "local_decode_prompt_first"): "local_decode_prompt_first",
     ("prefill", "local_decode_full_chunk_backlog"): "local_decode_full_chunk_backlog",
+    ("prefill", "local_decode_full_chunk_share"): "local_decode_full_chunk_share",
     ("decode", "local_prefill_tokens"): "local_prefill_tokens",
     ("decode", "local_prefill_slice"): "local_prefill_slice",
     ("decode", "local_prefill_margin"): "local_prefill_margin",
@@ -68,6 +69,7 @@ FLAGS = {
     "local_decode_chunk": "local_decode_chunk",
     "local_decode_prompt_first": "local_decode_prompt_first",
     "local_decode_full_chunk_backlog": "local_decode_full_chunk_backlog",
+    "local_decode_full_chunk_share": "local_decode_full_chunk_share",
     "local_prefill_slice": "local_prefill_slice",
     "local_prefill_margin": "local_prefill_margin",
     "local_prefill_max_gap_x": "local_prefill_max_gap_x",
@@ -146,6 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--local-decode-full-chunk-backlog", type=int,
                    help="elastic: beyond this many queued prompt tokens a step with kept rows "
                         "takes the whole chunk (default 0: never)")
+    p.add_argument("--local-decode-full-chunk-share", type=float,
+                   help="elastic: while steps with prompt tokens took less than this share of "
+                        "the last 10 s, a step with kept rows takes the whole chunk (default 0: "
+                        "never)")
     p.add_argument("--local-prefill-tokens", type=int,
                    help="elastic: prompt tokens a decode instance prefills per step, for "
                    "the prompts that finish sooner there (0: none)")

@@ -61,6 +61,7 @@ class SimConfig:
     local_decode_chunk: int = 0  # elastic: most tokens of a step with kept rows; 0 = chunk_size
     local_decode_prompt_first: bool = False  # elastic: a backlog within a mixed step: alone
     local_decode_full_chunk_backlog: int = 0  # ... beyond it, mixed steps take the chunk
+    local_decode_full_chunk_share: float = 0.0  # ... below this prompt share, too
     local_prefill_tokens: int = 0  # elastic: prompt tokens a decode instance prefills a step
     local_prefill_slice: str = "chunk"  # ... and at most chunk_size of them, or "fixed"
     local_prefill_margin: float = 1.0  # ... when prefill's backlog exceeds it by this many chunks

@@ -65,7 +65,8 @@ class PrefillInstance(_Decoding):
         self.local = (LocalDecode(cfg.local_decode_batch, cfg.local_decode_min_tokens,
                                   cfg.local_decode_max_prompt_share, cfg.local_decode_hand_back,
                                   cfg.local_decode_balance, cfg.local_decode_prompt_first,
-                                  cfg.local_decode_full_chunk_backlog)
+                                  cfg.local_decode_full_chunk_backlog,
+                                  cfg.local_decode_full_chunk_share)
                       if cfg.local_decode_batch else None)
         # tokens of a step with kept requests' rows (prefill.local_decode_chunk)
         self.mixed_chunk = mixed_chunk(cfg.chunk_size, cfg.local_decode_chunk)
@@ -140,7 +141,8 @@ class PrefillInstance(_Decoding):
         free = self.alloc.num_free
         decode = self.admission.plan(free)
         tokens = (self.mixed_chunk if self.local is None else self.local.step_tokens(
-            self.book.queue.num_queued_tokens, self.mixed_chunk, self.chunker.chunk_size))
+            self.book.queue.num_queued_tokens, self.mixed_chunk, self.chunker.chunk_size,
+            self.steps.prompt_share.share(self.sim.loop.now_s)))
         slices = coupled_chunked_plan(self.book.queue, decode.run_ids, tokens,
                                       num_free_blocks=self.admission.free_after(decode, free),
                                       block_size=self.block_size).slices

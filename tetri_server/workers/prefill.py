@@ -78,7 +78,8 @@ class PrefillRole(Role):
                                   cfg.prefill.local_decode_hand_back,
                                   cfg.prefill.local_decode_balance,
                                   cfg.prefill.local_decode_prompt_first,
-                                  cfg.prefill.local_decode_full_chunk_backlog)
+                                  cfg.prefill.local_decode_full_chunk_backlog,
+                                  cfg.prefill.local_decode_full_chunk_share)
                       if num_local else None)
         # tokens of a step with kept requests' rows
         self._mixed_chunk = mixed_chunk(self._chunk_size, cfg.prefill.local_decode_chunk)
@@ -194,7 +195,8 @@ class PrefillRole(Role):
         free, book = self.w.allocator.num_free, self.book
         decode = self.admission.plan(free)
         tokens = (self._mixed_chunk if self.local is None else self.local.step_tokens(
-            book.queue.num_queued_tokens, self._mixed_chunk, self._chunk_size))
+            book.queue.num_queued_tokens, self._mixed_chunk, self._chunk_size,
+            self.steps.prompt_share.share(time.monotonic())))
         slices = coupled_chunked_plan(book.queue, decode.run_ids, tokens,
                                       num_free_blocks=self.admission.free_after(decode, free),
                                       block_size=self.w.block_size).slices
