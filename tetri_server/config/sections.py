@@ -322,7 +322,8 @@ class PrefillConfig(_Section):
     last 10 s, a step that carries kept requests' rows takes the whole chunk, not
     ``local_decode_chunk``: while prompts are rare, a prompt goes at the chunk's rate and the
     kept rows wait one long step for it, not several shorter ones (``LocalDecode.step_tokens``).
-    0: never."""
+    0: never (the default: at 0.25 no gain on Mixed in session 33, docs/benchmarks.md, "Whole
+    chunks on the prefill worker")."""
 
     def _validate(self) -> None:
         self._at_least("chunk_size", 0)

@@ -117,12 +117,15 @@ class LocalDecode:
         Small steps keep the kept rows' gap short, but prefill a token at a lower rate (on the
         Intel machine of session 32: 1849 tokens/s in steps of 128 against 2437 in the chunk of
         432, each beside 16 rows), and a prompt then takes several steps, each a long gap for
-        every kept row. While prompts are rare, whole chunks give the prompts the chunk's rate
+        every kept row. While prompts are rare, whole chunks gave the prompts the chunk's rate
         and the kept rows fewer long gaps; as they come more often, the long gaps of whole
         chunks become more than 1% of all (the p99 gap) and small steps win there (E35-E37 in
-        docs/benchmarks.md, "Whole chunks on the prefill worker"). The backlog rule is off by
-        default: at 1024 it changed neither TTFT nor JCT on Mixed at 2.2 req/s on that machine
-        (past a chunk of backlog ``keep`` keeps no new request, so such steps are rare)."""
+        docs/benchmarks.md, "Whole chunks on the prefill worker"). Both rules are off by
+        default. The backlog rule at 1024 changed neither TTFT nor JCT on Mixed at 2.2 req/s
+        (past a chunk of backlog ``keep`` keeps no new request, so such steps are rare). The
+        share rule at 0.25 had the worst p99 gap of the three at 0.9 req/s (E38), likely
+        because ``LocalSteps`` still scales its whole-chunk steps down to ``mixed_chunk`` when
+        it estimates a kept request's gap, so the worker keeps too many."""
         if (0 < self.full_chunk_backlog < num_queued_prompt_tokens
                 or prompt_share < self.full_chunk_share):
             return max(chunk_size, mixed_chunk)
