@@ -157,6 +157,18 @@ def test_a_prompt_step_counts_as_a_step_of_the_mixed_tokens():
     assert steps.prompt_share.share(0.080) == pytest.approx(0.008)  # time share: as it was
 
 
+def test_a_prompt_step_counts_as_a_step_of_what_kept_rows_would_take_now():
+    """``wait_tokens`` (``LocalDecode.step_tokens`` at the time): while a rule gives steps with
+    kept rows the whole chunk, a kept request waits the whole step, so a 256-token step counts
+    as it was, not as a step of ``mixed_tokens``."""
+    steps = LocalSteps(mixed_tokens=64)
+    steps.add(0.0, 0.080, prompt=True, num_tokens=256, wait_tokens=256)
+    assert steps.prompt.recent_s == pytest.approx(0.080)
+    steps = LocalSteps(mixed_tokens=64)
+    steps.add(0.0, 0.080, prompt=True, num_tokens=256, wait_tokens=128)
+    assert steps.prompt.recent_s == pytest.approx(0.040)
+
+
 def test_step_times_average_the_recent_steps_and_remember_the_fastest():
     times = StepTimes(weight=0.5)
     assert (times.recent_s, times.fastest_s) == (0.0, 0.0)  # no step yet

@@ -263,12 +263,15 @@ class LocalSteps:
     prompt: StepTimes = field(default_factory=StepTimes)
     decode: StepTimes = field(default_factory=StepTimes)
 
-    def add(self, start_s: float, end_s: float, *, prompt: bool, num_tokens: int = 0) -> None:
-        """``num_tokens``: the step's tokens (decode rows and prompt slices)."""
+    def add(self, start_s: float, end_s: float, *, prompt: bool, num_tokens: int = 0,
+            wait_tokens: int = 0) -> None:
+        """``num_tokens``: the step's tokens (decode rows and prompt slices); ``wait_tokens``:
+        the most tokens a step with kept rows takes now (``LocalDecode.step_tokens``, which
+        can be the whole chunk; 0: ``mixed_tokens``), what a step is scaled to."""
         if prompt:
             self.prompt_share.add(start_s, end_s)
-            scale = (self.mixed_tokens / num_tokens
-                     if 0 < self.mixed_tokens < num_tokens else 1.0)
+            cap = wait_tokens or self.mixed_tokens
+            scale = cap / num_tokens if 0 < cap < num_tokens else 1.0
             self.prompt.add((end_s - start_s) * scale)
         else:
             self.decode.add(end_s - start_s)

@@ -140,9 +140,7 @@ class PrefillInstance(_Decoding):
         ``local_decode_chunk`` when set)."""
         free = self.alloc.num_free
         decode = self.admission.plan(free)
-        tokens = (self.mixed_chunk if self.local is None else self.local.step_tokens(
-            self.book.queue.num_queued_tokens, self.mixed_chunk, self.chunker.chunk_size,
-            self.steps.prompt_share.share(self.sim.loop.now_s)))
+        tokens = self.kept_step_tokens()
         slices = coupled_chunked_plan(self.book.queue, decode.run_ids, tokens,
                                       num_free_blocks=self.admission.free_after(decode, free),
                                       block_size=self.block_size).slices
@@ -176,6 +174,14 @@ class PrefillInstance(_Decoding):
         num_pad = self._chunk.num_pad if pad else 0
         return self.cost.step_s(items, num_pad, num_sampled) + predict_s
 
+    def kept_step_tokens(self) -> int:
+        """The most tokens of a step with kept rows now (``LocalDecode.step_tokens``)."""
+        if self.local is None:
+            return self.mixed_chunk
+        return self.local.step_tokens(self.book.queue.num_queued_tokens, self.mixed_chunk,
+                                      self.chunker.chunk_size,
+                                      self.steps.prompt_share.share(self.sim.loop.now_s))
+
     def seq(self, req_id: int) -> SimSeq:
         return self.book.get(req_id)  # queued prompts and kept requests alike
 
@@ -185,7 +191,8 @@ class PrefillInstance(_Decoding):
         if self._chunk.slices or self._decode is not None:
             num_decode = 0 if self._decode is None else len(self._decode.run_ids)
             self.steps.add(self._step_start_s, now, prompt=bool(self._chunk.slices),
-                           num_tokens=num_decode + self._chunk.num_tokens)
+                           num_tokens=num_decode + self._chunk.num_tokens,
+                           wait_tokens=self.kept_step_tokens())
         if self._decode is not None:
             decode, self._decode = self._decode, None
             self.decode_done(decode)

@@ -181,7 +181,8 @@ class PrefillRole(Role):
         # Padding is bookkeeping only: on CPU, computing pad tokens is pure waste.
         t0 = time.monotonic()
         result = self.w.runner.execute(StepPlan(items))
-        self.steps.add(t0, time.monotonic(), prompt=True, num_tokens=chunk.num_tokens)
+        self.steps.add(t0, time.monotonic(), prompt=True, num_tokens=chunk.num_tokens,
+                       wait_tokens=self._kept_step_tokens())
         done = set(self.chunker.on_done(self.book.queue, chunk))
         self._send(prompt_parts(i.seq for i in items)
                    + self._first_tokens(items, result.sampled, result.logprobs, done))
@@ -194,9 +195,7 @@ class PrefillRole(Role):
         in one forward."""
         free, book = self.w.allocator.num_free, self.book
         decode = self.admission.plan(free)
-        tokens = (self._mixed_chunk if self.local is None else self.local.step_tokens(
-            book.queue.num_queued_tokens, self._mixed_chunk, self._chunk_size,
-            self.steps.prompt_share.share(time.monotonic())))
+        tokens = self._kept_step_tokens()
         slices = coupled_chunked_plan(book.queue, decode.run_ids, tokens,
                                       num_free_blocks=self.admission.free_after(decode, free),
                                       block_size=self.w.block_size).slices
@@ -218,7 +217,7 @@ class PrefillRole(Role):
         t0 = time.monotonic()
         result = self.w.runner.execute(StepPlan(items))
         self.steps.add(t0, time.monotonic(), prompt=bool(prompt_items),
-                       num_tokens=num_decode + chunk.num_tokens)
+                       num_tokens=num_decode + chunk.num_tokens, wait_tokens=tokens)
         deltas, finished = [], set()
         for item, tok, lp in zip(items[:num_decode], result.sampled, result.logprobs,
                                  strict=False):
@@ -241,6 +240,14 @@ class PrefillRole(Role):
         self._send(deltas)
         self.dispatch_held()
         return True
+
+    def _kept_step_tokens(self) -> int:
+        """The most tokens of a step with kept rows now (``LocalDecode.step_tokens``)."""
+        if self.local is None:
+            return self._mixed_chunk
+        return self.local.step_tokens(self.book.queue.num_queued_tokens, self._mixed_chunk,
+                                      self._chunk_size,
+                                      self.steps.prompt_share.share(time.monotonic()))
 
     def _first_tokens(self, items: list[ScheduledSeq], sampled: list[int | None],
                       logprobs: list[float | None], done: set[int]) -> list[TokenDelta]:
