@@ -123,9 +123,8 @@ class LocalDecode:
         docs/benchmarks.md, "Whole chunks on the prefill worker"). Both rules are off by
         default. The backlog rule at 1024 changed neither TTFT nor JCT on Mixed at 2.2 req/s
         (past a chunk of backlog ``keep`` keeps no new request, so such steps are rare). The
-        share rule at 0.25 had the worst p99 gap of the three at 0.9 req/s (E38), likely
-        because ``LocalSteps`` still scales its whole-chunk steps down to ``mixed_chunk`` when
-        it estimates a kept request's gap, so the worker keeps too many."""
+        share rule at 0.25 was within the noise of the default at 0.9 and 1.2 req/s (E38-E41;
+        in E38 ``LocalSteps`` still scaled its whole-chunk steps down to ``mixed_chunk``)."""
         if (0 < self.full_chunk_backlog < num_queued_prompt_tokens
                 or prompt_share < self.full_chunk_share):
             return max(chunk_size, mixed_chunk)
