@@ -141,15 +141,15 @@ def test_local_steps_fall_back_to_the_fastest_decode_step_when_nothing_decodes_h
 
 
 def test_a_prompt_step_counts_as_a_step_of_the_mixed_tokens():
-    """With ``mixed_tokens`` (``prefill.local_decode_chunk``), a kept request would wait a step
+    """With ``wait_tokens`` (``prefill.local_decode_chunk``), a kept request would wait a step
     of that many tokens behind each prompt, not a whole chunk: a 256-token step of 80 ms counts
     as 20 ms at 64 tokens; a step no larger counts as it was, and so does every step without
     the limit."""
-    steps = LocalSteps(mixed_tokens=64)
-    steps.add(0.0, 0.080, prompt=True, num_tokens=256)
+    steps = LocalSteps()
+    steps.add(0.0, 0.080, prompt=True, num_tokens=256, wait_tokens=64)
     assert steps.prompt.recent_s == pytest.approx(0.020)
-    steps = LocalSteps(mixed_tokens=64)
-    steps.add(0.0, 0.030, prompt=True, num_tokens=48)
+    steps = LocalSteps()
+    steps.add(0.0, 0.030, prompt=True, num_tokens=48, wait_tokens=64)
     assert steps.prompt.recent_s == pytest.approx(0.030)
     steps = LocalSteps()
     steps.add(0.0, 0.080, prompt=True, num_tokens=256)
@@ -160,11 +160,11 @@ def test_a_prompt_step_counts_as_a_step_of_the_mixed_tokens():
 def test_a_prompt_step_counts_as_a_step_of_what_kept_rows_would_take_now():
     """``wait_tokens`` (``LocalDecode.step_tokens`` at the time): while a rule gives steps with
     kept rows the whole chunk, a kept request waits the whole step, so a 256-token step counts
-    as it was, not as a step of ``mixed_tokens``."""
-    steps = LocalSteps(mixed_tokens=64)
+    as it was, not as a step of ``local_decode_chunk``."""
+    steps = LocalSteps()
     steps.add(0.0, 0.080, prompt=True, num_tokens=256, wait_tokens=256)
     assert steps.prompt.recent_s == pytest.approx(0.080)
-    steps = LocalSteps(mixed_tokens=64)
+    steps = LocalSteps()
     steps.add(0.0, 0.080, prompt=True, num_tokens=256, wait_tokens=128)
     assert steps.prompt.recent_s == pytest.approx(0.040)
 

@@ -134,8 +134,8 @@ ROWS: tuple[Row, ...] = (
     Row("full-chunk-backlog", "elastic P/D",
         sets=("prefill.local_decode_full_chunk_backlog=1024",)),
     # ... or while steps with prompt tokens took less than 25% of the worker's last 10 s
-    # (on Mixed on the Intel machine of session 32, about 0.9 req/s: whole chunks there had
-    # the better TTFT and p99 gap, 128 the better p99 gap from about 1.35 req/s)
+    # (on Mixed on the Intel machine in session 33, about 0.9 req/s: whole chunks there had
+    # the better TTFT and p99 gap, 128 the better p99 gap from about 1.2 req/s)
     Row("full-chunk-share-0.25", "elastic P/D",
         sets=("prefill.local_decode_full_chunk_share=0.25",)),
 )

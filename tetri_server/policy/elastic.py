@@ -251,13 +251,12 @@ class LocalSteps:
     (the requests it kept, alone). The owner adds each step (start, end) with its own clock and
     says ``idle`` when nothing it kept decodes any more.
 
-    ``mixed_tokens``: the most tokens of a step that carries kept requests' rows
-    (``prefill.local_decode_chunk``; 0: no limit). A step with prompt tokens counts as the time
-    a step of that many tokens would take (its time by ``mixed_tokens`` / its tokens, when it
-    had more), so a worker whose full chunks are long still sees that a kept request would wait
-    only a mixed step behind each prompt."""
+    A step with prompt tokens counts as the time a step of ``wait_tokens`` would take (the most
+    tokens of a step that carries kept requests' rows at that moment, ``LocalDecode.step_tokens``:
+    ``prefill.local_decode_chunk``, or the whole chunk under a full-chunk rule; its time by
+    ``wait_tokens`` / its tokens, when it had more), so a worker whose full chunks are long
+    still sees that a kept request would wait only a mixed step behind each prompt."""
 
-    mixed_tokens: int = 0
     prompt_share: PromptShare = field(default_factory=PromptShare)
     prompt: StepTimes = field(default_factory=StepTimes)
     decode: StepTimes = field(default_factory=StepTimes)
@@ -265,12 +264,10 @@ class LocalSteps:
     def add(self, start_s: float, end_s: float, *, prompt: bool, num_tokens: int = 0,
             wait_tokens: int = 0) -> None:
         """``num_tokens``: the step's tokens (decode rows and prompt slices); ``wait_tokens``:
-        the most tokens a step with kept rows takes now (``LocalDecode.step_tokens``, which
-        can be the whole chunk; 0: ``mixed_tokens``), what a step is scaled to."""
+        the most tokens a step with kept rows takes now (0: no limit, the step as it was)."""
         if prompt:
             self.prompt_share.add(start_s, end_s)
-            cap = wait_tokens or self.mixed_tokens
-            scale = cap / num_tokens if 0 < cap < num_tokens else 1.0
+            scale = wait_tokens / num_tokens if 0 < wait_tokens < num_tokens else 1.0
             self.prompt.add((end_s - start_s) * scale)
         else:
             self.decode.add(end_s - start_s)

@@ -70,7 +70,7 @@ class PrefillInstance(_Decoding):
                       if cfg.local_decode_batch else None)
         # tokens of a step with kept requests' rows (prefill.local_decode_chunk)
         self.mixed_chunk = mixed_chunk(cfg.chunk_size, cfg.local_decode_chunk)
-        self.steps = LocalSteps(self.mixed_chunk)  # for self.local
+        self.steps = LocalSteps()  # for self.local
         self._alone = False  # the last step was a pure chunk beside kept requests
         self._step_start_s = 0.0
         self._last_bucket = num_buckets(cfg.max_model_len, cfg.granularity) - 1  # open

@@ -83,7 +83,7 @@ class PrefillRole(Role):
                       if num_local else None)
         # tokens of a step with kept requests' rows
         self._mixed_chunk = mixed_chunk(self._chunk_size, cfg.prefill.local_decode_chunk)
-        self.steps = LocalSteps(self._mixed_chunk)  # for self.local (monotonic clock)
+        self.steps = LocalSteps()  # for self.local (monotonic clock)
         self._alone = False  # the last step was a pure chunk beside kept requests
         self.admission = DecodeAdmission("greedy", block_size=w.block_size,
                                          num_total_blocks=w.allocator.num_blocks,
