@@ -3,9 +3,14 @@ chunk size; blocks never leak; seeded sampling is reproducible."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
+import torch
 
 from tests.conftest import hf_greedy, random_prompts
+from tetri_server.engine.runner import ScheduledSeq, StepPlan
+from tetri_server.engine.sequence import Sequence
 from tetri_server.llm import make_engine
 from tetri_server.messages import SamplingParams
 
@@ -165,3 +170,41 @@ def test_head_dim_64_equals_transformers(model_dir, kv_heads, mode, chunk):
     eng = make_engine(str(path), f"cluster.mode={mode}", f"prefill.token_budget={chunk}",
                       "kv.num_blocks=400")
     assert eng.generate(prompts, GREEDY) == ref
+
+
+@pytest.mark.parametrize("family", ["llama", "opt"])
+def test_last_layer_runs_only_the_sampled_rows_with_the_same_logits(model_dir, family):
+    """In a step of a decode row, a whole prompt and a prompt's first chunk, the last layer's
+    attention (and all after it) sees the two sampled rows only, and their logits are those of
+    the last layer run over every row."""
+    eng = make_engine(str(model_dir(family)), "kv.block_size=16", "kv.num_blocks=200")
+    ids = random_prompts(3, 8000, (120, 120), seed=9)
+    decoding = Sequence(0, ids[0][:40], 39, GREEDY, num_computed=39)
+    whole = Sequence(1, ids[1][:50], 50, GREEDY)
+    first_chunk = Sequence(2, ids[2], 120, GREEDY)
+    plan = StepPlan([ScheduledSeq(decoding, 1), ScheduledSeq(whole, 50),
+                     ScheduledSeq(first_chunk, 60)])
+    for item in plan.items:
+        assert eng.kv_manager.reserve(item.seq, item.seq.num_tokens)
+    tokens, meta, rows, _, _ = eng.runner._build(plan)
+    assert rows == [0, 50] and meta.sampled_only is not None
+    rows_t = torch.tensor(rows)
+    model, kern = eng.model, eng.model.kernels
+    seen: list[int] = []
+
+    def attention(q, *args, **kwargs):
+        seen.append(q.shape[0])
+        return kern.attention(q, *args, **kwargs)
+
+    model.kernels = dataclasses.replace(kern, attention=attention)
+    try:
+        with torch.inference_mode():
+            cut = model(tokens, meta, eng.kv, rows_t)
+            layers = len(seen)
+            full = model(tokens, dataclasses.replace(meta, sampled_only=None), eng.kv, rows_t)
+    finally:
+        model.kernels = kern
+    assert seen[:layers] == [111] * (layers - 1) + [2]
+    assert seen[layers:] == [111] * layers
+    assert torch.equal(cut.argmax(-1), full.argmax(-1))
+    torch.testing.assert_close(cut, full, rtol=1e-5, atol=1e-5)

@@ -101,6 +101,7 @@ class Shape:
     head_dim: int
     matmul_params: int  # per token: all 2-D weights of the layers (+ OPT project_in/out)
     head_params: int  # LM head, per sampled row
+    after_qkv_params: int  # one layer's 2-D weights past q|k|v: the last layer's, per sampled row
     weight_bytes: int  # weights a decode step reads (matmuls + head + norms/biases)
     dtype_bytes: int
 
@@ -113,14 +114,21 @@ class Shape:
         small = sum(p.numel() for p in m.layers.parameters() if p.ndim == 1)
         head = m.embed.numel()
         nbytes = m.embed.element_size()
-        return cls(s.num_layers, s.num_heads, s.num_kv_heads, s.head_dim, per_token, head,
+        last = m.layers[-1]
+        qkv = getattr(last.qkv, "weight", last.qkv)  # llama: a parameter; OPT: a linear
+        after = sum(p.numel() for p in last.parameters() if p.ndim == 2) - qkv.numel()
+        return cls(s.num_layers, s.num_heads, s.num_kv_heads, s.head_dim, per_token, head, after,
                    (per_token + head + small) * nbytes, nbytes)
 
     def prefill_flops(self, prompt_lens: Sequence[int]) -> float:
-        tokens = sum(prompt_lens)
+        """The work of our prefill of these prompts in one step: every layer on every token,
+        except that the last runs only each prompt's last row past its q|k|v projection
+        (``BatchMetadata.sampled_only``)."""
+        tokens, rows = sum(prompt_lens), len(prompt_lens)
         attn = sum(4 * self.heads * self.head_dim * n * (n + 1) / 2 for n in prompt_lens)
-        return (2 * self.matmul_params * tokens + 2 * self.head_params * len(prompt_lens)
-                + self.layers * attn)
+        last_attn = sum(4 * self.heads * self.head_dim * n for n in prompt_lens)
+        return (2 * self.matmul_params * tokens - 2 * self.after_qkv_params * (tokens - rows)
+                + 2 * self.head_params * rows + (self.layers - 1) * attn + last_attn)
 
     def decode_flops(self, batch: int, ctx: int) -> float:
         attn = self.layers * 4 * self.heads * self.head_dim * (ctx + 1)

@@ -35,6 +35,10 @@ class BatchMetadata:
     ``seq_tensors``: the four lists above as int64 vectors (q_starts, q_lens, ctx_lens,
     kv_starts) on the batch's device, for the attention op; made once per step (at
     construction when not given). Replace the metadata rather than edit its lists.
+    ``sampled_only``: the metadata of the rows the step takes logits from, alone (see
+    ``rows_alone``), when those are fewer than the batch's rows and each is the last new row of
+    its sequence; the model's last layer then runs only them once every row's K/V is written.
+    None: the last layer runs every row.
     """
 
     q_starts: list[int]
@@ -46,6 +50,7 @@ class BatchMetadata:
     num_real: int
     _masks: dict[tuple[int, int, int, int], torch.Tensor] | None = None
     seq_tensors: tuple[torch.Tensor, ...] = ()
+    sampled_only: BatchMetadata | None = None
 
     def __post_init__(self) -> None:
         if not self.seq_tensors:
@@ -69,6 +74,19 @@ class BatchMetadata:
                 m &= k_pos > q_pos - window
             self._masks[key] = m
         return m
+
+
+def rows_alone(meta: BatchMetadata, items: list[int]) -> BatchMetadata:
+    """The metadata of a batch made of the last new row of each sequence ``items`` of ``meta``
+    (in that order): one query row each, at the same context and pool extent, so attention
+    gives each row what it gives it in the whole batch."""
+    rows = [meta.q_starts[n] + meta.q_lens[n] - 1 for n in items]
+    index = torch.tensor(rows, dtype=torch.long, device=meta.positions.device)
+    return BatchMetadata(q_starts=list(range(len(items))), q_lens=[1] * len(items),
+                         ctx_lens=[meta.ctx_lens[n] for n in items],
+                         kv_starts=[meta.kv_starts[n] for n in items],
+                         slot_mapping=meta.slot_mapping[index], positions=meta.positions[index],
+                         num_real=len(items))
 
 
 def metadata_tensors(q_starts: list[int], q_lens: list[int], ctx_lens: list[int],

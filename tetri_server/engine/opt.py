@@ -63,12 +63,21 @@ class OPTLayer(nn.Module):
         self.act = ACTIVATIONS[spec.activation]
 
     def forward(self, x: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor,
-                meta: BatchMetadata, kern: Kernels) -> torch.Tensor:
+                meta: BatchMetadata, kern: Kernels,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """``rows``: as in ``LlamaLayer.forward`` (the last layer under
+        ``meta.sampled_only``)."""
         s, t = self.spec, x.shape[0]
         pre = s.do_layer_norm_before
         h = self.attn_norm(x) if pre else x
         q, k, v = self.qkv(h, kern).view(t, 3, s.num_heads, s.head_dim).unbind(1)
         kern.write_kv(pool_k, pool_v, k, v, meta)
+        if rows is not None:
+            assert meta.sampled_only is not None
+            x, q, meta = x[rows], q[rows], meta.sampled_only
+            t = x.shape[0]
+            if t == 0:
+                return x
         x = x + self.out(kern.attention(q, pool_k, pool_v, meta).reshape(t, s.hidden_size), kern)
         if not pre:
             x = self.attn_norm(x)
@@ -78,7 +87,8 @@ class OPTLayer(nn.Module):
 
 
 class OPTModel(nn.Module):
-    """forward(input_ids [T], meta, kv pool, logits_indices [S]) -> logits [S, vocab]."""
+    """forward(input_ids [T], meta, kv pool, logits_indices [S]) -> logits [S, vocab]; the last
+    layer runs the sampled rows alone under ``meta.sampled_only`` (see ``LlamaModel``)."""
 
     def __init__(self, spec: ModelSpec, hf_config: object, dtype: torch.dtype,
                  device: torch.device) -> None:
@@ -107,9 +117,11 @@ class OPTModel(nn.Module):
         if self.project_in is not None:
             x = self.project_in(x, kern)
         x = x + F.embedding(meta.positions + POSITION_OFFSET, self.positions)  # [T, hidden]
+        last = len(self.layers) - 1 if meta.sampled_only is not None else -1
         for i, layer in enumerate(self.layers):
-            x = layer(x, kv[i, 0], kv[i, 1], meta, kern)
-        x = x[logits_indices]
+            x = layer(x, kv[i, 0], kv[i, 1], meta, kern, logits_indices if i == last else None)
+        if last < 0:
+            x = x[logits_indices]
         if self.final_norm is not None:
             x = self.final_norm(x)
         if self.project_out is not None:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tetri_server.engine.attention import BatchMetadata, metadata_tensors
+from tetri_server.engine.attention import BatchMetadata, metadata_tensors, rows_alone
 from tetri_server.engine.cuda_graphs import DecodeGraphs
 from tetri_server.engine.grammar import Grammars
 from tetri_server.engine.loader import CausalLM
@@ -103,6 +103,8 @@ class ModelRunner:
             positions=torch.tensor(positions, dtype=torch.long, device=dev),
             num_real=len(slots),
             seq_tensors=metadata_tensors(q_starts, q_lens, ctx_lens, kv_starts, dev))
+        if not spans and len(sample_rows) < len(slots):  # the last layer runs these rows alone
+            meta.sampled_only = rows_alone(meta, sample_items)
         return (torch.tensor(ids, dtype=torch.long, device=dev), meta, sample_rows, sample_items,
                 spans)
 
