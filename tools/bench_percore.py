@@ -2,6 +2,7 @@
 
     .venv/bin/python tools/bench_percore.py [--model models/llama-bench] [--vllm PATH]
         [--repeat 2] [--prefill-requests 5] [--streams 16] [--json OUT.json]
+        [--baseline-checkout DIR]
 
 tetri_server runs ``coupled`` with one worker and one torch thread (pinned to core 0; the
 API/control process floats); vLLM-CPU runs as in docs/peer-vllm-cpu.md (eager, float32, no
@@ -15,7 +16,9 @@ same for both). Per round and server:
 - decode: ``--streams`` concurrent requests of 128-token prompts and 128 output tokens
   (``ignore_eos``); the mean inter-token gap over all streams (first token excluded);
 
-after a warm-up of two short requests. The report prints each number per round, the
+after a warm-up of two short requests. ``--baseline-checkout DIR`` adds another checkout
+(a worktree of an older commit) to every round, served from its directory, for a before/after
+in the same run. The report prints each number per round, the
 ratios ours / vLLM (target <= 0.8 for both), the machine's ISA and the other tenants' load.
 Without vLLM installed it measures ours alone and says so.
 """
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import platform
@@ -129,15 +133,22 @@ def main() -> int:
     ap.add_argument("--streams", type=int, default=16)
     ap.add_argument("--logs", default="bench_results/percore-logs")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--baseline-checkout", default=None,
+                    help="another checkout of tetri_server (e.g. `git worktree add /tmp/old "
+                         "REV`), served from its directory in the same rounds as 'baseline'")
     args = ap.parse_args()
     model = str(Path(args.model).resolve())
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     vllm_cmd = find_vllm(args.vllm)
     logs = Path(args.logs)
 
-    def ours() -> Any:
-        return tetri_spec("coupled", model, free_port(), MAX_MODEL_LEN,
+    def ours(cwd: str | None = None) -> Any:
+        spec = tetri_spec("coupled", model, free_port(), MAX_MODEL_LEN,
                           ("cluster.workers=1", "cluster.threads_per_worker=1"))
+        return dataclasses.replace(spec, cwd=cwd)
+
+    def baseline() -> Any:
+        return ours(str(Path(args.baseline_checkout).resolve()))
 
     def vllm() -> Any:
         assert vllm_cmd is not None
@@ -148,8 +159,9 @@ def main() -> int:
     rounds: list[dict[str, Any]] = []
     for i in range(args.repeat):
         row: dict[str, Any] = {}
-        for label, make in (("tetri", ours), ("vllm", vllm)):
-            if label == "vllm" and vllm_cmd is None:
+        for label, make in (("baseline", baseline), ("tetri", ours), ("vllm", vllm)):
+            if (label == "vllm" and vllm_cmd is None
+                    or label == "baseline" and not args.baseline_checkout):
                 continue
             print(f"round {i + 1}/{args.repeat}: {label}", file=sys.stderr, flush=True)
             row[label] = serve_and_measure(make(), logs / f"{label}-{i}.log", 1000 + i, vocab,
@@ -160,7 +172,9 @@ def main() -> int:
     print(f"`tools/bench_percore.py --repeat {args.repeat}` at {git_commit()} on "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.machine()}, ISA "
           f"{isa}, {os.cpu_count()} cores; model {Path(model).name} fp32; compute on core 0 "
-          "for both; vLLM " + ("`" + " ".join(vllm_cmd) + "`" if vllm_cmd else "NOT INSTALLED"))
+          "for both; vLLM " + ("`" + " ".join(vllm_cmd) + "`" if vllm_cmd else "NOT INSTALLED")
+          + (f"; baseline: `{args.baseline_checkout}` at "
+             f"{git_commit(Path(args.baseline_checkout))}" if args.baseline_checkout else ""))
     print()
     print("| round | server | 1024-token prefill, median (ms) | mean inter-token gap, "
           f"{args.streams} streams (ms) | machine busy during (cores) "
@@ -182,6 +196,19 @@ def main() -> int:
             verdict = "MET" if r <= TARGET else "MISSED"
             print(f"- {name}: ours / vLLM = {r:.2f} (per round "
                   f"{', '.join(f'{x:.2f}' for x in ratios)}; target <= {TARGET}): {verdict}")
+            if args.baseline_checkout:
+                base = [row["baseline"][key] / row["vllm"][key] for row in rounds]
+                summary[f"baseline_{key}"] = base
+                print(f"  - baseline checkout / vLLM = {statistics.median(base):.2f} (per round "
+                      f"{', '.join(f'{x:.2f}' for x in base)})")
+    if args.baseline_checkout:
+        print()
+        for key, name in (("prefill_median_s", "1024-token prefill latency"),
+                          ("itl_mean_s", "mean inter-token gap")):
+            ratios = [row["tetri"][key] / row["baseline"][key] for row in rounds]
+            summary[f"over_baseline_{key}"] = ratios
+            print(f"- {name}: ours / baseline = {statistics.median(ratios):.2f} (per round "
+                  f"{', '.join(f'{x:.2f}' for x in ratios)})")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"rounds": rounds, "ratios": summary,

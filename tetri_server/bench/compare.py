@@ -79,6 +79,7 @@ class ServerSpec:
     env: dict[str, str] = field(default_factory=dict)  # added to the inherited environment
     ready_timeout_s: float = 300.0
     num_workers: int | None = None  # for perf/$; None: count the workers in /metrics
+    cwd: str | None = None  # working directory (``-m tetri_server`` imports the checkout there)
 
     @property
     def base_url(self) -> str:
@@ -171,6 +172,7 @@ def running_server(spec: ServerSpec, log_path: Path) -> Iterator[subprocess.Pope
             stdout=log,
             stderr=subprocess.STDOUT,
             env={**os.environ, **spec.env},
+            cwd=spec.cwd,
             start_new_session=True,
         )
     try:
