@@ -342,12 +342,14 @@ def bench_prefill(ours: Ours, hf: HF, base: Baselines, p: Params) -> tuple[list[
         "|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     knee_pct = 0.0
+    # The pick may fall between the sizes measured: its % is that of the next size measured.
+    at = min((int(r["c"]) for r in rows if r["c"] >= knee), default=int(rows[-1]["c"]))
     for r in rows:
         c = int(r["c"])
         gf = r["f_pack"] / r["pack"] / 1e9
-        if c == knee:
+        if c == at:
             knee_pct = 100 * gf / peak
-        mark = f"**{c}** (knee)" if c == knee else str(c)
+        mark = str(c) if c != at else f"**{c}** (knee)" if c == knee else f"**{c}** (knee {knee})"
         out.append(
             f"| {mark} | {c / r['pack']:.0f} | {gf:.1f} | {100 * gf / peak:.0f}% "
             f"| {100 * r['f_lin'] / r['lin'] / 1e9 / peak:.0f}% | {c / r['one']:.0f} "
