@@ -109,3 +109,17 @@ def test_fit_refuses_too_few_or_non_positive_samples() -> None:
         fit_hardware(_shapes()[:3], model, base)
     with pytest.raises(ValueError, match="> 0"):
         fit_hardware([dataclasses.replace(s, time_s=0.0) for s in _shapes()], model, base)
+
+
+def test_rows_not_sampled_skip_the_last_layers_o_projection_and_mlp() -> None:
+    """As in the engine: of a 1,024-token prompt pass, every row pays q|k|v and attention in
+    every layer, but only the sampled row pays the last layer's o-projection and MLP (and the
+    LM head)."""
+    hw, m = load_hardware("this-cpu"), load_model("bench")
+    cost = CostModel(hw, m)
+    every_row = cost._parts([(1024, 0)], 0, 1024)[0]
+    one_row = cost._parts([(1024, 0)], 0, 1)[0]
+    o_and_mlp = m.hidden * (m.num_heads * m.head_dim + 3 * m.ffn)  # llama: gate, up, down
+    saved_flops = 2 * 1023 * (o_and_mlp + m.hidden * m.vocab)
+    eff = hw.compute_eff * 1024 / (1024 + hw.half_tokens)
+    assert every_row - one_row == pytest.approx(saved_flops / (hw.peak_flops * eff))

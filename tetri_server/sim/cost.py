@@ -8,7 +8,9 @@ chunk, or a decode row with ``num_new_tokens == 1``) plus padding slots. Its tim
 
 with T the tokens computed, ``eff(T) = compute_eff * T / (T + half_tokens)`` (small passes
 under-use the device: the prefill knee), FLOPs = 2 x matmul params x T + 2 x hidden x vocab per
-sampled row + causal attention (4 x layers x attention width per query-key pair), and bytes =
+sampled row + causal attention (4 x layers x attention width per query-key pair), less the last
+layer's o-projection and MLP on the rows not sampled (the engine runs them on the sampled rows
+alone; its attention is still counted for every row), and bytes =
 the weights once + the KV read (every item's prefix and new tokens). ``overlap`` is how much of
 the shorter side hides under the longer: 1 on a GPU (the roofline), less on a CPU core whose
 attention streams the KV after the matmuls are done (``sim fit`` fits it). A hand-off moves
@@ -30,6 +32,7 @@ class CostModel:
         self.link = link or hw.link()
         m = model
         self._flops_per_token = 2.0 * m.num_matmul_params
+        self._flops_last_layer_skip = 2.0 * m.params_after_qkv  # per row not sampled
         self._flops_lm_head = 2.0 * m.hidden * m.vocab
         self._attn_flops_per_pair = 4.0 * m.num_layers * m.num_heads * m.head_dim
         self._kv_bytes = float(m.kv_bytes_per_token)
@@ -57,7 +60,8 @@ class CostModel:
             return 0.0, 0.0
         sampled = num_items if num_sampled is None else num_sampled
         flops = (self._flops_per_token * num_tokens + self._flops_lm_head * sampled
-                 + self._attn_flops_per_pair * num_pairs)
+                 + self._attn_flops_per_pair * num_pairs
+                 - self._flops_last_layer_skip * max(0, num_tokens - sampled))
         eff = self.hw.compute_eff * num_tokens / (num_tokens + self.hw.half_tokens)
         compute_s = flops / (self.hw.peak_flops * eff)
         memory_s = (self.model.weight_bytes + self._kv_bytes * num_kv) / (

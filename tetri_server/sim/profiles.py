@@ -137,6 +137,13 @@ class ModelShape:
         return self.hidden * (2 * attn_dim + 2 * kv_dim + num_mlp * self.ffn)
 
     @property
+    def params_after_qkv(self) -> int:
+        """Matmul weights of one layer past q|k|v (o-projection and MLP): the last layer runs
+        them on the sampled rows only (``BatchMetadata.sampled_only``)."""
+        num_mlp = 3 if self.family == "llama" else 2
+        return self.hidden * (self.num_heads * self.head_dim + num_mlp * self.ffn)
+
+    @property
     def num_matmul_params(self) -> int:
         """Layer matmuls, without the LM head (which only sampled rows pay)."""
         return self.num_layers * self.params_per_layer
