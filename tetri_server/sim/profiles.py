@@ -131,10 +131,9 @@ class ModelShape:
 
     @property
     def params_per_layer(self) -> int:
-        """Matmul weights of one layer."""
-        attn_dim, kv_dim = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        num_mlp = 3 if self.family == "llama" else 2
-        return self.hidden * (2 * attn_dim + 2 * kv_dim + num_mlp * self.ffn)
+        """Matmul weights of one layer: q|k|v, then the o-projection and MLP."""
+        qkv_dim = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        return self.hidden * qkv_dim + self.params_after_qkv
 
     @property
     def params_after_qkv(self) -> int:
