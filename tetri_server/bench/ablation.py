@@ -117,6 +117,10 @@ ROWS: tuple[Row, ...] = (
     Row("mixed-chunk-256", "elastic P/D", sets=("prefill.local_decode_chunk=256",)),
     # a prefill worker keeps up to 32 requests, not 16 (its chunk is calibrated with 32 rows)
     Row("local-decode-batch-32", "elastic P/D", sets=("prefill.local_decode_batch=32",)),
+    # fewer kept requests: each adds its context's K/V reads to every prefill step (16 at
+    # 500 tokens of context: a 128-token step 35 -> 59 ms on the Intel machine, session 35)
+    Row("local-decode-batch-8", "elastic P/D", sets=("prefill.local_decode_batch=8",)),
+    Row("local-decode-batch-4", "elastic P/D", sets=("prefill.local_decode_batch=4",)),
     # a prefill worker keeps a short request too, where it decodes faster there (balance)
     Row("keep-short", "elastic P/D", sets=("prefill.local_decode_min_tokens=0",)),
     # a prompt goes to a decode worker whenever the prefill worker has more queued, as a

@@ -61,7 +61,12 @@ from tetri_server.bench.sweep import (
 from tetri_server.bench.sweep import (
     add_arguments as add_sweep_arguments,
 )
-from tetri_server.bench.sweep_report import machine_info, sweep_json, sweep_table
+from tetri_server.bench.sweep_report import (
+    breakdown_table,
+    machine_info,
+    sweep_json,
+    sweep_table,
+)
 from tetri_server.bench.workload import (
     CLASSES,
     RATE_ARRIVALS,
@@ -400,6 +405,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     out_json.parent.mkdir(parents=True, exist_ok=True)
     result = sweep_json(sweeps, cal, scale, started, extra, machine)
     out_json.write_text(json.dumps(result, indent=1))
+    text += "\n" + breakdown_table(result)
     (out_json.parent / "table.md").write_text(text)
     if not args.no_plots:
         report.plot_sweep(result, out_json.parent / "goodput.png")
