@@ -25,7 +25,7 @@ from tetri_server.bench.sweep import (
     reference_mode,
     requests_at,
 )
-from tetri_server.bench.sweep_report import breakdown_table, sweep_json, sweep_table
+from tetri_server.bench.sweep_report import sweep_json, sweep_table
 from tetri_server.bench.workload import WorkloadSpec
 
 
@@ -102,38 +102,6 @@ def test_table_and_json_show_goodput_and_attainment_per_rate() -> None:
     assert "goodput_rps" not in point["summary"]  # the fixed-SLO goodput would mislead
     assert out["modes"][1]["calibration"] is None
     assert Calibration.from_dict(out["slo_calibration"]) == cal
-
-
-def _banded(rate: float, ttft_by_len: dict[int, float], gap: float) -> BenchResult:
-    """Two requests of each prompt length, first token after ``ttft_by_len[len]``, then two
-    more tokens ``gap`` apart."""
-    recs = [
-        RequestRecord(i, "Mixed", n, 3, 0.0, 0.0, t, [t, t + gap, t + 2 * gap], t + 2 * gap,
-                      num_output_tokens=3)
-        for i, (n, t) in enumerate(sorted(ttft_by_len.items()) * 2)
-    ]
-    run = RunResult(recs, 10.0, 0.0)
-    spec = WorkloadSpec("Mixed", num_requests=len(recs), rate_rps=rate)
-    return BenchResult("m", spec, summarize(run, SLO()), run)
-
-
-def test_breakdown_shows_which_prompts_start_late_and_the_gap_percentiles() -> None:
-    """From the sweep's JSON (as saved): per rate and mode, the mean TTFT per prompt band with
-    its ratio to the SLO's reference mode, and the gaps' p50 / p90 / p99."""
-    cal = Calibration(0.01, 0.001, 0.02, source="coupled")
-    ref = ModeSweep("coupled", cal, [_banded(1.0, {50: 0.04, 300: 0.10, 800: 0.30}, 0.02)])
-    split = ModeSweep("disaggregated", None,
-                      [_banded(1.0, {50: 0.04, 300: 0.16, 800: 0.45}, 0.03)])
-    saved = json.loads(json.dumps(sweep_json([ref, split], cal, SLOScale(), 0.0)))
-    table = breakdown_table(saved)
-    assert "| 1 | coupled | 0.040 (n=2) | 0.100 (n=2) | 0.300 (n=2) | 20.0 / 20.0 / 20.0 |" \
-        in table
-    assert ("| 1 | disaggregated | 0.040 (n=2), 1.00x | 0.160 (n=2), 1.60x | "
-            "0.450 (n=2), 1.50x | 30.0 / 30.0 / 30.0 |") in table
-    assert "against coupled's mean TTFT" in table
-    failed = saved["modes"][1]["points"][0]["records"][0]
-    failed.update(error="HTTP 500", first_token_s=None, token_times_s=[], end_s=None)
-    assert "0.040 (n=1), 1.00x" in breakdown_table(saved)  # failed requests are left out
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -222,7 +190,7 @@ def test_sweep_end_to_end_against_fake_servers(
         assert (tmp_path / f"{mode['mode']}.log").exists()
     table = (tmp_path / "table.md").read_text()
     assert "| coupled | **" in table
-    assert "| 40 | disaggregated | " in table  # the breakdown per rate and mode
+    assert "| 40 req/s | disaggregated | " in table  # the breakdown per rate and mode
     png = (tmp_path / "goodput.png").read_bytes()  # the goodput curves, drawn from the JSON
     assert png.startswith(b"\x89PNG") and len(png) > 10_000
 

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from tetri_server.bench import report
+from tetri_server.bench.breakdown import breakdown_table, results_as_sweep
 from tetri_server.bench.compare import (
     CompareOptions,
     ServerSpec,
@@ -308,6 +309,7 @@ def main(args: argparse.Namespace, build: Callable[[argparse.Namespace],
             print(f"ablation: repeat {k + 1}/{args.repeat}, row {r.name}", file=sys.stderr)
             results += run_against(spec, built, replace(opts, out_dir=args.out / f"r{k}"))
     text = tables(rows, results, slo)
+    text += "\n" + breakdown_table(results_as_sweep([r.to_dict() for r in results]))
     out_json = args.json or args.out / "ablation.json"
     out_json.parent.mkdir(parents=True, exist_ok=True)
     payload = {"argv": args.argv, "rows": [vars_of(r, args.pool_blocks) for r in rows],

@@ -29,6 +29,7 @@ from typing import Any
 import aiohttp
 
 from tetri_server.bench import ablation, data, report
+from tetri_server.bench.breakdown import breakdown_table
 from tetri_server.bench.client import (
     ClientConfig,
     add_server_arguments,
@@ -61,12 +62,7 @@ from tetri_server.bench.sweep import (
 from tetri_server.bench.sweep import (
     add_arguments as add_sweep_arguments,
 )
-from tetri_server.bench.sweep_report import (
-    breakdown_table,
-    machine_info,
-    sweep_json,
-    sweep_table,
-)
+from tetri_server.bench.sweep_report import machine_info, sweep_json, sweep_table
 from tetri_server.bench.workload import (
     CLASSES,
     RATE_ARRIVALS,

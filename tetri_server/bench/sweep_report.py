@@ -1,23 +1,14 @@
-"""``bench sweep`` output: the Markdown tables and the result JSON (pure but for
-``machine_info``, which reads /proc/cpuinfo).
-
-``python -m tetri_server.bench.sweep_report SWEEP_JSON`` prints the breakdown table of a saved
-sweep (any sweep.json, also one written before the table existed)."""
+"""``bench sweep`` output: the Markdown table and the result JSON (pure but for
+``machine_info``, which reads /proc/cpuinfo)."""
 
 from __future__ import annotations
 
 import os
 import platform
-import sys
 import time
 from collections.abc import Sequence
-from dataclasses import fields
 from typing import Any
 
-import numpy as np
-
-from tetri_server.bench.client import RequestRecord
-from tetri_server.bench.metrics import itls_s, ttft_s
 from tetri_server.bench.report import BenchResult
 from tetri_server.bench.slo import Calibration, SLOScale, meets_slo, tpot_slo_s
 from tetri_server.bench.sweep import ModeSweep
@@ -83,60 +74,6 @@ def sweep_table(sweeps: Sequence[ModeSweep], cal: Calibration, scale: SLOScale) 
     return head + "\n".join(rows) + "\n" + note
 
 
-PROMPT_BANDS = (128, 512)  # prompt tokens: < 128, 128-511, >= 512
-
-
-def _records(point: dict[str, Any]) -> list[RequestRecord]:
-    names = {f.name for f in fields(RequestRecord)}
-    recs = [RequestRecord(**{k: v for k, v in r.items() if k in names}) for r in point["records"]]
-    return [r for r in recs if r.ok]
-
-
-def _band_ttfts(recs: Sequence[RequestRecord]) -> list[list[float]]:
-    bands: list[list[float]] = [[] for _ in range(len(PROMPT_BANDS) + 1)]
-    for r in recs:
-        bands[sum(r.prompt_len >= b for b in PROMPT_BANDS)].append(ttft_s(r))
-    return bands
-
-
-def breakdown_table(result: dict[str, Any]) -> str:
-    """Markdown, from a sweep's JSON: at each rate and for each mode, the mean TTFT of the
-    requests whose prompt falls in each band of ``PROMPT_BANDS`` (and its ratio to the
-    reference mode's, the one that set the SLOs, where it ran), and the inter-token gaps'
-    p50 / p90 / p99 over all requests. It says which prompts a mode is slow to start and
-    whether its tail gaps are rare spikes or its steady pace."""
-    modes = result["modes"]
-    ref_label = (result.get("slo_calibration") or {}).get("source")
-    ref = next((m for m in modes if m["mode"] == ref_label), None)
-    lo, hi = PROMPT_BANDS
-    names = [f"< {lo}", f"{lo}-{hi - 1}", f">= {hi}"]
-    head = ("| rate (req/s) | mode | " + " | ".join(f"TTFT mean, prompt {n} tokens (s)"
-                                                    for n in names)
-            + " | gap p50 / p90 / p99 (ms) |\n" + "|---" * (3 + len(names)) + "|\n")
-    rows = []
-    for i, rate in enumerate(modes[0]["rates"] if modes else []):
-        ref_bands = _band_ttfts(_records(ref["points"][i])) if ref is not None else None
-        for m in modes:
-            recs = _records(m["points"][i])
-            cells = []
-            for j, band in enumerate(_band_ttfts(recs)):
-                if not band:
-                    cells.append("-")
-                    continue
-                mean = float(np.mean(band))
-                cell = f"{mean:.3f} (n={len(band)})"
-                if ref_bands is not None and ref_bands[j] and m is not ref:
-                    cell += f", {mean / float(np.mean(ref_bands[j])):.2f}x"
-                cells.append(cell)
-            gaps = [g for r in recs for g in itls_s(r)]
-            pct = " / ".join(f"{x * 1e3:.1f}" for x in np.percentile(gaps, [50, 90, 99])) \
-                if gaps else "n/a"
-            rows.append(f"| {rate:g} | {m['mode']} | " + " | ".join(cells) + f" | {pct} |")
-    note = (f"\nRatios against {ref_label}'s mean TTFT in the same band at the same rate.\n"
-            if ref is not None else "")
-    return head + "\n".join(rows) + "\n" + note
-
-
 def machine_info() -> dict[str, Any]:
     """nproc, CPU model and load average now (take it before the runs)."""
     model = platform.processor()
@@ -194,11 +131,3 @@ def sweep_json(
         ],
     }
 
-
-if __name__ == "__main__":
-    import json
-
-    if len(sys.argv) != 2:
-        sys.exit("usage: python -m tetri_server.bench.sweep_report SWEEP_JSON")
-    with open(sys.argv[1]) as f:
-        print(breakdown_table(json.load(f)))
