@@ -2,7 +2,7 @@
 
     .venv/bin/python tools/bench_engine.py [--family llama|opt] [--quick] [--profile]
         [--dtype float32|bfloat16] [--clock cpu|wall] [--keep-freed-memory] [--cpu N]
-        [--skip prefill,decode,attention,layout]
+        [--skip prefill,decode,attention,mixed,layout]
 
 Everything runs on ONE core (``sched_setaffinity``) and one torch thread. Because the dev machine
 is shared, the machine baselines are measured in the same run (at the start and again at the
@@ -35,7 +35,10 @@ Sections (markdown on stdout, progress on stderr):
    per layer, + prepacked oneDNN linears, + the fused layer ops, and + ``tetri::packed_linear``
    instead of oneDNN (after, what the engine runs),
    interleaved, each against the roofline of section 3.
-5. KV layout: the same engine decode step with attention over zero-copy extent views (ours),
+5. Mixed: one runner step of a prompt chunk (128 tokens and the knee) alone, beside 16 decode
+   rows of 250 or 500 tokens of context (a prefill worker's kept requests), and those rows
+   alone: what the rows add to a prompt's step is mostly their K/V read from memory.
+6. KV layout: the same engine decode step with attention over zero-copy extent views (ours),
    vs gathering each sequence's blocks into a contiguous tensor first (``index_select``, what a
    paged layout without a paged-attention kernel does), vs gathering the whole batch into one
    padded tensor and running one SDPA per layer.
@@ -292,6 +295,7 @@ class Params:
     layout_steps: int
     pack_len: int
     layout_configs: list[tuple[int, int]]
+    mixed_contexts: tuple[int, ...] = (250, 500)
 
 
 FULL = Params([32, 64, 128, 256, 512, 1024, 2048], [1, 4, 16, 32, 64], [128, 1024],
@@ -458,6 +462,30 @@ def bench_attention_op(ours: Ours, base: Baselines, p: Params,
     return out, ratios
 
 
+def bench_mixed(ours: Ours, p: Params, knee: int) -> list[str]:
+    """What decode rows beside a prompt chunk add to its step: a prefill worker's kept
+    requests ride in its chunks, and each adds its context's K/V reads to every step."""
+    rows_n = 16
+    out = [f"Prompt chunk beside decode rows: median ({ours.timer.kind} time) of "
+           f"{p.prefill_reps + 1} runner steps; {rows_n} rows, each over ctx tokens of KV "
+           f"({ours.shape.kv_bytes(1, 1) / 1024:.0f} KiB a token)", "",
+           "| chunk | ctx | chunk alone ms | chunk + rows ms | rows add ms | rows alone ms "
+           "| rows' KV MB |", "|---:|---:|---:|---:|---:|---:|---:|"]
+    for chunk in sorted({128, knee}):
+        for ctx in p.mixed_contexts:
+            log(f"mixed C={chunk} rows={rows_n} ctx={ctx}")
+            t = {}
+            for name, c, r in (("alone", chunk, 0), ("both", chunk, rows_n), ("rows", 0, rows_n)):
+                with ours.mixed(c, r, ctx) as run:
+                    run()
+                    t[name] = statistics.median(ours.timer.timed(run, "mixed")
+                                                for _ in range(p.prefill_reps + 1))
+            out.append(f"| {chunk} | {ctx} | {1e3 * t['alone']:.1f} | {1e3 * t['both']:.1f} "
+                       f"| {1e3 * (t['both'] - t['alone']):.1f} | {1e3 * t['rows']:.1f} "
+                       f"| {ours.shape.kv_bytes(rows_n, ctx) / 1e6:.0f} |")
+    return out
+
+
 def bench_layout(ours: Ours, p: Params) -> list[str]:
     """Decode step with three attention paths over the same pool and sequences."""
     variants: list[tuple[str, AttentionFn]] = [
@@ -598,7 +626,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="re-run under GLIBC_TUNABLES that stop glibc from returning freed "
                     "memory to the OS (no first-touch page faults for big temporaries)")
     ap.add_argument("--skip", default="", help="comma list of sections to skip: "
-                    "prefill,decode,attention,layout")
+                    "prefill,decode,attention,mixed,layout")
     args = ap.parse_args(argv)
     if args.keep_freed_memory and os.environ.get("GLIBC_TUNABLES") != KEEP_FREED_MEMORY:
         argv_now = sys.argv[1:] if argv is None else argv
@@ -648,6 +676,8 @@ def main(argv: list[str] | None = None) -> int:
     if "attention" not in skip:
         lines, attn_ratios = bench_attention_op(ours, base, p, knee)
         report += lines + [""]
+    if "mixed" not in skip:
+        report += bench_mixed(ours, p, knee) + [""]
     if "layout" not in skip:
         report += bench_layout(ours, p) + [""]
     base.measure(args.quick)

@@ -70,3 +70,20 @@ def test_bench_engine_checks_every_attention_variant_on_a_real_batch(model_dir):
     fns = [tool.ragged_attention, tool.make_gather_attention(ours.block_size),
            tool.make_batched_gather(ours.block_size)]
     tool.check_attention(ours, fns, 4, 40)  # raises if a variant disagrees or the build changed
+
+
+def test_the_mixed_step_runs_a_chunk_beside_decode_rows_and_gives_the_blocks_back(model_dir):
+    """``EngineDriver.mixed`` (tools/bench_engine.py's mixed section): a real runner step of a
+    prompt chunk and decode rows over KV already in the pool, repeatable, every block freed."""
+    from tetri_server.bench.cpu import Timer
+    from tetri_server.bench.engine_driver import EngineDriver
+
+    ours = EngineDriver(Timer("cpu"), model_dir("llama"), 4, 64, 4)
+    alloc = ours.eng.kv_manager.allocator
+    free = alloc.num_free
+    for chunk, rows in ((24, 3), (0, 3), (24, 0)):
+        with ours.mixed(chunk, rows, 40) as run:
+            assert alloc.num_free < free
+            run()
+            run()  # the same step again: its sequences are reset each time
+        assert alloc.num_free == free

@@ -232,6 +232,45 @@ class EngineDriver:
             for seq in seqs:
                 self.eng.kv_manager.free(seq)
 
+    # -- a prompt chunk beside decode rows: one runner step, as a prefill worker that keeps
+    #    requests runs it (their rows ride in its prompt chunks)
+
+    @contextmanager
+    def mixed(self, chunk: int, rows: int, ctx: int) -> Iterator[Callable[[], None]]:
+        """One step of ``chunk`` prompt tokens (none: 0) and ``rows`` decode rows, each over
+        ``ctx`` tokens of KV already in the pool."""
+        seqs: list[Seq] = []
+        try:
+            prompt = self.new_seq(chunk) if chunk else None
+            if prompt is not None:
+                seqs.append(prompt)
+                if not self.eng.kv_manager.reserve(prompt, chunk):
+                    raise RuntimeError("KV pool too small for the mixed-step benchmark")
+            decodes = []
+            for _ in range(rows):
+                seq = self.new_seq(ctx + 1, computed=ctx)
+                seq.num_prompt = ctx
+                seqs.append(seq)
+                if not self.eng.kv_manager.reserve(seq, ctx + 1):
+                    raise RuntimeError("KV pool too small for the mixed-step benchmark")
+                base = seq.blocks[0] * self.block_size
+                self.eng.kv[:, :, :, base:base + ctx].copy_(self.kv_template[:, :, :, :ctx])
+                decodes.append(seq)
+            items = ([ScheduledSeq(prompt, chunk)] if prompt is not None else []) + [
+                ScheduledSeq(seq, 1) for seq in decodes]
+
+            def run() -> None:
+                if prompt is not None:
+                    prompt.num_computed = 0
+                for seq in decodes:
+                    seq.num_computed = ctx
+                self.eng.runner.execute(StepPlan(list(items)))
+
+            yield run
+        finally:
+            for seq in seqs:
+                self.eng.kv_manager.free(seq)
+
     # -- decode: engine.step() over B running sequences with ``ctx`` tokens of KV
 
     @contextmanager
