@@ -60,3 +60,11 @@ def test_results_of_an_ablation_pool_the_repeats_per_workload_and_rate() -> None
     assert "| Mixed 1.5 req/s | coupled | 0.040 (n=4) | - | 0.300 (n=4) |" in table
     assert "| Mixed 1.5 req/s | default | 0.040 (n=4), 1.00x | - | 0.450 (n=4), 1.50x |" in table
     assert table.count("| Mixed 1.5 req/s |") == 2
+
+
+def test_a_trace_at_its_own_timing_is_named_by_its_workload() -> None:
+    """A results.json run without a rate (a trace replayed at its own timing) still gets its
+    row, named by the workload alone."""
+    run = _banded(1.0, {50: 0.04}, 0.02, "coupled").to_dict()
+    run["workload"]["rate_rps"] = None
+    assert "| Mixed | coupled | 0.040 (n=2) |" in breakdown_table(results_as_sweep([run]))

@@ -44,8 +44,7 @@ def breakdown_table(result: dict[str, Any]) -> str:
     ref = next((m for m in modes if m["mode"] == ref_label), None)
     lo, hi = PROMPT_BANDS
     names = [f"< {lo}", f"{lo}-{hi - 1}", f">= {hi}"]
-    head = ("| load | mode | " + " | ".join(f"TTFT mean, prompt {n} tokens (s)"
-                                                    for n in names)
+    head = ("| load | mode | " + " | ".join(f"TTFT mean, prompt {n} tokens (s)" for n in names)
             + " | gap p50 / p90 / p99 (ms) |\n" + "|---" * (3 + len(names)) + "|\n")
     rows = []
     for i, rate in enumerate(modes[0]["rates"] if modes else []):
@@ -81,7 +80,8 @@ def results_as_sweep(results: Sequence[dict[str, Any]],
     pooled: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for r in results:
         w = r["workload"]
-        load = f"{w['name']} {w['rate_rps']:g} req/s"
+        rate = w.get("rate_rps")  # None: a trace at its own timing
+        load = w["name"] if rate is None else f"{w['name']} {rate:g} req/s"
         if load not in loads:
             loads.append(load)
         pooled.setdefault((r["mode"], load), []).extend(r["records"])
