@@ -68,3 +68,51 @@ def test_a_trace_at_its_own_timing_is_named_by_its_workload() -> None:
     run = _banded(1.0, {50: 0.04}, 0.02, "coupled").to_dict()
     run["workload"]["rate_rps"] = None
     assert "| Mixed | coupled | 0.040 (n=2) |" in breakdown_table(results_as_sweep([run]))
+
+
+def test_cdfs_are_drawn_per_load_with_a_line_per_mode(tmp_path, monkeypatch) -> None:
+    """From a results.json list: one PNG per workload and rate, named after it; the CLI prints
+    the table and the files it wrote."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    from tetri_server.bench import breakdown, report
+
+    runs = [_banded(1.5, {50: 0.04, 800: 0.30}, 0.02, "coupled"),
+            _banded(1.5, {50: 0.06, 800: 0.50}, 0.02, "default"),
+            _banded(2.2, {50: 0.05, 800: 0.40}, 0.02, "coupled"),
+            _banded(2.2, {50: 0.07, 800: 0.60}, 0.02, "default")]
+    saved = tmp_path / "results.json"
+    saved.write_text(json.dumps([r.to_dict() for r in runs]))
+    drawn: list[dict[str, list[float]]] = []
+    real = report.plot_record_cdfs
+
+    def spy(curves, title, path):  # the TTFTs each line is drawn from
+        drawn.append({m: sorted(r.first_token_s for r in recs) for m, recs in curves.items()})
+        real(curves, title, path)
+
+    monkeypatch.setattr(breakdown, "plot_record_cdfs", spy)
+    assert breakdown.main([str(saved), "--cdf-dir", str(tmp_path / "png")]) == 0
+    files = sorted(p.name for p in (tmp_path / "png").iterdir())
+    assert files == ["cdf_Mixed_1.5_req_s.png", "cdf_Mixed_2.2_req_s.png"]
+    assert all((tmp_path / "png" / f).read_bytes()[:4] == b"\x89PNG" for f in files)
+    assert drawn[0] == {"coupled": [0.04, 0.04, 0.30, 0.30], "default": [0.06, 0.06, 0.50, 0.50]}
+    assert drawn[1]["default"] == [0.07, 0.07, 0.60, 0.60]
+    plt.close("all")
+
+
+def test_compare_cdfs_pool_the_runs_of_a_mode(tmp_path, monkeypatch) -> None:
+    """``report.plot_cdfs`` (bench compare): two runs of one mode are one line of both runs'
+    requests, not two lines with the same label."""
+    from tetri_server.bench import report
+
+    seen: list[dict[str, int]] = []
+    monkeypatch.setattr(report, "plot_record_cdfs",
+                        lambda curves, title, path: seen.append(
+                            {m: len(recs) for m, recs in curves.items()}))
+    runs = [_banded(1.0, {50: 0.04}, 0.02, "coupled"), _banded(1.0, {50: 0.05}, 0.02, "coupled"),
+            _banded(1.0, {50: 0.06}, 0.02, "default")]
+    report.plot_cdfs(runs, tmp_path / "cdf.png")
+    assert seen == [{"coupled": 4, "default": 2}]

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from tetri_server.bench import report
-from tetri_server.bench.breakdown import breakdown_table, results_as_sweep
+from tetri_server.bench.breakdown import breakdown_table, plot_load_cdfs, results_as_sweep
 from tetri_server.bench.compare import (
     CompareOptions,
     ServerSpec,
@@ -309,7 +309,10 @@ def main(args: argparse.Namespace, build: Callable[[argparse.Namespace],
             print(f"ablation: repeat {k + 1}/{args.repeat}, row {r.name}", file=sys.stderr)
             results += run_against(spec, built, replace(opts, out_dir=args.out / f"r{k}"))
     text = tables(rows, results, slo)
-    text += "\n" + breakdown_table(results_as_sweep([r.to_dict() for r in results]))
+    pooled = results_as_sweep([r.to_dict() for r in results])
+    text += "\n" + breakdown_table(pooled)
+    if not args.no_plots:
+        plot_load_cdfs(pooled, args.out)  # cdf_<workload>_<rate>.png, every row's requests
     out_json = args.json or args.out / "ablation.json"
     out_json.parent.mkdir(parents=True, exist_ok=True)
     payload = {"argv": args.argv, "rows": [vars_of(r, args.pool_blocks) for r in rows],

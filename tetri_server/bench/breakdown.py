@@ -1,21 +1,26 @@
 """Where a mode is slow, from saved results: per load and mode, the mean TTFT of the requests
 whose prompt falls in each band of ``PROMPT_BANDS`` (with its ratio to a reference mode's) and
 the inter-token gaps' p50 / p90 / p99. ``bench sweep`` and ``bench ablation`` append it to their
-table; ``python -m tetri_server.bench.breakdown FILE`` prints it for a sweep.json or the
-results.json of ``bench compare`` / ``bench ablation`` (also ones written before it existed)."""
+table; ``python -m tetri_server.bench.breakdown FILE [--cdf-dir DIR]`` prints it for a
+sweep.json or the results.json of ``bench compare`` / ``bench ablation`` (also ones written
+before it existed) and, with ``--cdf-dir``, draws the TTFT and JCT CDFs of every load there
+(``bench ablation`` draws them beside its table unless ``--no-plots``)."""
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
+import re
 from collections.abc import Sequence
 from dataclasses import fields
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from tetri_server.bench.client import RequestRecord
 from tetri_server.bench.metrics import itls_s, ttft_s
+from tetri_server.bench.report import plot_record_cdfs
 
 PROMPT_BANDS = (128, 512)  # prompt tokens: < 128, 128-511, >= 512
 
@@ -24,6 +29,10 @@ def _records(point: dict[str, Any]) -> list[RequestRecord]:
     names = {f.name for f in fields(RequestRecord)}
     recs = [RequestRecord(**{k: v for k, v in r.items() if k in names}) for r in point["records"]]
     return [r for r in recs if r.ok]
+
+
+def _load_name(rate: float | str) -> str:
+    return rate if isinstance(rate, str) else f"{rate:g} req/s"
 
 
 def _band_ttfts(recs: Sequence[RequestRecord]) -> list[list[float]]:
@@ -48,7 +57,7 @@ def breakdown_table(result: dict[str, Any]) -> str:
             + " | gap p50 / p90 / p99 (ms) |\n" + "|---" * (3 + len(names)) + "|\n")
     rows = []
     for i, rate in enumerate(modes[0]["rates"] if modes else []):
-        at = rate if isinstance(rate, str) else f"{rate:g} req/s"
+        at = _load_name(rate)
         ref_bands = _band_ttfts(_records(ref["points"][i])) if ref is not None else None
         for m in modes:
             recs = _records(m["points"][i])
@@ -92,9 +101,33 @@ def results_as_sweep(results: Sequence[dict[str, Any]],
     return {"modes": modes, "slo_calibration": {"source": reference}}
 
 
+def plot_load_cdfs(result: dict[str, Any], out_dir: Path) -> list[Path]:
+    """One PNG per load in ``result`` (the shape ``breakdown_table`` reads): the TTFT and JCT
+    CDFs of every mode's requests there, repeats pooled. Returns the files written."""
+    modes = result["modes"]
+    paths = []
+    for i, rate in enumerate(modes[0]["rates"] if modes else []):
+        at = _load_name(rate)
+        path = out_dir / f"cdf_{re.sub(r'[^A-Za-z0-9.]+', '_', at).strip('_')}.png"
+        plot_record_cdfs({m["mode"]: _records(m["points"][i]) for m in modes}, at, path)
+        paths.append(path)
+    return paths
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tetri_server.bench.breakdown",
+                                description=(__doc__ or "").split("\n\n")[0])
+    p.add_argument("file", type=Path, help="a sweep.json, or a compare/ablation results.json")
+    p.add_argument("--cdf-dir", type=Path, help="also draw each load's TTFT/JCT CDFs here")
+    args = p.parse_args(argv)
+    saved = json.loads(args.file.read_text())
+    result = saved if isinstance(saved, dict) else results_as_sweep(saved)
+    print(breakdown_table(result))
+    if args.cdf_dir is not None:
+        for path in plot_load_cdfs(result, args.cdf_dir):
+            print(f"wrote {path}")
+    return 0
+
+
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit("usage: python -m tetri_server.bench.breakdown SWEEP_OR_RESULTS_JSON")
-    with open(sys.argv[1]) as f:
-        saved = json.load(f)
-    print(breakdown_table(saved if isinstance(saved, dict) else results_as_sweep(saved)))
+    raise SystemExit(main())

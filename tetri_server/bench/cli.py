@@ -10,7 +10,9 @@ ablation one table per workload, each row one server changing one thing from the
          (bench/ablation.py), each against coupled in the same run; --dry-run prints them
 run and compare write results.json (config, summaries, every request), table.md and PNG plots
 to --out; sweep writes --json (default --out/sweep.json), table.md, goodput.png (attainment,
-TTFT and TPOT against the rate per mode) and the server logs.
+TTFT and TPOT against the rate per mode), cdf_<rate>_req_s.png (TTFT and JCT CDFs per mode)
+and the server logs; ablation writes results.json, ablation.json, table.md and
+cdf_<workload>_<rate>_req_s.png (a line per row, repeats pooled). --no-plots: no PNG.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from typing import Any
 import aiohttp
 
 from tetri_server.bench import ablation, data, report
-from tetri_server.bench.breakdown import breakdown_table
+from tetri_server.bench.breakdown import breakdown_table, plot_load_cdfs
 from tetri_server.bench.client import (
     ClientConfig,
     add_server_arguments,
@@ -405,6 +407,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     (out_json.parent / "table.md").write_text(text)
     if not args.no_plots:
         report.plot_sweep(result, out_json.parent / "goodput.png")
+        plot_load_cdfs(result, out_json.parent)  # cdf_<rate>_req_s.png, every mode's requests
     print(text)
     print(f"results in {out_json}", file=sys.stderr)
     return 0 if all(r.summary.num_errors == 0 for s in sweeps for r in s.results) else 1

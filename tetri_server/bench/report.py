@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import json
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tetri_server.bench.client import RunResult
+from tetri_server.bench.client import RequestRecord, RunResult
 from tetri_server.bench.metrics import Summary, jct_s, ttft_s
 from tetri_server.bench.workload import WorkloadSpec
 
@@ -160,20 +160,30 @@ def _save(plt: Any, fig: Any, path: Path) -> None:
 
 
 def plot_cdfs(results: Sequence[BenchResult], path: Path) -> None:
-    """CDFs of TTFT and JCT, one line per mode (pass the results of one workload)."""
+    """CDFs of TTFT and JCT, one line per mode (pass the results of one workload; the runs of
+    a mode, its repeats, are pooled)."""
+    curves: dict[str, list[RequestRecord]] = {}
+    for r in results:
+        curves.setdefault(r.mode, []).extend(r.run.records)
+    names = sorted({r.spec.name for r in results})
+    plot_record_cdfs(curves, f"workload {', '.join(names)}", path)
+
+
+def plot_record_cdfs(curves: Mapping[str, Sequence[RequestRecord]], title: str,
+                     path: Path) -> None:
+    """CDFs of TTFT and JCT of the requests that succeeded, one line per label."""
     plt = _pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, (label, fn) in zip(axes, (("TTFT (s)", ttft_s), ("JCT (s)", jct_s)), strict=True):
-        for r in results:
-            xs = sorted(fn(rec) for rec in r.run.records if rec.ok)
+        for name, records in curves.items():
+            xs = sorted(fn(rec) for rec in records if rec.ok)
             ys = [(i + 1) / len(xs) for i in range(len(xs))]
-            ax.step(xs, ys, where="post", label=r.mode)
+            ax.step(xs, ys, where="post", label=name)
         ax.set_xlabel(label)
         ax.set_ylabel("fraction of requests")
         ax.grid(alpha=0.3)
         ax.legend()
-    names = sorted({r.spec.name for r in results})
-    fig.suptitle(f"workload {', '.join(names)}")
+    fig.suptitle(title)
     _save(plt, fig, path)
 
 
