@@ -306,7 +306,13 @@ QUICK = Params([32, 128, 512, 2048], [1, 32], [128, 1024], prefill_reps=2, decod
                layout_configs=[(16, 1024)])
 
 
-def bench_prefill(ours: Ours, hf: HF, base: Baselines, p: Params) -> tuple[list[str], int, float]:
+# A section measures, then returns its table as a function: main renders every table after the
+# end-of-run baselines, so that each ratio to the matmul peak or memcpy bandwidth is to the
+# highest of the start and end measurements (the header's promise), not to the start's alone.
+Table = Callable[[], tuple[list[str], Any]]
+
+
+def bench_prefill(ours: Ours, hf: HF, base: Baselines, p: Params) -> tuple[Table, int]:
     sh = ours.shape
     rows: list[dict[str, float]] = []
     for c in p.chunk_sizes:
@@ -333,6 +339,12 @@ def bench_prefill(ours: Ours, hf: HF, base: Baselines, p: Params) -> tuple[list[
                          f_pack=sh.prefill_flops(lens), f_one=sh.prefill_flops([c]),
                          f_lin=2 * sh.matmul_params * c + 2 * sh.head_params * len(lens)))
     knee = knee_of([(int(r["c"]), r["pack"]) for r in rows])
+    return lambda: prefill_table(ours, base, p, rows, knee), knee
+
+
+def prefill_table(ours: Ours, base: Baselines, p: Params, rows: list[dict[str, float]],
+                  knee: int) -> tuple[list[str], float]:
+    """The prefill table and the knee's % of the matmul peak."""
     peak = base.peak
     share = ours.timer.share_text
     out = [
@@ -358,14 +370,11 @@ def bench_prefill(ours: Ours, hf: HF, base: Baselines, p: Params) -> tuple[list[
             f"| {mark} | {c / r['pack']:.0f} | {gf:.1f} | {100 * gf / peak:.0f}% "
             f"| {100 * r['f_lin'] / r['lin'] / 1e9 / peak:.0f}% | {c / r['one']:.0f} "
             f"| {c / r['hf']:.0f} | {r['hf'] / r['one']:.2f}x |")
-    return out, knee, knee_pct
+    return out, knee_pct
 
 
-def bench_decode(ours: Ours, hf: HF, base: Baselines,
-                 p: Params) -> tuple[list[str], dict[int, float]]:
-    sh = ours.shape
-    rows: list[str] = []
-    ratio_b32: dict[int, float] = {}
+def bench_decode(ours: Ours, hf: HF, base: Baselines, p: Params) -> Table:
+    times: list[tuple[int, int, float, float]] = []  # ctx, batch, ours, HF
     for ctx in p.contexts:
         for b in p.batches:
             log(f"decode ctx={ctx} B={b}")
@@ -373,15 +382,26 @@ def bench_decode(ours: Ours, hf: HF, base: Baselines,
                 b, ctx, p.decode_steps, p.decode_warmup, "decode-ours"))
             t_hf = statistics.median(hf.decode_step_times(
                 b, ctx, p.hf_new_tokens, ours.vocab, "decode-hf"))
-            read = sh.weight_bytes + sh.kv_bytes(b, ctx)
-            gbps = read / t_ours / 1e9
-            roof = roofline_s(sh, base, b, ctx)
-            if b == 32:
-                ratio_b32[ctx] = t_hf / t_ours
-            rows.append(
-                f"| {ctx} | {b} | {1e3 * t_ours:.1f} | {b / t_ours:.0f} | {1e3 * t_hf:.1f} "
-                f"| {b / t_hf:.0f} | **{t_hf / t_ours:.2f}x** | {gbps:.1f} "
-                f"| {100 * gbps / base.bandwidth:.0f}% | {1e3 * roof:.1f} | {t_hf / roof:.1f}x |")
+            times.append((ctx, b, t_ours, t_hf))
+    return lambda: decode_table(ours, base, p, times)
+
+
+def decode_table(ours: Ours, base: Baselines, p: Params,
+                 times: list[tuple[int, int, float, float]]) -> tuple[list[str], dict[int, float]]:
+    """The decode table and ours/HF at batch 32 per context."""
+    sh = ours.shape
+    rows: list[str] = []
+    ratio_b32: dict[int, float] = {}
+    for ctx, b, t_ours, t_hf in times:
+        read = sh.weight_bytes + sh.kv_bytes(b, ctx)
+        gbps = read / t_ours / 1e9
+        roof = roofline_s(sh, base, b, ctx)
+        if b == 32:
+            ratio_b32[ctx] = t_hf / t_ours
+        rows.append(
+            f"| {ctx} | {b} | {1e3 * t_ours:.1f} | {b / t_ours:.0f} | {1e3 * t_hf:.1f} "
+            f"| {b / t_hf:.0f} | **{t_hf / t_ours:.2f}x** | {gbps:.1f} "
+            f"| {100 * gbps / base.bandwidth:.0f}% | {1e3 * roof:.1f} | {t_hf / roof:.1f}x |")
     out = [
         f"Decode: median step ({ours.timer.kind} time) of {p.decode_steps} engine.step() calls "
         f"(ours) and of the {p.hf_new_tokens - 1} step intervals of HF generate() (greedy, "
@@ -405,8 +425,7 @@ def roofline_s(sh: Shape, base: Baselines, batch: int, ctx: int) -> float:
     return max(sh.decode_flops(batch, ctx) / (base.peak * 1e9), read / (base.bandwidth * 1e9))
 
 
-def bench_attention_op(ours: Ours, base: Baselines, p: Params,
-                       knee: int) -> tuple[list[str], dict[int, float]]:
+def bench_attention_op(ours: Ours, base: Baselines, p: Params, knee: int) -> Table:
     """Decode at batch 32 and the packed prefill at the knee, before (per-sequence SDPA loop,
     F.linear, eager norms/RoPE/SiLU) and after (one attention op per layer, prepacked linears,
     fused layer ops), adding one change at a time in between; interleaved round robin over the
@@ -424,8 +443,8 @@ def bench_attention_op(ours: Ours, base: Baselines, p: Params,
         return (row + f" {1e3 * roof:.1f} | {t['before'] / roof:.2f}x "
                 f"| **{t['after'] / roof:.2f}x** |")
 
-    rows, ratios = [], {}
     batch = 32
+    decode_med: dict[int, dict[str, float]] = {}
     for ctx in p.contexts:
         times: dict[str, list[float]] = {name: [] for name, *_ in variants}
         for _ in range(2):
@@ -434,10 +453,7 @@ def bench_attention_op(ours: Ours, base: Baselines, p: Params,
                 with ours.kernels(fn, linears, fused):
                     times[name] += ours.decode_step_times(batch, ctx, p.decode_steps,
                                                           p.decode_warmup, "attention")
-        med = {name: statistics.median(ts) for name, ts in times.items()}
-        roof = roofline_s(ours.shape, base, batch, ctx)
-        ratios[ctx] = med["after"] / roof
-        rows.append(f"| decode B={batch} ctx={ctx} " + cells(med, roof))
+        decode_med[ctx] = {name: statistics.median(ts) for name, ts in times.items()}
     log(f"attention op and linears, before/after: prefill C={knee}")
     with ours.prefill(packed_lens(knee, p.pack_len)) as run:
         times = {name: [] for name, *_ in variants}
@@ -445,21 +461,31 @@ def bench_attention_op(ours: Ours, base: Baselines, p: Params,
             for name, fn, linears, fused in variants:
                 with ours.kernels(fn, linears, fused):
                     times[name].append(ours.timer.timed(run, "attention"))
-    rows.append(f"| prefill C={knee} packed "
-                + cells({name: min(ts[1:]) for name, ts in times.items()}, None))
-    out = [f"Before/after ({ours.timer.kind} time; decode median of {2 * p.decode_steps} steps, "
-           f"prefill best of {p.prefill_reps}). before = per-sequence SDPA loop + F.linear + "
-           "eager norms/RoPE/SiLU + `index_copy_`; op = one `tetri::ragged_attention` call per "
-           "layer; onednn = + prepacked oneDNN linears; fused = + the fused layer ops "
-           "(`tetri::rms_norm`, `add_rms_norm`, `rope_`, `silu_mul`, `write_kv`); after = + "
-           "`tetri::packed_linear` instead of oneDNN and `tetri::packed_glu` (gate|up with "
-           "SiLU-and-mul in the tile) instead of gate|up then `silu_mul` (what the engine "
-           "runs). Interleaved; "
-           f"roofline as in the decode table; CPU share {ours.timer.share_text('attention')}", "",
-           "| step | before ms | op ms | onednn ms | fused ms | after ms | before/after "
-           "| fused/after | roofline ms | before/roofline | after/roofline |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|", *rows]
-    return out, ratios
+    prefill_best = {name: min(ts[1:]) for name, ts in times.items()}
+
+    def table() -> tuple[list[str], dict[int, float]]:
+        rows, ratios = [], {}
+        for ctx, med in decode_med.items():
+            roof = roofline_s(ours.shape, base, batch, ctx)
+            ratios[ctx] = med["after"] / roof
+            rows.append(f"| decode B={batch} ctx={ctx} " + cells(med, roof))
+        rows.append(f"| prefill C={knee} packed " + cells(prefill_best, None))
+        head = [
+            f"Before/after ({ours.timer.kind} time; decode median of {2 * p.decode_steps} "
+            f"steps, prefill best of {p.prefill_reps}). before = per-sequence SDPA loop + "
+            "F.linear + eager norms/RoPE/SiLU + `index_copy_`; op = one "
+            "`tetri::ragged_attention` call per layer; onednn = + prepacked oneDNN linears; "
+            "fused = + the fused layer ops (`tetri::rms_norm`, `add_rms_norm`, `rope_`, "
+            "`silu_mul`, `write_kv`); after = + `tetri::packed_linear` instead of oneDNN and "
+            "`tetri::packed_glu` (gate|up with SiLU-and-mul in the tile) instead of gate|up then "
+            "`silu_mul` (what the engine runs). Interleaved; roofline as in the decode table; "
+            f"CPU share {ours.timer.share_text('attention')}", "",
+            "| step | before ms | op ms | onednn ms | fused ms | after ms | before/after "
+            "| fused/after | roofline ms | before/roofline | after/roofline |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        return head + rows, ratios
+
+    return table
 
 
 def bench_mixed(ours: Ours, p: Params, knee: int) -> list[str]:
@@ -663,24 +689,27 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.dtype}, {sh.weight_bytes / 1e6:.0f} MB read per decode step)",
         "",
     ]
-    results: dict[str, float] = {}
-    ratios: dict[int, float] = {}
+    tables: dict[str, Table] = {}  # rendered after the end-of-run baselines
     knee = 256
     if "prefill" not in skip:
-        lines, knee, results["knee_pct"] = bench_prefill(ours, hf, base, p)
-        report += lines + [""]
+        tables["knee_pct"], knee = bench_prefill(ours, hf, base, p)
     if "decode" not in skip:
-        lines, ratios = bench_decode(ours, hf, base, p)
-        report += lines + [""]
-    attn_ratios: dict[int, float] = {}
+        tables["ratios"] = bench_decode(ours, hf, base, p)
     if "attention" not in skip:
-        lines, attn_ratios = bench_attention_op(ours, base, p, knee)
-        report += lines + [""]
+        tables["attn_ratios"] = bench_attention_op(ours, base, p, knee)
+    later = []
     if "mixed" not in skip:
-        report += bench_mixed(ours, p, knee) + [""]
+        later += bench_mixed(ours, p, knee) + [""]
     if "layout" not in skip:
-        report += bench_layout(ours, p) + [""]
+        later += bench_layout(ours, p) + [""]
     base.measure(args.quick)
+    results: dict[str, Any] = {}
+    for key, table in tables.items():
+        lines, results[key] = table()
+        report += lines + [""]
+    report += later
+    ratios: dict[int, float] = results.get("ratios", {})
+    attn_ratios: dict[int, float] = results.get("attn_ratios", {})
     report[4:4] = [
         f"Baselines (start / end of the run, the max is used): {args.dtype} matmul 2048^3 "
         f"{' / '.join(f'{g:.1f}' for g in base.peak_gflops)} GFLOP/s; np.copyto "
