@@ -171,3 +171,93 @@ def test_prefill_first_plan_pauses_decodes_and_never_splits() -> None:
     assert [s.req_id for s in step.slices] == [1, 2]
     queue.advance(step.slices)
     assert prefill_first_plan(queue, [7, 8], 512).decode_req_ids == (7, 8)
+
+
+def shapes(plan: ChunkPlan | None) -> list[tuple[int, int, int]]:
+    assert plan is not None
+    return [(s.req_id, s.start, s.num_tokens) for s in plan.slices]
+
+
+def started_long_then(shorts: list[int], chunk: int = 512, **kw) -> tuple[PrefillQueue, Chunker]:
+    """A 3000-token prompt whose first chunk ran, then ``shorts`` waiting behind it."""
+    queue = make_queue([3000])
+    chunker = Chunker(chunk, **kw)
+    chunker.on_done(queue, chunker.plan(queue))  # type: ignore[arg-type]
+    for i, n in enumerate(shorts, start=1):
+        queue.add(i, n, arrival_s=float(i))
+    return queue, chunker
+
+
+def test_with_an_overtake_share_short_prompts_go_ahead_of_a_started_long_one() -> None:
+    """Shortest remaining work first at step granularity: prompts that fit whole in half the
+    chunk ride in the next chunk; the started prompt fills the rest, and stays the head."""
+    queue, chunker = started_long_then([100, 300, 120], overtake_share=0.5)
+    plan = chunker.plan(queue)
+    # 100 fits the 256 tokens, 300 does not, 120 fits what is left; the head takes the rest
+    assert shapes(plan) == [(0, 512, 292), (1, 0, 100), (3, 0, 120)]
+    assert plan is not None and plan.num_pad == 0
+    assert chunker.on_done(queue, plan) == [1, 3]
+    assert order(queue) == [0, 2]
+    assert shapes(chunker.plan(queue)) == [(0, 804, 512)]  # 300 > 256: it waits its turn
+
+
+def test_without_an_overtake_share_prefill_stays_non_preemptive() -> None:
+    queue, chunker = started_long_then([100])
+    assert shapes(chunker.plan(queue)) == [(0, 512, 512)]
+
+
+def test_overtaking_keeps_the_started_prompts_share_and_finishes_every_prompt() -> None:
+    """A stream of short prompts, one per chunk, cannot hold the long one to less than the
+    unshared part of each chunk; every prompt is prefilled exactly once, in order of its
+    tokens."""
+    queue, chunker = started_long_then([], overtake_share=0.25)
+    progress, done = [512], []
+    for step in range(1, 40):
+        if step <= 12:
+            queue.add(step, 100, arrival_s=float(step))
+        if not len(queue):
+            break
+        plan = chunker.plan(queue)
+        assert plan is not None
+        head = [s for s in plan.slices if s.req_id == 0]
+        if head:
+            assert head[0].start == progress[-1]
+            assert head[0].num_tokens == min(412, 3000 - progress[-1])
+            progress.append(head[0].end)
+        done += chunker.on_done(queue, plan)
+    assert progress[-1] == 3000 and sorted(done) == list(range(13))
+    assert done[:7] == [1, 2, 3, 4, 5, 6, 0]  # each short one in the chunk after it came
+
+
+def test_an_overtaker_that_lacks_blocks_is_skipped_and_the_started_head_still_runs() -> None:
+    queue, chunker = started_long_then([400, 64], overtake_share=0.9, block_size=16)
+    # no free blocks: nothing new starts, the started head runs alone
+    assert shapes(chunker.plan(queue, num_free_blocks=0)) == [(0, 512, 512)]
+    # 4 blocks: the 400-token prompt (25 blocks) is skipped, the 64-token one (4) overtakes
+    assert shapes(chunker.plan(queue, num_free_blocks=4)) == [(0, 512, 448), (2, 0, 64)]
+
+
+def test_no_overtaking_while_the_head_has_not_started() -> None:
+    """Overtaking an unstarted head could hold its blocks off for ever; the head's own pass
+    starts it, and the next one lets short prompts by."""
+    queue = make_queue([3000, 50])
+    chunker = Chunker(512, overtake_share=0.5, block_size=16)
+    assert shapes(chunker.plan(queue, num_free_blocks=200)) == [(0, 0, 512)]
+
+
+def test_the_overtakers_leave_a_sequence_slot_for_the_head() -> None:
+    queue, chunker = started_long_then([10, 10, 10], overtake_share=0.5, max_seqs=3)
+    assert shapes(chunker.plan(queue)) == [(0, 512, 492), (1, 0, 10), (2, 0, 10)]
+
+
+def test_mixed_steps_share_their_prompt_tokens_the_same_way() -> None:
+    queue, _ = started_long_then([40, 40])
+    plan = coupled_chunked_plan(queue, [7, 8], 130, overtake_share=0.5)
+    assert plan.decode_req_ids == (7, 8)
+    assert [(s.req_id, s.start, s.num_tokens) for s in plan.slices] == [(0, 512, 88), (1, 0, 40)]
+
+
+@pytest.mark.parametrize("share", [-0.1, 1.0])
+def test_an_overtake_share_outside_0_to_1_is_refused(share: float) -> None:
+    with pytest.raises(ValueError, match="overtake share"):
+        Chunker(512, overtake_share=share)

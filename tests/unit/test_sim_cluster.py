@@ -495,3 +495,27 @@ def test_elastic_prompt_first_runs_a_backlog_within_a_mixed_step_alone() -> None
 
     assert chunks_beside_kept(cfg) == 0
     assert chunks_beside_kept(dataclasses.replace(cfg, local_decode_prompt_first=True)) > 0
+
+
+def test_with_an_overtake_share_short_prompts_start_sooner_behind_long_ones() -> None:
+    """``overtake_share`` in the simulator (the worker's ``Chunker``): short prompts ride in a
+    started long one's next chunks; their mean time to first token drops, every request still
+    finishes, and the long ones wait at most a little longer."""
+    cost = CostModel(load_hardware("this-cpu"), load_model("bench"))
+    reqs = from_workload(WorkloadSpec("Mixed", 120, 1, 1024, rate_rps=2.0))
+    cfg = SimConfig(decode_policy="greedy", max_model_len=2048, chunk_size=256)
+
+    def ttft_s(c: SimConfig, short: bool) -> float:
+        sim = Simulation(c, cost, [dataclasses.replace(r) for r in reqs])
+        sim.run()
+        assert all(r.error is None and r.end_s is not None for r in sim.requests)
+        waits = [r.first_token_s - r.arrival_s for r in sim.requests
+                 if (r.prompt_len < 128) == short]
+        return sum(waits) / len(waits)
+
+    shared = dataclasses.replace(cfg, overtake_share=0.5)
+    assert ttft_s(shared, short=True) < 0.8 * ttft_s(cfg, short=True)
+    assert ttft_s(shared, short=False) < 1.2 * ttft_s(cfg, short=False)
+    records = decisions_of(shared, cost, reqs, 0)
+    assert any(any(s > 0 for _, s, _ in r["slices"]) and sum(s == 0 for _, s, _ in r["slices"])
+               for r in records if r["kind"] == "chunk")

@@ -276,6 +276,12 @@ class PrefillConfig(_Section):
     """Queue order by prompt length: fcfs, sjf (shortest first) or ljf (longest first)."""
     sched_batch: int = 16
     """Sort window: waiting requests reordered together by the policy."""
+    overtake_share: float = 0.0
+    """Disaggregated mode: while a started prompt is being prefilled, up to this share of each
+    prefill step's prompt tokens goes first to waiting prompts that fit in it whole (shortest
+    remaining work first, at step granularity: a short prompt waits one step, not the rest of
+    a long one); the started prompt keeps the rest of each step, so it finishes at most
+    1 / (1 - share) times later. 0: prefill is non-preemptive (the paper)."""
     token_budget: int = 512
     """coupled-chunked mode: tokens per step, decode tokens first, prompt chunks fill the rest."""
     local_decode_batch: int = 16
@@ -327,6 +333,8 @@ class PrefillConfig(_Section):
 
     def _validate(self) -> None:
         self._at_least("chunk_size", 0)
+        if not 0 <= self.overtake_share < 1:
+            raise ConfigError(f"prefill.overtake_share = {self.overtake_share} must be in [0, 1)")
         self._at_least("local_decode_chunk", 0)
         self._at_least("local_decode_full_chunk_backlog", 0)
         if not 0 <= self.local_decode_full_chunk_share <= 1:

@@ -6,7 +6,10 @@ runtime executes the plan, then calls ``queue.advance(plan.slices)`` (``Chunker.
 to record progress. KV blocks: a request's blocks for its whole prompt are allocated by the
 runtime when its first slice runs (``ChunkSlice.is_first``); given ``num_free_blocks`` the
 planner never starts a request whose prompt does not fit, and stops there (no overtaking, so a
-long prompt cannot starve behind short ones).
+long prompt cannot starve behind short ones). The one exception is opt-in
+(``num_overtake_tokens``, ``prefill.overtake_share``): while the head prompt has started, a
+bounded part of each step goes to waiting prompts that fit in it whole, blocks included. Such a
+prompt completes in the step it starts, so started prompts remain the queue's head.
 """
 
 from __future__ import annotations
@@ -72,16 +75,32 @@ def take_slices(
     max_seqs: int | None = None,
     num_free_blocks: int | None = None,
     block_size: int = 16,
+    num_overtake_tokens: int = 0,
 ) -> tuple[ChunkSlice, ...]:
     """Fill ``num_budget_tokens`` with prompt slices in queue order. ``split``: long prompts
     are cut at the budget; otherwise only whole remaining prompts are taken, except that the
-    head is always taken whole (a prompt longer than the budget must still run)."""
+    head is always taken whole (a prompt longer than the budget must still run).
+    ``num_overtake_tokens`` (with ``split``): while the head has started, up to this many
+    tokens go first to the waiting prompts that fit in them whole (``overtakers``); they come
+    last in the returned slices, so a step cut short keeps the started head."""
+    ahead: tuple[ChunkSlice, ...] = ()
+    if split and num_overtake_tokens > 0:
+        ahead = overtakers(queue, min(num_overtake_tokens, num_budget_tokens),
+                           max_seqs=max_seqs, num_free_blocks=num_free_blocks,
+                           block_size=block_size)
+    taken = {piece.req_id for piece in ahead}
     slices: list[ChunkSlice] = []
-    budget = num_budget_tokens
+    budget = num_budget_tokens - sum(piece.num_tokens for piece in ahead)
     num_free = num_free_blocks
+    if num_free is not None:
+        num_free -= sum(num_blocks_for(piece.num_tokens, block_size) for piece in ahead)
+    if max_seqs is not None:
+        max_seqs -= len(ahead)
     for prompt in queue.iter_order():
         if budget <= 0 or (max_seqs is not None and len(slices) >= max_seqs):
             break
+        if prompt.req_id in taken:
+            continue
         n = min(budget, prompt.num_remaining_tokens) if split else prompt.num_remaining_tokens
         if not split and slices and n > budget:
             break
@@ -94,20 +113,66 @@ def take_slices(
             ChunkSlice(prompt.req_id, prompt.num_done_tokens, n, prompt.num_prompt_tokens)
         )
         budget -= n
-    return tuple(slices)
+    return (*slices, *ahead)
+
+
+def check_overtake_share(share: float) -> None:
+    """A share of 1 would let waiting prompts starve the started one."""
+    if not 0 <= share < 1:
+        raise ValueError(f"overtake share must be in [0, 1), got {share}")
+
+
+def overtakers(
+    queue: PrefillQueue,
+    num_budget_tokens: int,
+    *,
+    max_seqs: int | None = None,
+    num_free_blocks: int | None = None,
+    block_size: int = 16,
+) -> tuple[ChunkSlice, ...]:
+    """Shortest remaining work first, at step granularity: while the queue's head has started
+    (prefill is otherwise non-preemptive), the waiting prompts that fit whole in
+    ``num_budget_tokens``, in queue order, skipping any that does not fit (in the tokens left,
+    or in ``num_free_blocks``: a started head needs no new blocks, so a skip stalls nothing).
+    One sequence slot is left for the head. Empty when the head has not started."""
+    prompts = queue.iter_order()
+    head = next(prompts, None)
+    if head is None or not head.started:
+        return ()
+    out: list[ChunkSlice] = []
+    budget, num_free = num_budget_tokens, num_free_blocks
+    for prompt in prompts:
+        if budget <= 0 or (max_seqs is not None and len(out) >= max_seqs - 1):
+            break
+        n = prompt.num_remaining_tokens
+        if prompt.started or n > budget:
+            continue
+        need = num_blocks_for(n, block_size)
+        if num_free is not None:
+            if need > num_free:
+                continue
+            num_free -= need
+        out.append(ChunkSlice(prompt.req_id, 0, n, n))
+        budget -= n
+    return tuple(out)
 
 
 class Chunker:
     """TetriInfer's chunked prefill: every forward pass carries exactly ``chunk_size`` tokens
     (the throughput knee). Long prompts are split across passes, short ones packed together
-    (Tetris), only the last pass before the queue runs dry is padded."""
+    (Tetris), only the last pass before the queue runs dry is padded. ``overtake_share``:
+    while a started prompt is at the head, up to this share of each pass goes first to
+    waiting prompts that fit in it whole (``overtakers``); 0 = non-preemptive prefill."""
 
-    def __init__(self, chunk_size: int, *, block_size: int = 16, max_seqs: int | None = None):
+    def __init__(self, chunk_size: int, *, block_size: int = 16, max_seqs: int | None = None,
+                 overtake_share: float = 0.0):
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        check_overtake_share(overtake_share)
         self.chunk_size = chunk_size
         self.block_size = block_size
         self.max_seqs = max_seqs
+        self.overtake_share = overtake_share
 
     def plan(self, queue: PrefillQueue, num_free_blocks: int | None = None) -> ChunkPlan | None:
         """The next forward pass, or None when nothing can run (empty queue, or no blocks for
@@ -118,6 +183,7 @@ class Chunker:
             max_seqs=self.max_seqs,
             num_free_blocks=num_free_blocks,
             block_size=self.block_size,
+            num_overtake_tokens=int(self.overtake_share * self.chunk_size),
         )
         if not slices:
             return None
@@ -138,10 +204,13 @@ def coupled_chunked_plan(
     max_seqs: int | None = None,
     num_free_blocks: int | None = None,
     block_size: int = 16,
+    overtake_share: float = 0.0,
 ) -> MixedStepPlan:
     """Sarathi-like step: all running decodes (one token each) run; prompt slices fill what is
     left of the token budget. Decodes are never dropped for prefill, so a step may exceed the
-    budget when there are more decodes than budget. ``max_seqs`` bounds the whole step."""
+    budget when there are more decodes than budget. ``max_seqs`` bounds the whole step.
+    ``overtake_share``: of the prompt tokens, as ``Chunker``'s."""
+    check_overtake_share(overtake_share)
     num_left = max(0, num_budget_tokens - len(decode_req_ids))
     seq_room = None if max_seqs is None else max(0, max_seqs - len(decode_req_ids))
     slices = take_slices(
@@ -150,6 +219,7 @@ def coupled_chunked_plan(
         max_seqs=seq_room,
         num_free_blocks=num_free_blocks,
         block_size=block_size,
+        num_overtake_tokens=int(overtake_share * num_left),
     )
     return MixedStepPlan(tuple(decode_req_ids), slices)
 

@@ -6,6 +6,8 @@ the chunker first reaches into the raw queue, the raw requests are cut into roun
 the *scheduled* queue. SJF/LJF therefore reorder only within a round, which bounds starvation:
 a long prompt waits at most for the rounds formed before its own. Prefill is non-preemptive:
 a request whose first chunk has run stays at the head until its whole prompt is prefilled.
+(With ``prefill.overtake_share`` the chunker lets waiting prompts that fit whole in part of a
+step run beside the started head; they complete in that step, so the head stays the head.)
 
 The queue owns progress: ``num_done_tokens`` counts prompt tokens whose KV is in the pool.
 Callers mutate it only through ``add``, ``remove`` (abort) and ``advance`` (after a forward

@@ -33,6 +33,7 @@ CONFIG_KEYS = {
     ("kv", "block_size"): "block_size", ("kv", "num_blocks"): "num_kv_blocks",
     ("prefill", "chunk_size"): "chunk_size", ("prefill", "policy"): "prefill_policy",
     ("prefill", "sched_batch"): "sched_batch", ("prefill", "token_budget"): "token_budget",
+    ("prefill", "overtake_share"): "overtake_share",
     ("prefill", "local_decode_batch"): "local_decode_batch",
     ("prefill", "local_decode_min_tokens"): "local_decode_min_tokens",
     ("prefill", "local_decode_max_prompt_share"): "local_decode_max_prompt_share",
@@ -61,6 +62,7 @@ FLAGS = {
     "instances": "num_instances", "block_size": "block_size", "kv_blocks": "num_kv_blocks",
     "chunk_size": "chunk_size", "prefill_policy": "prefill_policy",
     "sched_batch": "sched_batch", "token_budget": "token_budget",
+    "overtake_share": "overtake_share",
     "local_decode_batch": "local_decode_batch", "local_prefill_tokens": "local_prefill_tokens",
     "local_decode_min_tokens": "local_decode_min_tokens",
     "local_decode_max_prompt_share": "local_decode_max_prompt_share",
@@ -125,6 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-policy", choices=("fcfs", "sjf", "ljf"))
     p.add_argument("--sched-batch", type=int)
     p.add_argument("--token-budget", type=int)
+    p.add_argument("--overtake-share", type=float,
+                   help="disaggregated: share of a prefill step that goes first to waiting "
+                        "prompts that fit in it whole, while a started one is at the head "
+                        "(default 0: non-preemptive)")
     p.add_argument("--local-decode-batch", type=int,
                    help="elastic: requests a prefill instance decodes itself (0 = off)")
     p.add_argument("--local-decode-min-tokens", type=int,

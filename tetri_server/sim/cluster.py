@@ -52,6 +52,7 @@ class SimConfig:
     chunk_size: int = 512  # TetriInfer ChunkSize
     prefill_policy: PrefillOrder = "fcfs"
     sched_batch: int = 16  # PrefillSchedBatch
+    overtake_share: float = 0.0  # share of a prefill step for waiting prompts that fit whole
     token_budget: int = 512  # coupled-chunked
     local_decode_batch: int = 0  # elastic: requests a prefill instance decodes itself
     local_decode_min_tokens: int = 128  # elastic: ... only if they can decode more than this

@@ -51,7 +51,8 @@ class PrefillInstance(_Decoding):
     def __init__(self, sim: Simulation, worker_id: int, num_blocks: int) -> None:
         super().__init__(sim, worker_id, num_blocks)
         cfg = sim.cfg
-        self.chunker = Chunker(cfg.chunk_size, block_size=self.block_size)
+        self.chunker = Chunker(cfg.chunk_size, block_size=self.block_size,
+                               overtake_share=cfg.overtake_share)
         dispatcher: Dispatcher = (
             TetriDispatcher(random.Random(cfg.seed + worker_id), block_size=self.block_size,
                             granularity=cfg.granularity, heavy_threshold=cfg.heavy_decode_tokens)
@@ -143,7 +144,8 @@ class PrefillInstance(_Decoding):
         tokens = self.kept_step_tokens()
         slices = coupled_chunked_plan(self.book.queue, decode.run_ids, tokens,
                                       num_free_blocks=self.admission.free_after(decode, free),
-                                      block_size=self.block_size).slices
+                                      block_size=self.block_size,
+                                      overtake_share=self.chunker.overtake_share).slices
         self.num_planned += 1
         self.record("mixed_step", run=list(decode.run_ids), preempt=list(decode.preempt.req_ids),
                     fail=list(decode.fail_ids), slices=slice_list(slices))

@@ -59,7 +59,8 @@ class PrefillRole(Role):
         cfg = self.w.cfg
         self._chunk_size = resolve_chunk_size(w, cfg.prefill.chunk_size,
                                               rows=cfg.prefill.local_decode_batch)
-        self.chunker = Chunker(self._chunk_size, block_size=self.w.block_size)
+        self.chunker = Chunker(self._chunk_size, block_size=self.w.block_size,
+                               overtake_share=cfg.prefill.overtake_share)
         self.predictor = w.predictor()
         gran = self.predictor.granularity
         heavy = cfg.predictor.heavy_decode_tokens
@@ -198,7 +199,8 @@ class PrefillRole(Role):
         tokens = self._kept_step_tokens()
         slices = coupled_chunked_plan(book.queue, decode.run_ids, tokens,
                                       num_free_blocks=self.admission.free_after(decode, free),
-                                      block_size=self.w.block_size).slices
+                                      block_size=self.w.block_size,
+                                      overtake_share=self.chunker.overtake_share).slices
         self.w.decisions.step += 1
         self.w.decisions.record("mixed_step", run=list(decode.run_ids),
                                 preempt=list(decode.preempt.req_ids), fail=list(decode.fail_ids),
