@@ -19,6 +19,7 @@ import random
 from typing import Any
 
 from tests.unit.test_decision_trace_disagg import GOLDEN
+from tetri_server.config.sections import PrefillConfig
 from tetri_server.sim.cluster import SimConfig, Simulation, decode_view
 from tetri_server.sim.cost import CostModel
 from tetri_server.sim.disaggregated import DecodeInstance, PrefillInstance
@@ -58,11 +59,13 @@ def trace() -> list[tuple[int, int, int, int]]:
 
 
 def replay() -> list[str]:
-    # the real test's workers: prefill 64 blocks, chunk 128; decode 48 blocks each, greedy,
-    # max batch 8; power-of-two dispatch seeded 0 + worker id; predictor none (bucket 0)
+    # the real test's workers: prefill 64 blocks, chunk 128, the default overtake share;
+    # decode 48 blocks each, greedy, max batch 8; power-of-two dispatch seeded 0 + worker id;
+    # predictor none (bucket 0)
     cfg = SimConfig(mode="disaggregated", num_prefill=1, num_decode=2, num_kv_blocks=48,
                     block_size=16, chunk_size=128, decode_policy="greedy", max_batch=8,
-                    prefill_policy="fcfs", dispatch="power-of-two", seed=0)
+                    prefill_policy="fcfs", dispatch="power-of-two", seed=0,
+                    overtake_share=PrefillConfig().overtake_share)
     sim = LockStep(cfg)
     prefill = sim.instances[0] = PrefillInstance(sim, 0, 64)
     decodes = sim.instances[1:]

@@ -68,10 +68,10 @@ ROWS: tuple[Row, ...] = (
     Row("default", "defaults", base="coupled"),
     Row("sjf", "sort window", sets=("prefill.policy=sjf",)),
     Row("ljf", "sort window", sets=("prefill.policy=ljf",)),
-    # a prompt that fits whole in half a step goes ahead of a started long one (shortest
-    # remaining work first at step granularity; session 36's E48: short prompts' p90 start
-    # 2-5x coupled's, waiting behind a long prompt at the one prefill worker)
-    Row("overtake-0.5", "sort window", sets=("prefill.overtake_share=0.5",)),
+    # prefill non-preemptive: a short prompt waits for the whole of a started long one (the
+    # default to session 37; session 36's E48: short prompts' p90 start 2-5x coupled's)
+    Row("overtake-0", "sort window", sets=("prefill.overtake_share=0",)),
+    # prompts that fit whole in 3/4 of a step, not half, go ahead of a started long one
     Row("overtake-0.75", "sort window", sets=("prefill.overtake_share=0.75",)),
     Row("chunk-64", "chunk size", sets=("prefill.chunk_size=64",)),
     Row("chunk-256", "chunk size", sets=("prefill.chunk_size=256",)),
