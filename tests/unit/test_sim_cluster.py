@@ -519,21 +519,3 @@ def test_with_an_overtake_share_short_prompts_start_sooner_behind_long_ones() ->
     records = decisions_of(shared, cost, reqs, 0)
     assert any(any(s > 0 for _, s, _ in r["slices"]) and sum(s == 0 for _, s, _ in r["slices"])
                for r in records if r["kind"] == "chunk")
-
-
-def test_with_an_overtake_share_a_decode_instance_lets_light_prompts_by_too() -> None:
-    """The decode instance's prompt queue (elastic P/D) follows ``overtake_share`` as the
-    prefill instance's does: a light prompt rides beside the middle of a heavy one it
-    prefills, the heavy one keeping the unshared half of the 128 prompt tokens."""
-    cost = CostModel(load_hardware("this-cpu"), load_model("bench"))
-    heavy = [SimRequest(i, 1000, 8, 0.0) for i in range(8)]
-    light = [SimRequest(8 + i, 40, 8, 0.05 + 0.02 * i) for i in range(8)]
-    cfg = SimConfig(decode_policy="greedy", max_model_len=2048, chunk_size=256,
-                    monitor_interval_ms=5, local_prefill_tokens=128, overtake_share=0.5)
-    light_ids = {r.req_id for r in light}
-    overtaken = [r["slices"] for r in decisions_of(cfg, cost, heavy + light, 1)
-                 if any(q not in light_ids and s > 0 for q, s, _ in r.get("slices", []))
-                 and any(q in light_ids and s == 0 for q, s, _ in r.get("slices", []))]
-    assert overtaken
-    for slices in overtaken:
-        assert sum(n for q, _, n in slices if q not in light_ids) >= 64, slices

@@ -335,8 +335,7 @@ class DecodeInstance(_Decoding):
             slices = coupled_chunked_plan(
                 self.queue, plan.run_ids, len(plan.run_ids) + self.prompt_budget,
                 num_free_blocks=self.admission.free_after(plan, free),
-                block_size=self.block_size,
-                overtake_share=self.sim.cfg.overtake_share).slices
+                block_size=self.block_size).slices
         self.num_planned += 1
         if plan.run_ids or plan.preempt.req_ids or plan.fail_ids or slices:
             self.record("decode_step", run=list(plan.run_ids), admit=list(plan.admit.req_ids),

@@ -129,8 +129,7 @@ class DecodeRole(Role):
             slices = coupled_chunked_plan(
                 self.queue, plan.run_ids, len(plan.run_ids) + self.prompt_budget,
                 num_free_blocks=self.admission.free_after(plan, free),
-                block_size=self.w.block_size,
-                overtake_share=self.w.cfg.prefill.overtake_share).slices
+                block_size=self.w.block_size).slices
         log = self.w.decisions
         log.step += 1
         if log.enabled and (plan.run_ids or plan.preempt.req_ids or plan.fail_ids or slices):
