@@ -284,8 +284,9 @@ class PrefillConfig(_Section):
     remaining work first, at step granularity: a short prompt waits one step, not the rest of
     a long one); the started prompt keeps the rest of each step, so it finishes at most
     1 / (1 - share) times later. 0: prefill is non-preemptive (the paper; the default to
-    session 37, when 0.5 cut mean TTFT at Mixed 2.2 req/s from 1.47x coupled's to 1.12x:
-    docs/benchmarks.md, "Short prompts overtake a started long one")."""
+    session 37, when 0.5 took the mean TTFT of Mixed prompts under 128 tokens from 1.20-1.61x
+    coupled's to 0.60-0.80x: docs/benchmarks.md, "Short prompts overtake a started long
+    one")."""
     token_budget: int = 512
     """coupled-chunked mode: tokens per step, decode tokens first, prompt chunks fill the rest."""
     local_decode_batch: int = 16
