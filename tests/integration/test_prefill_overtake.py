@@ -6,8 +6,10 @@ mixed steps it runs beside a request it kept (elastic P/D)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections import Counter
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 from tests.conftest import hf_greedy, random_prompts
@@ -18,7 +20,7 @@ from tests.integration.conftest import (
     segments,
     until,
 )
-from tests.integration.test_cluster import wait_all_free
+from tests.integration.test_elastic import assert_all_freed
 from tetri_server.control.cluster import Cluster
 from tetri_server.messages import SamplingParams
 
@@ -31,6 +33,20 @@ def steps(log: Path) -> list[dict]:
     """The prefill worker's steps that carried prompt tokens."""
     return [r for r in map(json.loads, log.read_text().splitlines())
             if r["kind"] in ("chunk", "mixed_step") and r["slices"]]
+
+
+@contextlib.asynccontextmanager
+async def running(cluster: Cluster) -> AsyncIterator[None]:
+    """The cluster started; after the body, every block freed, and once stopped no shared
+    memory segment of the run left."""
+    await cluster.start()
+    try:
+        yield
+        await assert_all_freed(cluster)
+    finally:
+        run_id = cluster.run_id
+        await cluster.stop()
+    assert segments(run_id) == []
 
 
 def long_and_shorts(model: Path) -> tuple[list[list[int]], list[list[int]]]:
@@ -74,15 +90,8 @@ async def test_short_prompts_overtake_a_started_long_one_in_its_chunks(tiny_llam
     prompts, ref = long_and_shorts(tiny_llama)
     cluster = make_cluster(tiny_llama, "disaggregated", *SETS, *STRICT_SPLIT,
                            f"monitor.decision_log={tmp_path / 'decisions'}")
-    await cluster.start()
-    try:
+    async with running(cluster):
         await long_then_shorts(cluster, prompts, ref)
-        usage = await wait_all_free(cluster)
-        assert all(u == 0 for u, _ in usage.values()), usage
-    finally:
-        run_id = cluster.run_id
-        await cluster.stop()
-    assert segments(run_id) == []
     records = steps(tmp_path / "decisions.w0.jsonl")
     assert all(r["kind"] == "chunk" for r in records)
     assert_overtaken(records, long_id(records), min_kept=16)
@@ -100,8 +109,7 @@ async def test_short_prompts_overtake_it_in_steps_beside_a_kept_request(tiny_lla
                            "prefill.local_decode_balance=false", "prefill.local_decode_chunk=32",
                            "decode.local_prefill_tokens=0", "monitor.interval_ms=20",
                            f"monitor.decision_log={tmp_path / 'decisions'}")
-    await cluster.start()
-    try:
+    async with running(cluster):
         first = asyncio.ensure_future(collect(cluster, pair[0], decode_long))
         await until(lambda: any(r.num_running for r in cluster.reports.values()), 60,
                     "the first request decoding")
@@ -111,12 +119,6 @@ async def test_short_prompts_overtake_it_in_steps_beside_a_kept_request(tiny_lla
         await long_then_shorts(cluster, prompts, ref)  # the kept one decodes 800 tokens
         assert [await asyncio.wait_for(first, 180), await asyncio.wait_for(second, 180)] \
             == ref_pair
-        usage = await wait_all_free(cluster)
-        assert all(u == 0 for u, _ in usage.values()), usage
-    finally:
-        run_id = cluster.run_id
-        await cluster.stop()
-    assert segments(run_id) == []
     records = steps(tmp_path / "decisions.w0.jsonl")
     assert_overtaken([r for r in records if r["kind"] == "mixed_step" and r["run"]],
                      long_id(records), min_kept=15)
