@@ -209,8 +209,7 @@ def coupled_chunked_plan(
     """Sarathi-like step: all running decodes (one token each) run; prompt slices fill what is
     left of the token budget. Decodes are never dropped for prefill, so a step may exceed the
     budget when there are more decodes than budget. ``max_seqs`` bounds the whole step.
-    ``overtake_share``: of the prompt tokens, as ``Chunker``'s."""
-    check_overtake_share(overtake_share)
+    ``overtake_share``: of the prompt tokens, as ``Chunker``'s (checked there)."""
     num_left = max(0, num_budget_tokens - len(decode_req_ids))
     seq_room = None if max_seqs is None else max(0, max_seqs - len(decode_req_ids))
     slices = take_slices(
