@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
+import subprocess
+import sys
+import threading
+import time
 from collections.abc import AsyncIterable, Callable
 from pathlib import Path
 
@@ -21,6 +26,31 @@ BASE = ["predictor.kind=none", "decode.policy=greedy", "prefill.chunk_size=64",
 # The paper's strict split (elastic P/D is on by default on both sides): for tests that need a
 # prefill worker that only prefills and a decode worker that only decodes.
 STRICT_SPLIT = ("prefill.local_decode_batch=0", "decode.local_prefill_tokens=0")
+
+
+def start_server(tmp_path: Path, *overrides: str, argv: tuple[str, ...] = (),
+                 env: dict[str, str] | None = None) -> tuple[subprocess.Popen[str], str]:
+    """`python -m tetri_server serve ARGV --set KEY=VALUE...` on a free port, its cache under
+    ``tmp_path``: (the process, its base URL) once it prints the URL (at most 180 s)."""
+    env = dict(os.environ, TETRI_CACHE_DIR=str(tmp_path / "cache"), **(env or {}))
+    args = [sys.executable, "-m", "tetri_server", "serve", *argv, "--set", "server.port=0"]
+    for o in overrides:
+        args += ["--set", o]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env)
+    lines: list[str] = []
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        m = re.search(r"at (http://\S+)/v1", line)
+        if m:
+            threading.Thread(target=proc.stdout.read, daemon=True).start()  # keep draining
+            return proc, m.group(1)
+    proc.kill()
+    raise AssertionError("server did not print its URL:\n" + "".join(lines[-40:]))
 
 
 def make_cluster(model: Path, mode: str, *extra: str) -> Cluster:

@@ -5,42 +5,18 @@ shared-memory segment behind."""
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
-import threading
-import time
 
 import openai
 import pytest
 
-
-def _start(tmp_path, *overrides: str, argv: tuple[str, ...] = (),
-           env: dict[str, str] | None = None) -> tuple[subprocess.Popen[str], str]:
-    env = dict(os.environ, TETRI_CACHE_DIR=str(tmp_path / "cache"), **(env or {}))
-    args = [sys.executable, "-m", "tetri_server", "serve", *argv, "--set", "server.port=0"]
-    for o in overrides:
-        args += ["--set", o]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env)
-    lines: list[str] = []
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        m = re.search(r"at (http://\S+)/v1", line)
-        if m:
-            threading.Thread(target=proc.stdout.read, daemon=True).start()  # keep draining
-            return proc, m.group(1)
-    proc.kill()
-    raise AssertionError("server did not print its URL:\n" + "".join(lines[-40:]))
+from tests.integration.conftest import start_server
 
 
 def test_serve_defaults_builtin_model_and_sigterm_drains(tmp_path):
-    proc, url = _start(tmp_path, "server.drain_timeout_s=20")
+    proc, url = start_server(tmp_path, "server.drain_timeout_s=20")
     pid = proc.pid
     try:
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
@@ -76,7 +52,7 @@ def test_serve_a_hub_id_from_the_local_cache_vllm_style(tmp_path, model_dir):
     from tests.unit.test_api_serve_args import fake_hub
 
     snap = fake_hub(tmp_path / "hf", "org/tiny", model_dir("llama", "tiny"))
-    proc, url = _start(tmp_path, "cluster.workers=1", "predictor.kind=none",
+    proc, url = start_server(tmp_path, "cluster.workers=1", "predictor.kind=none",
                        "decode.policy=greedy", "prefill.chunk_size=64", "kv.num_blocks=64",
                        argv=("org/tiny", "--served-model-name", "a", "b", "--mode", "coupled",
                              "--max-model-len", "128", "--host", "127.0.0.1"),

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.test_cli import _start
+from tests.integration.conftest import start_server
 
 ROOT = Path(__file__).resolve().parents[2]
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
@@ -32,7 +32,7 @@ def tool(env_name: str, default: str) -> str:
 def server(tmp_path_factory, model_dir):
     """(base URL, model folder): the tiny model served by its absolute path."""
     folder = str(model_dir("llama", "tiny"))
-    proc, url = _start(tmp_path_factory.mktemp("serve"), argv=(folder,))
+    proc, url = start_server(tmp_path_factory.mktemp("serve"), argv=(folder,))
     yield url, folder
     proc.terminate()
     proc.wait(60)
