@@ -1,21 +1,56 @@
 #!/usr/bin/env bash
-# One prepared device check for a lent GPU machine (see the device tool's README): installs the
-# two packages its image lacks from wheels carried in shared/wheels (msgspec, pytest-asyncio for
-# Python 3.12), then runs the GPU tests. Prepare the wheels here first (the device has no network):
-#   pip download --only-binary :all: --python-version 3.12 --platform manylinux2014_x86_64 \
-#       --no-deps -d shared/wheels msgspec pytest-asyncio pytest-timeout
-# tests/gpu covers the Triton kernel behind ragged_attention (against the SDPA loop, and greedy
-# parity with transformers through it); the image's triton is used, nothing is built.
+# One prepared device check for a lent GPU machine (the device tool's README): at most ~8.5
+# minutes, every step bounded, each step's output kept in $OUT whatever the others do.
+#
+# The image has torch, triton, transformers, cupy, aiohttp, uvloop and pytest but not msgspec
+# or pytest-asyncio, and no network. Fetch their Python 3.12 wheels here first, into .whl/
+# (ignored by .git/info/exclude), and carry that folder:
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#       --implementation cp --platform manylinux2014_x86_64 -d .whl \
+#       msgspec==0.23.0 pytest-asyncio==1.5.0
+# then: device run, carry [".whl"], command "bash tools/gpu_check.sh".
+#
+# Steps:
+#  1. pytest -m gpu: the Triton kernel behind ragged_attention against the SDPA loop (fp32,
+#     bf16, fp16, sliding window), greedy parity with transformers on CUDA (llama, opt; coupled
+#     and coupled-chunked), CUDA graphs against eager, KV blocks across processes over CUDA IPC,
+#     a disaggregated cluster over CUDA IPC, and `tetri-server serve` with 1 prefill + 1 decode
+#     worker on the one GPU streaming the text transformers gives.
+#  2. tools/bench_gpu.py: the decode step at batch 64 of a ~1B Llama in bf16 (hidden 2048 x 16
+#     layers), CUDA graphs on and off, against its weight + KV bytes bandwidth bound.
+#  3. tools/bench_handoff.py: KV hand-off over CUDA IPC against a device memcpy.
+#  4. tools/bench_gpu.py on the bench model's shape in fp32.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-check}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-deps shared/wheels/*.whl 2>&1 | tail -2
-python3 -m pip install -q --no-deps -e . 2>&1 | tail -2
-nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/gpu.txt"
-timeout 300 python3 -m pytest -q -m gpu tests/gpu tests/unit/test_transport.py 2>&1 | tee "$OUT/pytest.txt" | tail -20
-# Decode step with CUDA graphs on and off against its bandwidth bound: a ~1B Llama in bf16
-# (hidden 2048 x 16 layers, batch 64) and the bench shape in fp32.
-timeout 150 python3 tools/bench_gpu.py --batch 64 --ctx 512 2>&1 | tee "$OUT/bench_gpu_1b.md" | tail -8
-timeout 90 python3 tools/bench_gpu.py --hidden 512 --layers 8 --heads 8 --kv-heads 8 \
-    --intermediate 1408 --dtype float32 --batch 32 --ctx 128 2>&1 | tee "$OUT/bench_gpu_bench.md" | tail -8
+export PYTHONUNBUFFERED=1
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site:$PWD
+else
+    export PYTHONPATH=$PWD
+fi
+{
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+    python3 -c "import sys, torch, triton, transformers, msgspec, pytest; print(sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'pytest', pytest.__version__)"
+    nproc
+} 2>&1 | tee "$OUT/env.txt"
+
+step() {  # step NAME SECONDS CMD...: run CMD bounded, output to $OUT/NAME.txt, say how it ended
+    local name=$1 secs=$2
+    shift 2
+    local t0=$SECONDS
+    timeout -k 10 "$secs" "$@" >"$OUT/$name.txt" 2>&1
+    local rc=$?
+    echo "== $name: rc $rc in $((SECONDS - t0)) s" | tee -a "$OUT/steps.txt"
+    tail -25 "$OUT/$name.txt"
+}
+
+step pytest 270 python3 -m pytest -q -rfE -p no:cacheprovider --timeout 150 -m gpu \
+    tests/gpu tests/unit/test_transport.py
+step bench_gpu_1b 110 python3 tools/bench_gpu.py --batch 64 --ctx 512
+step bench_handoff 50 python3 tools/bench_handoff.py --reps 20
+step bench_gpu_bench 50 python3 tools/bench_gpu.py --hidden 512 --layers 8 --heads 8 \
+    --kv-heads 8 --intermediate 1408 --dtype float32 --batch 32 --ctx 128

@@ -1,10 +1,13 @@
-"""The same code on CUDA: our forward equals transformers on the GPU, and the disaggregated
-cluster hands KV over through CUDA IPC. Skipped without CUDA (run with `pytest -m gpu` on a
-lent device)."""
+"""The same code on CUDA: our forward equals transformers on the GPU, the disaggregated
+cluster hands KV over through CUDA IPC, and `tetri-server serve` on one GPU streams the tokens
+transformers gives. Skipped without CUDA (run with `pytest -m gpu` on a lent device, as
+tools/gpu_check.sh does)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import urllib.request
 
 import pytest
 import torch
@@ -38,8 +41,9 @@ def _hf_cuda(path, prompts, n):
 def test_greedy_equals_transformers_on_cuda(model_dir, family, mode, chunk):
     path = model_dir(family)
     prompts = random_prompts(16, 8000, (1, 300), seed=31)
-    eng = make_engine(str(path), "cluster.device=cuda", f"cluster.mode={mode}",
-                      f"prefill.token_budget={chunk}", "kv.num_blocks=600")
+    eng = make_engine(str(path), "cluster.device=cuda", "model.dtype=float32",  # auto: bf16
+                      f"cluster.mode={mode}", f"prefill.token_budget={chunk}",
+                      "kv.num_blocks=600")
     assert eng.generate(prompts, GREEDY) == _hf_cuda(path, prompts, GREEDY.max_tokens)
     assert eng.allocator.num_free == eng.allocator.num_blocks
 
@@ -68,6 +72,49 @@ def test_disaggregated_cluster_over_cuda_ipc(model_dir):
             await cluster.stop()
 
     assert asyncio.run(run()) == ref
+
+
+def stream_completion(url: str, model: str, prompt: list[int], max_tokens: int) -> tuple[str, str]:
+    """One streamed /v1/completions request, greedy, EOS ignored: (its text, finish_reason)."""
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens,
+                       "temperature": 0, "ignore_eos": True, "stream": True}).encode()
+    req = urllib.request.Request(url + "/v1/completions", body,
+                                 {"Content-Type": "application/json"})
+    parts, finish = [], ""
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if line.startswith("data: {"):
+                choice = json.loads(line[len("data: "):])["choices"][0]
+                parts.append(choice["text"])
+                finish = choice.get("finish_reason") or finish
+    return "".join(parts), finish
+
+
+def test_served_disaggregated_on_one_gpu_streams_the_tokens_of_transformers(model_dir, tmp_path):
+    """`tetri-server serve` as a user would start it on a one-GPU box: 1 prefill + 1 decode
+    worker on cuda:0, KV over CUDA IPC, the chunk size calibrated at start-up; fp32, as the
+    reference (the default on cuda, auto, is bf16)."""
+    pytest.importorskip("cupy")
+    from transformers import AutoTokenizer
+
+    from tests.integration.conftest import start_server
+
+    path = model_dir("llama", "bench")
+    prompts = random_prompts(6, 8000, (1, 700), seed=33)
+    n = 24
+    want = [AutoTokenizer.from_pretrained(str(path)).decode(ids, skip_special_tokens=True)
+            for ids in _hf_cuda(path, prompts, n)]
+    proc, url = start_server(tmp_path, "cluster.device=cuda", "cluster.mode=disaggregated",
+                             argv=(str(path), "--dtype", "float32", "--prefill-workers", "1",
+                                   "--decode-workers", "1"))
+    try:
+        got = [stream_completion(url, str(path), p, n) for p in prompts]
+    finally:
+        proc.terminate()
+        code = proc.wait(60)
+    assert got == [(text, "length") for text in want]
+    assert code == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
