@@ -117,15 +117,19 @@ def test_served_disaggregated_on_one_gpu_streams_the_tokens_of_transformers(mode
     assert code == 0
 
 
+@pytest.mark.parametrize("pack", [True, False], ids=["grouped", "per-head"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("window", [0, 24])
-def test_ragged_attention_kernel_equals_the_loop_on_cuda(dtype, window):
-    """The Triton kernel behind ragged_attention against the per-sequence SDPA loop."""
+def test_ragged_attention_kernel_equals_the_loop_on_cuda(dtype, window, pack):
+    """The Triton kernel behind ragged_attention (one program per KV head's group of query
+    heads, or per query head) against the per-sequence SDPA loop."""
+    import math
     import random
 
     from tests.unit.test_attention_op import BLOCK, make_batch, random_specs
     from tetri_server.engine.attention import BatchMetadata, paged_attention, ragged_attention
     from tetri_server.engine.ops import ragged_attention_op
+    from tetri_server.engine.ops.triton_attention import PACK_GROUPS, ragged_attention_triton
 
     assert ragged_attention_op("cuda") is not None, "no CUDA kernel (is Triton installed?)"
     rng = random.Random(1)
@@ -137,7 +141,11 @@ def test_ragged_attention_kernel_equals_the_loop_on_cuda(dtype, window):
                              cpu.slot_mapping.cuda(), cpu.positions.cuda(), cpu.num_real)
         q = torch.randn(cpu.num_real + 5, heads, dim, device="cuda", dtype=dtype)
         kv = torch.randn(2, kv_heads, pool_tokens, dim, device="cuda", dtype=dtype)
-        got = ragged_attention(q, kv[0], kv[1], meta, window=window)
+        got = torch.full_like(q, float("nan"))
+        ragged_attention_triton(q, kv[0], kv[1], got, *meta.seq_tensors, 1 / math.sqrt(dim),
+                                window, pack_groups=pack)
+        if pack == PACK_GROUPS:  # the op runs the default layout: the same bits
+            assert torch.equal(got, ragged_attention(q, kv[0], kv[1], meta, window=window))
         ref = paged_attention(q, kv[0], kv[1], meta, window=window)
         tol = 1e-4 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)

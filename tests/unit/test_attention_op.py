@@ -264,7 +264,9 @@ if hasattr(ti, "_patch_lang_tensor"):  # the interpreter's int() of its 1-elemen
     ti._patch_lang_tensor = _patched
 from tetri_server.engine.ops.triton_attention import ragged_attention_triton
 n = 0
-for heads, kv_heads, dim in [(4, 2, 16), (6, 3, 40)]:
+# GQA groups of 2, 3 (a tile with a spare row) and 4, MHA; False: one program per query head
+for heads, kv_heads, dim, pack in [(4, 2, 16, True), (6, 3, 40, True), (6, 2, 16, True),
+                                   (8, 2, 16, True), (4, 4, 16, True), (4, 2, 16, False)]:
     for window in (0, 5, 16):
         rng = random.Random(heads + window)
         specs = random_specs(rng, 5) + [(1, 1), (1, BLOCK)]
@@ -273,7 +275,8 @@ for heads, kv_heads, dim in [(4, 2, 16), (6, 3, 40)]:
         q, pk, pv = tensors(rng, meta.num_real + 2, heads, kv_heads, dim, pool_tokens,
                             torch.float32)
         out = torch.full_like(q, float("nan"))
-        ragged_attention_triton(q, pk, pv, out, *meta.seq_tensors, dim ** -0.5, window)
+        ragged_attention_triton(q, pk, pv, out, *meta.seq_tensors, dim ** -0.5, window,
+                                pack_groups=pack)
         ref = paged_attention(q, pk, pv, meta, window=window)
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
         n += 1
@@ -291,4 +294,4 @@ def test_triton_kernel_logic_in_the_interpreter():
     script = TRITON_SCRIPT.format(tests=str(Path(__file__).parent))
     proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0 and "TRITON OK 6" in proc.stdout, proc.stderr[-3000:]
+    assert proc.returncode == 0 and "TRITON OK 18" in proc.stdout, proc.stderr[-3000:]

@@ -1,11 +1,20 @@
 """The CUDA side of ``tetri::ragged_attention``: a Triton kernel with the same arguments as the
 C++ op (see ``ragged_attention.cpp`` and ``attention.py`` for the layout and semantics).
 
-One program per (sequence, query head, block of BLOCK_M query rows); programs past a sequence's
-rows do nothing. Keys are walked in order in blocks of BLOCK_N from the first key any row of the
-block can see, with an online softmax in fp32 (``tl.dot`` in IEEE fp32 for fp32 inputs, so no
-TF32), so a row's result depends only on its own sequence. Metadata stays on the device: the
-grid is sized from ``q``'s shape, never from the metadata's values (no host sync).
+Two layouts of programs, the same per-row arithmetic:
+- per query head (the default, ``PACK_GROUPS = False``): one program per (sequence, query
+  head, block of 16 query rows). A GQA model with g query heads per KV head reads each KV
+  block g times (from L2 or from memory).
+- grouped (``PACK_GROUPS = True``, or ``pack_groups=True``): one program per (sequence, KV
+  head, block of 16 / g query rows, at least 1), computing every query head of the group on
+  its rows, stacked in one tile of at least 16 rows; each key and value is read once per
+  group. Tested against the loop on CPU (Triton's interpreter); it becomes the default once a
+  GPU run measures it faster (tools/bench_gpu.py --grouped-attention, tools/gpu_check.sh).
+Programs past a sequence's rows do nothing.
+Keys are walked in order in blocks of BLOCK_N from the first key any row of the block can
+see, with an online softmax in fp32 (``tl.dot`` in IEEE fp32 for fp32 inputs, so no TF32), so
+a row's result depends only on its own sequence. Metadata stays on the device: the grid is
+sized from ``q``'s shape, never from the metadata's values (no host sync).
 
 Only imported where Triton is installed. Its logic is tested on CPU under Triton's interpreter
 (``TRITON_INTERPRET=1``, tests/unit/test_attention_op.py); speed only on a GPU.
@@ -17,44 +26,49 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_M = 16
+BLOCK_M = 16  # query rows per program (per query head), tile rows (grouped)
 BLOCK_N = 64
+PACK_GROUPS = False  # True: one program per KV head's group of query heads
 
 
 @triton.jit
 def _ragged_attention_kernel(Q, K, V, Out, QS, QL, CL, KS, scale, window,  # noqa: N803
                              stride_qt, stride_qh, stride_kh, stride_kt, stride_ot, stride_oh,
-                             GROUPS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                             PRECISION: tl.constexpr):
+                             GROUPS: tl.constexpr, HEADS: tl.constexpr, D: tl.constexpr,
+                             BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr, TILE: tl.constexpr,
+                             BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    """HEADS query heads (a KV head's group, or 1) x BLOCK_Q query rows per program, stacked
+    head-major in TILE >= HEADS * BLOCK_Q tile rows."""
     seq = tl.program_id(0)
-    head = tl.program_id(1)
+    head_block = tl.program_id(1)
     mb = tl.program_id(2)
     q_start = tl.load(QS + seq).to(tl.int64)
     q_len = tl.load(QL + seq).to(tl.int64)
     ctx = tl.load(CL + seq).to(tl.int64)
     kv_start = tl.load(KS + seq).to(tl.int64)
-    kvh = head // GROUPS
+    kvh = (head_block * HEADS) // GROUPS
 
-    offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    tile = tl.arange(0, TILE)
+    head = head_block * HEADS + tile // BLOCK_Q  # each tile row's query head
+    offs_m = mb * BLOCK_Q + tile % BLOCK_Q  # and its query row in the sequence
     offs_d = tl.arange(0, BLOCK_D)
-    row_ok = offs_m < q_len
+    row_ok = (tile < HEADS * BLOCK_Q) & (offs_m < q_len)
     d_ok = offs_d < D
     pos = ctx - q_len + offs_m  # context position of each query row
-    q = tl.load(Q + (q_start + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q = tl.load(Q + (q_start + offs_m)[:, None] * stride_qt + head[:, None] * stride_qh
+                + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
     # keys [first, last): what the block's rows can see; empty for a block past the rows
-    last = tl.minimum(ctx - q_len + (mb + 1) * BLOCK_M, ctx)
+    last = tl.minimum(ctx - q_len + (mb + 1) * BLOCK_Q, ctx)
     first = ctx * 0
     if window > 0:
-        first = tl.maximum(ctx - q_len + mb * BLOCK_M - window + 1, 0)
-    if mb * BLOCK_M >= q_len:
+        first = tl.maximum(ctx - q_len + mb * BLOCK_Q - window + 1, 0)
+    if mb * BLOCK_Q >= q_len:
         last = first
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    m_i = tl.full([TILE], float("-inf"), tl.float32)
+    l_i = tl.zeros([TILE], tl.float32)
+    acc = tl.zeros([TILE, BLOCK_D], tl.float32)
     k_base = K + kvh * stride_kh + kv_start * stride_kt
     v_base = V + kvh * stride_kh + kv_start * stride_kt
     for start in range(first, last, BLOCK_N):
@@ -76,16 +90,18 @@ def _ragged_attention_kernel(Q, K, V, Out, QS, QL, CL, KS, scale, window,  # noq
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(Out + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
-             out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(Out + (q_start + offs_m)[:, None] * stride_ot + head[:, None] * stride_oh
+             + offs_d[None, :], out.to(Out.dtype.element_ty),
+             mask=row_ok[:, None] & d_ok[None, :])
 
 
 def ragged_attention_triton(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor,
                             out: torch.Tensor, q_start: torch.Tensor, q_len: torch.Tensor,
                             ctx_len: torch.Tensor, kv_start: torch.Tensor, scale: float,
-                            window: int) -> None:
+                            window: int, pack_groups: bool | None = None) -> None:
     """Same contract as ``torch.ops.tetri.ragged_attention``: writes ``out`` (rows of no
-    sequence are zero). The metadata vectors must be on q's device."""
+    sequence are zero). The metadata vectors must be on q's device. ``pack_groups``: one
+    program per KV head's group of query heads (None: ``PACK_GROUPS``) or per query head."""
     tokens, heads, dim = q.shape
     kv_heads = pool_k.shape[0]
     if heads % kv_heads or pool_k.stride() != pool_v.stride() or q.stride(2) != 1 \
@@ -95,10 +111,14 @@ def ragged_attention_triton(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch
     num_seqs = q_start.numel()
     if num_seqs == 0 or tokens == 0:
         return
-    grid = (num_seqs, heads, triton.cdiv(tokens, BLOCK_M))
+    groups = heads // kv_heads
+    per_program = groups if (PACK_GROUPS if pack_groups is None else pack_groups) else 1
+    block_q = max(1, BLOCK_M // per_program)
+    grid = (num_seqs, heads // per_program, triton.cdiv(tokens, block_q))
     _ragged_attention_kernel[grid](
         q, pool_k, pool_v, out, q_start, q_len, ctx_len, kv_start, float(scale), int(window),
         q.stride(0), q.stride(1), pool_k.stride(0), pool_k.stride(1), out.stride(0),
-        out.stride(1), GROUPS=heads // kv_heads, D=dim, BLOCK_D=triton.next_power_of_2(dim),
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        out.stride(1), GROUPS=groups, HEADS=per_program, D=dim,
+        BLOCK_D=triton.next_power_of_2(dim), BLOCK_Q=block_q,
+        TILE=max(BLOCK_M, triton.next_power_of_2(per_program * block_q)), BLOCK_N=BLOCK_N,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
