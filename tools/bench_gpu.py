@@ -1,15 +1,27 @@
-"""GPU decode benchmark: the engine's decode step with CUDA graphs on and off, against the
-step's bandwidth bound (weights + KV bytes / measured device-to-device copy bandwidth).
+"""GPU engine benchmark: the decode step with CUDA graphs on and off against the step's
+bandwidth bound (weights + KV bytes / measured device-to-device copy bandwidth), and prefill
+steps against the matmul peak.
 
     python tools/bench_gpu.py [--hidden 2048 --layers 16 --dtype bfloat16] [--batch 64]
-        [--ctx 512] [--steps 30] [--device cuda] [--out DIR]
+        [--ctx 512] [--steps 30] [--profile 5] [--prefill 512,2048,1024x4] [--device cuda]
+        [--grouped-attention] [--out DIR]
 
 Makes a random-weight Llama of the given shape (hidden 2048 x 16 layers ~ 1B parameters) with
-``tetri_server.modelmaker``, loads it in the engine (coupled, one process), fills ``--batch``
-sequences with ``--ctx`` tokens of KV, and times ``--steps`` decode steps (median, CUDA
-events) eagerly and on the captured graphs, interleaved. Prints a markdown table and the
-capture time. ``--device cpu`` runs the same code on the CPU with no graphs (a smoke test of
-the tool, not a measurement: tests/unit/test_cuda_graphs.py runs it so).
+``tetri_server.modelmaker`` and loads it in the engine (coupled, one process).
+- Decode: fills ``--batch`` sequences with ``--ctx`` tokens of KV and times ``--steps`` decode
+  steps (median, CUDA events) eagerly and on the captured graphs, interleaved.
+- ``--profile N``: then profiles N more steps of each kind (torch.profiler) and prints the
+  operators that took the most device time (CPU time on cpu): where the step's time above its
+  bound goes.
+- ``--prefill``: one prefill step per prompt set (``1024x4``: four 1024-token prompts packed in
+  one step; median of 10) against the matmul peak measured in the same run (an 8192^3 product
+  in the model's dtype); empty: none.
+- ``--grouped-attention``: the Triton attention kernel with one program per KV head's group
+  of query heads instead of one per query head (``triton_attention.PACK_GROUPS``), for an
+  A/B of the two.
+Prints markdown tables and the graphs' capture time. ``--device cpu`` runs the same code on
+the CPU with no graphs (a smoke test of the tool, not a measurement:
+tests/unit/test_cuda_graphs.py runs it so).
 """
 
 from __future__ import annotations
@@ -63,6 +75,41 @@ def step_times(run, steps: int, device: torch.device) -> list[float]:  # noqa: A
     return out
 
 
+def matmul_peak_tflops(device: torch.device, dtype: torch.dtype, n: int = 8192) -> float:
+    """The best of 10 ``n x n x n`` products in ``dtype`` after 3 warm-ups (cuda only)."""
+    if device.type != "cuda":
+        return 0.0
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    step_times(lambda: a @ b, 3, device)
+    return 2 * n**3 / min(step_times(lambda: a @ b, 10, device)) / 1e12
+
+
+def prompt_sets(spec: str) -> list[list[int]]:
+    """``"512,1024x4"`` -> [[512], [1024, 1024, 1024, 1024]]."""
+    out = []
+    for item in filter(None, spec.split(",")):
+        n, _, k = item.partition("x")
+        out.append([int(n)] * int(k or 1))
+    return out
+
+
+def profile_table(run, steps: int, device: torch.device, rows: int = 12) -> str:  # noqa: ANN001
+    """The operators of ``steps`` calls of ``run`` that took the most self time on the device
+    (kernels inside graph replays too), as torch.profiler's table."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            run()
+        if cuda:
+            torch.cuda.synchronize(device)
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--hidden", type=int, default=2048)
@@ -74,21 +121,34 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--profile", type=int, default=0,
+                    help="then profile this many steps of each kind (0: none)")
+    ap.add_argument("--prefill", default="512,2048,1024x4",
+                    help="prompt sets to time one prefill step of (N or NxK), comma-separated")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--grouped-attention", action="store_true",
+                    help="the Triton kernel's programs per KV head group, not per query head")
     ap.add_argument("--out", default=None, help="model folder (default: a temporary one)")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
+    if args.grouped_attention:
+        from tetri_server.engine.ops import triton_attention  # needs Triton
+
+        triton_attention.PACK_GROUPS = True
     folder = Path(args.out or tempfile.mkdtemp(prefix="tetri-gpu-model-"))
+    extra_steps = 2 * (args.steps + args.profile) + 8  # decode steps past the context
+    prefills = prompt_sets(args.prefill)
+    longest = max((n for lens in prefills for n in lens), default=0)
     t0 = time.perf_counter()
     make_model(folder, "llama", "bench", seed=0, hidden_size=args.hidden,
                num_hidden_layers=args.layers, num_attention_heads=args.heads,
                num_key_value_heads=args.kv_heads, intermediate_size=args.intermediate,
-               max_position_embeddings=max(4096, args.ctx + args.steps + 8))
+               max_position_embeddings=max(4096, args.ctx + extra_steps, longest + 8))
     made_s = time.perf_counter() - t0
     extra = ["model.cuda_graphs=false"]  # the graphs below are made here, on the same pool
     if device.type == "cuda":
         extra.append("cluster.device=cuda")
-    drv = EngineDriver(Timer("wall"), folder, args.batch, args.ctx, 2 * args.steps + 8,
+    drv = EngineDriver(Timer("wall"), folder, args.batch, args.ctx, extra_steps,
                        dtype=args.dtype, sets=extra)
     eng = drv.eng
     graphs: DecodeGraphs = decode_graphs(eng.model, eng.kv, eng.allocator,
@@ -99,20 +159,32 @@ def main(argv: list[str] | None = None) -> int:
     kv_bytes = drv.shape.kv_bytes(args.batch, args.ctx)
     bw = copy_bandwidth_gbs(eng.device)
     times: dict[str, list[float]] = {"eager": [], "graphs": []}
-    with drv.decoding(args.batch, args.ctx, 2 * args.steps + 4) as run:
+    with drv.decoding(args.batch, args.ctx, extra_steps - 4) as run:
         run()  # warm-up, eager
         for _ in range(2):  # interleaved
             eng.runner.graphs = None
             times["eager"] += step_times(run, args.steps // 2, eng.device)
             eng.runner.graphs = graphs
             times["graphs"] += step_times(run, args.steps // 2, eng.device)
+        tables = {}
+        for k, g in (("eager", None), ("graphs", graphs)) if args.profile else ():
+            eng.runner.graphs = g
+            tables[k] = profile_table(run, args.profile, eng.device)
         eng.runner.graphs = None
+    prefill_s = []
+    for lens in prefills:
+        with drv.prefill(lens) as run:
+            run()  # warm-up
+            prefill_s.append(statistics.median(step_times(run, 10, eng.device)))
+    peak = matmul_peak_tflops(eng.device, eng.kv.dtype) if prefills else 0.0
     med = {k: statistics.median(v) for k, v in times.items()}
     bound = (weight_bytes + kv_bytes) / (bw * 1e9 / 2) if bw else float("nan")
     name = torch.cuda.get_device_name(eng.device) if eng.device.type == "cuda" else "cpu"
     print(f"`tools/bench_gpu.py` on {name}, torch {torch.__version__}: Llama hidden "
           f"{args.hidden} x {args.layers} layers ({params / 1e9:.2f} B parameters, "
-          f"{args.dtype}), decode batch {args.batch}, context {args.ctx}; model made in "
+          f"{args.dtype}), decode batch {args.batch}, context {args.ctx}; attention "
+          f"programs per {'KV head group' if args.grouped_attention else 'query head'}; "
+          f"model made in "
           f"{made_s:.0f} s; {len(graphs.sizes)} graphs captured in {graphs.capture_s:.1f} s; "
           f"device copy {bw:.0f} GB/s (read + write)")
     print()
@@ -123,6 +195,21 @@ def main(argv: list[str] | None = None) -> int:
               f"| {1e3 * bound:.2f} | {med[k] / bound:.2f}x |")
     print()
     print(f"graphs / eager: {med['graphs'] / med['eager']:.2f}x")
+    if prefills:
+        print()
+        print(f"Prefill, one step; matmul peak {peak:.0f} TFLOP/s ({args.dtype}, 8192^3, "
+              "this run):")
+        print()
+        print("| prompts | tokens | median ms | TFLOP/s | % of the matmul peak |")
+        print("|---|---:|---:|---:|---:|")
+        for lens, t in zip(prefills, prefill_s, strict=True):
+            tflops = drv.shape.prefill_flops(lens) / t / 1e12
+            share = f"{100 * tflops / peak:.0f}%" if peak else "n/a"
+            print(f"| {len(lens)} x {lens[0]} | {sum(lens)} | {1e3 * t:.2f} | {tflops:.1f} "
+                  f"| {share} |")
+    for k, table in tables.items():
+        print(f"\nProfile of {args.profile} {k} steps (self time, most first):\n\n```\n"
+              f"{table}\n```")
     return 0
 
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One prepared device check for a lent GPU machine (the device tool's README): at most ~8.5
-# minutes, every step bounded, each step's output kept in $OUT whatever the others do.
+# One prepared device check for a lent GPU machine (the device tool's README): at most ~9
+# minutes (about 3 on an H200 in session 38), every step bounded, each step's output kept in
+# $OUT whatever the others do.
 #
 # The image has torch, triton, transformers, cupy, aiohttp, uvloop and pytest but not msgspec
 # or pytest-asyncio, and no network. Fetch their Python 3.12 wheels here first, into .whl/
@@ -17,9 +18,12 @@
 #     a disaggregated cluster over CUDA IPC, and `tetri-server serve` with 1 prefill + 1 decode
 #     worker on the one GPU streaming the text transformers gives.
 #  2. tools/bench_gpu.py: the decode step at batch 64 of a ~1B Llama in bf16 (hidden 2048 x 16
-#     layers), CUDA graphs on and off, against its weight + KV bytes bandwidth bound.
+#     layers), CUDA graphs on and off, against its weight + KV bytes bandwidth bound, with a
+#     profile of 5 steps of each; prefill steps (512, 2048, 4 x 1024) against the bf16 matmul
+#     peak measured in the same run; then the decode step again with the attention kernel's
+#     programs per KV head group (triton_attention.PACK_GROUPS), for an A/B.
 #  3. tools/bench_handoff.py: KV hand-off over CUDA IPC against a device memcpy.
-#  4. tools/bench_gpu.py on the bench model's shape in fp32.
+#  4. tools/bench_gpu.py on the bench model's shape in fp32 (decode and prefill).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-check}
@@ -48,9 +52,11 @@ step() {  # step NAME SECONDS CMD...: run CMD bounded, output to $OUT/NAME.txt, 
     tail -25 "$OUT/$name.txt"
 }
 
-step pytest 270 python3 -m pytest -q -rfE -p no:cacheprovider --timeout 150 -m gpu \
+step pytest 240 python3 -m pytest -q -rfE -p no:cacheprovider --timeout 150 -m gpu \
     tests/gpu tests/unit/test_transport.py
-step bench_gpu_1b 110 python3 tools/bench_gpu.py --batch 64 --ctx 512
-step bench_handoff 50 python3 tools/bench_handoff.py --reps 20
+step bench_gpu_1b 120 python3 tools/bench_gpu.py --batch 64 --ctx 512 --profile 5
+step bench_gpu_1b_grouped 70 python3 tools/bench_gpu.py --batch 64 --ctx 512 --prefill '' \
+    --grouped-attention
+step bench_handoff 40 python3 tools/bench_handoff.py --reps 20
 step bench_gpu_bench 50 python3 tools/bench_gpu.py --hidden 512 --layers 8 --heads 8 \
     --kv-heads 8 --intermediate 1408 --dtype float32 --batch 32 --ctx 128

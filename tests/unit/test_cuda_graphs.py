@@ -132,9 +132,13 @@ def test_the_gpu_benchmark_runs_its_code_on_cpu(tmp_path, capsys):
         spec.loader.exec_module(tool)
         assert tool.main(["--device", "cpu", "--hidden", "64", "--layers", "2", "--heads", "4",
                           "--kv-heads", "2", "--intermediate", "128", "--dtype", "float32",
-                          "--batch", "3", "--ctx", "16", "--steps", "4",
+                          "--batch", "3", "--ctx", "16", "--steps", "4", "--profile", "2",
+                          "--prefill", "8,4x2",
                           "--out", str(tmp_path / "m")]) == 0
     finally:
         sys.modules.pop(spec.name, None)
     out = capsys.readouterr().out
     assert "| eager |" in out and "| graphs |" in out and "graphs / eager" in out
+    assert "Profile of 2 eager steps" in out and "Profile of 2 graphs steps" in out
+    assert "aten::" in out  # the profiler's operators
+    assert "| 1 x 8 | 8 |" in out and "| 2 x 4 | 8 |" in out
