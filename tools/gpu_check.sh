@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One prepared device check for a lent GPU machine (the device tool's README): at most ~9
-# minutes (about 3 on an H200 in session 38), every step bounded, each step's output kept in
-# $OUT whatever the others do.
+# One prepared device check for a lent GPU machine (the device tool's README): at most ~9.7
+# minutes (steps 1-4 took about 3 on an H200 in session 38), every step bounded, each step's
+# output kept in $OUT whatever the others do. Run it with the device tool's timeout at 600 s.
 #
 # The image has torch, triton, transformers, cupy, aiohttp, uvloop and pytest but not msgspec
 # or pytest-asyncio, and no network. Fetch their Python 3.12 wheels here first, into .whl/
@@ -9,7 +9,10 @@
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #       --implementation cp --platform manylinux2014_x86_64 -d .whl \
 #       msgspec==0.23.0 pytest-asyncio==1.5.0
-# then: device run, carry [".whl"], command "bash tools/gpu_check.sh".
+# and the ShareGPT lengths the Mixed workload draws from (../shared/data does not travel):
+#   mkdir -p .gpudata && cp ../shared/data/sharegpt_8k_llama2_tokens.csv .gpudata/
+#   echo /.gpudata/ >> .git/info/exclude
+# then: device run, carry [".whl", ".gpudata"], command "bash tools/gpu_check.sh".
 #
 # Steps:
 #  1. pytest -m gpu: the Triton kernel behind ragged_attention against the SDPA loop (fp32,
@@ -20,10 +23,13 @@
 #  2. tools/bench_gpu.py: the decode step at batch 64 of a ~1B Llama in bf16 (hidden 2048 x 16
 #     layers), CUDA graphs on and off, against its weight + KV bytes bandwidth bound, with a
 #     profile of 5 steps of each; prefill steps (512, 2048, 4 x 1024) against the bf16 matmul
-#     peak measured in the same run; then the decode step again with the attention kernel's
-#     programs per KV head group (triton_attention.PACK_GROUPS), for an A/B.
-#  3. tools/bench_handoff.py: KV hand-off over CUDA IPC against a device memcpy.
-#  4. tools/bench_gpu.py on the bench model's shape in fp32 (decode and prefill).
+#     peak measured in the same run.
+#  3. A served Mixed workload (real ShareGPT lengths, Poisson) on that 1B model: coupled
+#     (2 workers) against disaggregated (1 prefill + 1 decode), both on the one GPU.
+#  4. The decode step of 2 again with the attention kernel's programs per KV head group
+#     (triton_attention.PACK_GROUPS), for an A/B.
+#  5. tools/bench_gpu.py on the bench model's shape in fp32 (decode and prefill).
+#  6. tools/bench_handoff.py: KV hand-off over CUDA IPC against a device memcpy.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-check}
@@ -52,11 +58,16 @@ step() {  # step NAME SECONDS CMD...: run CMD bounded, output to $OUT/NAME.txt, 
     tail -25 "$OUT/$name.txt"
 }
 
-step pytest 240 python3 -m pytest -q -rfE -p no:cacheprovider --timeout 150 -m gpu \
+step pytest 200 python3 -m pytest -q -rfE -p no:cacheprovider --timeout 120 -m gpu \
     tests/gpu tests/unit/test_transport.py
-step bench_gpu_1b 120 python3 tools/bench_gpu.py --batch 64 --ctx 512 --profile 5
-step bench_gpu_1b_grouped 70 python3 tools/bench_gpu.py --batch 64 --ctx 512 --prefill '' \
-    --grouped-attention
-step bench_handoff 40 python3 tools/bench_handoff.py --reps 20
-step bench_gpu_bench 50 python3 tools/bench_gpu.py --hidden 512 --layers 8 --heads 8 \
+step bench_gpu_1b 90 python3 tools/bench_gpu.py --batch 64 --ctx 512 --profile 5 \
+    --out /tmp/gpu-1b
+[ -d .gpudata ] && export TETRI_DATA_DIR=$PWD/.gpudata
+step serve_mixed 150 python3 -m tetri_server bench compare --no-vllm --modes coupled,disaggregated \
+    --model /tmp/gpu-1b --max-model-len 2048 --workload Mixed --rate 12 --num-requests 240 \
+    --set cluster.device=cuda --no-progress --no-plots --out /tmp/serve-mixed
+step bench_gpu_1b_grouped 60 python3 tools/bench_gpu.py --batch 64 --ctx 512 --prefill '' \
+    --grouped-attention --out /tmp/gpu-1b
+step bench_gpu_bench 40 python3 tools/bench_gpu.py --hidden 512 --layers 8 --heads 8 \
     --kv-heads 8 --intermediate 1408 --dtype float32 --batch 32 --ctx 128
+step bench_handoff 30 python3 tools/bench_handoff.py --reps 20
