@@ -264,6 +264,26 @@ def test_resolve_on_cuda() -> None:
     assert resolved.kv.transport == "cuda_ipc"
 
 
+@pytest.mark.parametrize(
+    ("overrides", "elastic"),
+    [
+        ([], True),  # auto on cpu: elastic P/D
+        (["cluster.device=cuda"], False),  # auto on cuda: the strict split
+        (["cluster.device=cuda", "cluster.elastic=on"], True),
+        (["cluster.elastic=off"], False),
+    ],
+)
+def test_resolve_elastic_by_device(overrides: list[str], elastic: bool) -> None:
+    cfg = load_config(None, overrides)
+    resolved = cfg.resolve(cpu_count=16)
+    assert resolved.cluster.elastic == ("on" if elastic else "off")
+    kept = (resolved.prefill.local_decode_batch, resolved.decode.local_prefill_tokens)
+    assert kept == ((cfg.prefill.local_decode_batch, cfg.decode.local_prefill_tokens)
+                    if elastic else (0, 0))
+    assert kept != (0, 0) or not elastic  # the defaults are elastic on both sides
+    assert resolved.resolve(cpu_count=16) == resolved  # idempotent
+
+
 def test_resolve_keeps_explicit_values() -> None:
     cfg = load_config(
         None,

@@ -519,3 +519,17 @@ def test_with_an_overtake_share_short_prompts_start_sooner_behind_long_ones() ->
     records = decisions_of(shared, cost, reqs, 0)
     assert any(any(s > 0 for _, s, _ in r["slices"]) and sum(s == 0 for _, s, _ in r["slices"])
                for r in records if r["kind"] == "chunk")
+
+
+@pytest.mark.parametrize(("cluster", "elastic"), [("", True), ('elastic = "off"', False),
+                                                   ('device = "cuda"', False),
+                                                   ('device = "cuda"\nelastic = "on"', True)])
+def test_the_simulator_reads_cluster_elastic_from_the_config(tmp_path, cluster, elastic) -> None:  # type: ignore[no-untyped-def]
+    from tetri_server.sim.cli import build_parser, sim_config
+
+    path = tmp_path / "c.toml"
+    path.write_text(f"[cluster]\n{cluster}\n")
+    args = build_parser().parse_args(["--config", str(path), "--json", str(tmp_path / "o")])
+    sim = sim_config(args, v100())
+    assert (sim.local_decode_batch, sim.local_prefill_tokens) == ((16, 1024) if elastic
+                                                                  else (0, 0))

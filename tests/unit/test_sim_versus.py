@@ -174,3 +174,15 @@ def test_a_sparse_trace_decides_the_same_under_other_timing(gap_s: float,
     same = decisions.compare(*logs)
     assert same["dispatch w0"]["identical"] and same["admit w1"]["identical"]
     assert same["chunk w0"]["identical"] is chunks_identical
+
+
+def test_the_real_server_runs_the_split_the_simulation_models() -> None:
+    """Neither side is elastic in the simulation (SimConfig's defaults); the server's settings
+    must say so for both sides, not only the prefill worker's."""
+    from tetri_server.config import load_config
+
+    args = build_parser().parse_args(["--model", "m", "--json", "o.json"])
+    sim = sim_config(args)
+    real = load_config(None, server_sets(args)).resolve(cpu_count=2)
+    assert (real.prefill.local_decode_batch, real.decode.local_prefill_tokens) \
+        == (sim.local_decode_batch, sim.local_prefill_tokens) == (0, 0)

@@ -35,26 +35,28 @@ from tetri_server.bench.workload import BenchRequest, WorkloadSpec
 
 TETRI_MODES = ("disaggregated", "coupled", "coupled-chunked")
 # Named variants a comparison may list beside the modes: (cluster.mode, extra key=value). The
-# default is elastic on both sides (prefill.local_decode_batch = 16, decode.local_prefill_tokens
-# = 1024); the presets name both sides explicitly or take one side or both away.
+# default is elastic on both sides on cpu (prefill.local_decode_batch = 16,
+# decode.local_prefill_tokens = 1024) and the strict split on cuda (cluster.elastic = auto); the
+# presets name cluster.elastic explicitly, so each is the same configuration on either device.
 MODE_PRESETS = {
-    "elastic": ("disaggregated", ("prefill.local_decode_batch=16",
+    "elastic": ("disaggregated", ("cluster.elastic=on", "prefill.local_decode_batch=16",
                                   "decode.local_prefill_tokens=1024")),
-    "elastic-prefill": ("disaggregated", ("prefill.local_decode_batch=16",  # ablations
+    "elastic-prefill": ("disaggregated", ("cluster.elastic=on",  # ablations
+                                          "prefill.local_decode_batch=16",
                                           "decode.local_prefill_tokens=0")),
-    "split": ("disaggregated", ("prefill.local_decode_batch=0",  # the paper's strict split
-                                "decode.local_prefill_tokens=0")),
-    "elastic-decode": ("disaggregated", ("prefill.local_decode_batch=0",
+    "split": ("disaggregated", ("cluster.elastic=off",)),  # the paper's strict split
+    "elastic-decode": ("disaggregated", ("cluster.elastic=on", "prefill.local_decode_batch=0",
                                          "decode.local_prefill_tokens=1024")),
     # which requests the prefill side keeps: only where they decode faster, or by the other
     # rules alone (prefill.local_decode_balance on and off)
-    "keep-balanced": ("disaggregated", ("prefill.local_decode_balance=true",)),
-    "keep-any": ("disaggregated", ("prefill.local_decode_balance=false",)),
+    "keep-balanced": ("disaggregated", ("cluster.elastic=on",
+                                        "prefill.local_decode_balance=true")),
+    "keep-any": ("disaggregated", ("cluster.elastic=on", "prefill.local_decode_balance=false")),
     # steps that carry decode rows fill the whole chunk on both sides
     # (prefill.local_decode_chunk = 0; the default to session 30)
-    "mixed-full-chunk": ("disaggregated", ("prefill.local_decode_chunk=0",)),
+    "mixed-full-chunk": ("disaggregated", ("cluster.elastic=on", "prefill.local_decode_chunk=0")),
     # ... on the prefill worker only; the decode worker's prompt slices stay at 128 tokens
-    "prefill-full-chunk": ("disaggregated", ("prefill.local_decode_chunk=0",
+    "prefill-full-chunk": ("disaggregated", ("cluster.elastic=on", "prefill.local_decode_chunk=0",
                                              "decode.local_prefill_tokens=128")),
 }
 VLLM_LABEL = "vllm-cpu"

@@ -11,6 +11,8 @@ be decided from the config alone made concrete:
     model.dtype = auto              -> float32 on cpu, bfloat16 on cuda
     model.served_name = ""          -> folder name of model.path (``builtin:NAME`` -> NAME)
     kv.transport = auto             -> shm on cpu, cuda_ipc on cuda
+    cluster.elastic = auto          -> on on cpu, off on cuda; off -> prefill.local_decode_batch
+                                       = decode.local_prefill_tokens = 0 (the strict split)
     cluster.threads_per_worker = 0  -> max(1, cpu_count // number of workers)
 
 Values that need the model or the device stay as they are for the runtime to resolve:
@@ -40,6 +42,7 @@ from tetri_server.config.sections import (  # noqa: F401 - re-exported
     DispatchConfig,
     DispatchPolicyName,
     DType,
+    Elastic,
     FlipConfig,
     KVConfig,
     LogLevel,
@@ -113,12 +116,25 @@ class Config:
         if transport == "auto":
             transport = "cuda_ipc" if c.device == "cuda" else "shm"
         threads = c.threads_per_worker or max(1, cpu_count // c.num_workers)
+        prefill, decode = self.prefill, self.decode
+        if not self.elastic_on:
+            prefill = dataclasses.replace(prefill, local_decode_batch=0)
+            decode = dataclasses.replace(decode, local_prefill_tokens=0)
         return dataclasses.replace(
             self,
             model=dataclasses.replace(self.model, dtype=dtype, served_name=served_name),
             kv=dataclasses.replace(self.kv, transport=transport),
-            cluster=dataclasses.replace(c, threads_per_worker=threads),
+            cluster=dataclasses.replace(c, threads_per_worker=threads,
+                                        elastic="on" if self.elastic_on else "off"),
+            prefill=prefill,
+            decode=decode,
         )
+
+    @property
+    def elastic_on(self) -> bool:
+        """``cluster.elastic`` decided: auto is on on cpu, off (the strict split) on cuda."""
+        e = self.cluster.elastic
+        return e == "on" or (e == "auto" and self.cluster.device != "cuda")
 
     def to_dict(self, *, redact: bool = True) -> dict[str, dict[str, Any]]:
         """``{section: {key: value}}``, the shape of config.toml; JSON- and TOML-safe.

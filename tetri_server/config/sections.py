@@ -10,6 +10,7 @@ from typing import ClassVar, Literal, get_args, get_origin
 
 Mode = Literal["disaggregated", "coupled", "coupled-chunked"]
 Device = Literal["cpu", "cuda"]
+Elastic = Literal["auto", "on", "off"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 Transport = Literal["auto", "shm", "cuda_ipc"]
 LogLevel = Literal["debug", "info", "warning", "error"]
@@ -199,6 +200,14 @@ class ClusterConfig(_Section):
     """Workers that both prefill and decode in the coupled modes."""
     device: Device = "cpu"
     """cpu (workers pinned to cores) or cuda (worker i on cuda:i)."""
+    elastic: Elastic = "auto"
+    """Disaggregated mode: on = elastic P/D as its keys say (a prefill worker decodes up to
+    ``prefill.local_decode_batch`` requests it kept; a decode worker prefills prompts of up to
+    ``decode.local_prefill_tokens``); off = the paper's strict split (both keys resolved to 0);
+    auto = on on cpu, off on cuda. Measured: on 2 CPU cores elastic is the better of the two
+    (docs/benchmarks.md, "Elastic P/D at equal hardware"); on an H200 (a 0.79 B Llama, bf16,
+    Mixed at 12 req/s) the split's JCT was 0.50x coupled's against 2.04x with elastic on, whose
+    128-token prompt slices cost a whole launch-bound step each ("On a GPU: the first run")."""
     threads_per_worker: int = 0
     """Torch threads and pinned cores per worker; 0 = cpu cores // number of workers."""
     worker_start_timeout_s: float = 300.0

@@ -95,7 +95,7 @@ def server_sets(args: argparse.Namespace) -> list[str]:
             f"prefill.sched_batch={args.sched_batch}", "prefill.policy=fcfs",
             f"decode.policy={args.decode_policy}", f"decode.max_batch={args.max_batch}",
             "predictor.kind=oracle", f"monitor.interval_ms={args.monitor_interval_ms:g}",
-            f"dispatch.seed={args.seed}", "prefill.local_decode_batch=0"]  # the paper's split
+            f"dispatch.seed={args.seed}", "cluster.elastic=off"]  # the paper's split, both sides
 
 
 def to_sim(requests: list[BenchRequest]) -> list[SimRequest]:
