@@ -4,7 +4,7 @@ steps against the matmul peak.
 
     python tools/bench_gpu.py [--hidden 2048 --layers 16 --dtype bfloat16] [--batch 64]
         [--ctx 512] [--steps 30] [--profile 5] [--prefill 512,2048,1024x4] [--device cuda]
-        [--grouped-attention] [--out DIR]
+        [--per-head-attention] [--out DIR]
 
 Makes a random-weight Llama of the given shape (hidden 2048 x 16 layers ~ 1B parameters) with
 ``tetri_server.modelmaker`` and loads it in the engine (coupled, one process).
@@ -16,9 +16,9 @@ Makes a random-weight Llama of the given shape (hidden 2048 x 16 layers ~ 1B par
 - ``--prefill``: one prefill step per prompt set (``1024x4``: four 1024-token prompts packed in
   one step; median of 10) against the matmul peak measured in the same run (an 8192^3 product
   in the model's dtype); empty: none.
-- ``--grouped-attention``: the Triton attention kernel with one program per KV head's group
-  of query heads instead of one per query head (``triton_attention.PACK_GROUPS``), for an
-  A/B of the two.
+- ``--per-head-attention``: the Triton attention kernel with one program per query head
+  instead of one per KV head's group of query heads (``triton_attention.PACK_GROUPS``), for
+  an A/B of the two.
 Prints markdown tables and the graphs' capture time. ``--device cpu`` runs the same code on
 the CPU with no graphs (a smoke test of the tool, not a measurement:
 tests/unit/test_cuda_graphs.py runs it so).
@@ -126,15 +126,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill", default="512,2048,1024x4",
                     help="prompt sets to time one prefill step of (N or NxK), comma-separated")
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--grouped-attention", action="store_true",
-                    help="the Triton kernel's programs per KV head group, not per query head")
+    ap.add_argument("--per-head-attention", action="store_true",
+                    help="the Triton kernel's programs per query head, not per KV head group")
     ap.add_argument("--out", default=None, help="model folder (default: a temporary one)")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
-    if args.grouped_attention:
+    if args.per_head_attention:
         from tetri_server.engine.ops import triton_attention  # needs Triton
 
-        triton_attention.PACK_GROUPS = True
+        triton_attention.PACK_GROUPS = False
     folder = Path(args.out or tempfile.mkdtemp(prefix="tetri-gpu-model-"))
     extra_steps = 2 * (args.steps + args.profile) + 8  # decode steps past the context
     prefills = prompt_sets(args.prefill)
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"`tools/bench_gpu.py` on {name}, torch {torch.__version__}: Llama hidden "
           f"{args.hidden} x {args.layers} layers ({params / 1e9:.2f} B parameters, "
           f"{args.dtype}), decode batch {args.batch}, context {args.ctx}; attention "
-          f"programs per {'KV head group' if args.grouped_attention else 'query head'}; "
+          f"programs per {'query head' if args.per_head_attention else 'KV head group'}; "
           f"model made in "
           f"{made_s:.0f} s; {len(graphs.sizes)} graphs captured in {graphs.capture_s:.1f} s; "
           f"device copy {bw:.0f} GB/s (read + write)")

@@ -26,8 +26,8 @@
 #     peak measured in the same run.
 #  3. A served Mixed workload (real ShareGPT lengths, Poisson) on that 1B model: coupled
 #     (2 workers) against disaggregated (1 prefill + 1 decode), both on the one GPU.
-#  4. The decode step of 2 again with the attention kernel's programs per KV head group
-#     (triton_attention.PACK_GROUPS), for an A/B.
+#  4. The decode step of 2 again with the attention kernel's programs per query head
+#     (triton_attention.PACK_GROUPS = False; the default is per KV head group), for an A/B.
 #  5. tools/bench_gpu.py on the bench model's shape in fp32 (decode and prefill).
 #  6. tools/bench_handoff.py: KV hand-off over CUDA IPC against a device memcpy.
 set -uo pipefail
@@ -66,8 +66,8 @@ step bench_gpu_1b 90 python3 tools/bench_gpu.py --batch 64 --ctx 512 --profile 5
 step serve_mixed 150 python3 -m tetri_server bench compare --no-vllm --modes coupled,disaggregated \
     --model /tmp/gpu-1b --max-model-len 2048 --workload Mixed --rate 12 --num-requests 240 \
     --set cluster.device=cuda --no-progress --no-plots --out /tmp/serve-mixed
-step bench_gpu_1b_grouped 60 python3 tools/bench_gpu.py --batch 64 --ctx 512 --prefill '' \
-    --grouped-attention --out /tmp/gpu-1b
+step bench_gpu_1b_per_head 60 python3 tools/bench_gpu.py --batch 64 --ctx 512 --prefill '' \
+    --per-head-attention --out /tmp/gpu-1b
 step bench_gpu_bench 40 python3 tools/bench_gpu.py --hidden 512 --layers 8 --heads 8 \
     --kv-heads 8 --intermediate 1408 --dtype float32 --batch 32 --ctx 128
 step bench_handoff 30 python3 tools/bench_handoff.py --reps 20
