@@ -199,7 +199,7 @@ class ClusterConfig(_Section):
     workers: int = 2
     """Workers that both prefill and decode in the coupled modes."""
     device: Device = "cpu"
-    """cpu (workers pinned to cores) or cuda (worker i on cuda:i)."""
+    """cpu (workers pinned to cores) or cuda (worker i on cuda:(i mod the GPU count))."""
     elastic: Elastic = "auto"
     """Disaggregated mode: on = elastic P/D as its keys say (a prefill worker decodes up to
     ``prefill.local_decode_batch`` requests it kept; a decode worker prefills prompts of up to
