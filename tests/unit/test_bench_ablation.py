@@ -62,6 +62,16 @@ def test_every_row_changes_one_lever_of_its_base(row: ablation.Row) -> None:
         assert len(sections) == 1, f"{row.name} changes {sorted(added)} of {base.name}"
 
 
+@pytest.mark.parametrize("row", [r for r in ablation.ROWS if r.lever == "elastic P/D"],
+                         ids=lambda r: r.name)
+def test_the_elastic_rows_run_elastic_on_a_gpu_too(row: ablation.Row) -> None:
+    """cluster.elastic = auto is the strict split on cuda; a row that varies an elastic key
+    (or names an elastic preset) must still run elastic there, and the split row must not."""
+    spec = ablation.row_spec(row, "builtin:tiny", 1234, 2048, ["cluster.device=cuda"], 160)
+    cfg = load_config(None, set_items(spec.argv)).resolve(cpu_count=2)
+    assert cfg.elastic_on == (row.name != "split")
+
+
 def test_every_row_settings_come_after_the_common_ones_so_the_row_wins() -> None:
     spec = ablation.row_spec(BY_NAME["pool-greedy"], "m", 1, 2048, ["decode.policy=reserve-static",
                                                                     "kv.num_blocks=999"], 160)

@@ -59,7 +59,11 @@ class Row:
     base: str = "default"  # the row this one changes one thing of
 
     def settings(self, pool_blocks: int) -> tuple[str, ...]:
-        return tuple(f"kv.num_blocks={pool_blocks}" if s == POOL else s for s in self.sets)
+        # an "elastic P/D" row varies an elastic key, so it runs elastic on either device
+        # (cluster.elastic = auto is the strict split on cuda); the presets name it themselves
+        on = ("cluster.elastic=on",) if self.lever == "elastic P/D" \
+            and self.mode == "disaggregated" else ()
+        return on + tuple(f"kv.num_blocks={pool_blocks}" if s == POOL else s for s in self.sets)
 
 
 ROWS: tuple[Row, ...] = (
