@@ -145,6 +145,10 @@ async def serve(cfg: Config, given_path: str | None = None) -> int:
 
     notifier = Notifier.from_env()  # before any worker is spawned: they must not inherit it
     resolved = cfg.resolve(cpu_count=len(os.sched_getaffinity(0)))
+    if overridden := cfg.split_overrides():
+        log.warning("cluster.elastic = %s runs the strict split on %s: %s set to 0 (set "
+                    "cluster.elastic = on to keep)", cfg.cluster.elastic, cfg.cluster.device,
+                    ", ".join(overridden))
     metrics = Metrics(model_name=resolved.model.served_name,
                       vllm_aliases=cfg.server.vllm_metric_names)
     cluster = Cluster(resolved, metrics)

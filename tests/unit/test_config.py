@@ -284,6 +284,24 @@ def test_resolve_elastic_by_device(overrides: list[str], elastic: bool) -> None:
     assert resolved.resolve(cpu_count=16) == resolved  # idempotent
 
 
+@pytest.mark.parametrize(
+    ("overrides", "warned"),
+    [
+        (["cluster.device=cuda", "prefill.local_decode_batch=8"],
+         ["prefill.local_decode_batch = 8"]),
+        (["cluster.elastic=off", "decode.local_prefill_tokens=512"],
+         ["decode.local_prefill_tokens = 512"]),
+        (["cluster.device=cuda"], []),  # the defaults: nothing the user asked for is dropped
+        (["cluster.device=cuda", "prefill.local_decode_batch=0"], []),
+        (["cluster.device=cuda", "cluster.elastic=on", "prefill.local_decode_batch=8"], []),
+        (["cluster.device=cuda", "cluster.mode=coupled", "prefill.local_decode_batch=8"], []),
+    ],
+)
+def test_the_split_names_the_elastic_keys_it_overrides(overrides: list[str],
+                                                       warned: list[str]) -> None:
+    assert load_config(None, overrides).split_overrides() == warned
+
+
 def test_resolve_keeps_explicit_values() -> None:
     cfg = load_config(
         None,

@@ -130,6 +130,18 @@ class Config:
             decode=decode,
         )
 
+    def split_overrides(self) -> list[str]:
+        """The elastic keys this config gives a value other than 0 and their default, which
+        ``resolve`` sets to 0 because ``cluster.elastic`` decides the strict split (off, or
+        auto on cuda): for a warning at start-up, since the user may have meant them."""
+        if self.elastic_on or self.cluster.mode != "disaggregated":
+            return []
+        values = {"prefill.local_decode_batch": self.prefill.local_decode_batch,
+                  "decode.local_prefill_tokens": self.decode.local_prefill_tokens}
+        defaults = {"prefill.local_decode_batch": PrefillConfig().local_decode_batch,
+                    "decode.local_prefill_tokens": DecodeConfig().local_prefill_tokens}
+        return [f"{k} = {v}" for k, v in values.items() if v not in (0, defaults[k])]
+
     @property
     def elastic_on(self) -> bool:
         """``cluster.elastic`` decided: auto is on on cpu, off (the strict split) on cuda."""
