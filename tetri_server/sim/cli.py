@@ -197,13 +197,11 @@ def sim_config(args: argparse.Namespace, cost: CostModel) -> SimConfig:
     if args.config:
         from tetri_server.config import load_config
 
-        config = load_config(args.config)
-        cfg = config.to_dict()
+        # resolved as the server resolves it (cluster.elastic's split among the rest)
+        cfg = load_config(args.config).resolve(cpu_count=1).to_dict()
         for (section, key), name in CONFIG_KEYS.items():
             if key in cfg.get(section, {}):
                 values[name] = cfg[section][key]
-        if not config.elastic_on:  # cluster.elastic: off, or auto with cluster.device = cuda
-            values["local_decode_batch"] = values["local_prefill_tokens"] = 0
     for attr, name in FLAGS.items():
         if getattr(args, attr) is not None:
             values[name] = getattr(args, attr)
