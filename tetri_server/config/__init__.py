@@ -131,16 +131,16 @@ class Config:
         )
 
     def split_overrides(self) -> list[str]:
-        """The elastic keys this config gives a value other than 0 and their default, which
-        ``resolve`` sets to 0 because ``cluster.elastic`` decides the strict split (off, or
-        auto on cuda): for a warning at start-up, since the user may have meant them."""
+        """The prefill / decode keys that ``resolve`` changes because ``cluster.elastic``
+        decides the strict split (off, or auto on cuda), where this config gives them a value
+        other than their default: for a warning at start-up, since the user may have meant
+        them. Read off ``resolve`` itself, so the split's keys are named in one place."""
         if self.elastic_on or self.cluster.mode != "disaggregated":
             return []
-        values = {"prefill.local_decode_batch": self.prefill.local_decode_batch,
-                  "decode.local_prefill_tokens": self.decode.local_prefill_tokens}
-        defaults = {"prefill.local_decode_batch": PrefillConfig().local_decode_batch,
-                    "decode.local_prefill_tokens": DecodeConfig().local_prefill_tokens}
-        return [f"{k} = {v}" for k, v in values.items() if v not in (0, defaults[k])]
+        mine, split, default = (c.to_dict() for c in (self, self.resolve(cpu_count=1), Config()))
+        return [f"{sec}.{key} = {value}" for sec in ("prefill", "decode")
+                for key, value in mine[sec].items()
+                if value != split[sec][key] and value != default[sec][key]]
 
     @property
     def elastic_on(self) -> bool:
