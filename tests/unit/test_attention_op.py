@@ -17,6 +17,8 @@ import torch
 from tetri_server.engine import ops
 from tetri_server.engine.attention import BatchMetadata, paged_attention, ragged_attention
 
+from .triton_interpreter import run_interpreted
+
 BLOCK = 16
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -251,17 +253,9 @@ def test_results_do_not_depend_on_the_thread_count():
 
 
 TRITON_SCRIPT = """
-import random, sys, torch
-sys.path.insert(0, {tests!r})
-from test_attention_op import make_batch, random_specs, tensors, BLOCK
+import random, torch
+from tests.unit.test_attention_op import make_batch, random_specs, tensors, BLOCK
 from tetri_server.engine.attention import paged_attention
-import triton.runtime.interpreter as ti
-if hasattr(ti, "_patch_lang_tensor"):  # the interpreter's int() of its 1-element "scalars"
-    _patch = ti._patch_lang_tensor     # fails on numpy >= 2.4; index them instead
-    def _patched(tensor, scope):
-        _patch(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-    ti._patch_lang_tensor = _patched
 from tetri_server.engine.ops.triton_attention import ragged_attention_triton
 n = 0
 # GQA groups of 2, 3 (a tile with a spare row) and 4, MHA; False: one program per query head
@@ -285,13 +279,6 @@ print("TRITON OK", n)
 
 
 def test_triton_kernel_logic_in_the_interpreter():
-    """The CUDA kernel's indexing, masks and online softmax, run by Triton's CPU interpreter
-    (a fresh process: the interpreter is chosen when the kernel is defined)."""
-    probe = subprocess.run([sys.executable, "-c", "import triton"], capture_output=True)
-    if probe.returncode != 0:
-        pytest.skip("Triton is not installed (the CUDA path's logic is tested where it is)")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    script = TRITON_SCRIPT.format(tests=str(Path(__file__).parent))
-    proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+    """The CUDA kernel's indexing, masks and online softmax, run by Triton's CPU interpreter."""
+    proc = run_interpreted(TRITON_SCRIPT)
     assert proc.returncode == 0 and "TRITON OK 18" in proc.stdout, proc.stderr[-3000:]
