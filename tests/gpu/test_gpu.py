@@ -167,3 +167,53 @@ def test_decode_graphs_replay_the_eager_tokens_on_cuda(model_dir):
     assert eager.runner.graphs is None and graphs.runner.graphs is not None
     assert graphs.runner.graphs.capture_s > 0 and len(graphs.runner.graphs.graphs) == 7
     assert graphs.generate(prompts, GREEDY) == eager.generate(prompts, GREEDY)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_layer_ops_take_the_triton_kernels_and_equal_the_references_on_cuda(dtype):
+    """RMSNorm, add + RMSNorm, RoPE on strided q/k views, SiLU-and-mul and the KV write run
+    the Triton kernels on CUDA (ops/triton_layer.py) and equal the eager references (bf16 is
+    compared here only: Triton's CPU interpreter truncates to bf16)."""
+    from tetri_server.engine.attention import BatchMetadata, write_kv, write_kv_ref
+    from tetri_server.engine.ops import layer as L
+    from tetri_server.engine.ops import triton_layer_ops
+
+    assert triton_layer_ops() is not None, "no Triton kernels (is Triton installed?)"
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 5e-2, "rtol": 2e-2}
+    g = torch.Generator(device="cuda").manual_seed(0)
+    t, hidden, heads, kv_heads, dim, inter = 37, 2048, 16, 8, 128, 5632
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g, device="cuda").to(dtype)
+
+    x, d, w = randn(t, hidden), randn(t, hidden), randn(hidden)
+    assert L._triton(x, w) is not None
+    torch.testing.assert_close(L.rms_norm(x, w, 1e-6), L.rms_norm_ref(x, w, 1e-6), **tol)
+    x1, x2 = x.clone(), x.clone()
+    torch.testing.assert_close(L.add_rms_norm(x1, d, w, 1e-5),
+                               L.add_rms_norm_ref(x2, d, w, 1e-5), **tol)
+    assert torch.equal(x1, x2)
+    qkv = randn(t, (heads + 2 * kv_heads) * dim)
+    angles = torch.rand(t, 1, dim // 2, generator=g, device="cuda") * 6.3
+    cos = torch.cat((angles, angles), -1).cos().to(dtype)
+    sin = torch.cat((angles, angles), -1).sin().to(dtype)
+    ref = qkv.clone()
+
+    def views(buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return (buf[:, :heads * dim].view(t, heads, dim),
+                buf[:, heads * dim:(heads + kv_heads) * dim].view(t, kv_heads, dim),
+                buf[:, (heads + kv_heads) * dim:].view(t, kv_heads, dim))
+
+    L.rope(*views(qkv)[:2], cos, sin)
+    L.rope_ref(*views(ref)[:2], cos, sin)
+    torch.testing.assert_close(qkv, ref, **tol)
+    gu = randn(t, 2 * inter) * 4
+    torch.testing.assert_close(L.silu_mul(gu), L.silu_mul_ref(gu), **tol)
+    slots = torch.randperm(500, generator=g, device="cuda")[:t]
+    meta = BatchMetadata([0], [t], [t], [0], slots, torch.arange(t, device="cuda"), t)
+    base = randn(2, kv_heads, 500, dim)
+    pool = torch.stack((base, base.clone()))
+    _, k, v = views(qkv)
+    write_kv(pool[0, 0], pool[0, 1], k, v, meta)
+    write_kv_ref(pool[1, 0], pool[1, 1], k, v, meta)
+    assert torch.equal(pool[0], pool[1])

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tetri_server.engine.ops import load_cpu_ops, ragged_attention_op
+from tetri_server.engine.ops import load_cpu_ops, ragged_attention_op, triton_layer_ops
 
 
 @dataclass
@@ -99,13 +99,19 @@ def metadata_tensors(q_starts: list[int], q_lens: list[int], ctx_lens: list[int]
 def write_kv(pool_k: torch.Tensor, pool_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              meta: BatchMetadata) -> None:
     """Store the new tokens' K/V. pool_*: [kv_heads, pool_tokens, D]; k, v: [T, kv_heads, D].
-    One ``tetri::write_kv`` call on CPU (row copies), else two ``index_copy_``."""
+    One ``tetri::write_kv`` call on CPU (row copies), one Triton kernel on CUDA
+    (``ops/triton_layer.py``), else two ``index_copy_``."""
     n = meta.num_real
     if n == 0:
         return
     slots = meta.slot_mapping
     if pool_k.device.type == "cpu" and load_cpu_ops():
         torch.ops.tetri.write_kv(pool_k, pool_v, k, v, slots)
+        return
+    if pool_k.device.type == "cuda" and k.stride(-1) == 1 and v.stride(-1) == 1 \
+            and pool_k.stride(-1) == 1 and pool_k.stride() == pool_v.stride() \
+            and (tri := triton_layer_ops()):
+        tri.write_kv(pool_k, pool_v, k, v, slots[:n])
         return
     write_kv_ref(pool_k, pool_v, k, v, meta)
 

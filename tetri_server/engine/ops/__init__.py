@@ -3,7 +3,9 @@
 ``ragged_attention_op(device_type)`` gives one attention call per layer over the KV pool:
 ``torch.ops.tetri.ragged_attention`` on CPU (source in ``ragged_attention.cpp``), the Triton
 kernel with the same arguments on CUDA (``triton_attention.py``), or None; a None is logged once
-as a WARNING, naming the slower path the caller takes instead. The same library holds
+as a WARNING, naming the slower path the caller takes instead. ``triton_layer_ops()`` gives the
+small per-layer ops and the KV write as Triton kernels on CUDA (``triton_layer.py``), or None,
+logged the same way. The same C++ library holds
 ``tetri::write_kv`` (the new tokens' K/V into the pool), the fused per-layer ops of
 ``layer_ops.cpp`` (RMSNorm, add + RMSNorm, RoPE, SiLU-and-mul; their references and the
 dispatch are in ``layer.py``) and the packed fp32 linear of ``linear_ops.cpp`` (``linear.py``),
@@ -30,6 +32,7 @@ import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -135,15 +138,29 @@ def load_cpu_ops() -> bool:
         return False
 
 
-def triton_op() -> tuple[Callable[..., None] | None, str]:
-    """The Triton kernel and '', or None and why not."""
+@functools.cache
+def triton_missing() -> str:
+    """'' where the Triton kernels can run (on CUDA), else why not."""
     if torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 0):
-        return None, "Triton does not support this GPU (sm < 80, e.g. V100)"
+        return "Triton does not support this GPU (sm < 80, e.g. V100)"
     try:
-        from tetri_server.engine.ops.triton_attention import ragged_attention_triton
+        import triton  # noqa: F401
     except ImportError as e:
-        return None, f"Triton is not installed ({e})"
-    return ragged_attention_triton, ""
+        return f"Triton is not installed ({e})"
+    return ""
+
+
+@functools.cache
+def triton_layer_ops() -> ModuleType | None:
+    """``triton_layer.py`` (RMSNorm, add + RMSNorm, RoPE, SiLU-and-mul and the KV write as one
+    kernel each on CUDA), or None, logged once."""
+    why = triton_missing()
+    if not why:
+        from tetri_server.engine.ops import triton_layer
+        return triton_layer
+    log.warning("the small layer ops on cuda: %s; RMSNorm, RoPE, SiLU-and-mul and the KV write "
+                "run as eager PyTorch instead (several kernel launches each)", why)
+    return None
 
 
 @functools.cache
@@ -155,9 +172,10 @@ def ragged_attention_op(device_type: str) -> Callable[..., None] | None:
         return torch.ops.tetri.ragged_attention.default if load_cpu_ops() else None
     why = f"no {device_type} kernel"
     if device_type == "cuda":
-        fn, why = triton_op()
-        if fn is not None:
-            return fn
+        why = triton_missing()
+        if not why:
+            from tetri_server.engine.ops.triton_attention import ragged_attention_triton
+            return ragged_attention_triton
     log.warning("ragged attention on %s: %s; attention runs one SDPA call per sequence and "
                 "layer instead (slow path)", device_type, why)
     return None
