@@ -9,7 +9,10 @@ steps against the matmul peak.
 Makes a random-weight Llama of the given shape (hidden 2048 x 16 layers ~ 1B parameters) with
 ``tetri_server.modelmaker`` and loads it in the engine (coupled, one process).
 - Decode: fills ``--batch`` sequences with ``--ctx`` tokens of KV and times ``--steps`` decode
-  steps (median, CUDA events) eagerly and on the captured graphs, interleaved.
+  steps (median, CUDA events) eagerly and on the captured graphs, interleaved, each with the
+  small layer ops and the KV write as one Triton kernel each (``ops/triton_layer.py``, what
+  serving runs) and as eager PyTorch (``kernels.eager_layer_ops``: several kernels each), an
+  A/B in one run.
 - ``--profile N``: then profiles N more steps of each kind (torch.profiler) and prints the
   operators that took the most device time (CPU time on cpu): where the step's time above its
   bound goes.
@@ -38,6 +41,7 @@ import torch
 from tetri_server.bench.cpu import Timer
 from tetri_server.bench.engine_driver import EngineDriver
 from tetri_server.engine.cuda_graphs import DecodeGraphs, decode_graphs
+from tetri_server.engine.kernels import eager_layer_ops
 from tetri_server.modelmaker import make_model
 
 
@@ -136,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
 
         triton_attention.PACK_GROUPS = False
     folder = Path(args.out or tempfile.mkdtemp(prefix="tetri-gpu-model-"))
-    extra_steps = 2 * (args.steps + args.profile) + 8  # decode steps past the context
+    extra_steps = 2 * (2 * args.steps + args.profile) + 8  # decode steps past the context
     prefills = prompt_sets(args.prefill)
     longest = max((n for lens in prefills for n in lens), default=0)
     t0 = time.perf_counter()
@@ -154,23 +158,35 @@ def main(argv: list[str] | None = None) -> int:
     graphs: DecodeGraphs = decode_graphs(eng.model, eng.kv, eng.allocator,
                                          eng.kv_manager.block_size, args.batch, eng.device,
                                          capture=device.type == "cuda")
+    fused = eng.model.kernels
+    unfused = eager_layer_ops(fused)
+    eng.model.kernels = unfused  # the same buckets captured on the eager layer ops
+    graphs_unfused = DecodeGraphs(eng.model, eng.kv, graphs.scratch_slot, args.batch,
+                                  eng.device, capture=device.type == "cuda")
+    graphs_unfused.capture()
+    eng.model.kernels = fused
+    # (name, graphs, kernels): the rows of the decode table
+    variants = [("eager", None, fused), ("graphs", graphs, fused),
+                ("eager, eager layer ops", None, unfused),
+                ("graphs, eager layer ops", graphs_unfused, unfused)]
     params = sum(p.numel() for p in eng.model.parameters())
     weight_bytes = sum(p.numel() * p.element_size() for p in eng.model.parameters())
     kv_bytes = drv.shape.kv_bytes(args.batch, args.ctx)
     bw = copy_bandwidth_gbs(eng.device)
-    times: dict[str, list[float]] = {"eager": [], "graphs": []}
+    times: dict[str, list[float]] = {name: [] for name, _, _ in variants}
     with drv.decoding(args.batch, args.ctx, extra_steps - 4) as run:
-        run()  # warm-up, eager
+        for _, g, kern in variants:  # warm-up
+            eng.runner.graphs, eng.model.kernels = g, kern
+            run()
         for _ in range(2):  # interleaved
-            eng.runner.graphs = None
-            times["eager"] += step_times(run, args.steps // 2, eng.device)
-            eng.runner.graphs = graphs
-            times["graphs"] += step_times(run, args.steps // 2, eng.device)
+            for name, g, kern in variants:
+                eng.runner.graphs, eng.model.kernels = g, kern
+                times[name] += step_times(run, args.steps // 2, eng.device)
         tables = {}
-        for k, g in (("eager", None), ("graphs", graphs)) if args.profile else ():
-            eng.runner.graphs = g
-            tables[k] = profile_table(run, args.profile, eng.device)
-        eng.runner.graphs = None
+        for name, g, kern in variants[:2] if args.profile else ():
+            eng.runner.graphs, eng.model.kernels = g, kern
+            tables[name] = profile_table(run, args.profile, eng.device)
+        eng.runner.graphs, eng.model.kernels = None, fused
     prefill_s = []
     for lens in prefills:
         with drv.prefill(lens) as run:
@@ -190,11 +206,13 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print("| decode step | median ms | weight + KV GB | bandwidth bound ms | step / bound |")
     print("|---|---:|---:|---:|---:|")
-    for k in ("eager", "graphs"):
-        print(f"| {k} | {1e3 * med[k]:.2f} | {(weight_bytes + kv_bytes) / 1e9:.2f} "
-              f"| {1e3 * bound:.2f} | {med[k] / bound:.2f}x |")
+    for name, _, _ in variants:
+        print(f"| {name} | {1e3 * med[name]:.2f} | {(weight_bytes + kv_bytes) / 1e9:.2f} "
+              f"| {1e3 * bound:.2f} | {med[name] / bound:.2f}x |")
     print()
-    print(f"graphs / eager: {med['graphs'] / med['eager']:.2f}x")
+    print(f"graphs / eager: {med['graphs'] / med['eager']:.2f}x; layer ops fused / eager: "
+          f"{med['graphs'] / med['graphs, eager layer ops']:.2f}x with graphs, "
+          f"{med['eager'] / med['eager, eager layer ops']:.2f}x without")
     if prefills:
         print()
         print(f"Prefill, one step; matmul peak {peak:.0f} TFLOP/s ({args.dtype}, 8192^3, "

@@ -15,13 +15,15 @@
 # then: device run, carry [".whl", ".gpudata"], command "bash tools/gpu_check.sh".
 #
 # Steps:
-#  1. pytest -m gpu: the Triton kernel behind ragged_attention against the SDPA loop (fp32,
-#     bf16, fp16, sliding window), greedy parity with transformers on CUDA (llama, opt; coupled
+#  1. pytest -m gpu: the Triton kernels (ragged_attention against the SDPA loop, with a sliding
+#     window too; the small layer ops and the KV write against their references) in fp32, bf16
+#     and fp16, greedy parity with transformers on CUDA (llama, opt; coupled
 #     and coupled-chunked), CUDA graphs against eager, KV blocks across processes over CUDA IPC,
 #     a disaggregated cluster over CUDA IPC, and `tetri-server serve` with 1 prefill + 1 decode
 #     worker on the one GPU streaming the text transformers gives.
 #  2. tools/bench_gpu.py: the decode step at batch 64 of a ~1B Llama in bf16 (hidden 2048 x 16
-#     layers), CUDA graphs on and off, against its weight + KV bytes bandwidth bound, with a
+#     layers), CUDA graphs on and off, each with the small layer ops as Triton kernels and as
+#     eager PyTorch (interleaved), against its weight + KV bytes bandwidth bound, with a
 #     profile of 5 steps of each; prefill steps (512, 2048, 4 x 1024) against the bf16 matmul
 #     peak measured in the same run.
 #  3. A served Mixed workload (real ShareGPT lengths, Poisson) on that 1B model: coupled
@@ -60,13 +62,13 @@ step() {  # step NAME SECONDS CMD...: run CMD bounded, output to $OUT/NAME.txt, 
 
 step pytest 200 python3 -m pytest -q -rfE -p no:cacheprovider --timeout 120 -m gpu \
     tests/gpu tests/unit/test_transport.py
-step bench_gpu_1b 90 python3 tools/bench_gpu.py --batch 64 --ctx 512 --profile 5 \
+step bench_gpu_1b 100 python3 tools/bench_gpu.py --batch 64 --ctx 512 --profile 5 \
     --out /tmp/gpu-1b
 [ -d .gpudata ] && export TETRI_DATA_DIR=$PWD/.gpudata
 step serve_mixed 150 python3 -m tetri_server bench compare --no-vllm --modes coupled,disaggregated \
     --model /tmp/gpu-1b --max-model-len 2048 --workload Mixed --rate 12 --num-requests 240 \
     --set cluster.device=cuda --no-progress --no-plots --out /tmp/serve-mixed
-step bench_gpu_1b_per_head 60 python3 tools/bench_gpu.py --batch 64 --ctx 512 --prefill '' \
+step bench_gpu_1b_per_head 50 python3 tools/bench_gpu.py --batch 64 --ctx 512 --prefill '' \
     --per-head-attention --out /tmp/gpu-1b
 step bench_gpu_bench 40 python3 tools/bench_gpu.py --hidden 512 --layers 8 --heads 8 \
     --kv-heads 8 --intermediate 1408 --dtype float32 --batch 32 --ctx 128

@@ -76,6 +76,14 @@ def unfused_glu(linear: LinearFn, silu_mul: Callable[..., torch.Tensor]) -> Call
     return run
 
 
+def eager_layer_ops(kern: Kernels) -> Kernels:
+    """``kern`` with RMSNorm, add + RMSNorm, RoPE, SiLU-and-mul and the KV write as eager
+    PyTorch (the CUDA path before ``ops/triton_layer.py``): tools/bench_gpu.py's A/B."""
+    return replace(kern, write_kv=write_kv_ref, rms_norm=rms_norm_ref,
+                   add_rms_norm=add_rms_norm_ref, rope=rope_ref,
+                   glu=unfused_glu(kern.linear, silu_mul_ref))
+
+
 REFERENCE = Kernels(attention=paged_attention, write_kv=write_kv_ref, linear=unpacked_linear,
                     rms_norm=rms_norm_ref, add_rms_norm=add_rms_norm_ref, rope=rope_ref,
                     glu=unfused_glu(unpacked_linear, silu_mul_ref))
