@@ -53,15 +53,20 @@ class LlamaLayer(nn.Module):
         self.packed = {n: pack_weight(getattr(self, n)) for n in ("qkv", "o", "down")}
         self.packed["gate_up"] = pack_glu_weight(self.gate_up)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                pool_k: torch.Tensor, pool_v: torch.Tensor, meta: BatchMetadata,
-                kern: Kernels, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """``rows``: after every row's K/V is written, go on with these rows alone, under
+    def forward(self, x: torch.Tensor, pending: torch.Tensor | None, cos: torch.Tensor,
+                sin: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor,
+                meta: BatchMetadata, kern: Kernels,
+                rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream ``x`` plus ``pending`` (the last layer's MLP output, None for the
+        first layer) -> (the stream, this layer's MLP output). The add is left to the next
+        norm (``add_rms_norm``), one pass over the rows instead of two.
+        ``rows``: after every row's K/V is written, go on with these rows alone, under
         ``meta.sampled_only`` (the model's last layer, when only they are read)."""
         s = self.spec
         t = x.shape[0]
         linear = kern.linear
-        h = kern.rms_norm(x, self.input_norm, s.eps)
+        h = kern.rms_norm(x, self.input_norm, s.eps) if pending is None else \
+            kern.add_rms_norm(x, pending, self.input_norm, s.eps)  # x += pending
         pk = self.packed
         qkv = linear(h, self.qkv, self.qkv_bias, pk.get("qkv"))
         nq, nkv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
@@ -75,12 +80,12 @@ class LlamaLayer(nn.Module):
             x, q, meta = x[rows], q[rows], meta.sampled_only
             t = x.shape[0]
             if t == 0:  # nothing sampled: this step only needed the K/V
-                return x
+                return x, x.new_zeros(x.shape)
         attn = kern.attention(q, pool_k, pool_v, meta, window=self.window)
         h = kern.add_rms_norm(x, linear(attn.reshape(t, nq), self.o, None, pk.get("o")),
                               self.post_norm, s.eps)  # x += attention output
         up = kern.glu(h, self.gate_up, pk.get("gate_up"))
-        return x.add_(linear(up, self.down, None, pk.get("down")))
+        return x, linear(up, self.down, None, pk.get("down"))
 
 
 class LlamaModel(nn.Module):
@@ -117,12 +122,15 @@ class LlamaModel(nn.Module):
         cos = (emb.cos() * self.rope_scale).to(x.dtype)[:, None, :]  # [T, 1, D]
         sin = (emb.sin() * self.rope_scale).to(x.dtype)[:, None, :]
         last = len(self.layers) - 1 if meta.sampled_only is not None else -1
+        pending = None
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv[i, 0], kv[i, 1], meta, self.kernels,
-                      logits_indices if i == last else None)
+            x, pending = layer(x, pending, cos, sin, kv[i, 0], kv[i, 1], meta, self.kernels,
+                               logits_indices if i == last else None)
+        assert pending is not None
         if last < 0:
-            x = x[logits_indices]
-        x = self.kernels.rms_norm(x.contiguous(), self.norm, self.spec.eps)
+            x, pending = x[logits_indices], pending[logits_indices]
+        x = self.kernels.add_rms_norm(x.contiguous(), pending.contiguous(), self.norm,
+                                      self.spec.eps)
         return self.kernels.linear(x, self.lm_head, None, self.lm_head_packed).float()
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
