@@ -19,9 +19,10 @@ Makes a random-weight Llama of the given shape (hidden 2048 x 16 layers ~ 1B par
 - ``--prefill``: one prefill step per prompt set (``1024x4``: four 1024-token prompts packed in
   one step; median of 10) against the matmul peak measured in the same run (an 8192^3 product
   in the model's dtype); empty: none.
-- ``--per-head-attention``: the Triton attention kernel with one program per query head
-  instead of one per KV head's group of query heads (``triton_attention.PACK_GROUPS``), for
-  an A/B of the two.
+- The attention kernel's two layouts: where Triton is installed, the decode rows also hold
+  graphs with one program per query head (``triton_attention.PACK_GROUPS`` off; the default
+  is one per KV head's group of query heads), interleaved with the rest.
+  ``--per-head-attention`` runs every row per query head instead.
 Prints markdown tables and the graphs' capture time. ``--device cpu`` runs the same code on
 the CPU with no graphs (a smoke test of the tool, not a measurement:
 tests/unit/test_cuda_graphs.py runs it so).
@@ -42,7 +43,11 @@ from tetri_server.bench.cpu import Timer
 from tetri_server.bench.engine_driver import EngineDriver
 from tetri_server.engine.cuda_graphs import DecodeGraphs, decode_graphs
 from tetri_server.engine.kernels import eager_layer_ops
+from tetri_server.engine.ops import triton_missing
 from tetri_server.modelmaker import make_model
+
+
+PER_HEAD = "graphs, attention per query head"
 
 
 def copy_bandwidth_gbs(device: torch.device, nbytes: int = 1 << 30) -> float:
@@ -140,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
 
         triton_attention.PACK_GROUPS = False
     folder = Path(args.out or tempfile.mkdtemp(prefix="tetri-gpu-model-"))
-    extra_steps = 2 * (2 * args.steps + args.profile) + 8  # decode steps past the context
+    extra_steps = 5 * args.steps + 2 * args.profile + 12  # decode steps past the context
     prefills = prompt_sets(args.prefill)
     longest = max((n for lens in prefills for n in lens), default=0)
     t0 = time.perf_counter()
@@ -169,9 +174,19 @@ def main(argv: list[str] | None = None) -> int:
     variants = [("eager", None, fused), ("graphs", graphs, fused),
                 ("eager, eager layer ops", None, unfused),
                 ("graphs, eager layer ops", graphs_unfused, unfused)]
+    if not args.per_head_attention and not triton_missing():
+        # the attention kernel's other layout, interleaved with the rest: graphs captured
+        # with triton_attention.PACK_GROUPS off, which the eager rows leave on
+        from tetri_server.engine.ops import triton_attention
+
+        triton_attention.PACK_GROUPS = False
+        graphs_per_head = DecodeGraphs(eng.model, eng.kv, graphs.scratch_slot, args.batch,
+                                       eng.device, capture=device.type == "cuda")
+        graphs_per_head.capture()
+        triton_attention.PACK_GROUPS = True
+        variants.append((PER_HEAD, graphs_per_head, fused))
     params = sum(p.numel() for p in eng.model.parameters())
     weight_bytes = sum(p.numel() * p.element_size() for p in eng.model.parameters())
-    kv_bytes = drv.shape.kv_bytes(args.batch, args.ctx)
     bw = copy_bandwidth_gbs(eng.device)
     times: dict[str, list[float]] = {name: [] for name, _, _ in variants}
     with drv.decoding(args.batch, args.ctx, extra_steps - 4) as run:
@@ -194,11 +209,15 @@ def main(argv: list[str] | None = None) -> int:
             prefill_s.append(statistics.median(step_times(run, 10, eng.device)))
     peak = matmul_peak_tflops(eng.device, eng.kv.dtype) if prefills else 0.0
     med = {k: statistics.median(v) for k, v in times.items()}
+    # the context grows by one a step: the bound at the timed steps' mean context
+    mean_ctx = args.ctx + len(variants) + sum(map(len, times.values())) // 2
+    kv_bytes = drv.shape.kv_bytes(args.batch, mean_ctx)
     bound = (weight_bytes + kv_bytes) / (bw * 1e9 / 2) if bw else float("nan")
     name = torch.cuda.get_device_name(eng.device) if eng.device.type == "cuda" else "cpu"
     print(f"`tools/bench_gpu.py` on {name}, torch {torch.__version__}: Llama hidden "
           f"{args.hidden} x {args.layers} layers ({params / 1e9:.2f} B parameters, "
-          f"{args.dtype}), decode batch {args.batch}, context {args.ctx}; attention "
+          f"{args.dtype}), decode batch {args.batch}, context {args.ctx} (the timed steps' "
+          f"mean {mean_ctx}); attention "
           f"programs per {'query head' if args.per_head_attention else 'KV head group'}; "
           f"model made in "
           f"{made_s:.0f} s; {len(graphs.sizes)} graphs captured in {graphs.capture_s:.1f} s; "
@@ -212,7 +231,9 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(f"graphs / eager: {med['graphs'] / med['eager']:.2f}x; layer ops fused / eager: "
           f"{med['graphs'] / med['graphs, eager layer ops']:.2f}x with graphs, "
-          f"{med['eager'] / med['eager, eager layer ops']:.2f}x without")
+          f"{med['eager'] / med['eager, eager layer ops']:.2f}x without"
+          + (f"; attention per query head / grouped, with graphs: "
+             f"{med[PER_HEAD] / med['graphs']:.2f}x" if PER_HEAD in med else ""))
     if prefills:
         print()
         print(f"Prefill, one step; matmul peak {peak:.0f} TFLOP/s ({args.dtype}, 8192^3, "

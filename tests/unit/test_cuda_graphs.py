@@ -140,6 +140,8 @@ def test_the_gpu_benchmark_runs_its_code_on_cpu(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "| eager |" in out and "| graphs |" in out and "graphs / eager" in out
     assert "| eager, eager layer ops |" in out and "| graphs, eager layer ops |" in out
+    from tetri_server.engine.ops import triton_missing
+    assert ("| graphs, attention per query head |" in out) == (not triton_missing())
     assert "Profile of 2 eager steps" in out and "Profile of 2 graphs steps" in out
     assert "aten::" in out  # the profiler's operators
     assert "| 1 x 8 | 8 |" in out and "| 2 x 4 | 8 |" in out
