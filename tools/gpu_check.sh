@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One prepared device check for a lent GPU machine (the device tool's README): at most ~9.7
-# minutes (steps 1-4 took about 3 on an H200 in session 38), every step bounded, each step's
+# One prepared device check for a lent GPU machine (the device tool's README): at most ~9
+# minutes (the whole check took 5.6 on an H200 in session 38), every step bounded, each step's
 # output kept in $OUT whatever the others do. Run it with the device tool's timeout at 600 s.
 #
 # The image has torch, triton, transformers, cupy, aiohttp, uvloop and pytest but not msgspec
@@ -17,48 +17,23 @@
 # Steps:
 #  1. pytest -m gpu: the Triton kernels (ragged_attention against the SDPA loop, with a sliding
 #     window too; the small layer ops and the KV write against their references) in fp32, bf16
-#     and fp16, greedy parity with transformers on CUDA (llama, opt; coupled
-#     and coupled-chunked), CUDA graphs against eager, KV blocks across processes over CUDA IPC,
-#     a disaggregated cluster over CUDA IPC, and `tetri-server serve` with 1 prefill + 1 decode
+#     and fp16, greedy parity with transformers on CUDA (llama, opt; coupled and
+#     coupled-chunked), CUDA graphs against eager, KV blocks across processes over CUDA IPC, a
+#     disaggregated cluster over CUDA IPC, and `tetri-server serve` with 1 prefill + 1 decode
 #     worker on the one GPU streaming the text transformers gives.
 #  2. tools/bench_gpu.py: the decode step at batch 64 of a ~1B Llama in bf16 (hidden 2048 x 16
 #     layers), CUDA graphs on and off, each with the small layer ops as Triton kernels and as
-#     eager PyTorch (interleaved), against its weight + KV bytes bandwidth bound, with a
-#     profile of 5 steps of each; prefill steps (512, 2048, 4 x 1024) against the bf16 matmul
-#     peak measured in the same run.
+#     eager PyTorch, and with the attention kernel's programs per query head (all
+#     interleaved), against its weight + KV bytes bandwidth bound, with a profile of 5 steps
+#     of each; prefill steps (512, 2048, 4 x 1024) against the bf16 matmul peak measured in
+#     the same run.
 #  3. A served Mixed workload (real ShareGPT lengths, Poisson) on that 1B model: coupled
 #     (2 workers) against disaggregated (1 prefill + 1 decode), both on the one GPU.
-#  4. The decode step of 2 again with the attention kernel's programs per query head
-#     (triton_attention.PACK_GROUPS = False; the default is per KV head group), for an A/B.
-#  5. tools/bench_gpu.py on the bench model's shape in fp32 (decode and prefill).
-#  6. tools/bench_handoff.py: KV hand-off over CUDA IPC against a device memcpy.
+#  4. tools/bench_gpu.py on the bench model's shape in fp32 (decode and prefill).
+#  5. tools/bench_handoff.py: KV hand-off over CUDA IPC against a device memcpy.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/gpu-check}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-if compgen -G ".whl/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl || exit 1
-    export PYTHONPATH=/tmp/site:$PWD
-else
-    export PYTHONPATH=$PWD
-fi
-{
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-    python3 -c "import sys, torch, triton, transformers, msgspec, pytest; print(sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'pytest', pytest.__version__)"
-    nproc
-} 2>&1 | tee "$OUT/env.txt"
-
-step() {  # step NAME SECONDS CMD...: run CMD bounded, output to $OUT/NAME.txt, say how it ended
-    local name=$1 secs=$2
-    shift 2
-    local t0=$SECONDS
-    timeout -k 10 "$secs" "$@" >"$OUT/$name.txt" 2>&1
-    local rc=$?
-    echo "== $name: rc $rc in $((SECONDS - t0)) s" | tee -a "$OUT/steps.txt"
-    tail -25 "$OUT/$name.txt"
-}
+source tools/gpu_common.sh
 
 step pytest 200 python3 -m pytest -q -rfE -p no:cacheprovider --timeout 120 -m gpu \
     tests/gpu tests/unit/test_transport.py
@@ -68,8 +43,6 @@ step bench_gpu_1b 100 python3 tools/bench_gpu.py --batch 64 --ctx 512 --profile 
 step serve_mixed 150 python3 -m tetri_server bench compare --no-vllm --modes coupled,disaggregated \
     --model /tmp/gpu-1b --max-model-len 2048 --workload Mixed --rate 12 --num-requests 240 \
     --set cluster.device=cuda --no-progress --no-plots --out /tmp/serve-mixed
-step bench_gpu_1b_per_head 50 python3 tools/bench_gpu.py --batch 64 --ctx 512 --prefill '' \
-    --per-head-attention --out /tmp/gpu-1b
 step bench_gpu_bench 40 python3 tools/bench_gpu.py --hidden 512 --layers 8 --heads 8 \
     --kv-heads 8 --intermediate 1408 --dtype float32 --batch 32 --ctx 128
 step bench_handoff 30 python3 tools/bench_handoff.py --reps 20
