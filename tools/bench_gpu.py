@@ -46,7 +46,6 @@ from tetri_server.engine.kernels import eager_layer_ops
 from tetri_server.engine.ops import triton_missing
 from tetri_server.modelmaker import make_model
 
-
 PER_HEAD = "graphs, attention per query head"
 
 
