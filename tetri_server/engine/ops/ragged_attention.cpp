@@ -67,7 +67,7 @@ inline const float* as_float<float>(const float* src, float*, int64_t) {
 // Ask for a row's cache lines ahead of use (the KV stream is read once, from DRAM).
 inline void prefetch_row(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
-  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o, 0, 3);  // into L1
+  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o, 0, 2);  // into L2
 }
 
 inline float dot(const float* a, const float* b, int64_t d) {
