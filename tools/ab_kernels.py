@@ -77,6 +77,10 @@ def build_variant(sources: list[Path]) -> set[str]:
 
     load(name="tetrix_ops", sources=files, extra_cflags=flags, extra_ldflags=["-fopenmp"],
          build_directory=str(out), is_python_module=False)
+    if "linear_ops.cpp" in given and hasattr(torch.ops.tetrix, "set_packed_linear_tall_rows"):
+        # the copy's tiles as linear.py sets the engine's for this CPU (a copy may change it)
+        lin.tetri_linear_supported()
+        torch.ops.tetrix.set_packed_linear_tall_rows(torch.ops.tetri.packed_linear_tall_rows())
     return set(given)
 
 

@@ -13,10 +13,12 @@ from tetri_server.engine.attention import BatchMetadata, write_kv, write_kv_ref
 from tetri_server.engine.ops import load_cpu_ops
 from tetri_server.engine.ops.layer import silu_mul
 from tetri_server.engine.ops.linear import (
+    cpu_vendor,
     glu,
     linear,
     pack_glu_weight,
     pack_weight,
+    tall_tile_rows,
     tetri_linear_supported,
 )
 
@@ -27,6 +29,45 @@ pytestmark = pytest.mark.skipif(not load_cpu_ops() or not tetri_linear_supported
 # panel width; in features odd and larger than a row block's budget
 ROWS = [1, 5, 12, 13, 47, 48, 49, 97, 600]
 SHAPES = [(64, 64), (65, 17), (1000, 300), (7, 3), (96, 2100)]
+
+
+@pytest.fixture(params=[48, 0], ids=["tall-to-48", "wide-only"], autouse=True)
+def tiles(request: pytest.FixtureRequest):  # noqa: ANN201
+    """Every test under both tile settings (linear.py picks one per CPU: both must hold)."""
+    before = torch.ops.tetri.packed_linear_tall_rows()
+    torch.ops.tetri.set_packed_linear_tall_rows(request.param)
+    yield request.param
+    torch.ops.tetri.set_packed_linear_tall_rows(before)
+
+
+def test_both_tiles_give_the_same_bits_and_the_setting_is_checked() -> None:
+    g = torch.Generator().manual_seed(3)
+    w, b = torch.randn(130, 70, generator=g), torch.randn(130, generator=g)
+    gu = torch.randn(2 * 64, 70, generator=g)
+    packed, gu_packed = pack_weight(w), pack_glu_weight(gu)
+    x = torch.randn(48, 70, generator=g)
+    before = torch.ops.tetri.packed_linear_tall_rows()
+    try:
+        outs = []
+        for rows in (48, 0):
+            torch.ops.tetri.set_packed_linear_tall_rows(rows)
+            outs.append((linear(x, w, b, packed), glu(x, gu, gu_packed)))
+        assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+        with pytest.raises(RuntimeError, match="rows must be in"):
+            torch.ops.tetri.set_packed_linear_tall_rows(-1)
+    finally:
+        torch.ops.tetri.set_packed_linear_tall_rows(before)
+
+
+def test_the_tall_tile_rows_per_cpu() -> None:
+    assert tall_tile_rows("AuthenticAMD", "AVX512") == 0  # measured: the wide tile is faster
+    assert tall_tile_rows("GenuineIntel", "AVX512") == 48
+    assert tall_tile_rows("AuthenticAMD", "AVX2") == 48  # unmeasured: as before
+    torch.ops.tetri.set_packed_linear_tall_rows(7)
+    tetri_linear_supported.cache_clear()
+    assert tetri_linear_supported()  # what the engine calls before packing: sets this CPU's
+    assert torch.ops.tetri.packed_linear_tall_rows() == tall_tile_rows(
+        cpu_vendor(), torch.backends.cpu.get_cpu_capability())
 
 
 @pytest.mark.parametrize(("n", "k"), SHAPES)

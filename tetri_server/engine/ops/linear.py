@@ -6,7 +6,8 @@ runs on it:
 - ``tetri::packed_linear`` (``linear_ops.cpp``) where the C++ ops are built with an AVX2 or
   AVX-512 kernel: panels of the weight stored in the order the kernel reads them, a register
   tile per row count (decode rows or prefill rows), the next panel prefetched while a panel
-  runs. Measured on one core (docs/benchmarks.md, Engine): faster than oneDNN at every decode
+  runs (up to ``tall_tile_rows`` rows a tall tile, chosen per CPU). Measured on one core
+  (docs/benchmarks.md, Engine): faster than oneDNN at every decode
   batch size, within a few % of it at prefill sizes. Each output is one FMA chain over the
   input dim, so a row's result does not depend on the other rows of the batch.
 - else oneDNN's matmul over a weight reordered once (``torch.ops.mkldnn._reorder_linear_weight``:
@@ -39,8 +40,34 @@ PACK_HINT_ROWS = 32  # the batch size oneDNN picks the weight layout for; any M 
 
 @functools.cache
 def tetri_linear_supported() -> bool:
-    """The C++ ops are built here with a packed-linear kernel (AVX2 or AVX-512)."""
-    return load_cpu_ops() and bool(torch.ops.tetri.packed_linear_supported())
+    """The C++ ops are built here with a packed-linear kernel (AVX2 or AVX-512); sets the
+    kernel's tall-tile rows for this CPU (``tall_tile_rows``)."""
+    if not (load_cpu_ops() and bool(torch.ops.tetri.packed_linear_supported())):
+        return False
+    torch.ops.tetri.set_packed_linear_tall_rows(
+        tall_tile_rows(cpu_vendor(), torch.backends.cpu.get_cpu_capability()))
+    return True
+
+
+def tall_tile_rows(vendor: str, capability: str) -> int:
+    """Up to how many rows ``packed_linear`` runs its tall tile (12 rows x 2 vectors on
+    AVX-512) rather than the wide one (6 x 4). Measured with tools/ab_kernels.py: on an AMD
+    EPYC with AVX-512 (Zen 4, session 39) the wide tile was 4-7% faster at 32 and 48 rows and
+    level at 8 and 16, the decode step at batch 32 4% faster; on Intel the tall one was the
+    faster for decode (session 18). Elsewhere unmeasured: the tall tile up to 48 rows."""
+    return 0 if vendor == "AuthenticAMD" and capability == "AVX512" else 48
+
+
+def cpu_vendor() -> str:
+    """``vendor_id`` of /proc/cpuinfo ('GenuineIntel', 'AuthenticAMD'), '' where unknown."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
 
 
 def _is_tetri_pack(packed: torch.Tensor) -> bool:

@@ -8,9 +8,9 @@
 //
 // Kernel. A register tile of R rows x NV vectors of outputs is accumulated over the whole K
 // (R x NV accumulators, each k: NV panel loads, R broadcasts of x, R x NV FMAs). Few rows
-// (decode batches) take the tall tile over half a panel (NV = 2), many rows (prefill) the wide
-// one over the whole panel (NV = 4) in blocks of up to 256 rows, so a panel is re-read from
-// cache, not memory. Each tile over a panel prefetches its share of the panel kAhead further
+// (decode batches, up to a per-CPU setting) take the tall tile over half a panel (NV = 2), many
+// rows (prefill) the wide one over the whole panel (NV = 4) in blocks of up to 256 rows, so a
+// panel is re-read from cache, not memory. Each tile over a panel prefetches its share of the panel kAhead further
 // on, spread over its K steps: the weight stream overlaps the FMAs (with few rows the step is
 // as much memory- as compute-bound).
 //
@@ -34,6 +34,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cstring>
 #include <utility>
 
@@ -73,7 +74,12 @@ constexpr int64_t V = 8;  // layout only: no kernel in this build
 constexpr int64_t PW = 4 * V;          // output features per panel
 constexpr int64_t kLineFloats = 16;    // floats per 64-byte cache line
 constexpr int64_t kAhead = 1;          // panels between the one run and the one prefetched
-constexpr int64_t kTallMaxRows = 48;   // up to here the tall tile (measured: faster for decode)
+// Up to this many rows the tall tile, else the wide one: a run-time setting
+// (tetri::set_packed_linear_tall_rows, chosen per CPU by linear.py). 48 measured faster for
+// decode on an Intel Xeon (AVX-512, session 18); on an AMD EPYC with AVX-512 (Zen 4, session
+// 39) the wide tile was 4-7% faster at 32 and 48 rows and level at 8 and 16, so 0 there. Both
+// tiles give the same bits (one FMA chain per output).
+std::atomic<int64_t> g_tall_max_rows{48};
 constexpr int64_t kBlockRows = 256;  // at most, per pass over the panels (measured best)
 
 void check_weight(const at::Tensor& w, const char* op) {
@@ -120,6 +126,14 @@ at::Tensor pack_glu_cpu(const at::Tensor& w) {
 }
 
 int64_t lanes_cpu() { return V; }
+
+int64_t tall_rows_cpu() { return g_tall_max_rows.load(); }
+
+void set_tall_rows_cpu(int64_t rows) {
+  TORCH_CHECK(rows >= 0 && rows <= kBlockRows,
+              "set_packed_linear_tall_rows: rows must be in [0, ", kBlockRows, "]");
+  g_tall_max_rows.store(rows);
+}
 
 #ifdef TETRI_LINEAR_SIMD
 // R rows x NV vectors of outputs at y (row stride ldy), over K; `ncols` valid columns (less
@@ -200,8 +214,8 @@ const auto kWide = tiles<4, Glu>(std::make_integer_sequence<int, kWideRows>{});
 // the n columns are gate/up pairs and y has n / 2.
 template <bool Glu>
 void run_panels(const float* x, int64_t k, const float* packed, const float* bias, float* y,
-                int64_t n, int64_t m0, int64_t rows, int64_t p0, int64_t p1, int64_t panels) {
-  const bool tall = rows <= kTallMaxRows;
+                int64_t n, int64_t m0, int64_t rows, int64_t p0, int64_t p1, int64_t panels,
+                bool tall) {
   const int64_t step_rows = tall ? kTallRows : kWideRows;
   const int64_t tile_cols = tall ? 2 * V : PW;
   // The next panel is prefetched while this one runs, a share per tile: one tile alone
@@ -267,14 +281,16 @@ void run(const at::Tensor& x, const at::Tensor& packed, const float* bias, int64
   const float* xp = x.data_ptr<float>();
   const float* pp = packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+  const bool tall = m <= g_tall_max_rows.load(std::memory_order_relaxed);
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     int64_t block = m;
-    if (m > kTallMaxRows) {  // equal blocks of at most kBlockRows, whole wide tiles
+    if (!tall) {  // equal blocks of at most kBlockRows, whole wide tiles
       const int64_t blocks = (m + kBlockRows - 1) / kBlockRows;
       block = ((m + blocks - 1) / blocks + kWideRows - 1) / kWideRows * kWideRows;
     }
     for (int64_t m0 = 0; m0 < m; m0 += block) {
-      run_panels<Glu>(xp, k, pp, bias, yp, n, m0, std::min(block, m - m0), p0, p1, panels);
+      run_panels<Glu>(xp, k, pp, bias, yp, n, m0, std::min(block, m - m0), p0, p1, panels,
+                      tall);
     }
   });
 #else
@@ -325,6 +341,8 @@ TORCH_LIBRARY_FRAGMENT(tetri, m) {
   m.def("packed_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
   m.def("packed_linear_supported() -> bool");
   m.def("packed_linear_lanes() -> int");
+  m.def("packed_linear_tall_rows() -> int");
+  m.def("set_packed_linear_tall_rows(int rows) -> ()");
   m.def("pack_glu_weight(Tensor gate_up) -> Tensor");
   m.def("packed_glu(Tensor x, Tensor packed, int inter) -> Tensor");
 }
@@ -339,4 +357,6 @@ TORCH_LIBRARY_IMPL(tetri, CPU, m) {
 TORCH_LIBRARY_IMPL(tetri, CatchAll, m) {
   m.impl("packed_linear_supported", &supported_cpu);
   m.impl("packed_linear_lanes", &lanes_cpu);
+  m.impl("packed_linear_tall_rows", &tall_rows_cpu);
+  m.impl("set_packed_linear_tall_rows", &set_tall_rows_cpu);
 }
