@@ -111,7 +111,12 @@ def variant_kernels(kern: object, replaced: set[str]) -> object:
                                window)
             return out
 
-        changes.update(attention=attention)
+        def write_kv(pool_k: torch.Tensor, pool_v: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor, meta: attn.BatchMetadata) -> None:
+            if meta.num_real:
+                x.write_kv(pool_k, pool_v, k, v, meta.slot_mapping)
+
+        changes.update(attention=attention, write_kv=write_kv)
     return dataclasses.replace(kern, **changes)  # type: ignore[type-var]
 
 
