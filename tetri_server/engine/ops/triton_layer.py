@@ -10,7 +10,9 @@ kernels make each one launch:
   x's dtype, written back in place, then the statistics in fp32 and the rounding of the
   reference (``weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)``).
 - ``rope_``: one program per token, rotating every query and key head in place (rotate-half
-  convention, the full cos/sin rows as the reference reads them).
+  convention, the full cos/sin rows as the reference reads them), in fp32 and rounded once to
+  the dtype (eager PyTorch rounds after each of its ops: in bf16 the two differ by an ulp or
+  two; in fp32 by the order of the sum).
 - ``silu_mul``: ``silu(gate) * up`` of a gate | up row, silu in fp32 and rounded to the dtype
   before the product, as eager PyTorch does.
 - ``write_kv``: one program per new token, its K and V rows into the pool at its slot.
@@ -18,7 +20,7 @@ kernels make each one launch:
 The grids depend only on the tensors' shapes, never on their values, so each kernel can be
 captured in a CUDA graph. Only imported where Triton is installed. The logic is tested on CPU
 under Triton's interpreter (``TRITON_INTERPRET=1``, tests/unit/test_triton_layer_ops.py); the
-speed only on a GPU (tools/bench_gpu.py, against ``--eager-layer-ops``).
+speed only on a GPU (tools/bench_gpu.py, against its rows with the eager PyTorch ops).
 """
 
 from __future__ import annotations
