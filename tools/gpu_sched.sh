@@ -24,7 +24,7 @@ fi
 [ -d .gpudata ] && export TETRI_DATA_DIR=$PWD/.gpudata
 S="python3 -m tetri_server bench sweep --modes coupled,disaggregated --model $MODEL
    --max-model-len 2048 --set cluster.device=cuda --no-progress --no-plots"
-step sweep_mixed 250 $S --workload Mixed --rates 8,16,24,32 --num-requests 160 \
+step sweep_mixed 230 $S --workload Mixed --rates 8,16,24,32 --num-requests 160 \
     --out "$OUT/sweep-mixed"
-step sweep_lphd 250 $S --workload LPHD --rates 4,8,16,24 --num-requests 96 \
+step sweep_lphd 230 $S --workload LPHD --rates 4,8,16,24 --num-requests 96 \
     --out "$OUT/sweep-lphd"
