@@ -144,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
 
         triton_attention.PACK_GROUPS = False
     folder = Path(args.out or tempfile.mkdtemp(prefix="tetri-gpu-model-"))
-    extra_steps = 5 * args.steps + 2 * args.profile + 12  # decode steps past the context
+    # decode steps past the context: up to five variants below, each a warm-up and args.steps
+    extra_steps = 5 * args.steps + 2 * args.profile + 12
     prefills = prompt_sets(args.prefill)
     longest = max((n for lens in prefills for n in lens), default=0)
     t0 = time.perf_counter()
@@ -162,12 +163,18 @@ def main(argv: list[str] | None = None) -> int:
     graphs: DecodeGraphs = decode_graphs(eng.model, eng.kv, eng.allocator,
                                          eng.kv_manager.block_size, args.batch, eng.device,
                                          capture=device.type == "cuda")
+
+    def capture_again() -> DecodeGraphs:
+        """The same buckets captured again, on the model's kernels as they are now."""
+        again = DecodeGraphs(eng.model, eng.kv, graphs.scratch_slot, args.batch, eng.device,
+                             capture=device.type == "cuda")
+        again.capture()
+        return again
+
     fused = eng.model.kernels
     unfused = eager_layer_ops(fused)
-    eng.model.kernels = unfused  # the same buckets captured on the eager layer ops
-    graphs_unfused = DecodeGraphs(eng.model, eng.kv, graphs.scratch_slot, args.batch,
-                                  eng.device, capture=device.type == "cuda")
-    graphs_unfused.capture()
+    eng.model.kernels = unfused
+    graphs_unfused = capture_again()
     eng.model.kernels = fused
     # (name, graphs, kernels): the rows of the decode table
     variants = [("eager", None, fused), ("graphs", graphs, fused),
@@ -179,11 +186,8 @@ def main(argv: list[str] | None = None) -> int:
         from tetri_server.engine.ops import triton_attention
 
         triton_attention.PACK_GROUPS = False
-        graphs_per_head = DecodeGraphs(eng.model, eng.kv, graphs.scratch_slot, args.batch,
-                                       eng.device, capture=device.type == "cuda")
-        graphs_per_head.capture()
+        variants.append((PER_HEAD, capture_again(), fused))
         triton_attention.PACK_GROUPS = True
-        variants.append((PER_HEAD, graphs_per_head, fused))
     params = sum(p.numel() for p in eng.model.parameters())
     weight_bytes = sum(p.numel() * p.element_size() for p in eng.model.parameters())
     bw = copy_bandwidth_gbs(eng.device)
