@@ -58,9 +58,9 @@ for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
         gu = gu.to(dtype)
         close(T.silu_mul(gu), L.silu_mul_ref(gu))
         n += 1
-for t in (0,):  # no rows: nothing launched, empty results
-    assert T.rms_norm(torch.empty(0, 8), torch.ones(8), 1e-6).shape == (0, 8)
-    assert T.silu_mul(torch.empty(0, 8)).shape == (0, 4)
+# no rows: nothing launched, empty results
+assert T.rms_norm(torch.empty(0, 8), torch.ones(8), 1e-6).shape == (0, 8)
+assert T.silu_mul(torch.empty(0, 8)).shape == (0, 4)
 print("TRITON OK", n)
 """
 
@@ -106,8 +106,7 @@ def test_llama_with_the_triton_kernels_equals_transformers_in_the_interpreter(mo
     path: Path = model_dir("llama")
     prompts = random_prompts(3, 500, (9, 20), seed=4)
     ref = hf_greedy(path, prompts, 6)
-    proc = run_interpreted(MODEL_SCRIPT.replace("sys.argv[1], sys.argv[2], json.loads(sys.argv[3])",
-                                                f"{str(path)!r}, 7, {prompts!r}"))
+    proc = run_interpreted(MODEL_SCRIPT, str(path), "7", json.dumps(prompts))
     out = {line.split(" ", 1)[0]: json.loads(line.split(" ", 1)[1])
            for line in proc.stdout.splitlines() if line.startswith(("TOKENS", "CALLS"))}
     assert proc.returncode == 0 and "TOKENS" in out, proc.stderr[-3000:]

@@ -27,12 +27,13 @@ if hasattr(ti, "_patch_lang_tensor"):  # the interpreter's int() of its 1-elemen
 """
 
 
-def run_interpreted(script: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    """``script`` run by Python with TRITON_INTERPRET=1 in the repository root (skips the test
-    where Triton is not installed)."""
+def run_interpreted(script: str, *args: str,
+                    timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    """``script`` run by Python with TRITON_INTERPRET=1 in the repository root, ``args`` its
+    ``sys.argv[1:]`` (skips the test where Triton is not installed)."""
     probe = subprocess.run([sys.executable, "-c", "import triton"], capture_output=True)
     if probe.returncode != 0:
         pytest.skip("Triton is not installed (the CUDA path's logic is tested where it is)")
     env = dict(os.environ, TRITON_INTERPRET="1")
-    return subprocess.run([sys.executable, "-c", PRELUDE + script], env=env, cwd=ROOT,
+    return subprocess.run([sys.executable, "-c", PRELUDE + script, *args], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout)
