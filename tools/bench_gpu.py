@@ -18,7 +18,8 @@ Makes a random-weight Llama of the given shape (hidden 2048 x 16 layers ~ 1B par
   bound goes.
 - ``--prefill``: one prefill step per prompt set (``1024x4``: four 1024-token prompts packed in
   one step; median of 10) against the matmul peak measured in the same run (an 8192^3 product
-  in the model's dtype); empty: none.
+  in the model's dtype), with the Triton layer ops and, interleaved, with the eager ones; with
+  ``--profile``, the set of the most tokens is profiled too; empty: none.
 - The attention kernel's two layouts: where Triton is installed, the decode rows also hold
   graphs with one program per query head (``triton_attention.PACK_GROUPS`` off; the default
   is one per KV head's group of query heads), interleaved with the rest.
@@ -200,16 +201,29 @@ def main(argv: list[str] | None = None) -> int:
             for name, g, kern in variants:
                 eng.runner.graphs, eng.model.kernels = g, kern
                 times[name] += step_times(run, args.steps // 2, eng.device)
-        tables = {}
+        tables: dict[str, str] = {}
         for name, g, kern in variants[:2] if args.profile else ():
             eng.runner.graphs, eng.model.kernels = g, kern
             tables[name] = profile_table(run, args.profile, eng.device)
         eng.runner.graphs, eng.model.kernels = None, fused
-    prefill_s = []
+    # prefill: each set with the Triton layer ops and the eager ones, interleaved; a profile
+    # of the set with the most tokens
+    prefill_s: list[tuple[float, float]] = []
+    most = max(prefills, key=sum, default=None)
     for lens in prefills:
         with drv.prefill(lens) as run:
-            run()  # warm-up
-            prefill_s.append(statistics.median(step_times(run, 10, eng.device)))
+            spent: dict[str, list[float]] = {"fused": [], "eager": []}
+            for _ in range(2):
+                for key, kern in (("fused", fused), ("eager", unfused)):
+                    eng.model.kernels = kern
+                    run()  # warm-up (again: the other kernels ran last)
+                    spent[key] += step_times(run, 5, eng.device)
+            eng.model.kernels = fused
+            prefill_s.append((statistics.median(spent["fused"]),
+                              statistics.median(spent["eager"])))
+            if args.profile and lens is most:
+                tables[f"prefill ({len(lens)} x {lens[0]})"] = profile_table(
+                    run, args.profile, eng.device)
     peak = matmul_peak_tflops(eng.device, eng.kv.dtype) if prefills else 0.0
     med = {k: statistics.median(v) for k, v in times.items()}
     # the context grows by one a step: the bound at the timed steps' mean context
@@ -242,13 +256,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"Prefill, one step; matmul peak {peak:.0f} TFLOP/s ({args.dtype}, 8192^3, "
               "this run):")
         print()
-        print("| prompts | tokens | median ms | TFLOP/s | % of the matmul peak |")
-        print("|---|---:|---:|---:|---:|")
-        for lens, t in zip(prefills, prefill_s, strict=True):
+        print("| prompts | tokens | median ms | TFLOP/s | % of the matmul peak "
+              "| eager layer ops: ms | fused / eager |")
+        print("|---|---:|---:|---:|---:|---:|---:|")
+        for lens, (t, t_eager) in zip(prefills, prefill_s, strict=True):
             tflops = drv.shape.prefill_flops(lens) / t / 1e12
             share = f"{100 * tflops / peak:.0f}%" if peak else "n/a"
             print(f"| {len(lens)} x {lens[0]} | {sum(lens)} | {1e3 * t:.2f} | {tflops:.1f} "
-                  f"| {share} |")
+                  f"| {share} | {1e3 * t_eager:.2f} | {t / t_eager:.2f}x |")
     for k, table in tables.items():
         print(f"\nProfile of {args.profile} {k} steps (self time, most first):\n\n```\n"
               f"{table}\n```")

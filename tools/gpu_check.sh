@@ -26,7 +26,8 @@
 #     eager PyTorch, and with the attention kernel's programs per query head (all
 #     interleaved), against its weight + KV bytes bandwidth bound, with a profile of 5 steps
 #     of each; prefill steps (512, 2048, 4 x 1024) against the bf16 matmul peak measured in
-#     the same run.
+#     the same run, with the Triton layer ops and the eager ones interleaved, and a profile
+#     of the 4 x 1024 step (where prefill, 8-36% of the peak in session 38, spends its time).
 #  3. A served Mixed workload (real ShareGPT lengths, Poisson) on that 1B model: coupled
 #     (2 workers) against disaggregated (1 prefill + 1 decode), both on the one GPU.
 #  4. tools/bench_gpu.py on the bench model's shape in fp32 (decode and prefill).

@@ -145,3 +145,4 @@ def test_the_gpu_benchmark_runs_its_code_on_cpu(tmp_path, capsys):
     assert "Profile of 2 eager steps" in out and "Profile of 2 graphs steps" in out
     assert "aten::" in out  # the profiler's operators
     assert "| 1 x 8 | 8 |" in out and "| 2 x 4 | 8 |" in out
+    assert "fused / eager |" in out and "Profile of 2 prefill (1 x 8) steps" in out
