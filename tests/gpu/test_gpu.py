@@ -155,6 +155,38 @@ def test_ragged_attention_kernel_equals_the_loop_on_cuda(dtype, window, pack):
         assert not got[cpu.num_real:].any()
 
 
+
+def test_ragged_attention_kernel_reads_kv_heads_past_2_31_elements_on_cuda():
+    """A pool whose KV heads lie more than 2^31 elements apart (a model with few layers and a
+    big pool): the kernel's head offset is computed in int64. With an int32 product of head and
+    stride, head 2's keys were read from a wrapped address (found by reading, session 40)."""
+    import math
+    import random
+
+    from tests.unit.test_attention_op import BLOCK, make_batch
+    from tetri_server.engine.attention import BatchMetadata, paged_attention
+    from tetri_server.engine.ops.triton_attention import ragged_attention_triton
+
+    heads, kv_heads, dim = 6, 3, 64
+    per_head = (1 << 24) + BLOCK  # tokens a KV head: head 2 starts past 2^31 elements
+    assert 2 * per_head * dim > 2**31 > per_head * dim  # a stride Triton passes as int32
+    specs = [(1, 40), (7, 23), (1, 1), (5, 5)]
+    used = BLOCK * sum(-(-ctx // BLOCK) + 2 for _, ctx in specs)
+    cpu = make_batch(random.Random(2), specs, used, at_end=False)
+    meta = BatchMetadata(cpu.q_starts, cpu.q_lens, cpu.ctx_lens, cpu.kv_starts,
+                         cpu.slot_mapping.cuda(), cpu.positions.cuda(), cpu.num_real)
+    pool = torch.empty(kv_heads, per_head, dim, device="cuda", dtype=torch.float16)  # 6.4 GB
+    try:
+        pool[:, :used].normal_()  # what the batch reads; keys and values alike
+        q = torch.randn(cpu.num_real, heads, dim, device="cuda", dtype=torch.float16)
+        got = torch.full_like(q, float("nan"))
+        ragged_attention_triton(q, pool, pool, got, *meta.seq_tensors, 1 / math.sqrt(dim), 0)
+        ref = paged_attention(q, pool, pool, meta)
+        torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    finally:
+        del pool
+        torch.cuda.empty_cache()
+
 def test_decode_graphs_replay_the_eager_tokens_on_cuda(model_dir):
     """CUDA graphs captured at start-up (model.cuda_graphs, on by default) give the tokens of
     the eager engine, for batches that need padding rows."""

@@ -48,7 +48,9 @@ def _ragged_attention_kernel(Q, K, V, Out, QS, QL, CL, KS, scale, window,  # noq
     q_len = tl.load(QL + seq).to(tl.int64)
     ctx = tl.load(CL + seq).to(tl.int64)
     kv_start = tl.load(KS + seq).to(tl.int64)
-    kvh = (head_block * HEADS) // GROUPS
+    # in int64: the pool's heads may lie more than 2^31 elements apart (a big pool of a model
+    # with few layers), which an int32 product of head and stride would wrap
+    kvh = ((head_block * HEADS) // GROUPS).to(tl.int64)
 
     tile = tl.arange(0, TILE)
     head = head_block * HEADS + tile // BLOCK_Q  # each tile row's query head
