@@ -13,7 +13,6 @@ from tetri_server.engine.attention import BatchMetadata, write_kv, write_kv_ref
 from tetri_server.engine.ops import load_cpu_ops
 from tetri_server.engine.ops.layer import silu_mul
 from tetri_server.engine.ops.linear import (
-    cpu_vendor,
     glu,
     linear,
     pack_glu_weight,
@@ -21,6 +20,7 @@ from tetri_server.engine.ops.linear import (
     tall_tile_rows,
     tetri_linear_supported,
 )
+from tetri_server.hostinfo import cpuinfo
 
 pytestmark = pytest.mark.skipif(not load_cpu_ops() or not tetri_linear_supported(),
                                 reason="the C++ ops (AVX2 or AVX-512) could not be built")
@@ -67,7 +67,7 @@ def test_the_tall_tile_rows_per_cpu() -> None:
     tetri_linear_supported.cache_clear()
     assert tetri_linear_supported()  # what the engine calls before packing: sets this CPU's
     assert torch.ops.tetri.packed_linear_tall_rows() == tall_tile_rows(
-        cpu_vendor(), torch.backends.cpu.get_cpu_capability())
+        cpuinfo("vendor_id"), torch.backends.cpu.get_cpu_capability())
 
 
 @pytest.mark.parametrize(("n", "k"), SHAPES)

@@ -12,6 +12,7 @@ from typing import Any
 from tetri_server.bench.report import BenchResult
 from tetri_server.bench.slo import Calibration, SLOScale, meets_slo, tpot_slo_s
 from tetri_server.bench.sweep import ModeSweep
+from tetri_server.hostinfo import cpuinfo
 
 # summary fields computed against metrics.SLO's fixed objectives: not this sweep's SLO
 _FIXED_SLO_KEYS = ("goodput_rps", "slo_attainment", "slo")
@@ -76,14 +77,7 @@ def sweep_table(sweeps: Sequence[ModeSweep], cal: Calibration, scale: SLOScale) 
 
 def machine_info() -> dict[str, Any]:
     """nproc, CPU model and load average now (take it before the runs)."""
-    model = platform.processor()
-    try:
-        for line in open("/proc/cpuinfo").read().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    model = cpuinfo("model name") or platform.processor()
     return {"nproc": os.cpu_count(), "cpu_model": model, "load_avg": os.getloadavg()}
 
 

@@ -29,6 +29,7 @@ import torch
 from tetri_server.engine.ops import build_spec
 from tetri_server.engine.runner import ScheduledSeq, StepPlan
 from tetri_server.engine.sequence import Sequence
+from tetri_server.hostinfo import cpuinfo
 from tetri_server.messages import SamplingParams
 from tetri_server.policy import RIDER_CONTEXT, knee, pick_chunk_size, throughput_curve
 
@@ -48,13 +49,7 @@ def cache_file() -> Path:
 
 def processor() -> str:
     """The CPU's model name (``/proc/cpuinfo``), else the platform's."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return cpuinfo("model name") or platform.processor() or platform.machine()
 
 
 def engine_build() -> str:

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from tetri_server.engine.ops import load_cpu_ops
 from tetri_server.engine.ops.layer import silu_mul
+from tetri_server.hostinfo import cpuinfo
 
 PACKED_MIN_ROWS = 2  # oneDNN's copy: the rows it is faster for
 PACKED_MAX_ROWS = 512
@@ -45,7 +46,7 @@ def tetri_linear_supported() -> bool:
     if not (load_cpu_ops() and bool(torch.ops.tetri.packed_linear_supported())):
         return False
     torch.ops.tetri.set_packed_linear_tall_rows(
-        tall_tile_rows(cpu_vendor(), torch.backends.cpu.get_cpu_capability()))
+        tall_tile_rows(cpuinfo("vendor_id"), torch.backends.cpu.get_cpu_capability()))
     return True
 
 
@@ -56,18 +57,6 @@ def tall_tile_rows(vendor: str, capability: str) -> int:
     level at 8 and 16, the decode step at batch 32 4% faster; on Intel the tall one was the
     faster for decode (session 18). Elsewhere unmeasured: the tall tile up to 48 rows."""
     return 0 if vendor == "AuthenticAMD" and capability == "AVX512" else 48
-
-
-def cpu_vendor() -> str:
-    """``vendor_id`` of /proc/cpuinfo ('GenuineIntel', 'AuthenticAMD'), '' where unknown."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
 
 
 def _is_tetri_pack(packed: torch.Tensor) -> bool:
