@@ -120,6 +120,15 @@ def test_served_disaggregated_on_one_gpu_streams_the_tokens_of_transformers(mode
     assert code == 0
 
 
+def on_cuda(meta):
+    """A BatchMetadata built on the CPU (tests.unit.test_attention_op.make_batch) with its
+    tensors on the GPU."""
+    from tetri_server.engine.attention import BatchMetadata
+
+    return BatchMetadata(meta.q_starts, meta.q_lens, meta.ctx_lens, meta.kv_starts,
+                         meta.slot_mapping.cuda(), meta.positions.cuda(), meta.num_real)
+
+
 @pytest.mark.parametrize("pack", [True, False], ids=["grouped", "per-head"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("window", [0, 24])
@@ -130,7 +139,7 @@ def test_ragged_attention_kernel_equals_the_loop_on_cuda(dtype, window, pack):
     import random
 
     from tests.unit.test_attention_op import BLOCK, make_batch, random_specs
-    from tetri_server.engine.attention import BatchMetadata, paged_attention, ragged_attention
+    from tetri_server.engine.attention import paged_attention, ragged_attention
     from tetri_server.engine.ops import ragged_attention_op
     from tetri_server.engine.ops.triton_attention import PACK_GROUPS, ragged_attention_triton
 
@@ -140,8 +149,7 @@ def test_ragged_attention_kernel_equals_the_loop_on_cuda(dtype, window, pack):
         specs = random_specs(rng, 24) + [(1, 1), (1, BLOCK), (300, 300)]
         pool_tokens = BLOCK * sum(-(-ctx // BLOCK) + 2 for _, ctx in specs)
         cpu = make_batch(rng, specs, pool_tokens, num_pad=5)
-        meta = BatchMetadata(cpu.q_starts, cpu.q_lens, cpu.ctx_lens, cpu.kv_starts,
-                             cpu.slot_mapping.cuda(), cpu.positions.cuda(), cpu.num_real)
+        meta = on_cuda(cpu)
         q = torch.randn(cpu.num_real + 5, heads, dim, device="cuda", dtype=dtype)
         kv = torch.randn(2, kv_heads, pool_tokens, dim, device="cuda", dtype=dtype)
         got = torch.full_like(q, float("nan"))
@@ -155,7 +163,6 @@ def test_ragged_attention_kernel_equals_the_loop_on_cuda(dtype, window, pack):
         assert not got[cpu.num_real:].any()
 
 
-
 def test_ragged_attention_kernel_reads_kv_heads_past_2_31_elements_on_cuda():
     """A pool whose KV heads lie more than 2^31 elements apart (a model with few layers and a
     big pool): the kernel's head offset is computed in int64. With an int32 product of head and
@@ -164,7 +171,7 @@ def test_ragged_attention_kernel_reads_kv_heads_past_2_31_elements_on_cuda():
     import random
 
     from tests.unit.test_attention_op import BLOCK, make_batch
-    from tetri_server.engine.attention import BatchMetadata, paged_attention
+    from tetri_server.engine.attention import paged_attention
     from tetri_server.engine.ops.triton_attention import ragged_attention_triton
 
     heads, kv_heads, dim = 6, 3, 64
@@ -173,8 +180,7 @@ def test_ragged_attention_kernel_reads_kv_heads_past_2_31_elements_on_cuda():
     specs = [(1, 40), (7, 23), (1, 1), (5, 5)]
     used = BLOCK * sum(-(-ctx // BLOCK) + 2 for _, ctx in specs)
     cpu = make_batch(random.Random(2), specs, used, at_end=False)
-    meta = BatchMetadata(cpu.q_starts, cpu.q_lens, cpu.ctx_lens, cpu.kv_starts,
-                         cpu.slot_mapping.cuda(), cpu.positions.cuda(), cpu.num_real)
+    meta = on_cuda(cpu)
     pool = torch.empty(kv_heads, per_head, dim, device="cuda", dtype=torch.float16)  # 6.4 GB
     try:
         pool[:, :used].normal_()  # what the batch reads; keys and values alike
@@ -186,6 +192,7 @@ def test_ragged_attention_kernel_reads_kv_heads_past_2_31_elements_on_cuda():
     finally:
         del pool
         torch.cuda.empty_cache()
+
 
 def test_decode_graphs_replay_the_eager_tokens_on_cuda(model_dir):
     """CUDA graphs captured at start-up (model.cuda_graphs, on by default) give the tokens of
