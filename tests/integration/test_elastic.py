@@ -229,8 +229,9 @@ async def test_prompts_prefilled_on_the_decode_worker_equal_transformers(tiny_ll
     light = random_prompts(8, 8000, (1, 48), seed=32)
     ref = hf_greedy(tiny_llama, heavy + light, GREEDY.max_tokens)
     log = tmp_path / "decisions"
-    cluster = make_cluster(tiny_llama, "disaggregated", setting,
-                           "monitor.interval_ms=20", f"monitor.decision_log={log}")
+    # prompts go to a decode worker by load with a margin >= 0 (-1 by default since session 41)
+    cluster = make_cluster(tiny_llama, "disaggregated", "decode.local_prefill_margin=1",
+                           setting, "monitor.interval_ms=20", f"monitor.decision_log={log}")
     await cluster.start()
     try:
         streams = [cluster.submit(p, GREEDY) for p in heavy + light]  # routed here, in order

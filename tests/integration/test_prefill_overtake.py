@@ -26,7 +26,9 @@ from tetri_server.messages import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 LONG = 1500  # tokens: some 50 prefill steps of 32; the short ones are queued behind its first
-SETS = ("prefill.chunk_size=32", "prefill.overtake_share=0.5", "kv.num_blocks=800")
+# FCFS order, so the long prompt starts first (srpt, the default, would start the short ones)
+SETS = ("prefill.chunk_size=32", "prefill.overtake_share=0.5", "kv.num_blocks=800",
+        "prefill.policy=fcfs", "prefill.finish_alone=false")
 
 
 def steps(log: Path) -> list[dict]:
@@ -122,3 +124,33 @@ async def test_short_prompts_overtake_it_in_steps_beside_a_kept_request(tiny_lla
     records = steps(tmp_path / "decisions.w0.jsonl")
     assert_overtaken([r for r in records if r["kind"] == "mixed_step" and r["run"]],
                      long_id(records), min_kept=15)
+
+
+async def test_srpt_pauses_a_started_long_prompt_and_resumes_it(tiny_llama, tmp_path):
+    """``prefill.policy = "srpt"``: prompts of 40-60 tokens (two steps of 32 each: too long to
+    ride whole in a step) sent while a 1500-token prompt is being prefilled run before the
+    rest of it, in steps of their own; the long one resumes where it stopped and every output,
+    its own included, equals transformers."""
+    [long_one] = random_prompts(1, 8000, (LONG, LONG), seed=31)
+    shorts = random_prompts(6, 8000, (40, 60), seed=33)
+    ref = hf_greedy(tiny_llama, [long_one, *shorts], GREEDY.max_tokens)
+    log = tmp_path / "decisions.w0.jsonl"
+    cluster = make_cluster(tiny_llama, "disaggregated", "prefill.chunk_size=32",
+                           "prefill.overtake_share=0", "prefill.policy=srpt",
+                           "kv.num_blocks=800", *STRICT_SPLIT,
+                           f"monitor.decision_log={tmp_path / 'decisions'}")
+    async with running(cluster):
+        first = asyncio.ensure_future(collect(cluster, long_one, GREEDY))
+        await until(lambda: log.exists() and len(steps(log)) >= 3, 60,
+                    "the long prompt started")
+        got = await asyncio.wait_for(
+            asyncio.gather(*(collect(cluster, p, GREEDY) for p in shorts)), 120)
+        assert [await asyncio.wait_for(first, 120), *got] == ref
+    records = steps(log)
+    long_req = long_id(records)
+    with_long = [i for i, r in enumerate(records) if any(q == long_req for q, _, _ in r["slices"])]
+    paused = [r for r in records[with_long[0]:with_long[-1]]
+              if all(q != long_req for q, _, _ in r["slices"])]
+    # some 300 tokens of short prompts: steps of 32 without the long one in between its own
+    assert len(paused) >= 4, paused
+    assert any(s > 0 for r in paused for _, s, _ in r["slices"]), "no short one resumed"

@@ -1,5 +1,7 @@
 """``Monitor.pick``: the global pick over the workers control may route to now (ready and not
-draining), with each prefill worker's chunk from its handle (elastic P/D on by default)."""
+draining), with each prefill worker's chunk from its handle (elastic P/D on by default; its
+decode side routes prompts by load with ``decode.local_prefill_margin`` >= 0, since session 41
+not by default)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ from tetri_server.control.table import RequestTable
 from tetri_server.messages import LoadReport, SamplingParams
 from tetri_server.metrics import Metrics
 
+BY_LOAD = ("decode.local_prefill_margin=1",)  # prompts to a decode worker by load
+
 
 def report(wid: int, role: str, queued_tokens: int) -> LoadReport:
     return LoadReport(worker_id=wid, role=role, num_waiting=0, num_running=0,
@@ -27,8 +31,8 @@ def test_only_ready_workers_not_draining_take_prompts_with_their_own_chunk() -> 
     workers = {0: SimpleNamespace(worker_id=0, role="prefill", is_ready=True, chunk_size=256),
                1: SimpleNamespace(worker_id=1, role="decode", is_ready=True, chunk_size=0)}
     draining: set[int] = set()
-    monitor = Monitor(load_config(None, ["cluster.mode=disaggregated"]), workers, draining,
-                      Metrics("m"))
+    monitor = Monitor(load_config(None, ["cluster.mode=disaggregated", *BY_LOAD]), workers,
+                      draining, Metrics("m"))
 
     def pick_after_reports() -> int | None:
         monitor.on_report(workers[0], report(0, "prefill", 900))  # a long prompt queued
@@ -53,8 +57,8 @@ def pair_monitor(*sets: str) -> tuple[Monitor, dict[int, SimpleNamespace]]:
     the config ``sets``."""
     workers = {0: SimpleNamespace(worker_id=0, role="prefill", is_ready=True, chunk_size=256),
                1: SimpleNamespace(worker_id=1, role="decode", is_ready=True, chunk_size=0)}
-    return (Monitor(load_config(None, ["cluster.mode=disaggregated", *sets]), workers, set(),
-                    Metrics("m")), workers)
+    return (Monitor(load_config(None, ["cluster.mode=disaggregated", *BY_LOAD, *sets]), workers,
+                    set(), Metrics("m")), workers)
 
 
 def pick_with(prefill_queued: int, decode: LoadReport, *sets: str) -> int | None:
@@ -68,8 +72,10 @@ def pick_with(prefill_queued: int, decode: LoadReport, *sets: str) -> int | None
 
 def test_the_margin_from_the_config_decides_when_a_prompt_goes_to_the_decode_worker() -> None:
     idle = report(1, "decode", 0)
-    assert pick_with(200, idle) == 0  # within the next chunk: a chunk of margin by default
+    assert pick_with(200, idle) == 0  # within the next chunk: a margin of one chunk
     assert pick_with(200, idle, "decode.local_prefill_margin=0") == 1  # any backlog: there
+    # the default (-1): never while the prefill worker serves, whatever its backlog
+    assert pick_with(90_000, idle, "decode.local_prefill_margin=-1") == 0
 
 
 def test_the_gap_bound_from_the_config_reaches_the_pick() -> None:
@@ -99,7 +105,7 @@ def test_the_decode_view_counts_prompts_routed_to_a_decode_worker_since_its_repo
 def test_a_prompt_routed_to_a_decode_worker_sends_the_decode_view_at_once() -> None:
     # the prefill worker must not wait for the next tick to learn it (a hand-off it makes
     # meanwhile waits behind the prompt): the router tells the cluster, which re-sends the view
-    cfg = load_config(None, ["cluster.mode=disaggregated"])
+    cfg = load_config(None, ["cluster.mode=disaggregated", *BY_LOAD])
     posted: dict[int, list[object]] = {0: [], 1: []}
     workers = {w: SimpleNamespace(worker_id=w, role=role, is_ready=True, chunk_size=chunk,
                                   post=posted[w].append)
@@ -143,7 +149,7 @@ def test_the_prefill_chunk_sent_to_decode_workers_is_the_smallest_of_those_servi
                for w, role, chunk in ((0, "prefill", 256), (1, "prefill", 512),
                                       (2, "decode", 0))}
     draining: set[int] = set()
-    monitor = Monitor(load_config(None, ["cluster.mode=disaggregated",
+    monitor = Monitor(load_config(None, ["cluster.mode=disaggregated", *BY_LOAD,
                                          "prefill.local_decode_chunk=0"]), workers, draining,
                       Metrics("m"))
     assert monitor.prefill_chunk() == 256

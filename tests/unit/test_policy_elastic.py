@@ -288,6 +288,15 @@ def test_with_no_margin_a_prompt_goes_where_fewer_prompt_tokens_wait():
     assert LocalPrefill(margin=0.5).pick(100, 300, 256, [D(1, 100, 0, ROOMY)]) == 1  # 228 < 300
 
 
+def test_with_a_negative_margin_a_prompt_goes_to_a_decode_worker_only_with_no_prefill_serving():
+    """``decode.local_prefill_margin < 0`` (the default since session 41): the decode worker's
+    steps carry prompt slices only while no prefill worker serves (None: one restarting)."""
+    local = LocalPrefill(margin=-1.0)
+    assert local.pick(100, 90_000, 256, [D(1, 0, 0, ROOMY)]) is None
+    assert local.pick(100, None, 256, [D(1, 0, 0, ROOMY)]) == 1
+    assert local.pick(100, None, 256, [D(1, 0, 0, 3)]) is None  # no room there either
+
+
 def test_with_a_gap_bound_a_decode_worker_slower_than_it_takes_no_prompt():
     """``decode.local_prefill_max_gap_x``: a decode worker whose recent step is past the bound
     (its prompt slices or its batch already slow its requests) takes no prompt, unless no

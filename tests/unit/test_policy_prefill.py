@@ -261,3 +261,100 @@ def test_mixed_steps_share_their_prompt_tokens_the_same_way() -> None:
 def test_an_overtake_share_outside_0_to_1_is_refused(share: float) -> None:
     with pytest.raises(ValueError, match="overtake share"):
         Chunker(512, overtake_share=share)
+
+
+# srpt: the fewest remaining prompt tokens first, preemptive at step granularity
+
+
+def test_srpt_orders_the_whole_queue_by_remaining_tokens_not_a_window() -> None:
+    queue = make_queue([400, 300, 200, 100, 50, 10, 50], "srpt", sched_batch=4)
+    assert order(queue) == [5, 4, 6, 3, 2, 1, 0]  # equal lengths in arrival order
+
+
+def test_srpt_pauses_a_started_prompt_for_a_shorter_one_and_resumes_it() -> None:
+    """A prompt that needs two steps of its own runs before the rest of a started long one
+    (the overtake share could not take it: it does not fit whole in a step); the long one
+    resumes where it stopped, and is prefilled exactly once."""
+    queue = make_queue([3000], "srpt")
+    chunker = Chunker(512)
+    chunker.on_done(queue, chunker.plan(queue))  # type: ignore[arg-type]
+    queue.add(1, 700, arrival_s=5.0)
+    assert shapes(chunker.plan(queue)) == [(1, 0, 512)]
+    chunker.on_done(queue, chunker.plan(queue))  # type: ignore[arg-type]
+    # 188 left of the 700 < 2488 left of the long one: it finishes, the long one fills the rest
+    plan = chunker.plan(queue)
+    assert shapes(plan) == [(1, 512, 188), (0, 512, 324)]
+    assert chunker.on_done(queue, plan) == [1]  # type: ignore[arg-type]
+    done = [chunker.on_done(queue, p) for p in iter(lambda: chunker.plan(queue), None)]
+    assert sum(done, []) == [0] and len(queue) == 0
+
+
+def test_srpt_lets_a_passed_over_prompt_go_first_after_starve_tokens() -> None:
+    """A stream of short prompts, one a step, would hold a long one back for ever under plain
+    srpt; once 1000 tokens of others have been prefilled past it, it goes first."""
+    queue = PrefillQueue("srpt", starve_tokens=1000)
+    queue.add(0, 2000, arrival_s=0.0)
+    chunker = Chunker(300)
+    served_before_long = 0
+    for step in range(1, 30):
+        queue.add(step, 300, arrival_s=float(step))
+        plan = chunker.plan(queue)
+        assert plan is not None
+        if plan.slices[0].req_id == 0:
+            break
+        served_before_long += plan.num_tokens
+        chunker.on_done(queue, plan)
+    else:
+        raise AssertionError("the long prompt never went first")
+    assert 1000 < served_before_long <= 1300
+    # from then on it keeps the head until done, shorter arrivals or not
+    next_id = 100
+    while 0 in queue:
+        plan = chunker.plan(queue)
+        assert plan is not None and plan.slices[0].req_id == 0
+        chunker.on_done(queue, plan)
+        queue.add(next_id, 10, arrival_s=99.0)
+        next_id += 1
+
+
+def test_srpt_runs_a_paused_prompt_when_a_shorter_one_lacks_blocks() -> None:
+    """Without free blocks the shorter, unstarted prompt cannot start; the started one behind
+    it in the order holds its blocks already and must still run (else nothing frees them)."""
+    queue = make_queue([1024], "srpt")
+    chunker = Chunker(512, block_size=16)
+    chunker.on_done(queue, chunker.plan(queue, num_free_blocks=64))  # type: ignore[arg-type]
+    queue.add(1, 100, arrival_s=1.0)  # 100 < 512 left: ahead of the started one
+    queue.add(2, 50, arrival_s=2.0)  # ahead of both, and needs 4 blocks
+    assert order(queue) == [2, 1, 0]
+    assert shapes(chunker.plan(queue, num_free_blocks=0)) == [(0, 512, 512)]
+    assert shapes(chunker.plan(queue, num_free_blocks=4)) == [(2, 0, 50), (0, 512, 462)]
+
+
+def test_starve_tokens_below_one_is_refused() -> None:
+    with pytest.raises(ValueError, match="starve_tokens"):
+        PrefillQueue("srpt", starve_tokens=0)
+
+
+def test_finish_alone_keeps_a_longer_prompts_slice_out_of_a_step_that_finishes_prompts() -> None:
+    """The short prompts complete in a step of 60 tokens, not of 512: the long one's slice
+    waits for the next step, which it has to itself."""
+    queue = make_queue([3000], "srpt")
+    chunker = Chunker(512, finish_alone=True)
+    chunker.on_done(queue, chunker.plan(queue))  # type: ignore[arg-type]
+    queue.add(1, 20, arrival_s=1.0)
+    queue.add(2, 40, arrival_s=2.0)
+    plan = chunker.plan(queue)
+    assert shapes(plan) == [(1, 0, 20), (2, 0, 40)] and plan.num_pad == 452  # type: ignore[union-attr]
+    chunker.on_done(queue, plan)  # type: ignore[arg-type]
+    assert shapes(chunker.plan(queue)) == [(0, 512, 512)]
+    # without it the step is filled with the long one's tokens
+    queue.add(3, 20, arrival_s=3.0)
+    assert shapes(Chunker(512).plan(queue)) == [(3, 0, 20), (0, 512, 492)]
+
+
+def test_finish_alone_changes_nothing_while_the_first_prompt_does_not_complete() -> None:
+    queue = make_queue([3000, 20], "fcfs")
+    assert shapes(Chunker(512, finish_alone=True).plan(queue)) == [(0, 0, 512)]
+    queue = make_queue([300, 400])
+    # the first completes: the second's first 212 tokens stay out
+    assert shapes(Chunker(512, finish_alone=True).plan(queue)) == [(0, 0, 300)]

@@ -59,13 +59,15 @@ def trace() -> list[tuple[int, int, int, int]]:
 
 
 def replay() -> list[str]:
-    # the real test's workers: prefill 64 blocks, chunk 128, the default overtake share;
-    # decode 48 blocks each, greedy, max batch 8; power-of-two dispatch seeded 0 + worker id;
-    # predictor none (bucket 0)
+    # the real test's workers: prefill 64 blocks, chunk 128, the default queue order, overtake
+    # share and finish_alone; decode 48 blocks each, greedy, max batch 8; power-of-two dispatch
+    # seeded 0 + worker id; predictor none (bucket 0)
+    pre = PrefillConfig()
     cfg = SimConfig(mode="disaggregated", num_prefill=1, num_decode=2, num_kv_blocks=48,
                     block_size=16, chunk_size=128, decode_policy="greedy", max_batch=8,
-                    prefill_policy="fcfs", dispatch="power-of-two", seed=0,
-                    overtake_share=PrefillConfig().overtake_share)
+                    prefill_policy=pre.policy, starve_tokens=pre.starve_tokens,
+                    finish_alone=pre.finish_alone, dispatch="power-of-two", seed=0,
+                    overtake_share=pre.overtake_share)
     sim = LockStep(cfg)
     prefill = sim.instances[0] = PrefillInstance(sim, 0, 64)
     decodes = sim.instances[1:]

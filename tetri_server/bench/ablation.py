@@ -72,6 +72,10 @@ ROWS: tuple[Row, ...] = (
     Row("default", "defaults", base="coupled"),
     Row("sjf", "sort window", sets=("prefill.policy=sjf",)),
     Row("ljf", "sort window", sets=("prefill.policy=ljf",)),
+    # the fewest remaining prompt tokens first over the whole queue, pausing a started prompt
+    Row("srpt", "sort window", sets=("prefill.policy=srpt",)),
+    # a chunk that finishes a prompt carries only prompts it finishes
+    Row("finish-alone", "sort window", sets=("prefill.finish_alone=true",)),
     # prefill non-preemptive: a short prompt waits for the whole of a started long one (the
     # default to session 37; session 36's E48: short prompts' p90 start 2-5x coupled's)
     Row("overtake-0", "sort window", sets=("prefill.overtake_share=0",)),
@@ -99,6 +103,9 @@ ROWS: tuple[Row, ...] = (
     Row("flip", "flip (2 decode workers)", sets=(*TWO_DECODE, "flip.enabled=true", *FAST_FLIP),
         base="dispatch-power-of-two"),
     Row("split", "elastic P/D", mode="split"),  # the paper's strict split (elastic off)
+    # ... with the prefill worker's queue in srpt order and finishing chunks alone (session 41)
+    Row("split-srpt", "sort window (split)", mode="split",
+        sets=("prefill.policy=srpt", "prefill.finish_alone=true"), base="split"),
     Row("elastic", "elastic P/D", mode="elastic"),
     Row("elastic-prefill", "elastic P/D", mode="elastic-prefill"),
     Row("elastic-decode", "elastic P/D", mode="elastic-decode"),

@@ -14,7 +14,7 @@ Elastic = Literal["auto", "on", "off"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 Transport = Literal["auto", "shm", "cuda_ipc"]
 LogLevel = Literal["debug", "info", "warning", "error"]
-PrefillPolicyName = Literal["fcfs", "sjf", "ljf"]
+PrefillPolicyName = Literal["fcfs", "sjf", "ljf", "srpt"]
 DecodePolicyName = Literal["greedy", "reserve-static", "reserve-dynamic"]
 DecodeEstimate = Literal["bucket", "refined"]
 LocalPrefillSlice = Literal["chunk", "fixed"]
@@ -282,9 +282,19 @@ class PrefillConfig(_Section):
     chunk_size: int = 0
     """Tokens per prefill forward pass (the knee); 0 = calibrated by each worker at start-up."""
     policy: PrefillPolicyName = "fcfs"
-    """Queue order by prompt length: fcfs, sjf (shortest first) or ljf (longest first)."""
+    """Queue order by prompt length: fcfs, sjf (shortest first) or ljf (longest first), within
+    the sort window; or srpt (the fewest remaining prompt tokens first, over the whole queue,
+    pausing a started prompt for a shorter one at a step boundary)."""
     sched_batch: int = 16
-    """Sort window: waiting requests reordered together by the policy."""
+    """Sort window: waiting requests reordered together by the policy (not srpt)."""
+    finish_alone: bool = False
+    """A prefill worker's chunk whose first prompt (in the queue's order) completes in it
+    carries only prompts that complete in it, no slice of a longer one: a short prompt's first
+    token waits for its own tokens, not a whole chunk's. The longer prompt loses one step's
+    fixed cost (its weight reads) each time."""
+    starve_tokens: int = 8192
+    """srpt: a prompt passed over by more than this many prompt tokens of others (prefilled on
+    this worker since it was queued) goes ahead of every prompt not yet passed over that much."""
     overtake_share: float = 0.5
     """Disaggregated mode: while a started prompt is being prefilled, up to this share of each
     prefill step's prompt tokens (a prefill worker's chunks and its mixed steps; a decode
@@ -359,6 +369,7 @@ class PrefillConfig(_Section):
             raise ConfigError(f"prefill.local_decode_max_prompt_share = "
                               f"{self.local_decode_max_prompt_share} must be in [0, 1]")
         self._at_least("sched_batch", 1)
+        self._at_least("starve_tokens", 1)
         self._at_least("token_budget", 1)
         self._at_least("local_decode_batch", 0)
 
@@ -395,7 +406,8 @@ class DecodeConfig(_Section):
     local_prefill_margin: float = 1.0
     """Elastic P/D: a prompt goes to a decode worker only when the prefill worker has more than
     this many prefill chunks of prompt tokens queued beyond the decode worker's (0: more at
-    all, as a coupled cluster spreads prompts)."""
+    all, as a coupled cluster spreads prompts); below 0: only while no prefill worker is
+    serving (one restarting)."""
     local_prefill_max_gap_x: float = 0.0
     """Elastic P/D: a decode worker takes a prompt only while its recent step (the gap its
     requests see) is at most this many times the fastest it has had, about its one-request step
@@ -405,7 +417,6 @@ class DecodeConfig(_Section):
     def _validate(self) -> None:
         self._at_least("max_batch", 1)
         self._at_least("local_prefill_tokens", 0)
-        self._at_least("local_prefill_margin", 0)
         self._at_least("local_prefill_max_gap_x", 0)
 
 

@@ -40,6 +40,7 @@ from tetri_server.policy.elastic import (
     LocalSteps,
     PromptShare,
     StepTimes,
+    calibration_rows,
     kept_gap_s,
     mixed_chunk,
 )
@@ -96,6 +97,7 @@ __all__ = [
     "RoundRobinDispatcher",
     "Stage",
     "TetriDispatcher",
+    "calibration_rows",
     "coupled_chunked_plan",
     "coupled_step_plan",
     "kept_gap_s",

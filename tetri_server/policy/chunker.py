@@ -5,11 +5,12 @@ Contract, for every planner here: ``plan`` is pure (it reads the queue, never ch
 runtime executes the plan, then calls ``queue.advance(plan.slices)`` (``Chunker.on_done`` does)
 to record progress. KV blocks: a request's blocks for its whole prompt are allocated by the
 runtime when its first slice runs (``ChunkSlice.is_first``); given ``num_free_blocks`` the
-planner never starts a request whose prompt does not fit, and stops there (no overtaking, so a
-long prompt cannot starve behind short ones). The one exception is opt-in
-(``num_overtake_tokens``, ``prefill.overtake_share``): while the head prompt has started, a
-bounded part of each step goes to waiting prompts that fit in it whole, blocks included. Such a
-prompt completes in the step it starts, so started prompts remain the queue's head.
+planner never starts a request whose prompt does not fit, nor any behind it (no overtaking, so
+a long prompt cannot starve behind short ones); started prompts behind it still run. The one
+exception is opt-in (``num_overtake_tokens``, ``prefill.overtake_share``): while the head
+prompt has started, a bounded part of each step goes to waiting prompts that fit in it whole,
+blocks included. Such a prompt completes in the step it starts, so started prompts remain the
+queue's head (in every order but srpt, which pauses them; ``policy/prefill.py``).
 """
 
 from __future__ import annotations
@@ -76,13 +77,17 @@ def take_slices(
     num_free_blocks: int | None = None,
     block_size: int = 16,
     num_overtake_tokens: int = 0,
+    finish_alone: bool = False,
 ) -> tuple[ChunkSlice, ...]:
     """Fill ``num_budget_tokens`` with prompt slices in queue order. ``split``: long prompts
     are cut at the budget; otherwise only whole remaining prompts are taken, except that the
     head is always taken whole (a prompt longer than the budget must still run).
     ``num_overtake_tokens`` (with ``split``): while the head has started, up to this many
     tokens go first to the waiting prompts that fit in them whole (``overtakers``); they come
-    last in the returned slices, so a step cut short keeps the started head."""
+    last in the returned slices, so a step cut short keeps the started head.
+    ``finish_alone``: when the first prompt taken completes in this step, the step takes only
+    prompts that complete in it (no slice of a longer one), so their first tokens wait for
+    their own tokens, not for a full chunk."""
     ahead: tuple[ChunkSlice, ...] = ()
     if split and num_overtake_tokens > 0:
         ahead = overtakers(queue, min(num_overtake_tokens, num_budget_tokens),
@@ -96,18 +101,26 @@ def take_slices(
         num_free -= sum(num_blocks_for(piece.num_tokens, block_size) for piece in ahead)
     if max_seqs is not None:
         max_seqs -= len(ahead)
+    no_new_starts = False  # a prompt that did not fit: none behind it starts (no overtaking)
     for prompt in queue.iter_order():
         if budget <= 0 or (max_seqs is not None and len(slices) >= max_seqs):
             break
-        if prompt.req_id in taken:
+        if prompt.req_id in taken or (no_new_starts and not prompt.started):
             continue
         n = min(budget, prompt.num_remaining_tokens) if split else prompt.num_remaining_tokens
         if not split and slices and n > budget:
             break
+        if finish_alone and slices and slices[0].is_last and n < prompt.num_remaining_tokens:
+            continue  # the step finishes prompts: no slice of a longer one rides along
         if num_free is not None and not prompt.started:
             need = num_blocks_for(prompt.num_prompt_tokens, block_size)
             if need > num_free:
-                break
+                if not queue.preemptive:
+                    break  # started prompts are all ahead of this one
+                # Started prompts need no new blocks and may come later in the order (srpt
+                # pauses them): they still run, or their blocks could never come back.
+                no_new_starts = True
+                continue
             num_free -= need
         slices.append(
             ChunkSlice(prompt.req_id, prompt.num_done_tokens, n, prompt.num_prompt_tokens)
@@ -162,10 +175,12 @@ class Chunker:
     (the throughput knee). Long prompts are split across passes, short ones packed together
     (Tetris), only the last pass before the queue runs dry is padded. ``overtake_share``:
     while a started prompt is at the head, up to this share of each pass goes first to
-    waiting prompts that fit in it whole (``overtakers``); 0 = non-preemptive prefill."""
+    waiting prompts that fit in it whole (``overtakers``); 0 = non-preemptive prefill.
+    ``finish_alone``: a pass whose first prompt completes in it carries only prompts that
+    complete in it (the rest is pad, which a runtime skips)."""
 
     def __init__(self, chunk_size: int, *, block_size: int = 16, max_seqs: int | None = None,
-                 overtake_share: float = 0.0):
+                 overtake_share: float = 0.0, finish_alone: bool = False):
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
         check_overtake_share(overtake_share)
@@ -173,6 +188,7 @@ class Chunker:
         self.block_size = block_size
         self.max_seqs = max_seqs
         self.overtake_share = overtake_share
+        self.finish_alone = finish_alone
 
     def plan(self, queue: PrefillQueue, num_free_blocks: int | None = None) -> ChunkPlan | None:
         """The next forward pass, or None when nothing can run (empty queue, or no blocks for
@@ -184,6 +200,7 @@ class Chunker:
             num_free_blocks=num_free_blocks,
             block_size=self.block_size,
             num_overtake_tokens=int(self.overtake_share * self.chunk_size),
+            finish_alone=self.finish_alone,
         )
         if not slices:
             return None

@@ -220,6 +220,19 @@ def mixed_chunk(chunk_size: int, limit: int) -> int:
     return min(limit, chunk_size) if limit > 0 else chunk_size
 
 
+def calibration_rows(local_decode_batch: int, local_decode_chunk: int,
+                     full_chunk_backlog: int, full_chunk_share: float) -> int:
+    """The decode rows a prefill worker calibrates its chunk with (``resolve_chunk_size``):
+    its kept requests' rows ride in whole chunks only where a step with rows may take the
+    whole chunk (``prefill.local_decode_chunk`` 0, or a full-chunk rule on). Otherwise those
+    steps take at most ``local_decode_chunk`` tokens and the chunk always runs without rows,
+    so its knee is that of prompts alone (64 against 240 with 16 rows on the AMD VM of
+    session 41, whose short prompts then wait a 32 ms step, not a 120 ms one)."""
+    if local_decode_chunk == 0 or full_chunk_backlog > 0 or full_chunk_share > 0:
+        return local_decode_batch
+    return 0
+
+
 @dataclass
 class PromptShare:
     """Share of the last ``window_s`` seconds a worker spent in steps that carried prompt
@@ -320,7 +333,9 @@ class LocalPrefill:
 
     ``margin`` (``decode.local_prefill_margin``) is that margin in prefill chunks: at 0 a
     prompt goes to the decode worker whenever the prefill worker has more prompt tokens queued
-    than the decode worker, as a coupled cluster spreads its prompts.
+    than the decode worker, as a coupled cluster spreads its prompts; below 0 (the default
+    since session 41) never while a prefill worker is serving, so the decode worker's steps
+    carry prompt slices only while the prefill worker restarts.
 
     ``max_gap_x`` (``decode.local_prefill_max_gap_x``; 0: no bound) keeps the decode worker's
     requests within a TPOT target: it takes a prompt only while its recent step (the gap its
@@ -334,7 +349,8 @@ class LocalPrefill:
     Intel machine (session 32)")."""
 
     block_size: int = 16
-    margin: float = 1.0  # prefill chunks the prefill worker's backlog must exceed the decode one
+    margin: float = 1.0  # prefill chunks the prefill worker's backlog must exceed the decode
+    # one; < 0: only while no prefill worker is serving
     max_gap_x: float = 0.0  # take a prompt only while the step is <= this x the fastest (0: any)
 
     def pick(self, num_prompt_tokens: int, backlog_tokens: int | None, chunk_size: int,
@@ -349,8 +365,9 @@ class LocalPrefill:
         if not roomy:
             return None
         best = min(roomy, key=lambda d: (d.num_queued_tokens, d.num_held, d.worker_id))
-        if (backlog_tokens is not None
-                and best.num_queued_tokens + self.margin * chunk_size >= backlog_tokens):
+        if backlog_tokens is not None and (
+                self.margin < 0
+                or best.num_queued_tokens + self.margin * chunk_size >= backlog_tokens):
             return None  # no sooner there (the prefill worker starts it within the margin)
         return best.worker_id
 

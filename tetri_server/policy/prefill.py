@@ -9,6 +9,15 @@ a request whose first chunk has run stays at the head until its whole prompt is 
 (With ``prefill.overtake_share`` the chunker lets waiting prompts that fit whole in part of a
 step run beside the started head; they complete in that step, so the head stays the head.)
 
+``srpt`` is the exception, and preemptive at step granularity: every queued prompt, started or
+not, is ordered by the prompt tokens it has left (ties in arrival order), so a prompt that
+arrives while a long one is half done runs first, and the long one resumes after it (its KV
+blocks stay allocated meanwhile). A TTFT SLO proportional to the prompt's own prefill time
+(DistServe's) is met for the most requests this way. Starvation is bounded in prompt tokens,
+not seconds (the simulator runs the same code): once more than ``starve_tokens`` tokens of
+other prompts have been prefilled since a prompt was queued, it goes ahead of every prompt not
+starved, starved ones in arrival order.
+
 The queue owns progress: ``num_done_tokens`` counts prompt tokens whose KV is in the pool.
 Callers mutate it only through ``add``, ``remove`` (abort) and ``advance`` (after a forward
 pass ran). ``order()`` is a pure view.
@@ -21,8 +30,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Literal
 
-PrefillOrder = Literal["fcfs", "sjf", "ljf"]
-PREFILL_ORDERS: tuple[PrefillOrder, ...] = ("fcfs", "sjf", "ljf")
+PrefillOrder = Literal["fcfs", "sjf", "ljf", "srpt"]
+PREFILL_ORDERS: tuple[PrefillOrder, ...] = ("fcfs", "sjf", "ljf", "srpt")
 
 
 @dataclass(frozen=True)
@@ -73,6 +82,7 @@ class _Entry:
     num_prompt_tokens: int
     arrival_s: float
     seq: int  # insertion counter: breaks arrival-time ties in insertion order
+    served_at_add: int  # the queue's prefilled-token count when this prompt was queued
     num_done_tokens: int = 0
 
     def view(self) -> QueuedPrompt:
@@ -82,15 +92,21 @@ class _Entry:
 
 
 class PrefillQueue:
-    """Waiting prompts of one worker, ordered by ``policy`` within rounds of ``sched_batch``."""
+    """Waiting prompts of one worker, ordered by ``policy`` within rounds of ``sched_batch``
+    (``srpt``: all of them by remaining tokens, ``starve_tokens`` bounding the wait)."""
 
-    def __init__(self, policy: PrefillOrder = "fcfs", sched_batch: int = 16) -> None:
+    def __init__(self, policy: PrefillOrder = "fcfs", sched_batch: int = 16, *,
+                 starve_tokens: int = 8192) -> None:
         if policy not in PREFILL_ORDERS:
             raise ValueError(f"prefill policy must be one of {PREFILL_ORDERS}, got {policy!r}")
         if sched_batch < 1:
             raise ValueError(f"sched_batch must be >= 1, got {sched_batch}")
+        if starve_tokens < 1:
+            raise ValueError(f"starve_tokens must be >= 1, got {starve_tokens}")
         self.policy: PrefillOrder = policy
         self.sched_batch = sched_batch
+        self.starve_tokens = starve_tokens
+        self._num_served = 0  # prompt tokens prefilled from this queue so far (srpt's clock)
         self._entries: dict[int, _Entry] = {}
         self._started: list[int] = []  # first chunk ran; in start order; always the head
         self._scheduled: list[int] = []  # frozen sorted rounds, not yet started
@@ -104,6 +120,11 @@ class PrefillQueue:
         return req_id in self._entries
 
     @property
+    def preemptive(self) -> bool:
+        """Whether a started prompt can come after one not started in ``order()`` (srpt)."""
+        return self.policy == "srpt"
+
+    @property
     def num_queued_tokens(self) -> int:
         """Prompt tokens still to prefill, started requests included (the global load metric)."""
         return sum(e.num_prompt_tokens - e.num_done_tokens for e in self._entries.values())
@@ -114,7 +135,7 @@ class PrefillQueue:
             raise ValueError(f"request {req_id} is already queued")
         if num_prompt_tokens < 1:
             raise ValueError(f"request {req_id}: a prompt needs at least one token")
-        entry = _Entry(req_id, num_prompt_tokens, arrival_s, self._num_added)
+        entry = _Entry(req_id, num_prompt_tokens, arrival_s, self._num_added, self._num_served)
         self._num_added += 1
         self._entries[req_id] = entry
         bisect.insort(self._raw, (arrival_s, entry.seq, req_id))
@@ -139,6 +160,9 @@ class PrefillQueue:
     def iter_order(self) -> Iterator[QueuedPrompt]:
         """``order()`` lazily: rounds are sorted only as far as the caller reads. Do not
         mutate the queue while iterating."""
+        if self.policy == "srpt":
+            yield from (e.view() for e in sorted(self._entries.values(), key=self._srpt_key))
+            return
         for rid in (*self._started, *self._scheduled):
             yield self._entries[rid].view()
         for lo in range(0, len(self._raw), self.sched_batch):
@@ -162,6 +186,7 @@ class PrefillQueue:
             if entry.num_done_tokens == 0:
                 self._start(piece.req_id)
             entry.num_done_tokens += piece.num_tokens
+            self._num_served += piece.num_tokens
             if entry.num_done_tokens >= entry.num_prompt_tokens:
                 self.remove(piece.req_id)
                 finished.append(piece.req_id)
@@ -178,6 +203,13 @@ class PrefillQueue:
             del self._raw[:num_promoted]
         self._scheduled.remove(req_id)
         self._started.append(req_id)
+
+    def _srpt_key(self, entry: _Entry) -> tuple[int, float, int, int]:
+        """Starved prompts first, in arrival order; then the fewest remaining tokens."""
+        others = self._num_served - entry.served_at_add - entry.num_done_tokens
+        if others > self.starve_tokens:
+            return (0, entry.arrival_s, entry.seq, 0)
+        return (1, 0.0, entry.num_prompt_tokens - entry.num_done_tokens, entry.seq)
 
     def _sorted_round(self, ids: list[int]) -> list[int]:
         if self.policy == "fcfs":

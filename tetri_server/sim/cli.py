@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from tetri_server.bench.workload import WORKLOADS, WorkloadSpec
+from tetri_server.policy import PREFILL_ORDERS, calibration_rows
 from tetri_server.predictor.base import PredictorError
 from tetri_server.sim.cluster import MODES, SimConfig
 from tetri_server.sim.cost import CostModel, knee_chunk_size
@@ -33,6 +34,7 @@ CONFIG_KEYS = {
     ("kv", "block_size"): "block_size", ("kv", "num_blocks"): "num_kv_blocks",
     ("prefill", "chunk_size"): "chunk_size", ("prefill", "policy"): "prefill_policy",
     ("prefill", "sched_batch"): "sched_batch", ("prefill", "token_budget"): "token_budget",
+    ("prefill", "starve_tokens"): "starve_tokens", ("prefill", "finish_alone"): "finish_alone",
     ("prefill", "overtake_share"): "overtake_share",
     ("prefill", "local_decode_batch"): "local_decode_batch",
     ("prefill", "local_decode_min_tokens"): "local_decode_min_tokens",
@@ -62,6 +64,7 @@ FLAGS = {
     "instances": "num_instances", "block_size": "block_size", "kv_blocks": "num_kv_blocks",
     "chunk_size": "chunk_size", "prefill_policy": "prefill_policy",
     "sched_batch": "sched_batch", "token_budget": "token_budget",
+    "starve_tokens": "starve_tokens", "finish_alone": "finish_alone",
     "overtake_share": "overtake_share",
     "local_decode_batch": "local_decode_batch", "local_prefill_tokens": "local_prefill_tokens",
     "local_decode_min_tokens": "local_decode_min_tokens",
@@ -124,8 +127,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int)
     p.add_argument("--kv-blocks", type=int, help="per instance; default: what fits")
     p.add_argument("--chunk-size", type=int, help="0 = the cost model's knee")
-    p.add_argument("--prefill-policy", choices=("fcfs", "sjf", "ljf"))
+    p.add_argument("--prefill-policy", choices=PREFILL_ORDERS)
     p.add_argument("--sched-batch", type=int)
+    p.add_argument("--starve-tokens", type=int,
+                   help="srpt: a prompt passed over by more prompt tokens than this goes first")
+    p.add_argument("--finish-alone", action=argparse.BooleanOptionalAction, default=None,
+                   help="a chunk that finishes its first prompt carries only prompts it finishes")
     p.add_argument("--token-budget", type=int)
     p.add_argument("--overtake-share", type=float,
                    help="disaggregated: share of a prefill step that goes first to waiting "
@@ -208,7 +215,11 @@ def sim_config(args: argparse.Namespace, cost: CostModel) -> SimConfig:
     if args.flip_window_s is not None:
         values["flip_idle_s"] = args.flip_window_s
     if values.get("chunk_size", 512) == 0:
-        values["chunk_size"] = knee_chunk_size(cost, rows=values.get("local_decode_batch", 0))
+        rows = calibration_rows(values.get("local_decode_batch", 0),
+                                values.get("local_decode_chunk", 0),
+                                values.get("local_decode_full_chunk_backlog", 0),
+                                values.get("local_decode_full_chunk_share", 0.0))
+        values["chunk_size"] = knee_chunk_size(cost, rows=rows)
     if values.get("num_kv_blocks") is None:
         values["num_kv_blocks"] = 0
     return SimConfig(**values)

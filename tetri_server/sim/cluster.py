@@ -52,6 +52,8 @@ class SimConfig:
     chunk_size: int = 512  # TetriInfer ChunkSize
     prefill_policy: PrefillOrder = "fcfs"
     sched_batch: int = 16  # PrefillSchedBatch
+    starve_tokens: int = 8192  # srpt: passed over by more prompt tokens than this: goes first
+    finish_alone: bool = False  # a chunk that finishes its first prompt finishes prompts only
     overtake_share: float = 0.0  # share of a prefill step for waiting prompts that fit whole
     token_budget: int = 512  # coupled-chunked
     local_decode_batch: int = 0  # elastic: requests a prefill instance decodes itself
@@ -96,7 +98,8 @@ class SimConfig:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if min(self.num_prefill, self.num_decode, self.num_instances, self.block_size,
-               self.chunk_size, self.sched_batch, self.token_budget, self.max_batch) < 1:
+               self.chunk_size, self.sched_batch, self.starve_tokens, self.token_budget,
+               self.max_batch) < 1:
             raise ValueError("instance counts, sizes and budgets must be >= 1")
         if self.prefill_policy not in PREFILL_ORDERS:
             raise ValueError(f"prefill_policy must be one of {PREFILL_ORDERS}")

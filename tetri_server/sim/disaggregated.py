@@ -52,7 +52,7 @@ class PrefillInstance(_Decoding):
         super().__init__(sim, worker_id, num_blocks)
         cfg = sim.cfg
         self.chunker = Chunker(cfg.chunk_size, block_size=self.block_size,
-                               overtake_share=cfg.overtake_share)
+                               overtake_share=cfg.overtake_share, finish_alone=cfg.finish_alone)
         dispatcher: Dispatcher = (
             TetriDispatcher(random.Random(cfg.seed + worker_id), block_size=self.block_size,
                             granularity=cfg.granularity, heavy_threshold=cfg.heavy_decode_tokens)
@@ -60,7 +60,8 @@ class PrefillInstance(_Decoding):
             else RoundRobinDispatcher(block_size=self.block_size, granularity=cfg.granularity,
                                       heavy_threshold=cfg.heavy_decode_tokens))
         self.book: PrefillBook[SimSeq] = PrefillBook(
-            PrefillQueue(cfg.prefill_policy, cfg.sched_batch), dispatcher)
+            PrefillQueue(cfg.prefill_policy, cfg.sched_batch, starve_tokens=cfg.starve_tokens),
+            dispatcher)
         self.num_rejected = 0  # hand-offs refused by a decode instance
         self._chunk: ChunkPlan | None = None
         self.local = (LocalDecode(cfg.local_decode_batch, cfg.local_decode_min_tokens,

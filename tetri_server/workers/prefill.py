@@ -38,6 +38,7 @@ from tetri_server.policy import (
     PrefillQueue,
     RoundRobinDispatcher,
     TetriDispatcher,
+    calibration_rows,
     coupled_chunked_plan,
     mixed_chunk,
 )
@@ -57,10 +58,15 @@ class PrefillRole(Role):
     def __init__(self, w: Worker) -> None:
         super().__init__(w)
         cfg = self.w.cfg
-        self._chunk_size = resolve_chunk_size(w, cfg.prefill.chunk_size,
-                                              rows=cfg.prefill.local_decode_batch)
+        pre = cfg.prefill
+        self._chunk_size = resolve_chunk_size(
+            w, pre.chunk_size,
+            rows=calibration_rows(pre.local_decode_batch, pre.local_decode_chunk,
+                                  pre.local_decode_full_chunk_backlog,
+                                  pre.local_decode_full_chunk_share))
         self.chunker = Chunker(self._chunk_size, block_size=self.w.block_size,
-                               overtake_share=cfg.prefill.overtake_share)
+                               overtake_share=cfg.prefill.overtake_share,
+                               finish_alone=cfg.prefill.finish_alone)
         self.predictor = w.predictor()
         gran = self.predictor.granularity
         heavy = cfg.predictor.heavy_decode_tokens
@@ -71,7 +77,8 @@ class PrefillRole(Role):
             else RoundRobinDispatcher(block_size=self.w.block_size, granularity=gran,
                                       heavy_threshold=heavy))
         self.book: PrefillBook[Sequence] = PrefillBook(
-            PrefillQueue(cfg.prefill.policy, cfg.prefill.sched_batch), dispatcher)
+            PrefillQueue(cfg.prefill.policy, cfg.prefill.sched_batch,
+                         starve_tokens=cfg.prefill.starve_tokens), dispatcher)
         # elastic P/D: the requests this worker keeps and decodes itself (greedy admission)
         num_local = cfg.prefill.local_decode_batch
         self.local = (LocalDecode(num_local, cfg.prefill.local_decode_min_tokens,
