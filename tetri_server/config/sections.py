@@ -281,13 +281,16 @@ class PrefillConfig(_Section):
 
     chunk_size: int = 0
     """Tokens per prefill forward pass (the knee); 0 = calibrated by each worker at start-up."""
-    policy: PrefillPolicyName = "fcfs"
+    policy: PrefillPolicyName = "srpt"
     """Queue order by prompt length: fcfs, sjf (shortest first) or ljf (longest first), within
     the sort window; or srpt (the fewest remaining prompt tokens first, over the whole queue,
-    pausing a started prompt for a shorter one at a step boundary)."""
+    pausing a started prompt for a shorter one at a step boundary; the default since session
+    41: with ``finish_alone`` it took the Mixed prompts under 128 tokens from 0.20 s to 0.05 s
+    to their first token in the strict split, and the requests within the SLOs at 1.5 req/s
+    from 80% to 93%; docs/benchmarks.md, "SLO goodput on Mixed and LPHD")."""
     sched_batch: int = 16
     """Sort window: waiting requests reordered together by the policy (not srpt)."""
-    finish_alone: bool = False
+    finish_alone: bool = True
     """A prefill worker's chunk whose first prompt (in the queue's order) completes in it
     carries only prompts that complete in it, no slice of a longer one: a short prompt's first
     token waits for its own tokens, not a whole chunk's. The longer prompt loses one step's
@@ -317,10 +320,12 @@ class PrefillConfig(_Section):
     local_decode_min_tokens: int = 128
     """Elastic P/D: a prefill worker keeps only requests that can decode more than this many
     tokens (their max_tokens and predicted bucket's upper end); 0 = any request."""
-    local_decode_max_prompt_share: float = 1.0
+    local_decode_max_prompt_share: float = 0.3
     """Elastic P/D: ... and only while steps with prompt tokens took at most this share of the
     worker's last 10 s (a kept request gets one token per step); 1 = whatever the load (the
-    default: docs/benchmarks.md, "The prompt-share rule off")."""
+    default of sessions 24-40, docs/benchmarks.md, "The prompt-share rule off": on Mixed the
+    kept requests' tokens waited behind prompt steps, and they were most of the TPOT misses).
+    0.3 keeps nothing under Mixed's prompt load and keeps on LPHD, where prompts are light."""
     local_decode_hand_back: bool = False
     """Elastic P/D: when more than a chunk of prompt tokens waits, a prefill worker hands the
     requests it kept to a decode worker (with the KV of what it decoded) instead of decoding
@@ -403,11 +408,13 @@ class DecodeConfig(_Section):
     slice than the prefill worker's kept rows wait behind theirs; fixed =
     ``local_prefill_tokens`` a step whatever the chunk (docs/benchmarks.md, "The decode
     worker's slice")."""
-    local_prefill_margin: float = 1.0
+    local_prefill_margin: float = -1.0
     """Elastic P/D: a prompt goes to a decode worker only when the prefill worker has more than
     this many prefill chunks of prompt tokens queued beyond the decode worker's (0: more at
-    all, as a coupled cluster spreads prompts); below 0: only while no prefill worker is
-    serving (one restarting)."""
+    all, as a coupled cluster spreads prompts); below 0, the default since session 41: only
+    while no prefill worker is serving, so a decode worker's steps carry no prompt slices
+    otherwise and its requests' TPOT is its own step's (1 before; docs/benchmarks.md, "SLO
+    goodput on Mixed and LPHD")."""
     local_prefill_max_gap_x: float = 0.0
     """Elastic P/D: a decode worker takes a prompt only while its recent step (the gap its
     requests see) is at most this many times the fastest it has had, about its one-request step
