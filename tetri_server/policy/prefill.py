@@ -108,7 +108,7 @@ class PrefillQueue:
         self.starve_tokens = starve_tokens
         self._num_served = 0  # prompt tokens prefilled from this queue so far (srpt's clock)
         self._entries: dict[int, _Entry] = {}
-        self._started: list[int] = []  # first chunk ran; in start order; always the head
+        self._started: list[int] = []  # first chunk ran; in start order; the head (not srpt)
         self._scheduled: list[int] = []  # frozen sorted rounds, not yet started
         self._raw: list[tuple[float, int, int]] = []  # (arrival_s, seq, req_id), sorted
         self._num_added = 0
@@ -212,7 +212,7 @@ class PrefillQueue:
         return (1, 0.0, entry.num_prompt_tokens - entry.num_done_tokens, entry.seq)
 
     def _sorted_round(self, ids: list[int]) -> list[int]:
-        if self.policy == "fcfs":
+        if self.policy in ("fcfs", "srpt"):  # srpt orders in iter_order, not by rounds
             return ids
         sign = 1 if self.policy == "sjf" else -1
         # `ids` is in arrival order and sorted() is stable: equal lengths stay FCFS.
