@@ -497,6 +497,17 @@ def test_elastic_prompt_first_runs_a_backlog_within_a_mixed_step_alone() -> None
     assert chunks_beside_kept(dataclasses.replace(cfg, local_decode_prompt_first=True)) > 0
 
 
+def mean_ttft_s(cfg: SimConfig, cost: CostModel, reqs: list[SimRequest], short: bool) -> float:
+    """The mean time to first token of the prompts under 128 tokens (``short``) or the others,
+    over a simulation of ``reqs`` (copies) in which every request finishes."""
+    sim = Simulation(cfg, cost, [dataclasses.replace(r) for r in reqs])
+    sim.run()
+    assert all(r.error is None and r.end_s is not None for r in sim.requests)
+    waits = [r.first_token_s - r.arrival_s for r in sim.requests
+             if (r.prompt_len < 128) == short]
+    return sum(waits) / len(waits)
+
+
 def test_with_an_overtake_share_short_prompts_start_sooner_behind_long_ones() -> None:
     """``overtake_share`` in the simulator (the worker's ``Chunker``): short prompts ride in a
     started long one's next chunks; their mean time to first token drops, every request still
@@ -506,12 +517,7 @@ def test_with_an_overtake_share_short_prompts_start_sooner_behind_long_ones() ->
     cfg = SimConfig(decode_policy="greedy", max_model_len=2048, chunk_size=256)
 
     def ttft_s(c: SimConfig, short: bool) -> float:
-        sim = Simulation(c, cost, [dataclasses.replace(r) for r in reqs])
-        sim.run()
-        assert all(r.error is None and r.end_s is not None for r in sim.requests)
-        waits = [r.first_token_s - r.arrival_s for r in sim.requests
-                 if (r.prompt_len < 128) == short]
-        return sum(waits) / len(waits)
+        return mean_ttft_s(c, cost, reqs, short)
 
     shared = dataclasses.replace(cfg, overtake_share=0.5)
     assert ttft_s(shared, short=True) < 0.8 * ttft_s(cfg, short=True)
@@ -531,12 +537,7 @@ def test_srpt_and_finish_alone_start_short_prompts_sooner_in_the_strict_split() 
     cfg = SimConfig(max_model_len=2048, chunk_size=64)
 
     def ttft_s(c: SimConfig, short: bool) -> float:
-        sim = Simulation(c, cost, [dataclasses.replace(r) for r in reqs])
-        sim.run()
-        assert all(r.error is None and r.end_s is not None for r in sim.requests)
-        waits = [r.first_token_s - r.arrival_s for r in sim.requests
-                 if (r.prompt_len < 128) == short]
-        return sum(waits) / len(waits)
+        return mean_ttft_s(c, cost, reqs, short)
 
     srpt = dataclasses.replace(cfg, prefill_policy="srpt", finish_alone=True)
     assert ttft_s(srpt, short=True) < 0.5 * ttft_s(cfg, short=True)
