@@ -108,7 +108,8 @@ class PrefillQueue:
         self.starve_tokens = starve_tokens
         self._num_served = 0  # prompt tokens prefilled from this queue so far (srpt's clock)
         self._entries: dict[int, _Entry] = {}
-        self._started: list[int] = []  # first chunk ran; in start order; the head (not srpt)
+        # The rounds (not srpt, whose prompts all stay in _raw: iter_order sorts the entries):
+        self._started: list[int] = []  # first chunk ran; in start order; always the head
         self._scheduled: list[int] = []  # frozen sorted rounds, not yet started
         self._raw: list[tuple[float, int, int]] = []  # (arrival_s, seq, req_id), sorted
         self._num_added = 0
@@ -183,7 +184,7 @@ class PrefillQueue:
                     f"request {piece.req_id}: slice starts at {piece.start}, "
                     f"progress is {entry.num_done_tokens}"
                 )
-            if entry.num_done_tokens == 0:
+            if entry.num_done_tokens == 0 and not self.preemptive:
                 self._start(piece.req_id)
             entry.num_done_tokens += piece.num_tokens
             self._num_served += piece.num_tokens
@@ -212,7 +213,7 @@ class PrefillQueue:
         return (1, 0.0, entry.num_prompt_tokens - entry.num_done_tokens, entry.seq)
 
     def _sorted_round(self, ids: list[int]) -> list[int]:
-        if self.policy in ("fcfs", "srpt"):  # srpt orders in iter_order, not by rounds
+        if self.policy == "fcfs":
             return ids
         sign = 1 if self.policy == "sjf" else -1
         # `ids` is in arrival order and sorted() is stable: equal lengths stay FCFS.
