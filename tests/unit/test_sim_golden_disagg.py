@@ -19,7 +19,7 @@ import random
 from typing import Any
 
 from tests.unit.test_decision_trace_disagg import GOLDEN
-from tetri_server.config.sections import PrefillConfig
+from tetri_server.config import PrefillConfig
 from tetri_server.sim.cluster import SimConfig, Simulation, decode_view
 from tetri_server.sim.cost import CostModel
 from tetri_server.sim.disaggregated import DecodeInstance, PrefillInstance

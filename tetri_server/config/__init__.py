@@ -32,12 +32,16 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePath
 from typing import Any, Literal, get_args, get_origin
 
+from tetri_server.config.scheduling import (  # noqa: F401 - re-exported
+    DecodeConfig,
+    DecodePolicyName,
+    PrefillConfig,
+    PrefillPolicyName,
+)
 from tetri_server.config.sections import (  # noqa: F401 - re-exported
     BUILTIN_PREFIX,
     ClusterConfig,
     ConfigError,
-    DecodeConfig,
-    DecodePolicyName,
     Device,
     DispatchConfig,
     DispatchPolicyName,
@@ -51,8 +55,6 @@ from tetri_server.config.sections import (  # noqa: F401 - re-exported
     MonitorConfig,
     PredictorConfig,
     PredictorKind,
-    PrefillConfig,
-    PrefillPolicyName,
     ServerConfig,
     ToolCallParser,
     Transport,

@@ -1,0 +1,171 @@
+"""The sections of ``config.toml`` that the prefill and decode workers' policies read: the
+prefill queue and chunker (``[prefill]``, with the prefill side of elastic P/D) and decode
+admission (``[decode]``, with its side of elastic P/D). Same contract as ``sections.py``: one
+frozen, validated dataclass per section, one field per key, its docstring the key's
+documentation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+from tetri_server.config.sections import ConfigError, _Section
+
+PrefillPolicyName = Literal["fcfs", "sjf", "ljf", "srpt"]
+DecodePolicyName = Literal["greedy", "reserve-static", "reserve-dynamic"]
+DecodeEstimate = Literal["bucket", "refined"]
+LocalPrefillSlice = Literal["chunk", "fixed"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrefillConfig(_Section):
+    """``[prefill]``: the prefill queue and chunker."""
+
+    SECTION: ClassVar[str] = "prefill"
+
+    chunk_size: int = 0
+    """Tokens per prefill forward pass (the knee); 0 = calibrated by each worker at start-up."""
+    policy: PrefillPolicyName = "srpt"
+    """Queue order by prompt length: fcfs, sjf (shortest first) or ljf (longest first), within
+    the sort window; or srpt (the fewest remaining prompt tokens first, over the whole queue,
+    pausing a started prompt for a shorter one at a step boundary; the default since session
+    41: with ``finish_alone`` it took the Mixed prompts under 128 tokens from 0.20 s to 0.05 s
+    to their first token in the strict split, and the requests within the SLOs at 1.5 req/s
+    from 80% to 93%; docs/benchmarks.md, "SLO goodput on Mixed and LPHD")."""
+    sched_batch: int = 16
+    """Sort window: waiting requests reordered together by the policy (not srpt)."""
+    finish_alone: bool = True
+    """A prefill worker's chunk whose first prompt (in the queue's order) completes in it
+    carries only prompts that complete in it, no slice of a longer one: a short prompt's first
+    token waits for its own tokens, not a whole chunk's. The longer prompt loses one step's
+    fixed cost (its weight reads) each time."""
+    starve_tokens: int = 8192
+    """srpt: a prompt passed over by more than this many prompt tokens of others (prefilled on
+    this worker since it was queued) goes ahead of every prompt not yet passed over that much."""
+    overtake_share: float = 0.5
+    """Disaggregated mode: while a started prompt is being prefilled, up to this share of each
+    prefill step's prompt tokens (a prefill worker's chunks and its mixed steps; a decode
+    worker's prompt slices stay FCFS: shared too, JCT on LPHD at 1.0 req/s rose in four
+    repeats of four, session 37) goes first to waiting prompts that fit in it whole (shortest
+    remaining work first, at step granularity: a short prompt waits one step, not the rest of
+    a long one); the started prompt keeps the rest of each step, so it finishes at most
+    1 / (1 - share) times later. 0: prefill is non-preemptive (the paper; the default to
+    session 37, when 0.5 took the mean TTFT of Mixed prompts under 128 tokens from 1.20-1.61x
+    coupled's to 0.60-0.80x: docs/benchmarks.md, "Short prompts overtake a started long
+    one")."""
+    token_budget: int = 512
+    """coupled-chunked mode: tokens per step, decode tokens first, prompt chunks fill the rest."""
+    local_decode_batch: int = 16
+    """Elastic P/D (disaggregated mode): a prefill worker decodes up to this many of the
+    requests it prefilled itself, their rows riding in its chunks, while its prompt backlog fits
+    in one chunk, every decode worker holds more requests and the two rules below allow
+    (``policy/elastic.py``; docs/benchmarks.md, "Which requests a prefill worker keeps"). 0:
+    the strict split of the paper."""
+    local_decode_min_tokens: int = 128
+    """Elastic P/D: a prefill worker keeps only requests that can decode more than this many
+    tokens (their max_tokens and predicted bucket's upper end); 0 = any request."""
+    local_decode_max_prompt_share: float = 0.3
+    """Elastic P/D: ... and only while steps with prompt tokens took at most this share of the
+    worker's last 10 s (a kept request gets one token per step); 1 = whatever the load (the
+    default of sessions 24-40, docs/benchmarks.md, "The prompt-share rule off": on Mixed the
+    kept requests' tokens waited behind prompt steps, and they were most of the TPOT misses).
+    0.3 keeps nothing under Mixed's prompt load and keeps on LPHD, where prompts are light."""
+    local_decode_hand_back: bool = False
+    """Elastic P/D: when more than a chunk of prompt tokens waits, a prefill worker hands the
+    requests it kept to a decode worker (with the KV of what it decoded) instead of decoding
+    them to the end."""
+    local_decode_balance: bool = True
+    """Elastic P/D: ... and only where the request's tokens would come faster than on every
+    decode worker: the mean gap here (this worker's steps with and without prompt tokens, by
+    the share of time each took, ``policy.kept_gap_s``) below each decode worker's recent
+    decode step (docs/benchmarks.md, "Keeping a request only where it decodes faster"). False:
+    the other rules alone."""
+    local_decode_chunk: int = 128
+    """Elastic P/D: the most tokens (the kept requests' decode rows and prompt slices) in a
+    step of a prefill worker that decodes requests it kept, and (``decode.local_prefill_slice
+    = "chunk"``) the most prompt tokens a decode worker prefills beside its batch, so decode
+    rows do not wait a whole chunk behind each prompt (Sarathi's token budget;
+    docs/benchmarks.md, "Capping the steps with decode rows at 128 tokens"); 0 = the chunk."""
+    local_decode_prompt_first: bool = False
+    """Elastic P/D: while every queued prompt token fits in one step of
+    ``local_decode_chunk`` tokens, a prefill worker that decodes requests it kept prefills them
+    in a step of their own (its kept rows wait one step, never two in a row) instead of
+    computing every kept row beside them; a larger backlog goes in mixed steps
+    (``LocalDecode.prompt_alone``)."""
+    local_decode_full_chunk_backlog: int = 0
+    """Elastic P/D: while more than this many prompt tokens wait, a step that carries kept
+    requests' rows takes the whole chunk, not ``local_decode_chunk`` (prompts then prefill at
+    the chunk's rate, the rows waiting a chunk step each time). 0: never."""
+    local_decode_full_chunk_share: float = 0.0
+    """Elastic P/D: while steps with prompt tokens took less than this share of the worker's
+    last 10 s, a step that carries kept requests' rows takes the whole chunk, not
+    ``local_decode_chunk``: while prompts are rare, a prompt goes at the chunk's rate and the
+    kept rows wait one long step for it, not several shorter ones (``LocalDecode.step_tokens``).
+    0: never (the default: at 0.25 no gain on Mixed in session 33, docs/benchmarks.md, "Whole
+    chunks on the prefill worker")."""
+
+    def _validate(self) -> None:
+        self._at_least("chunk_size", 0)
+        if not 0 <= self.overtake_share < 1:
+            raise ConfigError(f"prefill.overtake_share = {self.overtake_share} must be in [0, 1)")
+        self._at_least("local_decode_chunk", 0)
+        self._at_least("local_decode_full_chunk_backlog", 0)
+        if not 0 <= self.local_decode_full_chunk_share <= 1:
+            raise ConfigError(f"prefill.local_decode_full_chunk_share = "
+                              f"{self.local_decode_full_chunk_share} must be in [0, 1]")
+        self._at_least("local_decode_min_tokens", 0)
+        if not 0 <= self.local_decode_max_prompt_share <= 1:
+            raise ConfigError(f"prefill.local_decode_max_prompt_share = "
+                              f"{self.local_decode_max_prompt_share} must be in [0, 1]")
+        self._at_least("sched_batch", 1)
+        self._at_least("starve_tokens", 1)
+        self._at_least("token_budget", 1)
+        self._at_least("local_decode_batch", 0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecodeConfig(_Section):
+    """``[decode]``: admission and batching on decode workers."""
+
+    SECTION: ClassVar[str] = "decode"
+
+    policy: DecodePolicyName = "reserve-dynamic"
+    """Admission: greedy (while blocks are free), reserve-static or reserve-dynamic."""
+    max_batch: int = 32
+    """Most requests decoded together in one step."""
+    estimate: DecodeEstimate = "bucket"
+    """Output-length estimate of admission and preemption: bucket (the lower end of the
+    predicted bucket, raised a bucket at a time on overrun; the paper) or refined (the expected
+    output given the bucket and the tokens generated so far, from the artifact's length
+    distributions; the victim of a preemption is the request expected to run longest)."""
+    local_prefill_tokens: int = 1024
+    """Elastic P/D (disaggregated mode): control sends a prompt to a decode worker when it
+    would finish there sooner (the prefill worker has over a chunk more queued ahead of it than
+    the decode worker), or when no prefill worker is serving, if the decode worker has room (its
+    queued prompts and this one in half its free KV blocks); the decode worker prefills it in
+    slices of at most this many tokens riding in its decode steps (``policy/elastic.py``; keep
+    it >= the prefill chunk). 0: the strict split of the paper."""
+    local_prefill_slice: LocalPrefillSlice = "chunk"
+    """Elastic P/D: chunk = a decode worker's step also prefills at most the prefill workers'
+    chunk (the smallest of those serving, at most ``prefill.local_decode_chunk``;
+    ``local_prefill_tokens`` when none is), so its decode rows wait no longer behind a prompt
+    slice than the prefill worker's kept rows wait behind theirs; fixed =
+    ``local_prefill_tokens`` a step whatever the chunk (docs/benchmarks.md, "The decode
+    worker's slice")."""
+    local_prefill_margin: float = -1.0
+    """Elastic P/D: a prompt goes to a decode worker only when the prefill worker has more than
+    this many prefill chunks of prompt tokens queued beyond the decode worker's (0: more at
+    all, as a coupled cluster spreads prompts); below 0, the default since session 41: only
+    while no prefill worker is serving, so a decode worker's steps carry no prompt slices
+    otherwise and its requests' TPOT is its own step's (1 before; docs/benchmarks.md, "SLO
+    goodput on Mixed and LPHD")."""
+    local_prefill_max_gap_x: float = 0.0
+    """Elastic P/D: a decode worker takes a prompt only while its recent step (the gap its
+    requests see) is at most this many times the fastest it has had, about its one-request step
+    (3 is the benchmark's TPOT SLO); while no prefill worker is serving it takes one anyway.
+    0: no bound."""
+
+    def _validate(self) -> None:
+        self._at_least("max_batch", 1)
+        self._at_least("local_prefill_tokens", 0)
+        self._at_least("local_prefill_max_gap_x", 0)
