@@ -369,3 +369,27 @@ def test_while_prompts_are_rare_a_step_with_kept_rows_takes_the_whole_chunk() ->
     assert local.step_tokens(300, 128, 432, prompt_share=0.25) == 128
     assert local.step_tokens(300, 128, 432, prompt_share=0.9) == 128
     assert LocalDecode(4).step_tokens(300, 128, 432, prompt_share=0.0) == 128  # off by default
+
+
+def test_a_request_of_at_most_finish_tokens_is_kept_whatever_the_load() -> None:
+    """``prefill.local_finish_tokens``: a request that ends within that many tokens stays on
+    the prefill worker (a hand-off would cost it more than its decode) under a backlog, a busy
+    worker and an idle decode worker alike; only the batch must have room."""
+    local = LocalDecode(max_batch=2, min_tokens=128, max_prompt_share=0.3, balance=True,
+                        finish_tokens=16)
+    assert local.finishes_here(16) and local.finishes_here(2)
+    assert not local.finishes_here(17) and not LocalDecode(2).finishes_here(2)  # off by default
+    held = [(1, 16, 32), (2, 500, None), (3, 2, None), (4, 8, None)]
+    # a backlog of 5000 prompt tokens, prompt steps 90% of the time, an idle decode worker
+    assert local.choose(held, 0, 5000, 256, view(0), prompt_share=0.9) == [1, 3]
+    assert local.choose(held, 1, 5000, 256, view(0), prompt_share=0.9) == [1]  # batch full
+    assert LocalDecode(max_batch=2, min_tokens=128).choose(
+        held, 0, 5000, 256, view(0)) == []  # without it: all handed off
+
+
+def test_while_a_finishing_request_decodes_the_steps_take_at_most_finish_tokens() -> None:
+    local = LocalDecode(4, full_chunk_share=0.25, finish_tokens=16)
+    assert local.step_tokens(300, 128, 432, finishing=True) == 16
+    assert local.step_tokens(300, 8, 432, finishing=True) == 8  # never above the mixed chunk
+    assert local.step_tokens(300, 128, 432, prompt_share=0.5) == 128  # none finishing here
+    assert LocalDecode(4).step_tokens(300, 128, 432, finishing=True) == 128  # off by default

@@ -476,6 +476,34 @@ def test_elastic_prefill_steps_with_kept_rows_take_at_most_the_local_decode_chun
                                                local_decode_full_chunk_share=1.0))) == 256
 
 
+def test_elastic_prefill_finishes_requests_of_at_most_finish_tokens_itself() -> None:
+    """``local_finish_tokens``: on Mixed at a load where the prompt-share rule keeps nothing
+    else, every request of 2-16 tokens is kept and finishes on the prefill instance, none is
+    dispatched; its steps beside such a request take at most 16 tokens; without the rule they
+    are all handed off."""
+    cost = CostModel(load_hardware("this-cpu"), load_model("bench"))
+    reqs = from_workload(WorkloadSpec("Mixed", 60, 1, 1024, rate_rps=1.5))
+    short = {r.req_id for r in reqs if 1 < r.output_len <= 16}
+    assert len(short) >= 3
+    cfg = SimConfig(decode_policy="greedy", max_model_len=1024, chunk_size=64,
+                    local_decode_batch=16, local_decode_min_tokens=128,
+                    local_decode_max_prompt_share=0.3, local_decode_balance=True,
+                    local_decode_chunk=128)
+
+    def kept_and_sent(c: SimConfig) -> tuple[set[int], set[int], list[dict[str, Any]]]:
+        records = decisions_of(c, cost, reqs, 0)
+        return ({d["req"] for d in records if d["kind"] == "keep"},
+                {d["req"] for d in records if d["kind"] == "dispatch"}, records)
+
+    kept, sent, _ = kept_and_sent(cfg)
+    assert not kept & short and short <= sent
+    kept, sent, records = kept_and_sent(dataclasses.replace(cfg, local_finish_tokens=16))
+    assert short <= kept and not short & sent
+    steps = [len(d["run"]) + sum(n for _, _, n in d["slices"])
+             for d in records if d["kind"] == "mixed_step" and set(d["run"]) & short]
+    assert steps and max(steps) <= 16
+
+
 def test_elastic_prompt_first_runs_a_backlog_within_a_mixed_step_alone() -> None:
     """``local_decode_prompt_first``: a prefill instance with kept requests runs a pure chunk
     when every queued prompt token fits in a mixed step (the worker's rule,

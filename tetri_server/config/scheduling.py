@@ -104,8 +104,16 @@ class PrefillConfig(_Section):
     0: never (the default: at 0.25 no gain on Mixed in session 33, docs/benchmarks.md, "Whole
     chunks on the prefill worker")."""
 
+    local_finish_tokens: int = 0
+    """Elastic P/D: a request whose max_tokens is at most this many tokens finishes on the
+    prefill worker that prefilled it, whatever the load (only ``local_decode_batch`` must have
+    room), and while one decodes there its steps take at most this many tokens: its tokens then
+    come about a decode step apart, where a hand-off would cost about two decode steps and the
+    KV copy before its second token (``LocalDecode.finishes_here``). 0: none."""
+
     def _validate(self) -> None:
         self._at_least("chunk_size", 0)
+        self._at_least("local_finish_tokens", 0)
         if not 0 <= self.overtake_share < 1:
             raise ConfigError(f"prefill.overtake_share = {self.overtake_share} must be in [0, 1)")
         self._at_least("local_decode_chunk", 0)

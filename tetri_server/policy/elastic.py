@@ -46,6 +46,13 @@ would wait there behind whole prompts: the prefill worker then keeps a request w
 decode workers hold, a short one (not ``worth_keeping``) too, and one whose ``max_tokens`` is
 at most ``min_tokens`` whatever the prompt share (it decodes that few here, however slowly);
 its own batch and backlog rules hold.
+
+With ``finish_tokens`` (``prefill.local_finish_tokens``) a request whose ``max_tokens`` is at
+most that many tokens is kept whatever the load (only the batch must have room): it ends within
+that many steps, and a hand-off would cost it about two of the decode worker's steps and the KV
+copy before its second token. While such a request decodes here, a step takes at most
+``finish_tokens`` tokens (``step_tokens``), so its tokens come about a decode step apart, not a
+chunk step apart; prompts go on in those small steps.
 """
 
 from __future__ import annotations
@@ -68,6 +75,12 @@ class LocalDecode:
     prompt_first: bool = False  # a backlog of at most a mixed step runs alone, in one step
     full_chunk_backlog: int = 0  # beyond this many queued prompt tokens, mixed steps: the chunk
     full_chunk_share: float = 0.0  # below this prompt share, mixed steps: the chunk
+    finish_tokens: int = 0  # a request of at most this many tokens finishes here (0: none)
+
+    def finishes_here(self, max_tokens: int) -> bool:
+        """Whether a request with this output cap is short enough to finish on the prefill
+        worker whatever the load (``finish_tokens``)."""
+        return 0 < max_tokens <= self.finish_tokens
 
     def worth_keeping(self, max_tokens: int, bucket_upper: int | None) -> bool:
         """Whether a request with this output cap and predicted bucket end (None: open, or no
@@ -81,17 +94,24 @@ class LocalDecode:
         """The held requests to keep now, in their order: ``held`` gives (request id,
         max_tokens, predicted bucket's upper end) of each; ``num_local``: requests decoding
         here already; ``gap_s``: a kept request's expected gap here (``kept_gap_s``). The first
-        long one refused ends the choice (kept in order); a short one refused is passed
-        over."""
+        long one refused ends the choice (kept in order) but for those that ``finishes_here``;
+        a short one refused is passed over."""
         kept: list[int] = []
+        refused = False  # a long one was refused: only those that finish here stay now
         for req_id, max_tokens, bucket_upper in held:
+            if self.finishes_here(max_tokens):
+                if num_local + len(kept) < self.max_batch:
+                    kept.append(req_id)
+                continue
+            if refused:
+                continue
             short = not self.worth_keeping(max_tokens, bucket_upper)
             capped = max_tokens <= self.min_tokens  # at most min_tokens here, whatever comes
             if self.keep(num_local + len(kept), num_queued_prompt_tokens, chunk_size, view,
                          0.0 if capped else prompt_share, short, gap_s):
                 kept.append(req_id)
             elif not short:
-                break
+                refused = True
         return kept
 
     def prompt_alone(self, num_queued_prompt_tokens: int, mixed_chunk: int,
@@ -107,10 +127,11 @@ class LocalDecode:
                 and 0 < num_queued_prompt_tokens <= mixed_chunk)
 
     def step_tokens(self, num_queued_prompt_tokens: int, mixed_chunk: int,
-                    chunk_size: int, prompt_share: float = 0.0) -> int:
-        """The most tokens of the next step with kept rows: ``mixed_chunk``, or the whole chunk
-        with ``full_chunk_backlog`` (``prefill.local_decode_full_chunk_backlog``) while more
-        prompt tokens than that wait, or with ``full_chunk_share``
+                    chunk_size: int, prompt_share: float = 0.0, finishing: bool = False) -> int:
+        """The most tokens of the next step with kept rows: ``finish_tokens`` while a request
+        kept because it ``finishes_here`` decodes (``finishing``); else ``mixed_chunk``, or the
+        whole chunk with ``full_chunk_backlog`` (``prefill.local_decode_full_chunk_backlog``)
+        while more prompt tokens than that wait, or with ``full_chunk_share``
         (``prefill.local_decode_full_chunk_share``) while steps with prompt tokens took less
         than that share of the worker's last 10 s (``prompt_share``).
 
@@ -125,6 +146,8 @@ class LocalDecode:
         (past a chunk of backlog ``keep`` keeps no new request, so such steps are rare). The
         share rule at 0.25 was within the noise of the default at 0.9 and 1.2 req/s (E38-E41;
         in E38 ``LocalSteps`` still scaled its whole-chunk steps down to ``mixed_chunk``)."""
+        if finishing and self.finish_tokens > 0:
+            return min(self.finish_tokens, mixed_chunk)
         if (0 < self.full_chunk_backlog < num_queued_prompt_tokens
                 or prompt_share < self.full_chunk_share):
             return max(chunk_size, mixed_chunk)

@@ -45,6 +45,7 @@ CONFIG_KEYS = {
     ("prefill", "local_decode_prompt_first"): "local_decode_prompt_first",
     ("prefill", "local_decode_full_chunk_backlog"): "local_decode_full_chunk_backlog",
     ("prefill", "local_decode_full_chunk_share"): "local_decode_full_chunk_share",
+    ("prefill", "local_finish_tokens"): "local_finish_tokens",
     ("decode", "local_prefill_tokens"): "local_prefill_tokens",
     ("decode", "local_prefill_slice"): "local_prefill_slice",
     ("decode", "local_prefill_margin"): "local_prefill_margin",
@@ -75,6 +76,7 @@ FLAGS = {
     "local_decode_prompt_first": "local_decode_prompt_first",
     "local_decode_full_chunk_backlog": "local_decode_full_chunk_backlog",
     "local_decode_full_chunk_share": "local_decode_full_chunk_share",
+    "local_finish_tokens": "local_finish_tokens",
     "local_prefill_slice": "local_prefill_slice",
     "local_prefill_margin": "local_prefill_margin",
     "local_prefill_max_gap_x": "local_prefill_max_gap_x",
@@ -165,6 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="elastic: while steps with prompt tokens took less than this share of "
                         "the last 10 s, a step with kept rows takes the whole chunk (default 0: "
                         "never)")
+    p.add_argument("--local-finish-tokens", type=int,
+                   help="elastic: a request of at most this many tokens finishes on the prefill "
+                        "instance, in steps of at most that many tokens (default 0: none)")
     p.add_argument("--local-prefill-tokens", type=int,
                    help="elastic: prompt tokens a decode instance prefills per step, for "
                    "the prompts that finish sooner there (0: none)")

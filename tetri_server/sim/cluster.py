@@ -65,6 +65,7 @@ class SimConfig:
     local_decode_prompt_first: bool = False  # elastic: a backlog within a mixed step: alone
     local_decode_full_chunk_backlog: int = 0  # ... beyond it, mixed steps take the chunk
     local_decode_full_chunk_share: float = 0.0  # ... below this prompt share, too
+    local_finish_tokens: int = 0  # elastic: a request of at most this many tokens ends there
     local_prefill_tokens: int = 0  # elastic: prompt tokens a decode instance prefills a step
     local_prefill_slice: str = "chunk"  # ... and at most chunk_size of them, or "fixed"
     local_prefill_margin: float = 1.0  # ... when prefill's backlog exceeds it by this many chunks

@@ -68,7 +68,8 @@ class PrefillInstance(_Decoding):
                                   cfg.local_decode_max_prompt_share, cfg.local_decode_hand_back,
                                   cfg.local_decode_balance, cfg.local_decode_prompt_first,
                                   cfg.local_decode_full_chunk_backlog,
-                                  cfg.local_decode_full_chunk_share)
+                                  cfg.local_decode_full_chunk_share,
+                                  cfg.local_finish_tokens)
                       if cfg.local_decode_batch else None)
         # tokens of a step with kept requests' rows (prefill.local_decode_chunk)
         self.mixed_chunk = mixed_chunk(cfg.chunk_size, cfg.local_decode_chunk)
@@ -142,7 +143,7 @@ class PrefillInstance(_Decoding):
         ``local_decode_chunk`` when set)."""
         free = self.alloc.num_free
         decode = self.admission.plan(free)
-        tokens = self.kept_step_tokens()
+        tokens = self.kept_step_tokens(finishing=True)
         slices = coupled_chunked_plan(self.book.queue, decode.run_ids, tokens,
                                       num_free_blocks=self.admission.free_after(decode, free),
                                       block_size=self.block_size,
@@ -177,13 +178,16 @@ class PrefillInstance(_Decoding):
         num_pad = self._chunk.num_pad if pad else 0
         return self.cost.step_s(items, num_pad, num_sampled) + predict_s
 
-    def kept_step_tokens(self) -> int:
-        """The most tokens of a step with kept rows now (``LocalDecode.step_tokens``)."""
+    def kept_step_tokens(self, *, finishing: bool = False) -> int:
+        """``PrefillRole._kept_step_tokens``."""
         if self.local is None:
             return self.mixed_chunk
+        finishing = finishing and any(self.local.finishes_here(seq.req.output_len)
+                                      for seq in self.seqs.values())  # max_tokens: true length
         return self.local.step_tokens(self.book.queue.num_queued_tokens, self.mixed_chunk,
                                       self.chunker.chunk_size,
-                                      self.steps.prompt_share.share(self.sim.loop.now_s))
+                                      self.steps.prompt_share.share(self.sim.loop.now_s),
+                                      finishing)
 
     def seq(self, req_id: int) -> SimSeq:
         return self.book.get(req_id)  # queued prompts and kept requests alike

@@ -87,7 +87,8 @@ class PrefillRole(Role):
                                   cfg.prefill.local_decode_balance,
                                   cfg.prefill.local_decode_prompt_first,
                                   cfg.prefill.local_decode_full_chunk_backlog,
-                                  cfg.prefill.local_decode_full_chunk_share)
+                                  cfg.prefill.local_decode_full_chunk_share,
+                                  cfg.prefill.local_finish_tokens)
                       if num_local else None)
         # tokens of a step with kept requests' rows
         self._mixed_chunk = mixed_chunk(self._chunk_size, cfg.prefill.local_decode_chunk)
@@ -203,7 +204,7 @@ class PrefillRole(Role):
         in one forward."""
         free, book = self.w.allocator.num_free, self.book
         decode = self.admission.plan(free)
-        tokens = self._kept_step_tokens()
+        tokens = self._kept_step_tokens(finishing=True)
         slices = coupled_chunked_plan(book.queue, decode.run_ids, tokens,
                                       num_free_blocks=self.admission.free_after(decode, free),
                                       block_size=self.w.block_size,
@@ -250,13 +251,18 @@ class PrefillRole(Role):
         self.dispatch_held()
         return True
 
-    def _kept_step_tokens(self) -> int:
-        """The most tokens of a step with kept rows now (``LocalDecode.step_tokens``)."""
+    def _kept_step_tokens(self, *, finishing: bool = False) -> int:
+        """The most tokens of a step with kept rows now (``LocalDecode.step_tokens``); with
+        ``finishing``, the cap of ``prefill.local_finish_tokens`` too while a request kept by
+        it decodes (the next step's plan, not the rate ``LocalSteps`` scales prompt steps to)."""
         if self.local is None:
             return self._mixed_chunk
-        return self.local.step_tokens(self.book.queue.num_queued_tokens, self._mixed_chunk,
+        book = self.book
+        finishing = finishing and any(self.local.finishes_here(book.get(rid).params.max_tokens)
+                                      for rid in book.ids(Stage.DECODING))
+        return self.local.step_tokens(book.queue.num_queued_tokens, self._mixed_chunk,
                                       self._chunk_size,
-                                      self.steps.prompt_share.share(time.monotonic()))
+                                      self.steps.prompt_share.share(time.monotonic()), finishing)
 
     def _first_tokens(self, items: list[ScheduledSeq], sampled: list[int | None],
                       logprobs: list[float | None], done: set[int]) -> list[TokenDelta]:
