@@ -104,12 +104,15 @@ class PrefillConfig(_Section):
     0: never (the default: at 0.25 no gain on Mixed in session 33, docs/benchmarks.md, "Whole
     chunks on the prefill worker")."""
 
-    local_finish_tokens: int = 0
+    local_finish_tokens: int = 16
     """Elastic P/D: a request whose max_tokens is at most this many tokens finishes on the
     prefill worker that prefilled it, whatever the load (only ``local_decode_batch`` must have
     room), and while one decodes there its steps take at most this many tokens: its tokens then
     come about a decode step apart, where a hand-off would cost about two decode steps and the
-    KV copy before its second token (``LocalDecode.finishes_here``). 0: none."""
+    KV copy before its second token (``LocalDecode.finishes_here``). 0: none. 16 since
+    session 42: on Mixed at 1.5-1.65 req/s, 3-6 of each run's 14 requests of 2-16 tokens had
+    missed a 20 ms TPOT; none did with it (docs/benchmarks.md, "The decode worker's prompts
+    again")."""
 
     def _validate(self) -> None:
         self._at_least("chunk_size", 0)
@@ -160,18 +163,18 @@ class DecodeConfig(_Section):
     slice than the prefill worker's kept rows wait behind theirs; fixed =
     ``local_prefill_tokens`` a step whatever the chunk (docs/benchmarks.md, "The decode
     worker's slice")."""
-    local_prefill_margin: float = -1.0
+    local_prefill_margin: float = 8.0
     """Elastic P/D: a prompt goes to a decode worker only when the prefill worker has more than
     this many prefill chunks of prompt tokens queued beyond the decode worker's (0: more at
-    all, as a coupled cluster spreads prompts); below 0, the default since session 41: only
-    while no prefill worker is serving, so a decode worker's steps carry no prompt slices
-    otherwise and its requests' TPOT is its own step's (1 before; docs/benchmarks.md, "SLO
-    goodput on Mixed and LPHD")."""
-    local_prefill_max_gap_x: float = 0.0
+    all, as a coupled cluster spreads prompts); below 0: only while no prefill worker is
+    serving. 8 with ``local_prefill_max_gap_x`` 2 since session 42: -1 (session 41) left HPLD's
+    one prefill worker overloaded (JCT 3.75x coupled's at 2 req/s), 1 (to session 40) lost
+    Mixed on TPOT (docs/benchmarks.md, "The decode worker's prompts again")."""
+    local_prefill_max_gap_x: float = 2.0
     """Elastic P/D: a decode worker takes a prompt only while its recent step (the gap its
     requests see) is at most this many times the fastest it has had, about its one-request step
     (3 is the benchmark's TPOT SLO); while no prefill worker is serving it takes one anyway.
-    0: no bound."""
+    0: no bound. 2 since session 42 (0 before), with the margin of 8."""
 
     def _validate(self) -> None:
         self._at_least("max_batch", 1)
