@@ -20,7 +20,10 @@ from tetri_server.messages import SamplingParams, TokenDelta
 
 BASE = ["predictor.kind=none", "decode.policy=greedy", "prefill.chunk_size=64",
         "kv.num_blocks=400", "cluster.workers=2", "server.request_timeout_s=60",
-        "cluster.worker_start_timeout_s=120", "server.drain_timeout_s=5"]
+        "cluster.worker_start_timeout_s=120", "server.drain_timeout_s=5",
+        # most requests here take at most 16 tokens: keep them on the hand-off path they test
+        # (a prefill worker finishes them itself by default; tests/integration/test_elastic.py)
+        "prefill.local_finish_tokens=0"]
 
 
 # The paper's strict split (elastic P/D is on by default on both sides): for tests that need a

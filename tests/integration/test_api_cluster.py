@@ -146,11 +146,18 @@ def test_phase_metrics_count_prefill_and_handoff(api):
     import json
     import urllib.request
 
+    def complete(max_tokens: int) -> None:
+        body = {"model": "tiny-test", "prompt": "phases", "max_tokens": max_tokens,
+                "ignore_eos": True}
+        req = urllib.request.Request(api.base_url + "/v1/completions",
+                                     data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            assert json.loads(r.read())["usage"]["completion_tokens"] == max_tokens
+
     before = metric(api.base_url, "tetri_request_phase_seconds_count", phase="handoff")
-    body = {"model": "tiny-test", "prompt": "phases", "max_tokens": 4, "ignore_eos": True}
-    req = urllib.request.Request(api.base_url + "/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=30) as r:
-        assert json.loads(r.read())["usage"]["completion_tokens"] == 4
+    complete(24)
+    assert metric(api.base_url, "tetri_request_phase_seconds_count", phase="handoff") == before + 1
+    complete(4)  # at most prefill.local_finish_tokens (16): it finishes on the prefill worker
     assert metric(api.base_url, "tetri_request_phase_seconds_count", phase="handoff") == before + 1
     assert metric(api.base_url, "tetri_request_phase_seconds_count", phase="prefill") >= 1

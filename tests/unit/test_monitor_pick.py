@@ -74,14 +74,17 @@ def test_the_margin_from_the_config_decides_when_a_prompt_goes_to_the_decode_wor
     idle = report(1, "decode", 0)
     assert pick_with(200, idle) == 0  # within the next chunk: a margin of one chunk
     assert pick_with(200, idle, "decode.local_prefill_margin=0") == 1  # any backlog: there
-    # the default (-1): never while the prefill worker serves, whatever its backlog
+    # below 0: never while the prefill worker serves, whatever its backlog
     assert pick_with(90_000, idle, "decode.local_prefill_margin=-1") == 0
 
 
 def test_the_gap_bound_from_the_config_reaches_the_pick() -> None:
     slow = msgspec.structs.replace(report(1, "decode", 0), step_s=0.050,
                                    fastest_step_s=0.010)  # 5x its fastest
-    assert pick_with(900, slow) == 1  # no bound by default
+    fast = msgspec.structs.replace(slow, step_s=0.019)  # under twice its fastest
+    assert pick_with(900, slow) == 0  # the default bound: 2x its fastest
+    assert pick_with(900, fast) == 1
+    assert pick_with(900, slow, "decode.local_prefill_max_gap_x=0") == 1  # no bound
     assert pick_with(900, slow, "decode.local_prefill_max_gap_x=3") == 0
     assert pick_with(900, slow, "decode.local_prefill_max_gap_x=6") == 1
 
