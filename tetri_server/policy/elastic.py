@@ -356,9 +356,11 @@ class LocalPrefill:
 
     ``margin`` (``decode.local_prefill_margin``) is that margin in prefill chunks: at 0 a
     prompt goes to the decode worker whenever the prefill worker has more prompt tokens queued
-    than the decode worker, as a coupled cluster spreads its prompts; below 0 (the default
-    since session 41) never while a prefill worker is serving, so the decode worker's steps
-    carry prompt slices only while the prefill worker restarts.
+    than the decode worker, as a coupled cluster spreads its prompts; below 0 never while a
+    prefill worker is serving, so the decode worker's steps carry prompt slices only while the
+    prefill worker restarts. The server's default is 8 with ``max_gap_x`` 2 (session 42): -1
+    left HPLD's one prefill worker overloaded (JCT 3.75x coupled's at 2 req/s), 1 lost Mixed on
+    TPOT (docs/benchmarks.md, "The decode worker's prompts again").
 
     ``max_gap_x`` (``decode.local_prefill_max_gap_x``; 0: no bound) keeps the decode worker's
     requests within a TPOT target: it takes a prompt only while its recent step (the gap its
@@ -366,10 +368,11 @@ class LocalPrefill:
     (about its one-request step), the way the benchmark's TPOT SLO is 3 x the unloaded step.
     Its slices then stop while they, or its batch, keep its steps past the bound, and resume as
     they come back under it. With no prefill worker serving, the bound does not apply: the
-    prompt has nowhere else to go. Off by default: on Mixed past coupled's capacity (1.8 and
-    2.2 req/s on the Intel machine of session 32) a bound of 3 cut the mean TPOT 2-4 ms but
-    raised TTFT up to 1.3x and held no more requests within the SLOs (docs/benchmarks.md, "An
-    Intel machine (session 32)")."""
+    prompt has nowhere else to go. Alone (margin 1), a bound of 3 cut the mean TPOT on Mixed
+    past coupled's capacity 2-4 ms but raised TTFT up to 1.3x and held no more requests within
+    the SLOs (docs/benchmarks.md, "An Intel machine (session 32)"); with a margin of 8, a bound
+    of 2 held 88% of Mixed's requests within the SLOs at 1.65 req/s against 61% unbounded
+    (session 42)."""
 
     block_size: int = 16
     margin: float = 1.0  # prefill chunks the prefill worker's backlog must exceed the decode
