@@ -50,7 +50,10 @@ class FakeWorker:
         self.worker_id = worker_id
         self.cfg = load_config(None, ["prefill.chunk_size=128", "predictor.kind=none",
                                       "decode.policy=greedy", "decode.max_batch=8",
-                                      "dispatch.policy=power-of-two"])
+                                      "dispatch.policy=power-of-two",
+                                      # every request here hands off (test_sim_golden_disagg
+                                      # replays the same trace with no elastic rules)
+                                      "prefill.local_finish_tokens=0"])
         self.block_size = 16
         self.allocator = BlockAllocator(num_blocks)
         self.kv = KVCacheManager(self.allocator, torch.zeros(1, 2, 1, num_blocks * 16, 1), 16)
@@ -60,8 +63,7 @@ class FakeWorker:
         self.max_model_len = 2048
         self.device = torch.device("cpu")
         self.busy_s = 0.0
-        self.decisions = DecisionLog(
-            lambda line: lines.append(f"w{worker_id} {without_timings(line.rstrip())}"))
+        self.decisions = DecisionLog(lambda line: lines.append(f"w{worker_id} {line.rstrip()}"))
         self.sent: list[object] = []
 
     def send(self, msg: object) -> None:
@@ -69,17 +71,6 @@ class FakeWorker:
 
     def predictor(self):  # noqa: ANN201 - the role's predictor
         return load_predictor("none", None)
-
-
-def without_timings(line: str) -> str:
-    """A decision record without the wall-clock step times a ``keep`` record carries (its
-    decision is the same however fast this machine steps)."""
-    record = json.loads(line)
-    if record.get("kind") != "keep":
-        return line
-    record.pop("gap_s", None)
-    record.pop("decode_step_s", None)
-    return json.dumps(record, separators=(",", ":"))
 
 
 def replay() -> list[str]:
