@@ -103,7 +103,6 @@ class PrefillConfig(_Section):
     kept rows wait one long step for it, not several shorter ones (``LocalDecode.step_tokens``).
     0: never (the default: at 0.25 no gain on Mixed in session 33, docs/benchmarks.md, "Whole
     chunks on the prefill worker")."""
-
     local_finish_tokens: int = 16
     """Elastic P/D: a request whose max_tokens is at most this many tokens finishes on the
     prefill worker that prefilled it, whatever the load (only ``local_decode_batch`` must have
