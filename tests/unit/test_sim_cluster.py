@@ -530,6 +530,22 @@ def test_elastic_prefill_finishes_requests_of_at_most_finish_tokens_itself() -> 
     assert steps and max(steps) <= 16
 
 
+def test_with_hand_back_requests_that_finish_on_the_prefill_instance_stay_there() -> None:
+    """``local_decode_hand_back`` with ``local_finish_tokens``: under Mixed's backlog the kept
+    requests of 2-16 tokens are not handed back (they were, and kept again at once, every
+    step), and none is dispatched."""
+    cost = CostModel(load_hardware("this-cpu"), load_model("bench"))
+    reqs = from_workload(WorkloadSpec("Mixed", 60, 1, 1024, rate_rps=1.5))
+    short = {r.req_id for r in reqs if 1 < r.output_len <= 16}
+    cfg = SimConfig(decode_policy="greedy", max_model_len=1024, chunk_size=64,
+                    local_decode_batch=16, local_decode_min_tokens=128,
+                    local_decode_max_prompt_share=0.3, local_decode_balance=True,
+                    local_decode_chunk=128, local_decode_hand_back=True, local_finish_tokens=16)
+    records = decisions_of(cfg, cost, reqs, 0)
+    assert short <= {d["req"] for d in records if d["kind"] == "keep"}
+    assert not short & {d["req"] for d in records if d["kind"] in ("hand_back", "dispatch")}
+
+
 def test_elastic_prompt_first_runs_a_backlog_within_a_mixed_step_alone() -> None:
     """``local_decode_prompt_first``: a prefill instance with kept requests runs a pure chunk
     when every queued prompt token fits in a mixed step (the worker's rule,

@@ -164,8 +164,9 @@ ROWS: tuple[Row, ...] = (
     # the better TTFT and p99 gap, 128 the better p99 gap from about 1.2 req/s)
     Row("full-chunk-share-0.25", "elastic P/D",
         sets=("prefill.local_decode_full_chunk_share=0.25",)),
-    # a request of at most 16 tokens finishes on the prefill worker, in steps of 16 tokens
-    Row("finish-16", "elastic P/D", sets=("prefill.local_finish_tokens=16",)),
+    # every request hands off, those of at most 16 tokens too (the default keeps them on the
+    # prefill worker, its steps beside them at most 16 prompt tokens; session 42)
+    Row("finish-0", "elastic P/D", sets=("prefill.local_finish_tokens=0",)),
 )
 ROW_NAMES = tuple(r.name for r in ROWS)
 

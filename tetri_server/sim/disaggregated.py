@@ -254,7 +254,7 @@ class PrefillInstance(_Decoding):
 
     def _hand_back(self, local: LocalDecode) -> None:
         """``PrefillRole._hand_back``: prompts wait beyond the next chunk; the kept requests
-        whose KV is whole go to a decode instance."""
+        whose KV is whole go to a decode instance, but those that finish here."""
         book = self.book
         if not local.hands_back(book.queue.num_queued_tokens, self.chunker.chunk_size):
             return
@@ -262,6 +262,8 @@ class PrefillInstance(_Decoding):
             seq = self.seqs[req_id]
             if seq.num_computed != seq.num_tokens - 1:
                 continue  # preempted here: recomputed here
+            if local.finishes_here(seq.req.output_len):  # max_tokens: the true length
+                continue
             del self.seqs[req_id]
             self.admission.remove(req_id)
             book.hand_back(req_id)

@@ -330,13 +330,15 @@ class PrefillRole(Role):
 
     def _hand_back(self, local: LocalDecode) -> None:
         """Elastic: prompts wait beyond the next chunk, so the kept requests whose KV is whole
-        go to a decode worker now (one preempted here has none: it stays and is recomputed)."""
+        go to a decode worker now (one preempted here has none: it stays and is recomputed);
+        one that ``finishes_here`` stays (``choose`` would keep it again at once)."""
         book = self.book
         if not local.hands_back(book.queue.num_queued_tokens, self._chunk_size):
             return
         for req_id in book.ids(Stage.DECODING):
             seq = book.get(req_id)
-            if seq.num_computed != seq.num_tokens - 1:
+            if (seq.num_computed != seq.num_tokens - 1
+                    or local.finishes_here(seq.params.max_tokens)):
                 continue
             self.admission.remove(req_id)
             book.hand_back(req_id)
