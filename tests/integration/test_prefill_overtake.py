@@ -100,8 +100,8 @@ async def test_short_prompts_overtake_a_started_long_one_in_its_chunks(tiny_llam
 
 
 async def test_short_prompts_overtake_it_in_steps_beside_a_kept_request(tiny_llama, tmp_path):
-    """Elastic P/D: while the prefill worker decodes a request it kept, its steps carry that
-    row and at most 32 prompt tokens; the shorts still ride beside the long prompt."""
+    """Elastic P/D: while the prefill worker decodes a request it kept, its steps (at most 32
+    tokens) carry that row and prompt slices; the shorts still ride beside the long prompt."""
     decode_long = SamplingParams(max_tokens=800, temperature=0.0, ignore_eos=True)
     pair = random_prompts(2, 8000, (10, 30), seed=24)
     ref_pair = hf_greedy(tiny_llama, pair, decode_long.max_tokens)
@@ -123,7 +123,7 @@ async def test_short_prompts_overtake_it_in_steps_beside_a_kept_request(tiny_lla
             == ref_pair
     records = steps(tmp_path / "decisions.w0.jsonl")
     assert_overtaken([r for r in records if r["kind"] == "mixed_step" and r["run"]],
-                     long_id(records), min_kept=16)
+                     long_id(records), min_kept=15)
 
 
 async def test_srpt_pauses_a_started_long_prompt_and_resumes_it(tiny_llama, tmp_path):

@@ -475,16 +475,17 @@ def test_elastic_decode_slices_follow_the_chunk_unless_fixed() -> None:
 
 def test_elastic_prefill_steps_with_kept_rows_take_at_most_the_local_decode_chunk() -> None:
     """``local_decode_chunk``: a prefill instance's steps that carry its kept requests' rows
-    take at most that many prompt tokens, the rows beside them (the worker's rule; before
-    session 43 the rows took from that budget); without it they fill the chunk."""
+    take at most that many tokens, rows and prompt slices together (the worker's rule); without
+    it they fill the chunk."""
     cost = CostModel(load_hardware("this-cpu"), load_model("bench"))
     reqs = from_workload(WorkloadSpec("Mixed", 60, 1, 1024, rate_rps=2.0))
     cfg = SimConfig(decode_policy="greedy", max_model_len=1024, chunk_size=256,
                     local_decode_batch=4, local_decode_min_tokens=0)
 
-    def mixed_sizes(c: SimConfig) -> list[int]:  # prompt tokens beside kept rows
-        return [sum(n for _, _, n in s["slices"]) for s in decisions_of(c, cost, reqs, 0)
-                if s["kind"] == "mixed_step" and s["run"] and s["slices"]]
+    def mixed_sizes(c: SimConfig) -> list[int]:
+        return [len(s["run"]) + sum(n for _, _, n in s["slices"])
+                for s in decisions_of(c, cost, reqs, 0)
+                if s["kind"] == "mixed_step" and s["slices"]]
 
     assert max(mixed_sizes(cfg)) == 256
     limited = mixed_sizes(dataclasses.replace(cfg, local_decode_chunk=64))
@@ -505,8 +506,8 @@ def test_elastic_prefill_steps_with_kept_rows_take_at_most_the_local_decode_chun
 def test_elastic_prefill_finishes_requests_of_at_most_finish_tokens_itself() -> None:
     """``local_finish_tokens``: on Mixed at a load where the prompt-share rule keeps nothing
     else, every request of 2-16 tokens is kept and finishes on the prefill instance, none is
-    dispatched; its steps beside such a request take at most 16 prompt tokens; without the rule
-    they are all handed off."""
+    dispatched; its steps beside such a request take at most 16 tokens; without the rule they
+    are all handed off."""
     cost = CostModel(load_hardware("this-cpu"), load_model("bench"))
     reqs = from_workload(WorkloadSpec("Mixed", 60, 1, 1024, rate_rps=1.5))
     short = {r.req_id for r in reqs if 1 < r.output_len <= 16}
@@ -525,7 +526,7 @@ def test_elastic_prefill_finishes_requests_of_at_most_finish_tokens_itself() -> 
     assert not kept & short and short <= sent
     kept, sent, records = kept_and_sent(dataclasses.replace(cfg, local_finish_tokens=16))
     assert short <= kept and not short & sent
-    steps = [sum(n for _, _, n in d["slices"])
+    steps = [len(d["run"]) + sum(n for _, _, n in d["slices"])
              for d in records if d["kind"] == "mixed_step" and set(d["run"]) & short]
     assert steps and max(steps) <= 16
 

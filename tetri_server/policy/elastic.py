@@ -12,13 +12,12 @@ A prefill worker with ``LocalDecode`` keeps a prefilled request when (1) its own
 has room, (2) its prompt backlog fits in one chunk (prefill is not the bottleneck: the chunk has
 room for decode rows), and (3) every decode worker in the last view holds more requests than it
 decodes locally (decode is the busier side). Kept requests decode in the prefill worker's own
-steps, their rows riding beside its prompt slices (Sarathi-style; the slices take as many
-prompt tokens as without the rows, ``step_tokens``), so a prompt never waits for them, and
-they finish where they are (no second hand-off). Only requests that can decode more than
-``min_tokens`` are kept (``worth_keeping``: the request's ``max_tokens`` and its predicted
-bucket's upper end both above it): a short request takes little off the decode worker and pays
-the prefill worker's chunk steps for each of its tokens (measured: on LPLD, keeping every
-request raised mean TPOT 8% and JCT 9% over the strict split). With
+steps, their rows riding in its chunks (Sarathi-style, within the chunk size), so a prompt never
+waits for them, and they finish where they are (no second hand-off). Only requests that can
+decode more than ``min_tokens`` are kept (``worth_keeping``: the request's ``max_tokens`` and
+its predicted bucket's upper end both above it): a short request takes little off the decode
+worker and pays the prefill worker's chunk steps for each of its tokens (measured: on LPLD,
+keeping every request raised mean TPOT 8% and JCT 9% over the strict split). With
 ``max_prompt_share`` below 1, none is kept while the worker spent more than that share of the
 last ``PromptShare.window_s`` seconds in steps with prompt tokens (``PromptShare``): a kept
 request's tokens come one per step, and a step with a prompt chunk is several decode steps long.
@@ -52,8 +51,8 @@ With ``finish_tokens`` (``prefill.local_finish_tokens``) a request whose ``max_t
 most that many tokens is kept whatever the load (only the batch must have room): it ends within
 that many steps, and a hand-off would cost it about two of the decode worker's steps and the KV
 copy before its second token. While such a request decodes here, a step takes at most
-``finish_tokens`` prompt tokens beside the rows (``step_tokens``), so its tokens come about a
-decode step apart, not a chunk step apart; prompts go on in those small steps.
+``finish_tokens`` tokens (``step_tokens``), so its tokens come about a decode step apart, not a
+chunk step apart; prompts go on in those small steps.
 """
 
 from __future__ import annotations
@@ -129,16 +128,12 @@ class LocalDecode:
 
     def step_tokens(self, num_queued_prompt_tokens: int, mixed_chunk: int,
                     chunk_size: int, prompt_share: float = 0.0, finishing: bool = False) -> int:
-        """The most prompt tokens of the next step with kept rows, the rows beside them (they
-        ride on the prompt tokens' weight reads and cost about their KV reads; counted in the
-        budget, 16 rows beside a chunk of 64 left a prompt 48 tokens a step, and LPHD's TTFT
-        1.2-1.3x session 40's: docs/benchmarks.md, "SLO goodput on Mixed and LPHD, session
-        41"): ``finish_tokens`` while a request kept because it ``finishes_here`` decodes
-        (``finishing``); else ``mixed_chunk``, or the whole chunk with ``full_chunk_backlog``
-        (``prefill.local_decode_full_chunk_backlog``) while more prompt tokens than that wait,
-        or with ``full_chunk_share`` (``prefill.local_decode_full_chunk_share``) while steps
-        with prompt tokens took less than that share of the worker's last 10 s
-        (``prompt_share``).
+        """The most tokens of the next step with kept rows: ``finish_tokens`` while a request
+        kept because it ``finishes_here`` decodes (``finishing``); else ``mixed_chunk``, or the
+        whole chunk with ``full_chunk_backlog`` (``prefill.local_decode_full_chunk_backlog``)
+        while more prompt tokens than that wait, or with ``full_chunk_share``
+        (``prefill.local_decode_full_chunk_share``) while steps with prompt tokens took less
+        than that share of the worker's last 10 s (``prompt_share``).
 
         Small steps keep the kept rows' gap short, but prefill a token at a lower rate (on the
         Intel machine of session 32: 1849 tokens/s in steps of 128 against 2437 in the chunk of
@@ -237,8 +232,8 @@ def kept_gap_s(prompt_share: float, prompt_step_s: float, decode_step_s: float) 
 
 
 def mixed_chunk(chunk_size: int, limit: int) -> int:
-    """The most prompt tokens of an elastic step that carries decode rows, beside those rows
-    (a prefill worker's kept requests, or a decode worker's batch): the chunk, and at most
+    """The most tokens of an elastic step that carries decode rows (a prefill worker's kept
+    requests, or a decode worker's batch beside a prompt slice): the chunk, and at most
     ``limit`` (``prefill.local_decode_chunk``; 0: no limit), so the rows do not wait a whole
     chunk behind each prompt (Sarathi's token budget). On one Zen 5 core, 128 beside a
     272-token chunk took 28-50% off the p99 inter-token gap on Mixed, and in sweeps with the
@@ -253,7 +248,7 @@ def calibration_rows(local_decode_batch: int, local_decode_chunk: int,
     """The decode rows a prefill worker calibrates its chunk with (``resolve_chunk_size``):
     its kept requests' rows ride in whole chunks only where a step with rows may take the
     whole chunk (``prefill.local_decode_chunk`` 0, or a full-chunk rule on). Otherwise those
-    steps take at most ``local_decode_chunk`` prompt tokens and the chunk runs without rows,
+    steps take at most ``local_decode_chunk`` tokens and the chunk always runs without rows,
     so its knee is that of prompts alone (64 against 240 with 16 rows on the AMD VM of
     session 41, whose short prompts then wait a 32 ms step, not a 120 ms one)."""
     if local_decode_chunk == 0 or full_chunk_backlog > 0 or full_chunk_share > 0:
@@ -292,12 +287,11 @@ class LocalSteps:
     (the requests it kept, alone). The owner adds each step (start, end) with its own clock and
     says ``idle`` when nothing it kept decodes any more.
 
-    A step with prompt tokens counts as the time a step of ``wait_tokens`` prompt tokens would
-    take (the most prompt tokens of a step that carries kept requests' rows at that moment,
-    ``LocalDecode.step_tokens``: ``prefill.local_decode_chunk``, or the whole chunk under a
-    full-chunk rule; its time by ``wait_tokens`` / its prompt tokens, when it had more), so a
-    worker whose full chunks are long still sees that a kept request would wait only a mixed
-    step behind each prompt."""
+    A step with prompt tokens counts as the time a step of ``wait_tokens`` would take (the most
+    tokens of a step that carries kept requests' rows at that moment, ``LocalDecode.step_tokens``:
+    ``prefill.local_decode_chunk``, or the whole chunk under a full-chunk rule; its time by
+    ``wait_tokens`` / its tokens, when it had more), so a worker whose full chunks are long
+    still sees that a kept request would wait only a mixed step behind each prompt."""
 
     prompt_share: PromptShare = field(default_factory=PromptShare)
     prompt: StepTimes = field(default_factory=StepTimes)
@@ -305,8 +299,8 @@ class LocalSteps:
 
     def add(self, start_s: float, end_s: float, *, prompt: bool, num_tokens: int = 0,
             wait_tokens: int = 0) -> None:
-        """``num_tokens``: the step's prompt tokens; ``wait_tokens``: the most prompt tokens a
-        step with kept rows takes now (0: no limit, the step as it was)."""
+        """``num_tokens``: the step's tokens (decode rows and prompt slices); ``wait_tokens``:
+        the most tokens a step with kept rows takes now (0: no limit, the step as it was)."""
         if prompt:
             self.prompt_share.add(start_s, end_s)
             scale = wait_tokens / num_tokens if 0 < wait_tokens < num_tokens else 1.0

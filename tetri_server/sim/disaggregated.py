@@ -143,9 +143,8 @@ class PrefillInstance(_Decoding):
         ``local_decode_chunk`` when set)."""
         free = self.alloc.num_free
         decode = self.admission.plan(free)
-        tokens = self.kept_step_tokens(finishing=True)  # prompt tokens, beside the rows
-        slices = coupled_chunked_plan(self.book.queue, decode.run_ids,
-                                      len(decode.run_ids) + tokens,
+        tokens = self.kept_step_tokens(finishing=True)
+        slices = coupled_chunked_plan(self.book.queue, decode.run_ids, tokens,
                                       num_free_blocks=self.admission.free_after(decode, free),
                                       block_size=self.block_size,
                                       overtake_share=self.chunker.overtake_share).slices
@@ -197,8 +196,9 @@ class PrefillInstance(_Decoding):
         assert self._chunk is not None
         now = self.sim.loop.now_s
         if self._chunk.slices or self._decode is not None:
+            num_decode = 0 if self._decode is None else len(self._decode.run_ids)
             self.steps.add(self._step_start_s, now, prompt=bool(self._chunk.slices),
-                           num_tokens=self._chunk.num_tokens,
+                           num_tokens=num_decode + self._chunk.num_tokens,
                            wait_tokens=self.kept_step_tokens())
         if self._decode is not None:
             decode, self._decode = self._decode, None

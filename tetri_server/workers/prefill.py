@@ -204,8 +204,8 @@ class PrefillRole(Role):
         in one forward."""
         free, book = self.w.allocator.num_free, self.book
         decode = self.admission.plan(free)
-        tokens = self._kept_step_tokens(finishing=True)  # prompt tokens, beside the rows
-        slices = coupled_chunked_plan(book.queue, decode.run_ids, len(decode.run_ids) + tokens,
+        tokens = self._kept_step_tokens(finishing=True)
+        slices = coupled_chunked_plan(book.queue, decode.run_ids, tokens,
                                       num_free_blocks=self.admission.free_after(decode, free),
                                       block_size=self.w.block_size,
                                       overtake_share=self.chunker.overtake_share).slices
@@ -227,7 +227,7 @@ class PrefillRole(Role):
         t0 = time.monotonic()
         result = self.w.runner.execute(StepPlan(items))
         self.steps.add(t0, time.monotonic(), prompt=bool(prompt_items),
-                       num_tokens=chunk.num_tokens, wait_tokens=self._kept_step_tokens())
+                       num_tokens=num_decode + chunk.num_tokens, wait_tokens=tokens)
         deltas, finished = [], set()
         for item, tok, lp in zip(items[:num_decode], result.sampled, result.logprobs,
                                  strict=False):
