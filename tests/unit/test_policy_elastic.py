@@ -390,6 +390,9 @@ def test_a_request_of_at_most_finish_tokens_is_kept_whatever_the_load() -> None:
 def test_while_a_finishing_request_decodes_the_steps_take_at_most_finish_tokens() -> None:
     local = LocalDecode(4, full_chunk_share=0.25, finish_tokens=16)
     assert local.step_tokens(300, 128, 432, finishing=True) == 16
+    # 16 prompt tokens beside the rows: 16 finishing rows left a prompt none (session 43)
+    assert local.step_tokens(300, 128, 432, finishing=True, num_rows=16) == 32
     assert local.step_tokens(300, 8, 432, finishing=True) == 8  # never above the mixed chunk
+    assert local.step_tokens(300, 128, 432, 0.5, num_rows=16) == 128  # other caps: rows in
     assert local.step_tokens(300, 128, 432, prompt_share=0.5) == 128  # none finishing here
     assert LocalDecode(4).step_tokens(300, 128, 432, finishing=True) == 128  # off by default

@@ -506,8 +506,9 @@ def test_elastic_prefill_steps_with_kept_rows_take_at_most_the_local_decode_chun
 def test_elastic_prefill_finishes_requests_of_at_most_finish_tokens_itself() -> None:
     """``local_finish_tokens``: on Mixed at a load where the prompt-share rule keeps nothing
     else, every request of 2-16 tokens is kept and finishes on the prefill instance, none is
-    dispatched; its steps beside such a request take at most 16 tokens; without the rule they
-    are all handed off."""
+    dispatched; its steps beside such a request take at most 16 prompt tokens, the rows beside
+    them (before session 43 the rows took from those 16); without the rule they are all handed
+    off."""
     cost = CostModel(load_hardware("this-cpu"), load_model("bench"))
     reqs = from_workload(WorkloadSpec("Mixed", 60, 1, 1024, rate_rps=1.5))
     short = {r.req_id for r in reqs if 1 < r.output_len <= 16}
@@ -526,9 +527,9 @@ def test_elastic_prefill_finishes_requests_of_at_most_finish_tokens_itself() -> 
     assert not kept & short and short <= sent
     kept, sent, records = kept_and_sent(dataclasses.replace(cfg, local_finish_tokens=16))
     assert short <= kept and not short & sent
-    steps = [len(d["run"]) + sum(n for _, _, n in d["slices"])
+    steps = [sum(n for _, _, n in d["slices"])
              for d in records if d["kind"] == "mixed_step" and set(d["run"]) & short]
-    assert steps and max(steps) <= 16
+    assert steps and max(steps) == 16
 
 
 def test_with_hand_back_requests_that_finish_on_the_prefill_instance_stay_there() -> None:

@@ -106,12 +106,12 @@ class PrefillConfig(_Section):
     local_finish_tokens: int = 16
     """Elastic P/D: a request whose max_tokens is at most this many tokens finishes on the
     prefill worker that prefilled it, whatever the load (only ``local_decode_batch`` must have
-    room), and while one decodes there its steps take at most this many tokens: its tokens then
-    come about a decode step apart, where a hand-off would cost about two decode steps and the
-    KV copy before its second token (``LocalDecode.finishes_here``). 0: none. 16 since
-    session 42: on Mixed at 1.5-1.65 req/s, 3-6 of each run's 14 requests of 2-16 tokens had
-    missed a 20 ms TPOT; none did with it (docs/benchmarks.md, "The decode worker's prompts
-    again")."""
+    room), and while one decodes there its steps take at most this many prompt tokens beside
+    the rows: its tokens then come about a decode step apart, where a hand-off would cost about
+    two decode steps and the KV copy before its second token (``LocalDecode.finishes_here``).
+    0: none. 16 since session 42: on Mixed at 1.5-1.65 req/s, 3-6 of each run's 14 requests
+    of 2-16 tokens had missed a 20 ms TPOT; none did with it (docs/benchmarks.md, "The decode
+    worker's prompts again")."""
 
     def _validate(self) -> None:
         self._at_least("chunk_size", 0)

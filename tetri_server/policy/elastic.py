@@ -51,8 +51,8 @@ With ``finish_tokens`` (``prefill.local_finish_tokens``) a request whose ``max_t
 most that many tokens is kept whatever the load (only the batch must have room): it ends within
 that many steps, and a hand-off would cost it about two of the decode worker's steps and the KV
 copy before its second token. While such a request decodes here, a step takes at most
-``finish_tokens`` tokens (``step_tokens``), so its tokens come about a decode step apart, not a
-chunk step apart; prompts go on in those small steps.
+``finish_tokens`` prompt tokens beside the rows (``step_tokens``), so its tokens come about a
+decode step apart, not a chunk step apart; prompts go on in those small steps.
 """
 
 from __future__ import annotations
@@ -127,9 +127,12 @@ class LocalDecode:
                 and 0 < num_queued_prompt_tokens <= mixed_chunk)
 
     def step_tokens(self, num_queued_prompt_tokens: int, mixed_chunk: int,
-                    chunk_size: int, prompt_share: float = 0.0, finishing: bool = False) -> int:
-        """The most tokens of the next step with kept rows: ``finish_tokens`` while a request
-        kept because it ``finishes_here`` decodes (``finishing``); else ``mixed_chunk``, or the
+                    chunk_size: int, prompt_share: float = 0.0, finishing: bool = False,
+                    num_rows: int = 0) -> int:
+        """The most tokens of the next step with kept rows: while a request kept because it
+        ``finishes_here`` decodes (``finishing``), ``finish_tokens`` prompt tokens beside the
+        step's ``num_rows`` rows (counted together, as the other caps are, 16 finishing rows
+        would leave a 16-token step no prompt token at all); else ``mixed_chunk``, or the
         whole chunk with ``full_chunk_backlog`` (``prefill.local_decode_full_chunk_backlog``)
         while more prompt tokens than that wait, or with ``full_chunk_share``
         (``prefill.local_decode_full_chunk_share``) while steps with prompt tokens took less
@@ -147,7 +150,7 @@ class LocalDecode:
         share rule at 0.25 was within the noise of the default at 0.9 and 1.2 req/s (E38-E41;
         in E38 ``LocalSteps`` still scaled its whole-chunk steps down to ``mixed_chunk``)."""
         if finishing and self.finish_tokens > 0:
-            return min(self.finish_tokens, mixed_chunk)
+            return num_rows + min(self.finish_tokens, mixed_chunk)
         if (0 < self.full_chunk_backlog < num_queued_prompt_tokens
                 or prompt_share < self.full_chunk_share):
             return max(chunk_size, mixed_chunk)

@@ -143,7 +143,7 @@ class PrefillInstance(_Decoding):
         ``local_decode_chunk`` when set)."""
         free = self.alloc.num_free
         decode = self.admission.plan(free)
-        tokens = self.kept_step_tokens(finishing=True)
+        tokens = self.kept_step_tokens(finishing=True, num_rows=len(decode.run_ids))
         slices = coupled_chunked_plan(self.book.queue, decode.run_ids, tokens,
                                       num_free_blocks=self.admission.free_after(decode, free),
                                       block_size=self.block_size,
@@ -178,7 +178,7 @@ class PrefillInstance(_Decoding):
         num_pad = self._chunk.num_pad if pad else 0
         return self.cost.step_s(items, num_pad, num_sampled) + predict_s
 
-    def kept_step_tokens(self, *, finishing: bool = False) -> int:
+    def kept_step_tokens(self, *, finishing: bool = False, num_rows: int = 0) -> int:
         """``PrefillRole._kept_step_tokens``."""
         if self.local is None:
             return self.mixed_chunk
@@ -187,7 +187,7 @@ class PrefillInstance(_Decoding):
         return self.local.step_tokens(self.book.queue.num_queued_tokens, self.mixed_chunk,
                                       self.chunker.chunk_size,
                                       self.steps.prompt_share.share(self.sim.loop.now_s),
-                                      finishing)
+                                      finishing, num_rows)
 
     def seq(self, req_id: int) -> SimSeq:
         return self.book.get(req_id)  # queued prompts and kept requests alike

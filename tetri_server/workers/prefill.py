@@ -204,7 +204,7 @@ class PrefillRole(Role):
         in one forward."""
         free, book = self.w.allocator.num_free, self.book
         decode = self.admission.plan(free)
-        tokens = self._kept_step_tokens(finishing=True)
+        tokens = self._kept_step_tokens(finishing=True, num_rows=len(decode.run_ids))
         slices = coupled_chunked_plan(book.queue, decode.run_ids, tokens,
                                       num_free_blocks=self.admission.free_after(decode, free),
                                       block_size=self.w.block_size,
@@ -251,10 +251,11 @@ class PrefillRole(Role):
         self.dispatch_held()
         return True
 
-    def _kept_step_tokens(self, *, finishing: bool = False) -> int:
+    def _kept_step_tokens(self, *, finishing: bool = False, num_rows: int = 0) -> int:
         """The most tokens of a step with kept rows now (``LocalDecode.step_tokens``); with
         ``finishing``, the cap of ``prefill.local_finish_tokens`` too while a request kept by
-        it decodes (the next step's plan, not the rate ``LocalSteps`` scales prompt steps to)."""
+        it decodes, beside the step's ``num_rows`` rows (the next step's plan, not the rate
+        ``LocalSteps`` scales prompt steps to)."""
         if self.local is None:
             return self._mixed_chunk
         book = self.book
@@ -262,7 +263,8 @@ class PrefillRole(Role):
                                       for rid in book.ids(Stage.DECODING))
         return self.local.step_tokens(book.queue.num_queued_tokens, self._mixed_chunk,
                                       self._chunk_size,
-                                      self.steps.prompt_share.share(time.monotonic()), finishing)
+                                      self.steps.prompt_share.share(time.monotonic()), finishing,
+                                      num_rows)
 
     def _first_tokens(self, items: list[ScheduledSeq], sampled: list[int | None],
                       logprobs: list[float | None], done: set[int]) -> list[TokenDelta]:
