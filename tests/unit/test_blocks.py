@@ -247,3 +247,42 @@ def test_random_pins_and_compactions_keep_every_extent_intact():
         held = [b for s in live.values() for b in s.blocks]
         assert len(held) == len(set(held)) and m.allocator.num_used == len(held)
     assert m.num_compactions > 0
+
+
+def test_a_prompt_refused_for_fragmented_blocks_stops_new_starts_not_started_prompts():
+    """Regression: under srpt a new short prompt comes before a paused long one. When the new
+    prompt's blocks did not fit in one run (free blocks split by extents pinned for hand-offs),
+    the step stopped there, and the started prompt behind it, which needs no new blocks, waited
+    too (the worker idled until an ack). Now only prompts that would start wait."""
+    import torch
+
+    from tetri_server.engine.sequence import Sequence
+    from tetri_server.kv.manager import KVCacheManager
+    from tetri_server.messages import SamplingParams
+    from tetri_server.policy.prefill import ChunkSlice
+    from tetri_server.workers.decoding import reserve_prompts
+
+    bs = 2
+    kv = torch.zeros(1, 2, 1, 12 * bs, 1)
+    m = KVCacheManager(BlockAllocator(12), kv, bs)
+
+    def seq(req_id: int, num_prompt: int) -> Sequence:
+        return Sequence(req_id, list(range(num_prompt)), num_prompt, SamplingParams())
+
+    paused = seq(1, 8)
+    assert m.reserve(paused, paused.num_prompt)  # started: its 4 blocks are held
+    paused.num_computed = 4
+    others = [_filled(m, kv, 2, float(i)) for i in range(4)]  # the pool is full
+    by_address = sorted(others, key=lambda s: s.blocks[0])
+    m.free(by_address[0])
+    m.free(by_address[2])  # 4 free blocks in two runs of 2, a pinned extent between them
+    for s in (by_address[1], by_address[3]):
+        m.pin(s)
+    new, small = seq(2, 6), seq(3, 2)  # 3 blocks: no run fits; 1 block: would fit
+    seqs = {1: paused, 2: new, 3: small}
+    slices = (ChunkSlice(2, 0, 6, 6), ChunkSlice(1, 4, 4, 8), ChunkSlice(3, 0, 2, 2))
+    items: list = []
+    kept = reserve_prompts(slices, seqs.__getitem__, m, items)
+    assert kept == (slices[1],)  # the paused prompt runs; the small one does not overtake
+    assert [i.seq.req_id for i in items] == [1] and items[0].num_tokens == 4
+    assert new.blocks == [] and small.blocks == [] and m.allocator.num_free == 4

@@ -15,7 +15,7 @@ queue's head (in every order but srpt, which pauses them; ``policy/prefill.py``)
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from tetri_server.policy.prefill import ChunkSlice, PrefillQueue
@@ -45,9 +45,8 @@ class ChunkPlan:
     def req_ids(self) -> tuple[int, ...]:
         return tuple(piece.req_id for piece in self.slices)
 
-    def prefix(self, num_slices: int) -> ChunkPlan:
-        """This pass cut short after its first ``num_slices`` slices (the rest become pad)."""
-        kept = self.slices[:num_slices]
+    def keep(self, kept: tuple[ChunkSlice, ...]) -> ChunkPlan:
+        """This pass with only the ``kept`` slices (the rest become pad)."""
         return ChunkPlan(kept, self.chunk_size - sum(p.num_tokens for p in kept), self.chunk_size)
 
 
@@ -127,6 +126,25 @@ def take_slices(
         )
         budget -= n
     return (*slices, *ahead)
+
+
+def reserved_slices(slices: Sequence[ChunkSlice],
+                    reserve: Callable[[ChunkSlice], bool]) -> tuple[ChunkSlice, ...]:
+    """The slices a step runs once the runtime has tried to give blocks to each prompt a slice
+    starts (``reserve`` of a first slice: False if its blocks do not fit). The planner counted
+    free blocks, but one extent per sequence means free blocks split into runs too short (around
+    extents pinned by un-acked hand-offs) can still refuse a prompt. From the first refusal on no
+    prompt starts (no overtaking: a long prompt never starves behind short ones), but started
+    prompts keep their slices: they need no new blocks, and under srpt a paused one may come
+    after the refused prompt. Before, the step stopped at the refusal and those waited too."""
+    kept: list[ChunkSlice] = []
+    refused = False
+    for piece in slices:
+        if piece.is_first and (refused or not reserve(piece)):
+            refused = True
+            continue
+        kept.append(piece)
+    return tuple(kept)
 
 
 def check_overtake_share(share: float) -> None:

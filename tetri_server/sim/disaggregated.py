@@ -170,7 +170,7 @@ class PrefillInstance(_Decoding):
         kept = self.reserve_slices(chunk.slices, items)
         if not items:
             return None
-        self._chunk = chunk.prefix(len(kept))
+        self._chunk = chunk.keep(kept)
         if pad:  # a pure prefill chunk: the worker logs it once it has its blocks
             self.num_planned += 1
             self.record("chunk", slices=slice_list(self._chunk.slices), pad=self._chunk.num_pad)

@@ -25,6 +25,7 @@ import msgspec
 from tetri_server.kv.blocks import BlockAllocator, blocks_for
 from tetri_server.messages import LoadReport
 from tetri_server.policy import DecodeAdmission, DecodeStepPlan
+from tetri_server.policy.chunker import reserved_slices
 from tetri_server.policy.prefill import ChunkSlice
 
 if TYPE_CHECKING:
@@ -236,17 +237,15 @@ class _Decoding(Instance):
 
     def reserve_slices(self, planned: tuple[ChunkSlice, ...],
                        items: list[tuple[int, int]]) -> tuple[ChunkSlice, ...]:
-        """Blocks for each prompt a slice starts, in order, stopping at the first that does not
-        fit (no overtaking); the kept slices' (new, prefix) items are appended to ``items``."""
-        kept = []
-        for piece in planned:
+        """Blocks for each prompt a slice starts, as the worker's (``reserved_slices``); the
+        kept slices' (new, prefix) items are appended to ``items``."""
+        def fits(piece: ChunkSlice) -> bool:
             seq = self.seq(piece.req_id)
-            if piece.is_first and not reserve(self.alloc, seq, seq.req.prompt_len,
-                                              self.block_size):
-                break
-            kept.append(piece)
-            items.append((piece.num_tokens, piece.start))
-        return tuple(kept)
+            return reserve(self.alloc, seq, seq.req.prompt_len, self.block_size)
+
+        kept = reserved_slices(planned, fits)
+        items.extend((piece.num_tokens, piece.start) for piece in kept)
+        return kept
 
     def prompts_done(self, req_ids: list[int], *, predicted: bool) -> None:
         """Each completed prompt's first token: finished there, or it joins the admission

@@ -123,7 +123,7 @@ class CoupledLoop:
         self._record(plan)
         items = self._decode_items(plan.decode)
         num_decode = len(items)
-        slices = plan.slices[:reserve_prompts(plan.slices, self.seqs.__getitem__, self.kv, items)]
+        slices = reserve_prompts(plan.slices, self.seqs.__getitem__, self.kv, items)
         d = plan.decode
         # a step that only preempted or failed requests made progress too: plan again at once
         self.last_step_ran = bool(items) or (d is not None and bool(d.preempt.req_ids

@@ -141,7 +141,7 @@ class DecodeRole(Role):
         for req_id in dropped:
             self.w.send(RequestFailed(req_id, "request no longer fits this worker's KV pool"))
         num_decode = len(items)
-        slices = slices[:reserve_prompts(slices, self.seqs.__getitem__, self.w.kv, items)]
+        slices = reserve_prompts(slices, self.seqs.__getitem__, self.w.kv, items)
         finished: set[int] = set()
         deltas: list[TokenDelta] = []
         if items:

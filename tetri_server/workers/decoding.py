@@ -11,6 +11,7 @@ from tetri_server.engine.runner import ScheduledSeq
 from tetri_server.engine.sequence import Sequence
 from tetri_server.kv.manager import KVCacheManager
 from tetri_server.policy import ChunkSlice, DecodeStepPlan
+from tetri_server.policy.chunker import reserved_slices
 
 
 def carry_out(plan: DecodeStepPlan, seqs: dict[int, Sequence],
@@ -36,13 +37,14 @@ def carry_out(plan: DecodeStepPlan, seqs: dict[int, Sequence],
 
 
 def reserve_prompts(slices: Seq[ChunkSlice], seq_of: Callable[[int], Sequence],
-                    kv: KVCacheManager, items: list[ScheduledSeq]) -> int:
-    """Blocks for the whole prompt of each request a slice starts, in order, stopping at the
-    first that does not fit (blocks are one extent per sequence: later prompts wait, no
-    overtaking). The kept slices' items are appended to ``items``; returns how many were kept."""
-    for i, piece in enumerate(slices):
+                    kv: KVCacheManager, items: list[ScheduledSeq]) -> tuple[ChunkSlice, ...]:
+    """Blocks for the whole prompt of each request a slice starts (``reserved_slices``: from
+    the first that does not fit, no prompt starts, started ones still run). The kept slices'
+    items are appended to ``items``; returns the kept slices."""
+    def reserve(piece: ChunkSlice) -> bool:
         seq = seq_of(piece.req_id)
-        if piece.is_first and not kv.reserve(seq, seq.num_prompt):
-            return i
-        items.append(ScheduledSeq(seq, piece.num_tokens))
-    return len(slices)
+        return kv.reserve(seq, seq.num_prompt)
+
+    kept = reserved_slices(slices, reserve)
+    items.extend(ScheduledSeq(seq_of(piece.req_id), piece.num_tokens) for piece in kept)
+    return kept

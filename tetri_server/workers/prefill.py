@@ -291,11 +291,10 @@ class PrefillRole(Role):
             self.w.send(StepOutput(self.w.worker_id, deltas))
 
     def _reserve(self, chunk: ChunkPlan) -> tuple[ChunkPlan, list[ScheduledSeq]]:
-        """Blocks for every request the chunk starts. The chunker counted free blocks, but
-        extents pinned by un-acked hand-offs can split them into runs too short: the chunk then
-        stops before the first request that does not fit (no overtaking) and it waits."""
+        """Blocks for every request the chunk starts (``reserve_prompts``): a prompt whose
+        blocks do not fit in one run waits, and so do the prompts behind it that would start."""
         items: list[ScheduledSeq] = []
-        return chunk.prefix(reserve_prompts(chunk.slices, self.book.get, self.w.kv, items)), items
+        return chunk.keep(reserve_prompts(chunk.slices, self.book.get, self.w.kv, items)), items
 
     def dispatch_held(self) -> None:
         if self.local is not None:
