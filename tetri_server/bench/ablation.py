@@ -70,6 +70,8 @@ ROWS: tuple[Row, ...] = (
     Row("coupled", "baseline", mode="coupled", base=""),
     Row("coupled-chunked", "baseline", mode="coupled-chunked", base="coupled"),
     Row("default", "defaults", base="coupled"),
+    # the paper's three orders in the sort window (the default is srpt since session 41)
+    Row("fcfs", "sort window", sets=("prefill.policy=fcfs",)),
     Row("sjf", "sort window", sets=("prefill.policy=sjf",)),
     Row("ljf", "sort window", sets=("prefill.policy=ljf",)),
     # the fewest remaining prompt tokens first over the whole queue, pausing a started prompt
