@@ -628,3 +628,19 @@ def test_the_simulator_reads_cluster_elastic_from_the_config(tmp_path, cluster, 
     sim = sim_config(args, v100())
     assert (sim.local_decode_batch, sim.local_prefill_tokens) == ((16, 1024) if elastic
                                                                   else (0, 0))
+
+
+def test_the_cli_counts_slo_attainment_against_the_objectives_given(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """``--slo-ttft-s`` / ``--slo-tpot-s`` as ``bench ablation`` takes them; the attainment is
+    in the JSON and the printed table."""
+    out = tmp_path / "o.json"
+    argv = ["--hardware", "this-cpu", "--model", "bench", "--workload", "LPLD", "--rate", "1",
+            "--num-requests", "8", "--no-progress", "--json", str(out)]
+    attained = {}
+    for ttft_s in (1e-6, 60.0):
+        assert main([*argv, "--slo-ttft-s", str(ttft_s), "--slo-tpot-s", "60"]) == 0
+        summary = json.loads(out.read_text())["modes"]["disaggregated"]["summary"]
+        assert summary["slo"]["ttft_s"] == ttft_s
+        attained[ttft_s] = summary["slo_attainment"]
+        assert capsys.readouterr().out.split()[-1] == f"{attained[ttft_s]:.3f}"
+    assert attained == {1e-6: 0.0, 60.0: 1.0}

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from tetri_server.bench.metrics import SLO
 from tetri_server.bench.workload import WORKLOADS, WorkloadSpec
 from tetri_server.policy import PREFILL_ORDERS, calibration_rows
 from tetri_server.predictor.base import PredictorError
@@ -199,6 +200,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="instance flip on (policy.FlipPolicy every monitor tick)")
     p.add_argument("--flip-window-s", type=float, help="flip window and idle window")
     p.add_argument("--flip-min-interval-s", type=float, help="cooldown between flips")
+    p.add_argument("--slo-ttft-s", type=float, default=SLO.ttft_s,
+                   help="TTFT objective of the printed SLO attainment (default %(default)s)")
+    p.add_argument("--slo-tpot-s", type=float, default=SLO.tpot_s,
+                   help="TPOT objective of the printed SLO attainment (default %(default)s)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("--json", required=True, metavar="OUT.json")
     return p
@@ -268,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
             cost = CostModel(hw, load_model(args.model), hw.link(args.link))
             cfg = sim_config(args, cost)
             requests, source = load_requests(args, cfg)
+            slo = SLO(args.slo_ttft_s, args.slo_tpot_s)
             predict(requests, cfg)
             modes = [m.strip() for m in args.compare.split(",") if m.strip()]
             bad = [m for m in modes if m not in MODES]
@@ -278,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
                 "link": dataclasses.asdict(cost.link), "sim": cfg.to_dict(), **source}}
             for run_cfg in compare_configs(cfg, modes, args.instances):
                 out["modes"][run_cfg.mode] = simulate(run_cfg, cost, requests,
-                                                      progress=not args.no_progress)
+                                                      progress=not args.no_progress, slo=slo)
     except (ValueError, FileNotFoundError, PredictorError) as e:
         print(f"tetri-server sim: {e}", file=sys.stderr)
         return 2
@@ -293,11 +299,11 @@ def _print(out: dict[str, Any]) -> None:
 
     if "modes" in out:
         print("mode               ttft_mean_s ttft_p90_s jct_mean_s jct_p90_s tpot_mean_s "
-              "resource_s")
+              "resource_s slo_attainment")
         for mode, m in out["modes"].items():
             print(f"{mode:18} {f(m['ttft_mean_s']):>11} {f(m['ttft_p90_s']):>10} "
                   f"{f(m['jct_mean_s']):>10} {f(m['jct_p90_s']):>9} {f(m['tpot_mean_s']):>11} "
-                  f"{f(m['resource_s']):>10}")
+                  f"{f(m['resource_s']):>10} {f(m['summary']['slo_attainment']):>14}")
         return
     print("workload  ttft_delta_pct jct_delta_pct resource_delta_pct (paper sizing)")
     for name, row in out.items():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from tetri_server.bench.metrics import SLO
 from tetri_server.bench.progress import Progress
 from tetri_server.sim.cluster import SimConfig, Simulation
 from tetri_server.sim.cost import CostModel
@@ -25,9 +26,10 @@ def predict(requests: list[SimRequest], cfg: SimConfig) -> None:
 
 
 def simulate(cfg: SimConfig, cost: CostModel, requests: list[SimRequest], *,
-             progress: bool = False) -> dict[str, Any]:
-    """Run ``requests`` (buckets assigned) through ``cfg``; the mode's metrics. ``progress``:
-    the benchmark's progress bar on stderr, per finished request."""
+             progress: bool = False, slo: SLO | None = None) -> dict[str, Any]:
+    """Run ``requests`` (buckets assigned) through ``cfg``; the mode's metrics, SLO attainment
+    against ``slo`` (default ``SLO()``). ``progress``: the benchmark's progress bar on stderr,
+    per finished request."""
     pred_cost = None
     if cfg.predictor_model and cfg.mode == "disaggregated":
         pred_cost = CostModel(cost.hw, load_model(cfg.predictor_model), cost.link)
@@ -35,7 +37,7 @@ def simulate(cfg: SimConfig, cost: CostModel, requests: list[SimRequest], *,
     result = Simulation(cfg, cost, fresh(requests), pred_cost,
                         on_finished=lambda r: bar.update(r.error is None)).run()
     bar.close()
-    out = mode_metrics(result, cfg)
+    out = mode_metrics(result, cfg, slo)
     out["config"] = cfg.to_dict()
     return out
 
