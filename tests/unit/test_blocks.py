@@ -286,3 +286,65 @@ def test_a_prompt_refused_for_fragmented_blocks_stops_new_starts_not_started_pro
     assert kept == (slices[1],)  # the paused prompt runs; the small one does not overtake
     assert [i.seq.req_id for i in items] == [1] and items[0].num_tokens == 4
     assert new.blocks == [] and small.blocks == [] and m.allocator.num_free == 4
+
+
+def test_a_kept_request_whose_growth_is_split_by_pinned_extents_waits_a_step_not_a_crash():
+    """Regression (a prefill worker crashed, restarting with every request on it): a request
+    the prefill worker keeps decoding needs one more block; enough blocks are free, but pinned
+    extents (un-acked hand-offs) split them, so no run holds its extent grown. The admission
+    counts free blocks and plans it; ``carry_out`` raised "allocator and policy disagree". Now
+    the row sits the step out, its KV and tokens intact, and runs once an ack unpins."""
+    import torch
+
+    from tetri_server.engine.sequence import Sequence
+    from tetri_server.kv.manager import KVCacheManager
+    from tetri_server.messages import SamplingParams
+    from tetri_server.policy import DecodeAdmission
+    from tetri_server.workers.decoding import carry_out
+
+    bs = 2
+    kv = torch.zeros(1, 2, 1, 12 * bs, 1)
+    m = KVCacheManager(BlockAllocator(12), kv, bs)
+    kept = Sequence(7, list(range(9)), 8, SamplingParams())  # 8 prompt tokens + 1 sampled
+    assert m.reserve(kept, 8)
+    kept.num_computed = 8
+    kv[:, :, :, kept.blocks[0] * bs:kept.blocks[0] * bs + 8] = 7.0
+    others = sorted((_filled(m, kv, 2, float(i)) for i in range(4)), key=lambda s: s.blocks[0])
+    assert kept.blocks == [0, 1, 2, 3] and m.allocator.num_free == 0
+    m.free(others[1])
+    m.free(others[3])  # 4 blocks free, in two runs of 2
+    m.pin(others[0])  # right after the kept request: it cannot grow in place
+    m.pin(others[2])  # ... and the free runs cannot be joined
+    admission = DecodeAdmission("greedy", block_size=bs, num_total_blocks=12)
+    admission.add(7, 8, 9, 0, 100)
+    plan = admission.plan(m.allocator.num_free)
+    assert plan.run_ids == (7,)  # 1 more block of 4 free: the admission runs it
+    items, dropped, carried = carry_out(plan, {7: kept}, m)
+    assert items == [] and dropped == [] and carried.run_ids == () and carried.admit.req_ids == ()
+    assert kept.blocks == [0, 1, 2, 3] and _holds(kv, kept, 7.0, bs)
+    admission.on_done(carried, set())
+    assert 7 in admission and kept.num_computed == 8
+    m.unpin(others[0])  # the ack came: the extent after it may move
+    plan = admission.plan(m.allocator.num_free)
+    items, dropped, carried = carry_out(plan, {7: kept}, m)
+    assert [(i.seq.req_id, i.num_tokens) for i in items] == [(7, 1)] and carried == plan
+    assert len(kept.blocks) == 5 and _holds(kv, kept, 7.0, bs)
+
+
+def test_with_nothing_pinned_a_planned_row_that_does_not_fit_is_still_an_error():
+    """Decode and coupled workers never pin: there a row the admission planned but the pool
+    cannot hold means the two disagree, and the step fails loudly."""
+    import torch
+
+    from tetri_server.engine.sequence import Sequence
+    from tetri_server.kv.manager import KVCacheManager
+    from tetri_server.messages import SamplingParams
+    from tetri_server.policy.decode import AdmitPlan, DecodeStepPlan, PreemptPlan
+    from tetri_server.workers.decoding import carry_out
+
+    bs = 2
+    m = KVCacheManager(BlockAllocator(4), torch.zeros(1, 2, 1, 4 * bs, 1), bs)
+    big = Sequence(1, list(range(12)), 11, SamplingParams())  # 6 blocks: never fits 4
+    plan = DecodeStepPlan(PreemptPlan(), AdmitPlan((1,), (1,)), (1,))
+    with pytest.raises(RuntimeError, match="disagree"):
+        carry_out(plan, {1: big}, m)

@@ -74,6 +74,11 @@ class KVCacheManager:
     def is_pinned(self, seq: HasBlocks) -> bool:
         return id(seq) in self._pinned
 
+    @property
+    def num_pinned(self) -> int:
+        """Extents pinned now: while any is, a reservation can fail with enough blocks free."""
+        return len(self._pinned)
+
     def compact(self, last: HasBlocks | None = None, room: int = 0) -> bool:
         """Slide every movable extent to the lowest free run that holds it, in address order
         (``last`` moved after all others, where ``room`` more blocks are free after it), so

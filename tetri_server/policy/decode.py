@@ -24,7 +24,7 @@ its own soon.
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from tetri_server.policy.chunker import num_blocks_for
@@ -65,6 +65,16 @@ class DecodeStepPlan:
     admit: AdmitPlan
     run_ids: tuple[int, ...]
     fail_ids: tuple[int, ...] = ()
+
+    def without(self, req_ids: Collection[int]) -> DecodeStepPlan:
+        """The plan with ``req_ids`` neither run nor admitted this step (a running one keeps
+        its tokens, a waiting one its place; their preemptions still happen)."""
+        if not req_ids:
+            return self
+        return replace(self, run_ids=tuple(r for r in self.run_ids if r not in req_ids),
+                       admit=AdmitPlan(
+                           tuple(r for r in self.admit.req_ids if r not in req_ids),
+                           tuple(r for r in self.admit.recompute_ids if r not in req_ids)))
 
 
 @dataclass(frozen=True)

@@ -121,16 +121,15 @@ class CoupledLoop:
     def step(self) -> list[TokenDelta]:
         plan = self.plan()
         self._record(plan)
-        items = self._decode_items(plan.decode)
+        items, d = self._decode_items(plan.decode)
         num_decode = len(items)
         slices = reserve_prompts(plan.slices, self.seqs.__getitem__, self.kv, items)
-        d = plan.decode
         # a step that only preempted or failed requests made progress too: plan again at once
         self.last_step_ran = bool(items) or (d is not None and bool(d.preempt.req_ids
                                                                   or d.fail_ids))
         if not items:
-            if plan.decode is not None:
-                self.admission.on_done(plan.decode, set())
+            if d is not None:
+                self.admission.on_done(d, set())
             return []
         result = self.runner.execute(StepPlan(items, plan.num_pad if slices else 0))
         deltas = prompt_parts(item.seq for item in items[num_decode:])
@@ -140,8 +139,8 @@ class CoupledLoop:
             assert tok is not None
             if self._append(item.seq, tok, lp, deltas):
                 finished.add(item.seq.req_id)
-        if plan.decode is not None:
-            self.admission.on_done(plan.decode, finished)
+        if d is not None:
+            self.admission.on_done(d, finished)
         done = set(self.queue.advance(slices))
         for item, tok, lp in zip(items[num_decode:], result.sampled[num_decode:],
                                  result.logprobs[num_decode:], strict=True):
@@ -168,14 +167,16 @@ class CoupledLoop:
                    slices=[[p.req_id, p.start, p.num_tokens] for p in plan.slices],
                    pad=plan.num_pad, free=self.kv.allocator.num_free)
 
-    def _decode_items(self, decode: DecodeStepPlan | None) -> list[ScheduledSeq]:
-        """Carry out the admission plan (preemptions, requests that can never fit, blocks)."""
+    def _decode_items(self, decode: DecodeStepPlan | None
+                      ) -> tuple[list[ScheduledSeq], DecodeStepPlan | None]:
+        """Carry out the admission plan (preemptions, requests that can never fit, blocks);
+        the items and the plan carried out."""
         if decode is None:
-            return []
-        items, dropped = carry_out(decode, self.seqs, self.kv)
+            return [], None
+        items, dropped, decode = carry_out(decode, self.seqs, self.kv)
         self.failed += [RequestFailed(req_id, "request no longer fits the KV pool")
                         for req_id in dropped]
-        return items
+        return items, decode
 
     def _append(self, seq: Sequence, tok: int, lp: float | None,
                 deltas: list[TokenDelta]) -> bool:

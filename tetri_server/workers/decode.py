@@ -137,7 +137,7 @@ class DecodeRole(Role):
                        preempt=list(plan.preempt.req_ids), fail=list(plan.fail_ids),
                        free=free, **({"slices": [[p.req_id, p.start, p.num_tokens]
                                                  for p in slices]} if slices else {}))
-        items, dropped = carry_out(plan, self.seqs, self.w.kv)
+        items, dropped, plan = carry_out(plan, self.seqs, self.w.kv)
         for req_id in dropped:
             self.w.send(RequestFailed(req_id, "request no longer fits this worker's KV pool"))
         num_decode = len(items)

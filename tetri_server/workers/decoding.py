@@ -14,11 +14,18 @@ from tetri_server.policy import ChunkSlice, DecodeStepPlan
 from tetri_server.policy.chunker import reserved_slices
 
 
-def carry_out(plan: DecodeStepPlan, seqs: dict[int, Sequence],
-              kv: KVCacheManager) -> tuple[list[ScheduledSeq], list[int]]:
+def carry_out(plan: DecodeStepPlan, seqs: dict[int, Sequence], kv: KVCacheManager
+              ) -> tuple[list[ScheduledSeq], list[int], DecodeStepPlan]:
     """Preempt (drop the KV; recomputed when re-admitted), drop from ``seqs`` what can never
-    fit, reserve the batch's blocks. Returns the batch's items and the dropped requests (the
-    caller fails them)."""
+    fit, reserve the batch's blocks. Returns the batch's items, the dropped requests (the
+    caller fails them) and the plan carried out, which the caller passes to ``on_done``.
+
+    The admission counts free blocks, but a sequence's blocks are one extent: while extents
+    are pinned (a prefill worker's un-acked hand-offs, which compaction cannot move), enough
+    free blocks may hold no run long enough for a row's growth. Such a row sits this step out
+    (the plan carried out leaves it out; its KV and tokens stay) until an ack unpins them.
+    With nothing pinned, a row that does not fit means the admission and the allocator
+    disagree: an error."""
     for req_id in plan.preempt.req_ids:
         seq = seqs[req_id]
         kv.free(seq)
@@ -26,14 +33,17 @@ def carry_out(plan: DecodeStepPlan, seqs: dict[int, Sequence],
     for req_id in plan.fail_ids:
         kv.free(seqs.pop(req_id))
     recompute = set(plan.admit.recompute_ids)
-    items = []
+    items, waiting = [], []
     for req_id in plan.run_ids:
         seq = seqs[req_id]
         if not kv.reserve(seq, seq.num_tokens):
-            raise RuntimeError(f"admission planned request {req_id} but its blocks do not fit: "
-                               "allocator and policy disagree")
+            if not kv.num_pinned:
+                raise RuntimeError(f"admission planned request {req_id} but its blocks do not "
+                                   "fit: allocator and policy disagree")
+            waiting.append(req_id)
+            continue
         items.append(ScheduledSeq(seq, seq.num_uncomputed if req_id in recompute else 1))
-    return items, list(plan.fail_ids)
+    return items, list(plan.fail_ids), plan.without(waiting)
 
 
 def reserve_prompts(slices: Seq[ChunkSlice], seq_of: Callable[[int], Sequence],

@@ -214,7 +214,11 @@ class PrefillRole(Role):
                                 preempt=list(decode.preempt.req_ids), fail=list(decode.fail_ids),
                                 slices=[[p.req_id, p.start, p.num_tokens] for p in slices])
         local = {rid: book.get(rid) for rid in book.ids(Stage.DECODING)}
-        items, dropped = carry_out(decode, local, self.w.kv)
+        planned = decode.run_ids
+        items, dropped, decode = carry_out(decode, local, self.w.kv)
+        if decode.run_ids != planned:  # blocks split by pinned extents: they wait for an ack
+            self.w.decisions.record("rows_wait", ids=[r for r in planned
+                                                      if r not in decode.run_ids])
         for req_id in dropped:
             book.remove(req_id)
             self.w.send(RequestFailed(req_id, "request no longer fits this worker's KV pool"))
