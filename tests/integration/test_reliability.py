@@ -260,6 +260,33 @@ async def test_with_the_prefill_worker_gone_the_decode_worker_serves_new_prompts
         await cluster.stop()
 
 
+async def test_requests_kept_on_the_prefill_worker_outlive_the_decode_outage_bound(tiny_llama):
+    """Regression: a request routed while the only decode worker was down got a deadline
+    (``cluster.worker_wait_s``) for a decode worker to take it. Kept on the prefill worker
+    (elastic P/D: it decodes there), it streamed past that deadline and control cut its stream
+    with a retryable error, though it never waited. Now a request that streams is not waiting:
+    every token moves its deadline, and a serving decode worker clears it."""
+    wait_s, tick_s = 0.1, 0.1  # cluster.worker_wait_s; monitor.interval_ms: it fails them
+    cluster = make_cluster(tiny_llama, "disaggregated", "cluster.restart_workers=false",
+                           f"cluster.worker_wait_s={wait_s}")
+    prompts = random_prompts(2, 8000, (20, 30), seed=47)
+    params = SamplingParams(max_tokens=1500, temperature=0.0, ignore_eos=True)  # kept: > 128
+    ref = hf_greedy(tiny_llama, prompts, params.max_tokens)
+    await cluster.start()
+    try:
+        kill(cluster, 1)
+        await until(lambda: not cluster.workers[1].alive, 10, "the kill is seen")
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        got = await asyncio.wait_for(
+            asyncio.gather(*(collect(cluster, p, params) for p in prompts)), 120)
+        assert loop.time() - t0 > wait_s + tick_s  # the streams outlived the bound
+        assert got == ref
+        assert cluster.requests == {}
+    finally:
+        await cluster.stop()
+
+
 async def test_a_worker_that_keeps_dying_makes_the_server_give_up(tiny_llama):
     """Restart hygiene: back-off between restarts, and after cluster.max_restarts deaths in a
     row the cluster reports a fatal error (the CLI exits non-zero: systemd acts)."""

@@ -160,3 +160,26 @@ def test_the_prefill_chunk_sent_to_decode_workers_is_the_smallest_of_those_servi
     assert monitor.prefill_chunk() == 512
     workers[1].is_ready = False  # restarting: none serving, the decode side's own limit
     assert monitor.prefill_chunk() == 0
+
+
+def test_a_request_routed_in_a_decode_outage_waits_bounded_only_while_it_lasts() -> None:
+    # Regression: the bound stayed after a decode worker served again, and a request kept
+    # decoding on the prefill worker (or queued there) was failed at it.
+    cfg = load_config(None, ["cluster.mode=disaggregated", "cluster.worker_wait_s=5"])
+    workers = {0: SimpleNamespace(worker_id=0, role="prefill", is_ready=True, chunk_size=64,
+                                  post=lambda msg: None)}
+    monitor = Monitor(cfg, workers, set(), Metrics("m"))
+    router = Router(cfg, workers, set(), RequestTable(workers, 100), monitor,
+                    RequestAccounting(cfg, Metrics("m")), lambda: None)
+    table = router.table
+    monitor.on_report(workers[0], report(0, "prefill", 0))
+    req = table.add([1] * 10, SamplingParams(max_tokens=4), "", None)
+    router.route(req)
+    assert req.owner == 0 and req.wait_deadline_s is not None  # no decode worker: bounded
+    late = req.wait_deadline_s + 1
+    assert table.expired(late, decode_serving=False) == [req]  # the outage lasts: 503
+    assert table.expired(late, decode_serving=True) == []  # it is over: nothing to wait for
+    assert req.wait_deadline_s is None
+    parked = table.add([1] * 10, SamplingParams(max_tokens=4), "", None)
+    table.park(parked, late)  # no worker at all could take it: it still waits for one
+    assert table.expired(late + 1, decode_serving=True) == [parked]

@@ -194,6 +194,8 @@ class Cluster:
                 if not forward:
                     continue
             req.output_ids.extend(d.token_ids)
+            if req.wait_deadline_s is not None and d.token_ids:  # not stuck: it streams
+                req.wait_deadline_s = now + self.cfg.cluster.worker_wait_s
             self.accounting.on_delta(req, d, now)
             req.queue.put_nowait(d)
             if d.finish_reason is not None:
@@ -265,8 +267,8 @@ class Cluster:
         now = time.monotonic()
         self.monitor.check_stalls(now)
         wait = self.cfg.cluster.worker_wait_s
-        for req in self.table.expired(now):
-            self.fail(req, f"no worker could take the request within {wait:.0f} s "
+        for req in self.table.expired(now, self.router.has_live("decode")):
+            self.fail(req, f"no worker could take the request within {wait:g} s "
                       "(workers restarting); retry", retry_after_s=max(1.0, wait / 2))
         self._broadcast_view()
         self.monitor.count_requests(len(self.table))

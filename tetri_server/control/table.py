@@ -106,8 +106,16 @@ class RequestTable:
         parked, self.parked = self.parked, []
         return [r for r in parked if r.state not in DONE and r.req_id in self.requests]
 
-    def expired(self, now_s: float) -> list[Request]:
-        """Requests still waiting for a worker past their deadline."""
+    def expired(self, now_s: float, decode_serving: bool) -> list[Request]:
+        """Requests still waiting for a worker past their deadline: parked ones, and those
+        routed while no decode worker was serving (held for one after their prompt) while
+        there is still none. Once one serves, the latter wait for nothing: their deadlines
+        go (a request kept decoding on its prefill worker, or queued there behind prompts,
+        must not be cut off by an outage that is over)."""
+        if decode_serving:
+            for r in self.requests.values():
+                if r not in self.parked:
+                    r.wait_deadline_s = None
         return [r for r in self.requests.values()
                 if r.wait_deadline_s is not None and now_s > r.wait_deadline_s]
 
