@@ -63,7 +63,8 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True, gc=False):
     # re-run whose prompt holds streamed tokens has it off (the client already has them).
     prompt_logprobs: int | None = None
     # output tokens generated before this run (a re-run's prompt holds them): seeded draws go
-    # on from that index (engine/sampling.py, draw_seed)
+    # on from that index (engine/sampling.py, draw_seed), and the grammar and the presence and
+    # frequency penalties count them as output (Sequence.generated_ids)
     num_prior_output: int = 0
 
     @property

@@ -450,3 +450,40 @@ async def test_a_seeded_sampled_stream_is_the_same_after_its_worker_dies(tiny_ll
         assert got == clean and len(set(clean)) > 5  # it did sample, and resumed the same
     finally:
         await cluster.stop()
+
+
+async def test_grammar_and_penalties_go_on_across_a_rerun_after_a_worker_death(tiny_llama):
+    """Regression (wrong text with HTTP 200): a request re-run after its decode worker died
+    prefills prompt + streamed tokens; its grammar restarted from the root and its presence
+    and frequency penalties forgot the streamed tokens. Greedy, each request streams the same
+    tokens as without the death, and the guided one still matches its pattern."""
+    import re
+
+    from transformers import AutoTokenizer
+
+    from tetri_server.messages import Guide
+
+    cluster = make_cluster(tiny_llama, "disaggregated", "cluster.restart_backoff_s=0.1",
+                           "cluster.worker_wait_s=120", *STRICT_SPLIT)
+    [prompt] = random_prompts(1, 8000, (20, 40), seed=44)
+    pattern = "[a-z]{400}"
+    cases = [SamplingParams(max_tokens=600, temperature=0.0, frequency_penalty=1.0,
+                            presence_penalty=0.5, ignore_eos=True),
+             SamplingParams(max_tokens=500, temperature=0.0, guide=Guide("regex", pattern))]
+    await cluster.start()
+    try:
+        clean = [await asyncio.wait_for(collect(cluster, prompt, p), 120) for p in cases]
+        jobs = [asyncio.create_task(collect(cluster, prompt, p)) for p in cases]
+        await until(lambda: len(cluster.requests) == 2 and all(
+            r.state.value == "decode" and len(r.output_ids) > 10
+            for r in cluster.requests.values()), 60, "both streams decode")
+        reqs = list(cluster.requests.values())
+        kill(cluster, 1)
+        got = await asyncio.wait_for(asyncio.gather(*jobs), 180)
+        assert [r.num_reruns for r in reqs] == [1, 1]  # both were re-run mid-stream
+        assert got == clean
+        text = AutoTokenizer.from_pretrained(str(tiny_llama)).decode(
+            clean[1], skip_special_tokens=True)
+        assert re.fullmatch(pattern, text), text
+    finally:
+        await cluster.stop()

@@ -124,6 +124,21 @@ def test_a_rebuilt_matcher_replays_to_the_same_state(grammars: Grammars) -> None
     assert grammars.num_compiled == 1  # one spec, compiled once
 
 
+def test_a_rerun_replays_the_tokens_streamed_before_its_worker_died(grammars: Grammars) -> None:
+    """Regression (invalid structured output with HTTP 200): a request re-run after its worker
+    died prefills prompt + streamed tokens (``num_prior_output`` of them); its matcher started
+    from the grammar's root, so the reply could begin a second object after the first part."""
+    guide = Guide("json_schema", json.dumps({"type": "object", "properties": {
+        "a": {"type": "integer"}}, "required": ["a"]}))
+    streamed = (LB, Q, A, Q, COLON, SP)
+    rerun = Sequence(0, [X, *streamed], 1 + len(streamed),
+                     SamplingParams(guide=guide, temperature=0.0,
+                                    num_prior_output=len(streamed)))
+    grammars.bind([rerun])
+    assert rerun.output_ids == [] and rerun.generated_ids == list(streamed)
+    assert allowed(rerun) == {ONE}  # the value goes on; no new "{"
+
+
 def test_bad_specs_raise_guide_error_naming_the_problem(grammars: Grammars) -> None:
     with pytest.raises(GuideError, match="regex does not compile.*parenthesis"):
         grammars.compile(Guide("regex", "(ab"))

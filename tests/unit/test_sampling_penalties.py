@@ -33,6 +33,15 @@ def test_frequency_penalty_counts_each_output_occurrence() -> None:
     assert row[1] == 1.0  # prompt tokens do not count for frequency/presence
 
 
+def test_penalties_count_the_output_streamed_before_a_rerun() -> None:
+    """Regression: a re-run after a worker died holds the streamed tokens in its prompt
+    (``num_prior_output`` of them); the penalties forgot them, so even greedy output changed."""
+    s = seq([1, 4, 4], [9], frequency_penalty=0.5, presence_penalty=0.25, num_prior_output=2)
+    row = penalize(logits(ROW)[0], s)
+    assert row[4] == pytest.approx(4.0 - 1.0 - 0.25) and row[9] == pytest.approx(3.95 - 0.75)
+    assert row[1] == 1.0  # the real prompt still does not count
+
+
 def test_presence_penalty_once_per_token() -> None:
     row = penalize(logits(ROW)[0], seq([1], [4, 4, 9], presence_penalty=0.5))
     assert (row[4], row[9], row[1]) == (pytest.approx(3.5), pytest.approx(3.45), 1.0)

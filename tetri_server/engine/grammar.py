@@ -129,12 +129,13 @@ class Grammars:
 
     def bind(self, seqs: list[Sequence]) -> None:
         """Give every guided sequence in ``seqs`` its matcher, replaying the tokens it already
-        generated (sampled here, or by the prefill worker before the hand-off)."""
+        generated (sampled here, by the prefill worker before the hand-off, or streamed by an
+        earlier run before its worker died)."""
         for seq in seqs:
             guide = seq.params.guide
             if guide is not None and seq.guide is None:
                 stops = set(self.stop_ids) | set(seq.params.stop_token_ids)
-                seq.guide = GuideState(self.compile(guide), stops, seq.output_ids)
+                seq.guide = GuideState(self.compile(guide), stops, seq.generated_ids)
 
 
 class GuideState:

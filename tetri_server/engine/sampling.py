@@ -69,7 +69,7 @@ def penalize(row: torch.Tensor, seq: Sequence) -> torch.Tensor:
         bias = torch.tensor(list(p.logit_bias.values()), dtype=row.dtype, device=row.device)
         row.index_add_(0, ids.clamp(0, vocab - 1), bias)
     if p.presence_penalty or p.frequency_penalty:
-        out = [t for t in seq.output_ids if 0 <= t < vocab]
+        out = [t for t in seq.generated_ids if 0 <= t < vocab]
         if out:
             counts = torch.bincount(torch.tensor(out, device=row.device), minlength=vocab)
             row -= p.frequency_penalty * counts.to(row.dtype)

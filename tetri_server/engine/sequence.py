@@ -71,3 +71,10 @@ class Sequence:
     @property
     def output_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt:]
+
+    @property
+    def generated_ids(self) -> list[int]:
+        """Every token the request generated, those of earlier runs too: a re-run after a
+        worker died prefills the streamed tokens as prompt (``params.num_prior_output``), but
+        its grammar and penalties count them as output."""
+        return self.token_ids[self.num_prompt - self.params.num_prior_output:]
