@@ -487,3 +487,25 @@ async def test_grammar_and_penalties_go_on_across_a_rerun_after_a_worker_death(t
         assert re.fullmatch(pattern, text), text
     finally:
         await cluster.stop()
+
+
+async def test_a_request_parked_for_a_prefill_worker_goes_to_one_that_flips_to_prefill(tiny_llama):
+    """Regression: with the only prefill worker down (strict split: no decode worker takes a
+    prompt), a new request is parked. A decode worker flipped to prefill said Ready while
+    control still counted it as draining, so the request was parked again, its deadline
+    restarted, and it failed with a 503 though a prefill worker served."""
+    cluster = make_cluster(tiny_llama, "disaggregated", "cluster.restart_workers=false",
+                           "cluster.decode_workers=2", "cluster.worker_wait_s=20",
+                           *STRICT_SPLIT)
+    [prompt] = random_prompts(1, 8000, (20, 40), seed=45)
+    [ref] = hf_greedy(tiny_llama, [prompt], GREEDY.max_tokens)
+    await cluster.start()
+    try:
+        kill(cluster, 0)
+        await until(lambda: not cluster.workers[0].alive, 10, "the kill is seen")
+        job = asyncio.create_task(collect(cluster, prompt, GREEDY))
+        await until(lambda: len(cluster.table.parked) == 1, 10, "the request is parked")
+        await cluster.flip(1, "prefill")
+        assert await asyncio.wait_for(job, 15) == ref  # not 20 s more of waiting, then a 503
+    finally:
+        await cluster.stop()

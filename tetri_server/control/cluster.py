@@ -230,9 +230,8 @@ class Cluster:
             self.flipper.on_ready(h.worker_id, msg.switch_s)
         elif h.generation > 0:
             self._broadcast_pools()  # a restarted worker: peers map its new pool
-        for req in self.table.take_parked():
-            req.wait_deadline_s = None
-            self.router.route(req)
+        for req in self.table.take_parked():  # parked again if none can take it: the
+            self.router.route(req)  # deadline of its first park stands
 
     def _undeliverable(self, msg: object, error: str) -> None:
         req = self.table.get(getattr(msg, "req_id", -1))

@@ -124,9 +124,11 @@ class FlipController:
         return result
 
     def on_ready(self, worker_id: int, switch_s: float) -> None:
-        """The worker answered SetRole with Ready in its new role."""
+        """The worker answered SetRole with Ready in its new role: it serves from now on (the
+        requests parked for a worker of its role are routed right after, and may go to it)."""
         pending = self._pending.get(worker_id)
         if pending is not None and not pending[0].done():
+            self.cluster.draining.discard(worker_id)
             pending[0].set_result(switch_s)
 
     def on_worker_exit(self, worker_id: int) -> None:
