@@ -68,6 +68,27 @@ def test_the_first_starts_each_calibrate_and_serve_the_median_pick(tmp_path, mon
     assert picks == [256, 1424, 384]
 
 
+def test_a_worker_flipping_to_prefill_serves_a_cached_pick_without_measuring(tmp_path,
+                                                                               monkeypatch):
+    """Regression: a flip to prefill calibrated once more while fewer than ``PICKS`` were
+    cached; the worker, serving already, sent nothing for the seconds it measured and was
+    killed as stalled, the flip failed, and so did every later one. At a flip a cached pick
+    serves; with none cached it still measures."""
+    monkeypatch.setenv("TETRI_CACHE_DIR", str(tmp_path / "cache"))
+    worker = fake_worker(tmp_path)
+    measured: list[int] = []
+
+    def measure(w, sizes=calibrate.SIZES, rows=0):  # noqa: ANN001, ANN202
+        measured.append(1)
+        return [(n, n / 1000 if n < 256 else n / 4000) for n in (64, 128, 256, 512, 1024)]
+
+    monkeypatch.setattr(calibrate, "measure", measure)
+    assert calibrate.resolve_chunk_size(worker, 0, at_start=False) == 256  # none cached
+    assert calibrate.resolve_chunk_size(worker, 0, at_start=False) == 256
+    assert len(measured) == 1  # one pick of three cached: a flip does not measure again
+    assert calibrate.resolve_chunk_size(worker, 0) == 256 and len(measured) == 2  # a start does
+
+
 def test_a_single_pick_cached_by_an_older_build_counts_as_one(tmp_path, monkeypatch):
     monkeypatch.setenv("TETRI_CACHE_DIR", str(tmp_path / "cache"))
     worker = fake_worker(tmp_path)

@@ -221,7 +221,7 @@ class Worker:
         assert self.allocator.num_free == self.allocator.num_blocks, "flip before drain"
         self.pending_role = None
         if role != self.role.name:
-            self.role = make_role(role, self)
+            self.role = make_role(role, self, at_start=False)
         self.send(self.ready_message(switch_s=time.monotonic() - t0))
         self.send(self.load_report())
 
@@ -300,11 +300,12 @@ class Role:
         raise NotImplementedError
 
 
-def make_role(name: str, w: Worker) -> Role:
+def make_role(name: str, w: Worker, *, at_start: bool = True) -> Role:
+    """``at_start``: False for a flip (the worker serves already)."""
     if name == "prefill":
         from tetri_server.workers.prefill import PrefillRole
 
-        return PrefillRole(w)
+        return PrefillRole(w, at_start=at_start)
     if name == "decode":
         from tetri_server.workers.decode import DecodeRole
 

@@ -148,11 +148,17 @@ def served_pick(picks: list[int]) -> int:
     return statistics.median_low(picks)
 
 
-def resolve_chunk_size(worker: Worker, configured: int, rows: int = 0) -> int:
+def resolve_chunk_size(worker: Worker, configured: int, rows: int = 0, *,
+                       at_start: bool = True) -> int:
     """The configured chunk size, or (0) the knee of the prompt rate measured in passes that
     hold ``rows`` decode rows too (``prefill.local_decode_batch``: the requests a prefill
     worker decodes itself ride in its chunks and take part of each; ``policy.knee``): the
-    median of the cached picks, calibrating once more while fewer than ``PICKS`` are cached."""
+    median of the cached picks, calibrating once more while fewer than ``PICKS`` are cached.
+
+    Not ``at_start`` (a worker flipping to prefill), any cached pick serves: there the worker
+    is serving already and sends nothing while it measures, and a measurement of several
+    seconds got it killed as stalled (``monitor.stall_timeout_s``) on every flip until three
+    starts had cached their picks. It measures only with none cached."""
     if configured > 0:
         return configured
     key, path = cache_key(worker, rows), cache_file()
@@ -161,7 +167,7 @@ def resolve_chunk_size(worker: Worker, configured: int, rows: int = 0) -> int:
         cached = {k: v if isinstance(v, list) else [v]  # one pick, as builds before 28 wrote
                   for k, v in json.loads(path.read_text()).items()}
     picks = cached.get(key, [])
-    if len(picks) >= PICKS:
+    if len(picks) >= PICKS or (picks and not at_start):
         size = served_pick(picks)
         log.info("chunk size %d (median of the cached calibrations %s for %s)", size, picks,
                  key)

@@ -55,7 +55,8 @@ log = logging.getLogger("tetri.prefill")
 class PrefillRole(Role):
     name = "prefill"
 
-    def __init__(self, w: Worker) -> None:
+    def __init__(self, w: Worker, *, at_start: bool = True) -> None:
+        """``at_start``: False when the worker flips to prefill (``resolve_chunk_size``)."""
         super().__init__(w)
         cfg = self.w.cfg
         pre = cfg.prefill
@@ -63,7 +64,7 @@ class PrefillRole(Role):
             w, pre.chunk_size,
             rows=calibration_rows(pre.local_decode_batch, pre.local_decode_chunk,
                                   pre.local_decode_full_chunk_backlog,
-                                  pre.local_decode_full_chunk_share))
+                                  pre.local_decode_full_chunk_share), at_start=at_start)
         self.chunker = Chunker(self._chunk_size, block_size=self.w.block_size,
                                overtake_share=cfg.prefill.overtake_share,
                                finish_alone=cfg.prefill.finish_alone)
