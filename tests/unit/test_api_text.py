@@ -101,3 +101,18 @@ def test_stop_matcher_flushes_held_text_at_the_end_and_picks_the_earliest() -> N
     m = StopMatcher(("lo", "he"))
     assert m.feed("say hello") == ("say ", True)
     assert StopMatcher(()).feed("anything") == ("anything", False)
+
+
+def test_no_stop_string_ends_within_the_min_tokens_text() -> None:
+    """min_tokens: vLLM matches no stop string that ends within the text of the first
+    min_tokens tokens (``min_end``); one that ends beyond it matches, even if it starts
+    inside."""
+    m = StopMatcher(("ab",))
+    m.min_end = 6
+    assert m.feed("xxab") == ("xxa", False)  # "ab" ends at 4 <= 6: no match, "b" held
+    assert m.feed("yya") == ("byy", False)
+    assert m.feed("b!") == ("", True)  # "ab" at 6..8 ends past 6: the text ends at 6
+    m = StopMatcher(("ab",))
+    m.min_end = 5
+    assert m.feed("xxxxabz") == ("xxxx", True)  # starts at 4, ends at 6 > 5
+

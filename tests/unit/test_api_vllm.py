@@ -148,6 +148,25 @@ def test_stop_string_included_on_request(client: openai.OpenAI) -> None:
     assert "".join(c.choices[0].text for c in chunks) == full[: cut + len(stop)]
 
 
+def test_min_tokens_holds_back_stop_strings(client: openai.OpenAI) -> None:
+    """Regression: a stop string in the text of the first min_tokens tokens cut the reply
+    there (finish "stop", fewer tokens than asked). vLLM matches none before min_tokens."""
+    base = dict(model=MODEL_NAME, prompt="In the beginning", temperature=0, max_tokens=24)
+    full = client.completions.create(**base, extra_body=EOS).choices[0].text
+    stop = full[:3]
+    assert stop.strip(), f"need a visible stop string in {full!r}"
+    body = {**EOS, "min_tokens": 24}
+    for stream in (False, True):
+        out = client.completions.create(**base, stop=stop, stream=stream, extra_body=body)
+        if stream:
+            chunks = list(out)
+            text = "".join(c.choices[0].text for c in chunks if c.choices)
+            reason = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+        else:
+            text, reason = out.choices[0].text, out.choices[0].finish_reason
+        assert (text, reason) == (full, "length")
+
+
 def test_echo_opens_each_choice_with_its_prompt(client: openai.OpenAI) -> None:
     kw = dict(model=MODEL_NAME, max_tokens=4, temperature=0, extra_body=EOS)
     plain = client.completions.create(prompt=["Once upon", "The cat"], **kw)
@@ -318,6 +337,12 @@ def test_generation_config_supplies_defaults(gen_config_api: ApiHarness) -> None
             out = client.chat.completions.create(
                 model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}], logit_bias=bias)
         assert out.choices[0].finish_reason == "stop" and out.usage.completion_tokens == 1
+        # the stop token's text is no part of the reply (vLLM; it printed here before)
+        text = out.choices[0].text if route == "completion" else out.choices[0].message.content
+        assert text == ""
+    shown = client.completions.create(model=MODEL_NAME, prompt="Hi", logit_bias=bias,
+                                      extra_body={"include_stop_str_in_output": True})
+    assert shown.choices[0].text != ""  # unless asked for
     kept = client.completions.create(model=MODEL_NAME, prompt="Hi", logit_bias=bias,
                                      extra_body=EOS)
     assert kept.usage.completion_tokens == 5  # ignore_eos: the file's EOS ids too

@@ -118,25 +118,33 @@ def make_detokenizer(
 
 
 class StopMatcher:
-    """Cuts generated text before the first stop string; holds back possible stop prefixes."""
+    """Cuts generated text before the first stop string; holds back possible stop prefixes.
+    ``min_end``: characters of the output a match must end beyond (those of the first
+    ``min_tokens`` tokens: vLLM matches no stop string before them)."""
 
     def __init__(self, stops: tuple[str, ...], *, include: bool = False) -> None:
         self._stops = stops
         self._include = include  # include_stop_str_in_output: the match ends the text
         self._hold = max((len(s) for s in stops), default=1) - 1
         self._pending = ""  # text not sent yet: it may be the start of a stop string
+        self._sent = 0  # characters returned so far (where ``_pending`` starts)
+        self.min_end = 0
 
     def feed(self, text: str, *, final: bool = False) -> tuple[str, bool]:
         """Return (text to send now, whether a stop string matched). After a match the text
         sent so far is the whole output."""
         pending = self._pending + text
-        hits = [(i, i + len(s)) for i, s in ((pending.find(s), s) for s in self._stops) if i >= 0]
+        floor = self.min_end - self._sent  # a match must end past this index of ``pending``
+        hits = [(i, i + len(s)) for i, s in
+                ((pending.find(s, max(0, floor - len(s) + 1)), s) for s in self._stops)
+                if i >= 0]
         if hits:
             self._pending = ""
             start, end = min(hits)
             return pending[: end if self._include else start], True
         keep = 0 if final else min(len(pending), self._hold)
         self._pending = pending[len(pending) - keep :]
+        self._sent += len(pending) - keep
         return pending[: len(pending) - keep], False
 
 

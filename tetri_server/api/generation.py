@@ -70,6 +70,7 @@ class Generation:
         self._detok = make_detokenizer(backend.tokenizer, req.prompt_ids,
                                        skip_special_tokens=req.skip_special_tokens)
         self._stops = StopMatcher(req.stop, include=req.include_stop_str)
+        self._chars = 0  # characters of output text detokenized so far
         self.num_output_tokens = 0
         self.finish_reason: str | None = None
         self._echo_pending = req.echo
@@ -141,7 +142,25 @@ class Generation:
         final = self._backend_done = backend_reason is not None
         if backend_reason == "abort":
             raise generation_failed("the request was aborted by the server")
-        text = self._detok.add(token_ids, final=final)
+        text_ids = token_ids
+        if (backend_reason == "stop" and token_ids and not self.req.include_stop_str
+                and (token_ids[-1] in self.req.params.stop_token_ids
+                     or token_ids[-1] in self._backend.eos_token_ids)):
+            # the backend stopped on a stop token (EOS, stop_token_ids; a complete grammar
+            # ends with one too): like vLLM, its text is no part of the reply unless asked for
+            text_ids = token_ids[:-1]
+        # no stop string ends within the first min_tokens tokens' text (vLLM)
+        below = self.req.params.min_tokens - (self.num_output_tokens - len(token_ids))
+        if below > 0 and self.req.stop:
+            text = self._detok.add(text_ids[:below])
+            self._chars += len(text)
+            self._stops.min_end = self._chars
+            rest = self._detok.add(text_ids[below:], final=final)
+            self._chars += len(rest)
+            text += rest
+        else:
+            text = self._detok.add(text_ids, final=final)
+            self._chars += len(text)
         text, matched = self._stops.feed(text, final=final)
         if self._echo_pending:  # echo: the prompt opens the first piece (never stop-matched)
             text, self._echo_pending = self.req.prompt_text + text, False
