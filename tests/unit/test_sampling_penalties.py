@@ -118,3 +118,15 @@ def test_top_logprobs_are_the_k_best_of_the_raw_distribution() -> None:
     want = torch.log_softmax(lg[0], -1)
     assert [t for t, _ in s.top_logprobs[0]] == [4, 9, 8]
     assert [v for _, v in s.top_logprobs[0]] == pytest.approx([float(want[i]) for i in (4, 9, 8)])
+
+
+def test_min_tokens_holds_back_eos_and_stop_tokens_until_reached() -> None:
+    """Regression: below min_tokens an EOS could be drawn (then passed over as a token of the
+    reply); vLLM and transformers' min_new_tokens never draw it there."""
+    eos, greedy = (4,), dict(temperature=0.0)  # the best token of ROW is the EOS, then 9, 8
+    s = seq([1], [3], min_tokens=3, stop_token_ids=[9], **greedy)
+    assert sample(logits(ROW), [s], eos)[0] == [8]  # 4 and 9 held back: the next best
+    assert sample(logits(ROW), [seq([1], [3, 3], min_tokens=3, **greedy)], eos)[0] == [9]
+    assert sample(logits(ROW), [seq([1], [3, 3, 3], min_tokens=3, **greedy)], eos)[0] == [4]
+    kept = seq([1], [3], min_tokens=3, ignore_eos=True, **greedy)  # EOS never stops it
+    assert sample(logits(ROW), [kept], eos)[0] == [4]

@@ -140,7 +140,7 @@ class ModelRunner:
                 if self.grammars is None:
                     raise RuntimeError("a guided request reached a runner without grammars")
                 self.grammars.bind(seqs)
-            toks, lps = sample(logits, seqs)
+            toks, lps = sample(logits, seqs, self.spec.eos_token_ids)
             for j, n in enumerate(items):
                 sampled[n] = toks[j]
                 logprobs[n] = lps[j] if lps is not None else None

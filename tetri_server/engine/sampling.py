@@ -83,6 +83,24 @@ def penalize(row: torch.Tensor, seq: Sequence) -> torch.Tensor:
     return row
 
 
+def hold_stops(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...]
+               ) -> torch.Tensor:
+    """logits: [S, V]; returns them with each row's stop tokens (the model's EOS unless
+    ``ignore_eos``, and ``stop_token_ids``) at -inf while it has fewer than ``min_tokens``
+    output tokens, so they are not drawn: vLLM's min-tokens processor, transformers'
+    ``min_new_tokens``. (Drawn and passed over, an EOS was a token of the reply.)"""
+    out = logits.clone()
+    vocab = logits.shape[-1]
+    for i, seq in enumerate(seqs):
+        p = seq.params
+        if seq.num_output < p.min_tokens:
+            ids = [t for t in (*(() if p.ignore_eos else eos_ids), *p.stop_token_ids)
+                   if 0 <= t < vocab]
+            if ids:
+                out[i, ids] = _NEG_INF
+    return out
+
+
 def constrain(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """logits: [S, V]; returns them with every token a guided row's grammar forbids at -inf
     (other rows untouched). A guided row whose allowed tokens are all -inf or NaN samples
@@ -127,16 +145,20 @@ def _probs(
     return _filter(row / min(temperature, _FLOAT32_MAX), top_k, top_p, min_p).softmax(-1)
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[float] | None]:
+def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...] = ()
+           ) -> tuple[list[int], list[float] | None]:
     """logits: [S, vocab] float32, one row per sequence. Returns the chosen token of each row and,
     if any sequence asked for them, the log-probability of each chosen token. Sequences that
-    ask for ``top_logprobs`` get them appended to their ``top_logprobs`` list, if it has one."""
+    ask for ``top_logprobs`` get them appended to their ``top_logprobs`` list, if it has one.
+    ``eos_ids``: the model's, held back below a row's ``min_tokens`` (``hold_stops``)."""
     raw = logits
     if any(s.params.penalized for s in seqs):
         logits = logits.clone()
         for i, seq in enumerate(seqs):
             if seq.params.penalized:
                 logits[i] = penalize(logits[i], seq)
+    if any(s.num_output < s.params.min_tokens for s in seqs):
+        logits = hold_stops(logits, seqs, eos_ids)
     if any(s.guide is not None for s in seqs):
         logits = constrain(logits, seqs)
     tokens = argmax_rows(logits)  # greedy; a row with no finite entry falls back to this
