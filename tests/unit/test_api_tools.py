@@ -48,6 +48,19 @@ def test_parser_keeps_what_is_not_a_call_as_text() -> None:
     assert (text, calls) == ("x <tool_call>{\"name\": \"f\"", [])  # unterminated at the end
 
 
+def test_call_arguments_are_always_json_text() -> None:
+    """Regression: a model that wrote ``"arguments": "Oslo"`` got the string passed through as
+    the arguments, which clients ``json.loads`` (openai agents, LangChain): an error. vLLM
+    encodes it; a string that already is JSON stays as written."""
+    [call] = HermesParser().feed(
+        '<tool_call>{"name": "weather", "arguments": "Oslo"}</tool_call>', final=True)[1]
+    assert json.loads(call.arguments) == "Oslo"
+    [call] = HermesParser().feed(
+        '<tool_call>{"name": "weather", "arguments": "{\\"city\\": \\"Oslo\\"}"}'
+        '</tool_call>', final=True)[1]
+    assert call.arguments == '{"city": "Oslo"}'
+
+
 @contextlib.contextmanager
 def scripted(api: ApiHarness, text: str) -> Iterator[None]:
     backend = double(api)

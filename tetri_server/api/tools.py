@@ -179,8 +179,20 @@ class HermesParser:
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             return None
         args = obj.get("arguments", obj.get("parameters", {}))
-        text = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
-        return ToolCall(obj["name"], text, "chatcmpl-tool-" + uuid.uuid4().hex)
+        return ToolCall(obj["name"], _arguments_json(args), "chatcmpl-tool-" + uuid.uuid4().hex)
+
+
+def _arguments_json(args: Any) -> str:
+    """A call's ``arguments`` as the JSON text clients ``json.loads``: a string that already
+    is JSON stays as the model wrote it, any other value (a plain string too, as in
+    ``"arguments": "Oslo"``) is encoded, as vLLM's parsers do."""
+    if isinstance(args, str):
+        try:
+            json.loads(args)
+            return args
+        except ValueError:
+            pass
+    return json.dumps(args, ensure_ascii=False)
 
 
 def _partial_suffix(text: str, tag: str) -> int:
