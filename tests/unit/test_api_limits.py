@@ -183,3 +183,27 @@ def test_a_body_that_never_arrives_times_out(api: ApiHarness) -> None:
         )
         head = sock.recv(65536)
     assert head.startswith(b"HTTP/1.1 408") and b'"code": "timeout"' in head
+
+
+def test_an_unexpected_error_mid_stream_is_an_error_event_not_a_cut_stream(
+        api: ApiHarness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression: an exception other than the API's own (a tokenizer's decode error, a bug)
+    after the first chunk ended a 200 stream with no error event and no [DONE]: a client
+    could take the cut text for the whole reply."""
+    from tetri_server.api.generation import Generation
+
+    on_delta, seen = Generation._on_delta, []
+
+    def flaky(self, delta):  # noqa: ANN001, ANN202
+        seen.append(1)
+        if len(seen) == 3:
+            raise RuntimeError("Invalid prefix encountered")
+        return on_delta(self, delta)
+
+    monkeypatch.setattr(Generation, "_on_delta", flaky)
+    stream = _client(api.base_url).completions.create(
+        model=MODEL_NAME, prompt="hi", max_tokens=40, stream=True, extra_body=LONG_EOS)
+    with pytest.raises(openai.APIError, match="internal error"):
+        list(stream)
+    assert metric(api.base_url, "tetri_request_errors_total", kind="generation_failed") >= 1
+

@@ -9,6 +9,7 @@ normal finish (``Generation.close`` in a ``finally``).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
@@ -17,7 +18,13 @@ from typing import Literal
 from aiohttp import web
 
 from tetri_server.api.body import parse_json_object, read_json_body
-from tetri_server.api.errors import APIError, bad_param, queue_full, timeout_error
+from tetri_server.api.errors import (
+    APIError,
+    bad_param,
+    generation_failed,
+    queue_full,
+    timeout_error,
+)
 from tetri_server.api.fields import Fields
 from tetri_server.api.generation import Generation, Piece
 from tetri_server.api.models import ServedModel
@@ -37,6 +44,8 @@ from tetri_server.metrics import Metrics
 
 Kind = Literal["completion", "chat"]
 MAX_CHOICES = 64  # prompts x n of one request: each choice is one backend request
+
+log = logging.getLogger(__name__)
 
 
 class ApiState:
@@ -257,6 +266,13 @@ class GenerateHandlers:
         except asyncio.CancelledError:
             client_gone = True
             raise
+        except Exception as e:  # a bug: the client gets an error event, not a cut stream
+            if not sse.opened:
+                raise  # nothing sent yet: the error middleware answers 500
+            log.exception("stream failed after its first chunk")
+            err = generation_failed(f"internal error ({type(e).__name__})")
+            self.metrics.inc_error(err.kind)
+            await sse.fail(err)
         finally:
             await self._close(gens, client_gone)
         return sse.response
