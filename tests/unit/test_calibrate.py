@@ -21,9 +21,11 @@ def fake_worker(model: Path) -> SimpleNamespace:
                            model=torch.nn.Linear(2, 2), device=torch.device("cpu"))
 
 
-def test_a_cached_knee_of_another_engine_build_is_measured_again(tmp_path, monkeypatch):
+def counted_knee_256(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                     ) -> tuple[SimpleNamespace, list[int]]:
+    """A fake worker with a fresh cache whose measurements (each appended to the list) put
+    the knee at 256."""
     monkeypatch.setenv("TETRI_CACHE_DIR", str(tmp_path / "cache"))
-    worker = fake_worker(tmp_path)
     measured: list[int] = []
 
     def measure(w, sizes=calibrate.SIZES, rows=0):  # noqa: ANN001, ANN202
@@ -31,6 +33,11 @@ def test_a_cached_knee_of_another_engine_build_is_measured_again(tmp_path, monke
         return [(n, n / 1000 if n < 256 else n / 4000) for n in (64, 128, 256, 512, 1024)]
 
     monkeypatch.setattr(calibrate, "measure", measure)
+    return fake_worker(tmp_path), measured
+
+
+def test_a_cached_knee_of_another_engine_build_is_measured_again(tmp_path, monkeypatch):
+    worker, measured = counted_knee_256(tmp_path, monkeypatch)
     monkeypatch.setattr(calibrate, "PICKS", 1)  # one calibration per key is enough here
     monkeypatch.setattr(calibrate, "engine_build", lambda: "engine-old|ops-old")
     assert calibrate.resolve_chunk_size(worker, 0) == 256
@@ -74,15 +81,7 @@ def test_a_worker_flipping_to_prefill_serves_a_cached_pick_without_measuring(tmp
     cached; the worker, serving already, sent nothing for the seconds it measured and was
     killed as stalled, the flip failed, and so did every later one. At a flip a cached pick
     serves; with none cached it still measures."""
-    monkeypatch.setenv("TETRI_CACHE_DIR", str(tmp_path / "cache"))
-    worker = fake_worker(tmp_path)
-    measured: list[int] = []
-
-    def measure(w, sizes=calibrate.SIZES, rows=0):  # noqa: ANN001, ANN202
-        measured.append(1)
-        return [(n, n / 1000 if n < 256 else n / 4000) for n in (64, 128, 256, 512, 1024)]
-
-    monkeypatch.setattr(calibrate, "measure", measure)
+    worker, measured = counted_knee_256(tmp_path, monkeypatch)
     assert calibrate.resolve_chunk_size(worker, 0, at_start=False) == 256  # none cached
     assert calibrate.resolve_chunk_size(worker, 0, at_start=False) == 256
     assert len(measured) == 1  # one pick of three cached: a flip does not measure again
