@@ -167,6 +167,24 @@ def test_min_tokens_holds_back_stop_strings(client: openai.OpenAI) -> None:
         assert (text, reason) == (full, "length")
 
 
+def test_stop_reason_names_the_stop_string_or_token(client: openai.OpenAI) -> None:
+    """vLLM's ``stop_reason``: the stop string matched, the stop token id stopped on, else
+    null (a length finish, an EOS); clients such as lm-eval and vLLM's own benchmarks read it."""
+    base = dict(model=MODEL_NAME, prompt="In the beginning", temperature=0, max_tokens=24)
+    full = client.completions.create(**base, extra_body=EOS)
+    assert full.choices[0].model_extra["stop_reason"] is None  # length
+    text = full.choices[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    cut = client.completions.create(**base, stop=stop, extra_body=EOS)
+    assert cut.choices[0].model_extra["stop_reason"] == stop
+    streamed = list(client.completions.create(**base, stop=stop, stream=True, extra_body=EOS))
+    assert [c.choices[0].model_extra["stop_reason"] for c in streamed][-1] == stop
+    by_token = client.completions.create(**base, logit_bias={"301": 100},
+                                         extra_body={"stop_token_ids": [301]})
+    assert by_token.choices[0].finish_reason == "stop"
+    assert by_token.choices[0].model_extra["stop_reason"] == 301
+
+
 def test_echo_opens_each_choice_with_its_prompt(client: openai.OpenAI) -> None:
     kw = dict(model=MODEL_NAME, max_tokens=4, temperature=0, extra_body=EOS)
     plain = client.completions.create(prompt=["Once upon", "The cat"], **kw)

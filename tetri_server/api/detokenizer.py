@@ -129,6 +129,7 @@ class StopMatcher:
         self._pending = ""  # text not sent yet: it may be the start of a stop string
         self._sent = 0  # characters returned so far (where ``_pending`` starts)
         self.min_end = 0
+        self.matched: str | None = None  # the stop string that matched
 
     def feed(self, text: str, *, final: bool = False) -> tuple[str, bool]:
         """Return (text to send now, whether a stop string matched). After a match the text
@@ -141,6 +142,7 @@ class StopMatcher:
         if hits:
             self._pending = ""
             start, end = min(hits)
+            self.matched = pending[start:end]
             return pending[: end if self._include else start], True
         keep = 0 if final else min(len(pending), self._hold)
         self._pending = pending[len(pending) - keep :]

@@ -49,6 +49,9 @@ class Piece:
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per token, best first
     index: int = 0  # the choice (n > 1)
     prompt_logprobs: PromptLogprobs | None = None  # on the first piece, when asked for
+    # vLLM's stop_reason, on the last piece: the stop string matched, or the stop token id
+    # (one of stop_token_ids, not an EOS) the backend stopped on; None otherwise
+    stop_reason: int | str | None = None
 
 
 class Generation:
@@ -162,6 +165,11 @@ class Generation:
             text = self._detok.add(text_ids, final=final)
             self._chars += len(text)
         text, matched = self._stops.feed(text, final=final)
+        stop_reason: int | str | None = self._stops.matched if matched else None
+        if (not matched and backend_reason == "stop" and token_ids
+                and token_ids[-1] in self.req.params.stop_token_ids
+                and token_ids[-1] not in self._backend.eos_token_ids):
+            stop_reason = token_ids[-1]
         if self._echo_pending:  # echo: the prompt opens the first piece (never stop-matched)
             text, self._echo_pending = self.req.prompt_text + text, False
         reason = "stop" if matched else backend_reason
@@ -169,7 +177,8 @@ class Generation:
             self._finish(reason, now)
         if not self.req.logprobs:
             logprobs = top_logprobs = None
-        return Piece(text, list(token_ids), logprobs, reason, top_logprobs, self.index, prompt)
+        return Piece(text, list(token_ids), logprobs, reason, top_logprobs, self.index, prompt,
+                     stop_reason)
 
     def _finish(self, reason: str, now: float) -> None:
         self.finish_reason = reason

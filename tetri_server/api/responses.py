@@ -174,6 +174,7 @@ class ResponseBuilder:
             choice["text"] = text
         choice["logprobs"] = logprobs
         choice["finish_reason"] = finish_reason
+        choice["stop_reason"] = pieces[-1].stop_reason if pieces else None
         if self.req.prompt_top is not None:
             choice["prompt_logprobs"] = self._prompt_logprobs(index, prompt)
         return choice
@@ -233,6 +234,7 @@ class ResponseBuilder:
             choice["text"] = piece.text
         choice["logprobs"] = logprobs
         choice["finish_reason"] = reason
+        choice["stop_reason"] = piece.stop_reason
         if prompt is not None and self.req.prompt_top is not None:
             choice["prompt_logprobs"] = self._prompt_logprobs(piece.index, prompt)
         return self._chunk(choice)
