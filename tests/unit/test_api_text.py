@@ -116,3 +116,16 @@ def test_no_stop_string_ends_within_the_min_tokens_text() -> None:
     m.min_end = 5
     assert m.feed("xxxxabz") == ("xxxx", True)  # starts at 4, ends at 6 > 5
 
+
+def test_the_stop_string_that_completes_first_wins_however_the_text_arrives() -> None:
+    """Regression: with several matches in one piece the earliest start won, so the reply
+    depended on how tokens were grouped into deltas (a worker may send several at once):
+    "abcd" whole gave "x", "abc" then "d" gave "xa". vLLM takes the match that completes
+    first (ties in list order), as if the text came a character at a time."""
+    whole = StopMatcher(("abcd", "bc"))
+    assert whole.feed("xabcd") == ("xa", True) and whole.matched == "bc"
+    split = StopMatcher(("abcd", "bc"))
+    assert split.feed("xabc") == ("xa", True) and split.matched == "bc"
+    inner = StopMatcher(("bc", "b"))
+    assert inner.feed("abc") == ("a", True) and inner.matched == "b"  # "b" completes first
+

@@ -140,8 +140,10 @@ class StopMatcher:
                 ((pending.find(s, max(0, floor - len(s) + 1)), s) for s in self._stops)
                 if i >= 0]
         if hits:
+            # the match that completes first, ties in list order (vLLM): the same as feeding
+            # the text a character at a time, however the tokens were grouped into deltas
             self._pending = ""
-            start, end = min(hits)
+            start, end = min(hits, key=lambda h: h[1])
             self.matched = pending[start:end]
             return pending[: end if self._include else start], True
         keep = 0 if final else min(len(pending), self._hold)
