@@ -131,6 +131,11 @@ class StopMatcher:
         self.min_end = 0
         self.matched: str | None = None  # the stop string that matched
 
+    @property
+    def num_fed(self) -> int:
+        """Characters fed so far (sent and held)."""
+        return self._sent + len(self._pending)
+
     def feed(self, text: str, *, final: bool = False) -> tuple[str, bool]:
         """Return (text to send now, whether a stop string matched). After a match the text
         sent so far is the whole output."""

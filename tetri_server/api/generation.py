@@ -73,7 +73,6 @@ class Generation:
         self._detok = make_detokenizer(backend.tokenizer, req.prompt_ids,
                                        skip_special_tokens=req.skip_special_tokens)
         self._stops = StopMatcher(req.stop, include=req.include_stop_str)
-        self._chars = 0  # characters of output text detokenized so far
         self.num_output_tokens = 0
         self.finish_reason: str | None = None
         self._echo_pending = req.echo
@@ -145,31 +144,25 @@ class Generation:
         final = self._backend_done = backend_reason is not None
         if backend_reason == "abort":
             raise generation_failed("the request was aborted by the server")
-        text_ids = token_ids
-        if (backend_reason == "stop" and token_ids and not self.req.include_stop_str
-                and (token_ids[-1] in self.req.params.stop_token_ids
-                     or token_ids[-1] in self._backend.eos_token_ids)):
-            # the backend stopped on a stop token (EOS, stop_token_ids; a complete grammar
-            # ends with one too): like vLLM, its text is no part of the reply unless asked for
-            text_ids = token_ids[:-1]
+        # the stop token the backend stopped on (EOS, stop_token_ids; a complete grammar ends
+        # with one too): like vLLM, its text is no part of the reply unless asked for
+        stop_id = (token_ids[-1] if backend_reason == "stop" and token_ids
+                   and (token_ids[-1] in self.req.params.stop_token_ids
+                        or token_ids[-1] in self._backend.eos_token_ids) else None)
+        keep_stop = stop_id is None or self.req.include_stop_str
+        text_ids = token_ids if keep_stop else token_ids[:-1]
         # no stop string ends within the first min_tokens tokens' text (vLLM)
         below = self.req.params.min_tokens - (self.num_output_tokens - len(token_ids))
         if below > 0 and self.req.stop:
-            text = self._detok.add(text_ids[:below])
-            self._chars += len(text)
-            self._stops.min_end = self._chars
-            rest = self._detok.add(text_ids[below:], final=final)
-            self._chars += len(rest)
-            text += rest
+            head = self._detok.add(text_ids[:below])
+            self._stops.min_end = self._stops.num_fed + len(head)
+            text = head + self._detok.add(text_ids[below:], final=final)
         else:
             text = self._detok.add(text_ids, final=final)
-            self._chars += len(text)
         text, matched = self._stops.feed(text, final=final)
         stop_reason: int | str | None = self._stops.matched if matched else None
-        if (not matched and backend_reason == "stop" and token_ids
-                and token_ids[-1] in self.req.params.stop_token_ids
-                and token_ids[-1] not in self._backend.eos_token_ids):
-            stop_reason = token_ids[-1]
+        if stop_reason is None and stop_id not in self._backend.eos_token_ids:
+            stop_reason = stop_id  # vLLM names a stop token id, not an EOS
         if self._echo_pending:  # echo: the prompt opens the first piece (never stop-matched)
             text, self._echo_pending = self.req.prompt_text + text, False
         reason = "stop" if matched else backend_reason
