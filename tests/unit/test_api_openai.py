@@ -130,6 +130,31 @@ def test_stop_string_cuts_text_and_finishes(client: openai.OpenAI) -> None:
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+def test_a_stream_sends_a_chunk_for_every_token_even_with_its_text_held_back(
+    api: ApiHarness, client: openai.OpenAI, model_dir
+) -> None:
+    """Like vLLM, a token whose text is held back (the start of a stop string here) still
+    gets its chunk, with empty text: streaming clients count chunks as tokens (``vllm bench
+    serve``'s ITL, our bench client) and would otherwise see two tokens as one gap."""
+    prompt = "Once upon a time"
+    want = hf_greedy(model_dir("llama", "tiny"), [api.backend.tokenizer.encode(prompt)], N)[0]
+    full = _text_of(api, want)
+    head = _text_of(api, want[:4])
+    assert full.startswith(head) and head.strip()
+    stop = head + "\x00never"  # held back from token 4 on, never completed
+    chunks = list(client.completions.create(
+        model=MODEL_NAME, prompt=prompt, temperature=0, max_tokens=N, stop=[stop],
+        stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    body = chunks[:-1]
+    assert "".join(c.choices[0].text for c in body) == full
+    assert len(body) == N == chunks[-1].usage.completion_tokens
+    assert any(c.choices[0].text == "" for c in body)
+    chat = list(client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": prompt}], temperature=0,
+        max_tokens=N, stream=True, extra_body={"ignore_eos": True}))
+    assert len([c for c in chat if c.choices[0].delta.role is None]) == N
+
+
 def test_logprobs(client: openai.OpenAI) -> None:
     out = client.completions.create(
         model=MODEL_NAME,

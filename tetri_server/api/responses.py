@@ -205,11 +205,15 @@ class ResponseBuilder:
         ]
 
     def chunk(self, piece: Piece) -> dict[str, Any] | None:
-        """The SSE chunk for one piece, or None when it carries nothing a client would see."""
+        """The SSE chunk for one piece, or None when it carries nothing. A piece with tokens
+        gets its chunk even when their text is held back (a partial character, the start of a
+        stop string), with empty text, as vLLM sends it: streaming clients count chunks as
+        tokens. Only a tool-call parser holding text back sends nothing (vLLM's too)."""
         prompt = piece.prompt_logprobs
         has_logprobs = ((piece.logprobs is not None and bool(piece.token_ids))
                         or (prompt is not None and self.req.echo_top is not None))
-        if not piece.text and not has_logprobs and piece.finish_reason is None:
+        if (not piece.text and not piece.token_ids and not has_logprobs
+                and piece.finish_reason is None):
             return None
         logprobs = None
         if has_logprobs:
@@ -229,7 +233,8 @@ class ResponseBuilder:
             if not choice["delta"] and reason is None and logprobs is None:
                 return None  # held back: may be the start of a call
         elif self.chat:
-            choice["delta"] = {"content": piece.text} if piece.text else {}
+            choice["delta"] = ({"content": piece.text} if piece.text or piece.token_ids
+                               else {})
         else:
             choice["text"] = piece.text
         choice["logprobs"] = logprobs
