@@ -14,8 +14,9 @@ of its CPU time spent in the kernel (mostly first-touch page faults of freshly m
 
 Sections (markdown on stdout, progress on stderr):
 
-1. Baselines: matmul peak (``torch.mm`` of 2048x2048 matrices, best of N) and memcpy
-   bandwidth (``np.copyto`` of ~1 GiB into a pre-touched destination, best of N).
+1. Baselines: matmul peak (``torch.mm`` of 2048x2048 matrices, best of N), read bandwidth
+   (``torch.sum`` over ~1 GiB, best of N: the rooflines' bytes rate) and memcpy bandwidth
+   (``np.copyto`` of ~1 GiB into a pre-touched destination, best of N; reported only).
 2. Prefill: one step of exactly ``C`` tokens through ``ModelRunner.execute`` for C in 32..2048,
    (a) prompts of 128 tokens packed into the step (a TetriInfer chunk) and (b) one prompt of C
    tokens, against transformers' forward of the same C tokens as one sequence. Achieved GFLOP/s
@@ -29,7 +30,7 @@ Sections (markdown on stdout, progress on stderr):
    prompts, so no padding is needed) and every timed step of ``generate()`` is a decode step;
    its step times are the intervals between calls of a LogitsProcessor. Both report the median
    step. GB/s = (weights + KV read per step) / step; the roofline is max(FLOPs / matmul peak,
-   bytes / memcpy bandwidth).
+   bytes / read bandwidth).
 4. Before/after: the engine decode step at batch 32 (and the prefill step at the knee) with
    the old per-sequence SDPA loop and F.linear (before), the one ``tetri::ragged_attention`` op
    per layer, + prepacked oneDNN linears, + the fused layer ops, and + ``tetri::packed_linear``
@@ -307,7 +308,7 @@ QUICK = Params([32, 128, 512, 2048], [1, 32], [128, 1024], prefill_reps=2, decod
 
 
 # A section measures, then returns its table as a function: main renders every table after the
-# end-of-run baselines, so that each ratio to the matmul peak or memcpy bandwidth is to the
+# end-of-run baselines, so that each ratio to the matmul peak or read bandwidth is to the
 # highest of the start and end measurements (the header's promise), not to the start's alone.
 Table = Callable[[], tuple[list[str], Any]]
 
@@ -405,14 +406,14 @@ def decode_table(ours: Ours, base: Baselines, p: Params,
     out = [
         f"Decode: median step ({ours.timer.kind} time) of {p.decode_steps} engine.step() calls "
         f"(ours) and of the {p.hf_new_tokens - 1} step intervals of HF generate() (greedy, "
-        f"prefix cached); memcpy {base.bandwidth:.1f} GB/s; CPU share ours "
+        f"prefix cached); read {base.bandwidth:.1f} GB/s; CPU share ours "
         f"{ours.timer.share_text('decode-ours')} / HF {ours.timer.share_text('decode-hf')}. "
         "Roofline = max(FLOPs / "
-        "matmul peak, weight+KV bytes / memcpy GB/s); HF/roofline bounds what any engine could "
+        "matmul peak, weight+KV bytes / read GB/s); HF/roofline bounds what any engine could "
         "gain over HF.",
         "",
         "| ctx | batch | ours step ms | ours tok/s | HF step ms | HF tok/s | ours/HF "
-        "| ours GB/s read | % of memcpy | roofline ms | HF/roofline |",
+        "| ours GB/s read | % of read GB/s | roofline ms | HF/roofline |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         *rows,
     ]
@@ -420,7 +421,7 @@ def decode_table(ours: Ours, base: Baselines, p: Params,
 
 
 def roofline_s(sh: Shape, base: Baselines, batch: int, ctx: int) -> float:
-    """max(FLOPs / matmul peak, weight+KV bytes / memcpy bandwidth) of one decode step."""
+    """max(FLOPs / matmul peak, weight+KV bytes / read bandwidth) of one decode step."""
     read = sh.weight_bytes + sh.kv_bytes(batch, ctx)
     return max(sh.decode_flops(batch, ctx) / (base.peak * 1e9), read / (base.bandwidth * 1e9))
 
@@ -463,7 +464,7 @@ def bench_attention_op(ours: Ours, base: Baselines, p: Params, knee: int) -> Tab
                     times[name].append(ours.timer.timed(run, "attention"))
     prefill_best = {name: min(ts[1:]) for name, ts in times.items()}
 
-    def table() -> tuple[list[str], dict[int, float]]:
+    def table() -> tuple[list[str], tuple[dict[int, float], float]]:
         rows, ratios = [], {}
         for ctx, med in decode_med.items():
             roof = roofline_s(ours.shape, base, batch, ctx)
@@ -483,7 +484,9 @@ def bench_attention_op(ours: Ours, base: Baselines, p: Params, knee: int) -> Tab
             "| step | before ms | op ms | onednn ms | fused ms | after ms | before/after "
             "| fused/after | roofline ms | before/roofline | after/roofline |",
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        return head + rows, ratios
+        knee_flops = ours.shape.prefill_flops(packed_lens(knee, p.pack_len))
+        knee_pct = 100 * knee_flops / prefill_best["after"] / 1e9 / base.peak
+        return head + rows, (ratios, knee_pct)
 
     return table
 
@@ -709,19 +712,25 @@ def main(argv: list[str] | None = None) -> int:
         report += lines + [""]
     report += later
     ratios: dict[int, float] = results.get("ratios", {})
-    attn_ratios: dict[int, float] = results.get("attn_ratios", {})
+    attn_ratios: dict[int, float]
+    attn_ratios, knee_exact = results.get("attn_ratios", ({}, None))
     report[4:4] = [
         f"Baselines (start / end of the run, the max is used): {args.dtype} matmul 2048^3 "
-        f"{' / '.join(f'{g:.1f}' for g in base.peak_gflops)} GFLOP/s; np.copyto "
+        f"{' / '.join(f'{g:.1f}' for g in base.peak_gflops)} GFLOP/s; read (torch.sum) "
+        f"{' / '.join(f'{g:.1f}' for g in base.read_gbps)} GB/s; np.copyto (reported only) "
         f"{' / '.join(f'{g:.1f}' for g in base.mem_gbps)} GB/s; CPU share "
         f"{timer.share_text('baselines')}",
         "",
     ]
     targets = []
-    if "knee_pct" in results:
-        ok = results["knee_pct"] >= 90
-        targets.append(f"prefill at the knee ({knee}) = {results['knee_pct']:.0f}% of matmul "
-                       f"peak (target >= 90%): {'MET' if ok else 'MISSED'}")
+    if knee_exact is not None or "knee_pct" in results:
+        # the before/after section times a step of exactly the knee; the prefill table only
+        # the sizes it measures, and reads the knee's % at the next one (at least as fast)
+        pct, where = ((knee_exact, "a step of exactly the knee, before/after section")
+                      if knee_exact is not None else
+                      (results["knee_pct"], "the next size measured, prefill table"))
+        targets.append(f"prefill at the knee ({knee}) = {pct:.0f}% of matmul peak ({where}; "
+                       f"target >= 90%): {'MET' if pct >= 90 else 'MISSED'}")
     for ctx, r in ratios.items():
         targets.append(f"decode at batch 32, context {ctx} = {r:.2f}x generate() (target >= 5x): "
                        f"{'MET' if r >= 5 else 'MISSED'}")

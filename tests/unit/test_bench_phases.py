@@ -77,11 +77,13 @@ def test_bench_engine_rates_against_the_best_of_the_start_and_end_baselines(mode
     hf = tool.HF(timer, model_dir("llama"))
     p = tool.Params([16, 32], [2], [16], prefill_reps=1, decode_steps=2, decode_warmup=1,
                     hf_new_tokens=3, layout_steps=1, pack_len=16, layout_configs=[])
-    base = Baselines(timer, peak_gflops=[100.0], mem_gbps=[10.0])  # the start's
+    # the start's; the roofline reads bytes at the read rate, not the (lower) copy rate
+    base = Baselines(timer, peak_gflops=[100.0], mem_gbps=[10.0], read_gbps=[15.0])
     prefill, _knee = tool.bench_prefill(ours, hf, base, p)
     decode = tool.bench_decode(ours, hf, base, p)
     base.peak_gflops.append(200.0)  # the end's, measured after the sections ran
     base.mem_gbps.append(20.0)
+    base.read_gbps.append(30.0)
     lines, knee_pct = prefill()
     assert "matmul peak 200.0 GFLOP/s" in lines[0]
     c32 = next(line for line in lines if line.startswith("| 32 ") or line.startswith("| **32**"))
@@ -91,7 +93,10 @@ def test_bench_engine_rates_against_the_best_of_the_start_and_end_baselines(mode
     row = next(line for line in lines if line.startswith("| 16 | 2 |"))
     roof_ms = float(row.split("|")[10])
     assert abs(roof_ms - 1e3 * tool.roofline_s(ours.shape, base, 2, 16)) < 0.06
-    assert "memcpy 20.0 GB/s" in lines[0]
+    sh = ours.shape
+    bytes_s = (sh.weight_bytes + sh.kv_bytes(2, 16)) / 30e9
+    assert tool.roofline_s(sh, base, 2, 16) == max(sh.decode_flops(2, 16) / 200e9, bytes_s)
+    assert "read 30.0 GB/s" in lines[0]
     assert 0 < knee_pct < 100
 
 

@@ -92,5 +92,6 @@ def measure(model_path: Path, shapes: Shapes = Shapes(), clock: str = "cpu",
     base.measure(quick=True)
     info = {"core": core, "clock": clock, "dtype": dtype,
             "matmul_peak_gflops": base.peak_gflops, "memcpy_gbps": base.mem_gbps,
+            "read_gbps": base.read_gbps,
             "cpu_share": {k: round(v.share, 3) for k, v in timer.shares.items()}}
     return samples, model_shape(drv, Path(model_path).name), info
