@@ -348,3 +348,18 @@ def test_with_nothing_pinned_a_planned_row_that_does_not_fit_is_still_an_error()
     plan = DecodeStepPlan(PreemptPlan(), AdmitPlan((1,), (1,)), (1,))
     with pytest.raises(RuntimeError, match="disagree"):
         carry_out(plan, {1: big}, m)
+
+
+def test_a_reserved_tail_is_out_of_the_allocator_for_good():
+    """The CUDA-graph scratch block: once reserved, an empty pool reads all free (a flip's
+    drain check compares the two), and no extent, growth or move ever reaches it."""
+    a = BlockAllocator(10)
+    assert a.reserve_tail(1) == [9]
+    assert a.num_blocks == a.num_free == 9
+    ext = a.allocate(4)
+    assert a.extend(ext, 5) and ext[-1] == 8
+    assert not a.extend(ext, 1)
+    with pytest.raises(OutOfBlocks):
+        a.allocate(1)
+    a.free(ext)
+    assert a.num_free == a.num_blocks == 9 and a.largest_free_run() == 9

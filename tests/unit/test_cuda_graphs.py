@@ -40,13 +40,16 @@ def test_buckets_cover_every_batch_up_to_the_max():
 def with_graphs(eng, max_batch: int) -> tuple[DecodeGraphs, list[int]]:  # noqa: ANN001
     """The engine's runner on eager-replayed decode graphs, set up as a worker sets them up
     (the scratch block taken from the end of the pool)."""
-    free = eng.allocator.num_free
+    total, free = eng.allocator.num_blocks, eng.allocator.num_free
     graphs = decode_graphs(eng.model, eng.kv, eng.allocator, eng.kv_manager.block_size,
                            max_batch, eng.device, capture=False)
-    assert eng.allocator.num_free == free - SCRATCH_BLOCKS
+    # out of the allocator for good: an empty pool is all free again (a flip's drain check,
+    # admission's total), and no extent can reach the scratch block
+    assert eng.allocator.num_blocks == total - SCRATCH_BLOCKS
+    assert eng.allocator.num_free == free - SCRATCH_BLOCKS == eng.allocator.num_blocks
     eng.runner.graphs = graphs
     scratch = graphs.scratch_slot // eng.kv_manager.block_size
-    assert scratch == eng.allocator.num_blocks - 1
+    assert scratch == total - 1
     return graphs, [scratch]
 
 

@@ -9,8 +9,9 @@ returns the real rows' logits. Prefill, mixed steps and steps that want prompt l
 eager (``graphable``); sampling runs after the forward, outside the graph.
 
 Padding rows attend to one token of context at a scratch slot and write their K/V there: the
-pool's last block, which the worker takes from its allocator for good (``SCRATCH_BLOCKS``), so
-no sequence's KV is ever touched by a padding row.
+pool's last block, which the worker takes out of its allocator for good (``SCRATCH_BLOCKS``), so
+no sequence's KV is ever touched by a padding row, and the allocator's counts (a drained
+worker's free blocks, admission's total) leave it out.
 
 What a graph holds fixed is exactly what a bucket fixes: the number of tokens and sequences
 (the attention kernel's grid) and the buffers' addresses. Context lengths and pool offsets are
@@ -135,13 +136,18 @@ class DecodeGraphs:
         return self._run(b)[:n]
 
 
+def scratch_blocks(device: torch.device, cuda_graphs: bool) -> int:
+    """The blocks ``decode_graphs`` will take from a pool on ``device`` (for its size checks)."""
+    return SCRATCH_BLOCKS if device.type == "cuda" and cuda_graphs else 0
+
+
 def decode_graphs(model: ForwardFn, kv: torch.Tensor, allocator: BlockAllocator,
                   block_size: int, max_batch: int, device: torch.device,
                   capture: bool = True) -> DecodeGraphs:
-    """Take the scratch block from the end of the pool for good and capture the decode graphs
-    (a worker calls this once, after loading the model and before any request)."""
-    start = allocator.num_blocks - SCRATCH_BLOCKS
-    scratch = allocator.allocate_at(start, SCRATCH_BLOCKS)
+    """Take the scratch block from the end of the pool out of the allocator for good
+    (``reserve_tail``) and capture the decode graphs (a worker calls this once, after loading
+    the model and before any request)."""
+    scratch = allocator.reserve_tail(SCRATCH_BLOCKS)
     graphs = DecodeGraphs(model, kv, scratch[0] * block_size, max_batch, device, capture)
     graphs.capture()
     return graphs

@@ -74,6 +74,17 @@ class BlockAllocator:
         self._take(start, num)
         return list(range(start, start + num))
 
+    def reserve_tail(self, num: int) -> list[int]:
+        """Take the last ``num`` blocks out of the allocator for good (a worker's CUDA-graph
+        scratch block); they must be free. From then on it owns ``num_blocks - num`` blocks,
+        so what counts its blocks (the drain check before a flip, admission, load reports)
+        sees only those a request can have."""
+        start = self.num_blocks - num
+        taken = self.allocate_at(start, num)
+        del self.refcount[start:]
+        self.num_blocks = start
+        return taken
+
     def extend(self, blocks: list[int], num: int) -> bool:
         """Grow the extent ``blocks`` in place by ``num`` blocks if the blocks after it are free.
         Appends to ``blocks`` and returns True, or changes nothing and returns False."""

@@ -15,7 +15,7 @@ import torch
 
 from tetri_server.channel import Channel
 from tetri_server.config import Config
-from tetri_server.engine.cuda_graphs import decode_graphs
+from tetri_server.engine.cuda_graphs import decode_graphs, scratch_blocks
 from tetri_server.engine.grammar import Grammars
 from tetri_server.engine.loader import load_model
 from tetri_server.engine.runner import ModelRunner
@@ -98,9 +98,11 @@ class Worker:
         dtype = next(self.model.parameters()).dtype
         bs = self.cfg.kv.block_size
         num_blocks = self.cfg.kv.num_blocks or self._blocks_from_memory(dtype)
-        if num_blocks < blocks_for(self.max_model_len, bs):
-            raise ValueError(f"KV pool of {num_blocks} blocks cannot hold one sequence of "
-                             f"max_model_len={self.max_model_len}; raise kv.num_blocks")
+        scratch = scratch_blocks(self.device, mcfg.cuda_graphs)
+        if num_blocks - scratch < blocks_for(self.max_model_len, bs):
+            raise ValueError(f"KV pool of {num_blocks} blocks ({scratch} for CUDA graphs) "
+                             f"cannot hold one sequence of max_model_len={self.max_model_len}; "
+                             "raise kv.num_blocks")
         geometry = PoolGeometry(s.num_layers, num_blocks, bs, s.num_kv_heads, s.head_dim, dtype)
         self.transport = make_transport(self.cfg.kv.transport, self.worker_id, geometry,
                                         self.device, spec.kv_segment)
