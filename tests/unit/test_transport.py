@@ -83,3 +83,28 @@ def test_transport_choice_fails_loudly():
     if not torch.cuda.is_available():
         with pytest.raises((ValueError, RuntimeError)):
             make_transport("cuda_ipc", 0, g, torch.device("cpu"), "x")
+
+
+def test_a_peer_pool_already_unlinked_is_skipped_not_fatal(tmp_path):
+    """A worker that exits unlinks its own pool before control sees it die, so a PeerPools
+    can still list it: mapping the others must go on (it crashed the new worker), and a
+    hand-off from the gone peer finds no mapping (a KeyError, which rejects the hand-off)."""
+    from tetri_server.kv.transport import open_peers
+
+    g = PoolGeometry(2, 8, 4, 2, 8, torch.float32)
+    cpu = torch.device("cpu")
+    alive = make_transport("shm", 1, g, cpu, f"tetri-test-alive-{tmp_path.name}")
+    dead = make_transport("shm", 2, g, cpu, f"tetri-test-dead-{tmp_path.name}")
+    me = make_transport("shm", 3, g, cpu, f"tetri-test-me-{tmp_path.name}")
+    try:
+        alive.kv.fill_(1.0)
+        handles = [dead.export(), alive.export()]
+        dead.close()  # unlinked, as a worker's exit does
+        assert open_peers(me, handles) == [2]
+        me.copy_blocks(1, [0], [0], 4)
+        assert bool((me.kv[:, :, :, :4] == 1.0).all())
+        with pytest.raises(KeyError):
+            me.copy_blocks(2, [0], [0], 4)
+    finally:
+        for t in (alive, me):
+            t.close()

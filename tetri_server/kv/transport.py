@@ -14,6 +14,8 @@ stays valid even if the owner dies, until ``drop``.
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -23,6 +25,7 @@ from tetri_server.messages import PoolHandle
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 NAME_DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
+log = logging.getLogger("tetri.kv")
 
 
 @dataclass(frozen=True)
@@ -102,6 +105,24 @@ def copy_extent_runs(src: torch.Tensor, dst: torch.Tensor, src_ids: list[int],
         s, d = src_ids[i] * block_size, dst_ids[i] * block_size
         dst[:, :, :, d:d + n].copy_(src[:, :, :, s:s + n])
         i = j
+
+
+def open_peers(transport: KVTransport, pools: Iterable[PoolHandle]) -> list[int]:
+    """Map each peer's pool and drop the mappings of peers not listed. A pool that cannot be
+    mapped is skipped, not fatal, and its worker id returned: a peer that exited unlinks its
+    own pool before control sees it die, so a ``PeerPools`` may still list it (a ``Handoff``
+    from it then finds no mapping and is rejected, and the request re-dispatched)."""
+    pools = list(pools)
+    transport.retain({p.worker_id for p in pools})
+    gone = []
+    for p in pools:
+        try:
+            transport.open(p)
+        except (OSError, RuntimeError) as e:  # shm: the segment is gone; CUDA: a dead handle
+            log.warning("cannot map worker %d's KV pool (%s); skipped", p.worker_id, e)
+            transport.drop(p.worker_id)
+            gone.append(p.worker_id)
+    return gone
 
 
 def make_transport(kind: str, worker_id: int, geometry: PoolGeometry, device: torch.device,

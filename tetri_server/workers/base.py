@@ -21,7 +21,7 @@ from tetri_server.engine.loader import load_model
 from tetri_server.engine.runner import ModelRunner
 from tetri_server.kv.blocks import BlockAllocator, blocks_for
 from tetri_server.kv.manager import KVCacheManager
-from tetri_server.kv.transport import PoolGeometry, make_transport
+from tetri_server.kv.transport import PoolGeometry, make_transport, open_peers
 from tetri_server.messages import (
     Abort,
     AddRequest,
@@ -249,10 +249,7 @@ class Worker:
             self.role.handle(msg)
 
     def on_peer_pools(self, msg: PeerPools) -> None:
-        peers = [p for p in msg.pools if p.worker_id != self.worker_id]
-        self.transport.retain({p.worker_id for p in peers})
-        for p in peers:
-            self.transport.open(p)
+        open_peers(self.transport, [p for p in msg.pools if p.worker_id != self.worker_id])
 
 
 class Role:
