@@ -72,3 +72,42 @@ def test_a_pool_larger_than_dev_shm_is_a_clear_error_not_sigbus(tmp_path):
         assert "kv.num_blocks" in out.stdout
     finally:
         subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_a_restart_that_cannot_spawn_is_retried_and_leaves_no_segment(monkeypatch):
+    """A restart whose spawn fails (/dev/shm full: the second ring cannot be made) counts as
+    a death: it is tried again after the back-off, until the give-up limit makes the server
+    exit — never a worker id left dead for good with /health at 503. The ring already made
+    for it is unlinked, not leaked."""
+    import asyncio
+
+    from tetri_server.channel import SHM_DIR, Channel
+    from tetri_server.config import load_config
+    from tetri_server.control import supervisor as sup
+    from tetri_server.control.monitor import NullMetrics
+
+    cfg = load_config(None, ["cluster.restart_backoff_s=0.01", "cluster.max_restarts=3"])
+    made: list[str] = []
+    calls = iter(range(100))
+    real_create = Channel.create
+
+    def create_one_then_fail(name, capacity, msg_type):  # noqa: ANN001, ANN202
+        if next(calls) % 2 == 1:  # each spawn's second ring
+            raise OSError(28, f"{SHM_DIR} has no room for the ring")
+        made.append(name)
+        return real_create(name, capacity, msg_type)
+
+    monkeypatch.setattr(Channel, "create", staticmethod(create_one_then_fail))
+
+    async def scenario() -> str:
+        s = sup.Supervisor(cfg, lambda h, m: None, lambda h, c: None, lambda m, e: None,
+                           NullMetrics())
+        s.begin("tetri-test-restart")
+        s.started = True
+        s._restart(0, "prefill")
+        return await asyncio.wait_for(s.fatal, 10.0)
+
+    msg = asyncio.run(scenario())
+    assert "died 4 times in a row" in msg
+    assert len(made) == 4  # the first try and three restarts, each made its inbox
+    assert not [n for n in made if os.path.exists(os.path.join(SHM_DIR, n))]

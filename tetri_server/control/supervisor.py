@@ -91,18 +91,28 @@ def spawn_worker(worker_id: int, role: str, generation: int, run_id: str,
     loop = asyncio.get_running_loop()
     # A fresh random part per generation: names no other local user can guess or pre-create.
     prefix = f"{run_id}-w{worker_id}g{generation}-{secrets.token_hex(4)}"
-    inbox: Channel[ToWorker] = Channel.create(f"{prefix}-in", RING_BYTES, ToWorker)
-    outbox: Channel[FromWorker] = Channel.create(f"{prefix}-out", RING_BYTES, FromWorker)
-    spec = WorkerSpec(worker_id, role, generation, run_id, config, inbox.spec, outbox.spec, cpus,
-                      num_threads, os.getpid(), f"{prefix}-kv", device)
-    # glibc would hand a step's large temporaries back to the OS and fault them in again on
-    # the next step (30-40% extra time in a prefill-only process): keep freed memory.
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS=str(num_threads))
-    env.setdefault("GLIBC_TUNABLES", "glibc.malloc.mmap_threshold=268435456:"
-                   "glibc.malloc.trim_threshold=1073741824")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tetri_server.workers.main", msgspec.json.encode(spec).decode()],
-        pass_fds=inbox.spec.fds + outbox.spec.fds, stdin=subprocess.DEVNULL, env=env)
+    made: list[Channel[Any]] = []
+    try:  # a failure (/dev/shm full, no fork) leaves no segment behind
+        inbox: Channel[ToWorker] = Channel.create(f"{prefix}-in", RING_BYTES, ToWorker)
+        made.append(inbox)
+        outbox: Channel[FromWorker] = Channel.create(f"{prefix}-out", RING_BYTES, FromWorker)
+        made.append(outbox)
+        spec = WorkerSpec(worker_id, role, generation, run_id, config, inbox.spec, outbox.spec,
+                          cpus, num_threads, os.getpid(), f"{prefix}-kv", device)
+        # glibc would hand a step's large temporaries back to the OS and fault them in again
+        # on the next step (30-40% extra time in a prefill-only process): keep freed memory.
+        env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS=str(num_threads))
+        env.setdefault("GLIBC_TUNABLES", "glibc.malloc.mmap_threshold=268435456:"
+                       "glibc.malloc.trim_threshold=1073741824")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tetri_server.workers.main",
+             msgspec.json.encode(spec).decode()],
+            pass_fds=inbox.spec.fds + outbox.spec.fds, stdin=subprocess.DEVNULL, env=env)
+    except BaseException:
+        for ch in made:
+            ch.close()
+            ch.unlink()
+        raise
     handle = WorkerHandle(worker_id, role, generation, proc, inbox, outbox, f"{prefix}-kv",
                           os.pidfd_open(proc.pid))
     handle.receiver = AsyncReceiver(outbox, loop, lambda msg: on_message(handle, msg))
@@ -201,25 +211,34 @@ class Supervisor:
             return  # start() reports a worker that dies before it is ready
         log.error("worker %d (%s) exited with code %s", h.worker_id, h.role, code)
         self._on_death(h, code)
-        if not self.cfg.cluster.restart_workers:
-            return
-        delay = self.restarts.on_death(h.worker_id, time.monotonic())
+        if self.cfg.cluster.restart_workers:
+            self._schedule_restart(h.worker_id, h.role)
+
+    def _schedule_restart(self, worker_id: int, role: str) -> None:
+        """After a death, or a restart that could not even spawn: back off and try again, or
+        give up (the server exits) after too many in a row."""
+        delay = self.restarts.on_death(worker_id, time.monotonic())
         if delay is None:
-            n = self.restarts.deaths_in_a_row(h.worker_id)
-            msg = f"worker {h.worker_id} died {n} times in a row; giving up"
+            n = self.restarts.deaths_in_a_row(worker_id)
+            msg = f"worker {worker_id} died {n} times in a row; giving up"
             log.critical("%s: the server exits", msg)
             if self.fatal is not None and not self.fatal.done():
                 self.fatal.set_result(msg)
             return
-        log.warning("restarting worker %d (%s) in %.1f s", h.worker_id, h.role, delay)
+        log.warning("restarting worker %d (%s) in %.1f s", worker_id, role, delay)
         self.num_restarts += 1
-        self.metrics.inc_restarts(h.worker_id)
-        asyncio.get_running_loop().call_later(delay, self._restart, h.worker_id, h.role)
+        self.metrics.inc_restarts(worker_id)
+        asyncio.get_running_loop().call_later(delay, self._restart, worker_id, role)
 
     def _restart(self, worker_id: int, role: str) -> None:
         if self.stopping:
             return
-        new = self.spawn(worker_id, role, self.cfg.to_dict(redact=True))
+        try:
+            new = self.spawn(worker_id, role, self.cfg.to_dict(redact=True))
+        except Exception as e:  # counts as a death: never a worker id left dead for good
+            log.error("restarting worker %d failed: %s", worker_id, e)
+            self._schedule_restart(worker_id, role)
+            return
         new.ready.add_done_callback(_log_ready_failure)
         asyncio.get_running_loop().call_later(self.cfg.cluster.worker_start_timeout_s,
                                               self._start_timed_out, new)
