@@ -4,6 +4,8 @@ chunk size; blocks never leak; seeded sampling is reproducible."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import shutil
 
 import pytest
 import torch
@@ -156,6 +158,50 @@ def test_sliding_window_models_equal_transformers_past_the_window(model_dir, fam
                       "kv.num_blocks=400")
     assert eng.spec.sliding_window == overrides["sliding_window"]
     assert eng.generate(prompts, params) == hf_greedy(path, prompts, params.max_tokens)
+
+
+def test_a_llama_config_with_a_sliding_window_field_attends_to_the_whole_context(
+        model_dir, tmp_path):
+    """Regression: Llama has no window, and vLLM ignores the field; we applied it. (The
+    reference here is transformers on the same weights without the field: transformers 5's
+    forward ignores it too, but its DynamicCache keeps only the window when decoding, so its
+    own generate() mixes the two.)"""
+    path = model_dir("llama", sliding_window=16)
+    plain = tmp_path / "plain"
+    shutil.copytree(path, plain)
+    cfg = json.loads((plain / "config.json").read_text())
+    del cfg["sliding_window"]
+    (plain / "config.json").write_text(json.dumps(cfg))
+    prompts = random_prompts(2, 8000, (60, 100), seed=3)
+    eng = make_engine(str(path), "kv.num_blocks=200")
+    assert eng.spec.sliding_window is None
+    assert eng.generate(prompts, GREEDY) == hf_greedy(plain, prompts, GREEDY.max_tokens)
+
+
+@pytest.mark.parametrize(("family", "overrides", "field"), [
+    ("llama", {"hidden_act": "gelu"}, "hidden_act"),
+    ("qwen2", {"hidden_act": "relu"}, "hidden_act"),
+    ("llama", {"attention_bias": True}, "attention_bias"),
+    ("mistral", {"mlp_bias": True}, "mlp_bias"),
+    ("llama", {"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 8,
+                                "long_factor": [2.0] * 8,
+                                "original_max_position_embeddings": 64}}, "longrope"),
+    ("opt", {"tie_word_embeddings": False}, "tie_word_embeddings"),
+    ("opt", {"enable_bias": False}, "enable_bias"),
+    ("opt", {"layer_norm_elementwise_affine": False}, "layer_norm_elementwise_affine"),
+    ("opt", {"activation_function": "gelu_new"}, "activation_function"),
+])
+def test_configs_the_engine_would_serve_wrong_are_refused_by_name(family, overrides, field):
+    """Regression: each of these loaded and served tokens different from transformers'
+    (hidden_act, longrope past its original length, an untied OPT head), or failed to load
+    with a bare KeyError or 'unexpected weights'. Now the load names the field."""
+    from transformers import AutoConfig
+
+    from tetri_server.engine.spec import spec_from_hf_config
+
+    hf = AutoConfig.for_model(family, **overrides)
+    with pytest.raises(ValueError, match=field):
+        spec_from_hf_config(hf)
 
 
 @pytest.mark.parametrize("kv_heads", [4, 2])

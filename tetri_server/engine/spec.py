@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+log = logging.getLogger("tetri.engine")
 LLAMA_FAMILY = {"llama", "qwen2", "mistral"}
 FAMILIES = LLAMA_FAMILY | {"opt"}
+OPT_ACTIVATIONS = ("relu", "gelu", "silu")  # engine/opt.py's ACTIVATIONS
 
 
 @dataclass(frozen=True)
@@ -77,16 +80,43 @@ def _rope_params(hf: Any) -> dict[str, Any]:
         rp.setdefault("rope_theta", getattr(hf, "rope_theta", 10000.0))
     rp = dict(rp)
     rp.setdefault("rope_type", rp.get("type", "default"))
-    if rp["rope_type"] == "dynamic":
-        raise ValueError("rope_type 'dynamic' is not supported (its frequencies depend on the "
-                         "batch's length); use a checkpoint with static RoPE scaling")
+    if rp["rope_type"] in ("dynamic", "longrope"):
+        raise ValueError(f"rope_type {rp['rope_type']!r} is not supported (its frequencies "
+                         "depend on the sequence's length); use a checkpoint with static RoPE "
+                         "scaling")
     return rp
+
+
+def _unsupported(family: str, hf: Any) -> str | None:
+    """What in a config of a supported family this engine would serve wrong or fail to load
+    (named, so the user sees which field), or None."""
+    if family == "opt":
+        if not getattr(hf, "tie_word_embeddings", True):
+            return "tie_word_embeddings = false (an LM head of its own)"
+        if not getattr(hf, "enable_bias", True):
+            return "enable_bias = false"
+        if not getattr(hf, "layer_norm_elementwise_affine", True):
+            return "layer_norm_elementwise_affine = false"
+        if hf.activation_function not in OPT_ACTIVATIONS:
+            return (f"activation_function = {hf.activation_function!r} (supported: "
+                    f"{', '.join(OPT_ACTIVATIONS)})")
+        return None
+    if getattr(hf, "hidden_act", "silu") != "silu":
+        return f"hidden_act = {hf.hidden_act!r} (the MLP runs SiLU only)"
+    if family == "llama" and getattr(hf, "attention_bias", False):
+        return "attention_bias = true (biases on q/k/v and o_proj)"
+    if getattr(hf, "mlp_bias", False):
+        return "mlp_bias = true"
+    return None
 
 
 def spec_from_hf_config(hf: Any) -> ModelSpec:
     family = getattr(hf, "model_type", "")
     if family not in FAMILIES:
         raise ValueError(f"unsupported model_type {family!r}; supported: {sorted(FAMILIES)}")
+    reason = _unsupported(family, hf)
+    if reason is not None:
+        raise ValueError(f"unsupported {family} config: {reason}")
     if family == "opt":
         heads = hf.num_attention_heads
         return ModelSpec(
@@ -103,8 +133,15 @@ def spec_from_hf_config(hf: Any) -> ModelSpec:
         )
     heads = hf.num_attention_heads
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
-    bias = family == "qwen2" or bool(getattr(hf, "attention_bias", False))
+    bias = family == "qwen2"  # q/k/v biases (a llama with attention_bias is refused above)
     window = getattr(hf, "sliding_window", None)
+    if family == "llama" and window and not getattr(hf, "layer_types", None):
+        # Llama has no window: vLLM ignores the field, and so does transformers' forward
+        # (transformers 5's DynamicCache still keeps only the last `window` tokens, so its
+        # generate() attends to all of the prompt but to a window when decoding)
+        log.warning("llama config sets sliding_window=%s: ignored (Llama attends to the whole "
+                    "context, as vLLM serves it)", window)
+        window = None
     if family == "qwen2" and not getattr(hf, "use_sliding_window", False):
         window = None
     sliding_layers: tuple[bool, ...] = ()
