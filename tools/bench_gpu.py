@@ -161,9 +161,11 @@ def main(argv: list[str] | None = None) -> int:
     drv = EngineDriver(Timer("wall"), folder, args.batch, args.ctx, extra_steps,
                        dtype=args.dtype, sets=extra)
     eng = drv.eng
-    graphs: DecodeGraphs = decode_graphs(eng.model, eng.kv, eng.allocator,
-                                         eng.kv_manager.block_size, args.batch, eng.device,
-                                         capture=device.type == "cuda")
+    made = decode_graphs(eng.model, eng.kv, eng.allocator, eng.kv_manager.block_size,
+                         args.batch, eng.device, capture=device.type == "cuda")
+    if made is None:
+        raise SystemExit("CUDA graphs cannot run here (see the warning above)")
+    graphs: DecodeGraphs = made
 
     def capture_again() -> DecodeGraphs:
         """The same buckets captured again, on the model's kernels as they are now."""

@@ -6,6 +6,8 @@ capture itself runs in tests/gpu (a GPU machine)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -149,3 +151,31 @@ def test_the_gpu_benchmark_runs_its_code_on_cpu(tmp_path, capsys):
     assert "aten::" in out  # the profiler's operators
     assert "| 1 x 8 | 8 |" in out and "| 2 x 4 | 8 |" in out
     assert "fused / eager |" in out and "Profile of 2 prefill (1 x 8) steps" in out
+
+
+def test_graphs_are_refused_where_attention_would_read_the_captures_lists(model_dir,
+                                                                          monkeypatch):
+    """Regression: with no tetri::ragged_attention kernel for the device (a GPU without
+    Triton, or older than sm80), attention fell back to the per-sequence loop, which reads
+    the metadata's Python lists — the capture's, one token at the scratch slot — so every
+    replayed decode step attended to that alone (garbage tokens, HTTP 200). Now no graphs
+    are made (a warning) and the pool keeps its scratch block; decode runs eagerly."""
+    from tetri_server.engine import cuda_graphs
+    from tetri_server.engine.attention import paged_attention
+
+    eng = make_engine(str(model_dir("llama")), "kv.num_blocks=200")
+    total = eng.allocator.num_blocks
+    bs = eng.kv_manager.block_size
+    monkeypatch.setattr(cuda_graphs, "ragged_attention_op", lambda device_type: None)
+    assert "no tetri::ragged_attention kernel" in cuda_graphs.graphs_unsupported(
+        eng.model, eng.device)
+    assert decode_graphs(eng.model, eng.kv, eng.allocator, bs, 8, eng.device,
+                         capture=False) is None
+    monkeypatch.undo()
+    kernels = eng.model.kernels
+    eng.model.kernels = dataclasses.replace(kernels, attention=paged_attention)
+    assert decode_graphs(eng.model, eng.kv, eng.allocator, bs, 8, eng.device,
+                         capture=False) is None
+    eng.model.kernels = kernels
+    assert eng.allocator.num_blocks == total
+    assert cuda_graphs.graphs_unsupported(eng.model, eng.device) is None

@@ -31,7 +31,8 @@ from collections.abc import Callable
 
 import torch
 
-from tetri_server.engine.attention import BatchMetadata
+from tetri_server.engine.attention import BatchMetadata, ragged_attention
+from tetri_server.engine.ops import ragged_attention_op
 from tetri_server.kv.blocks import BlockAllocator
 
 log = logging.getLogger("tetri.graphs")
@@ -141,12 +142,32 @@ def scratch_blocks(device: torch.device, cuda_graphs: bool) -> int:
     return SCRATCH_BLOCKS if device.type == "cuda" and cuda_graphs else 0
 
 
+def graphs_unsupported(model: ForwardFn, device: torch.device) -> str | None:
+    """Why a replayed graph would compute wrong tokens with this model on this device, or
+    None. A replay changes only the buffers' contents, so attention must read its metadata
+    from them: one ``tetri::ragged_attention`` call with a kernel for the device. The
+    per-sequence fallback reads the metadata's Python lists, which stay the capture's (one
+    token of context at the scratch slot): every replayed step would attend to that alone."""
+    attention = getattr(getattr(model, "kernels", None), "attention", None)
+    if attention is not ragged_attention:
+        return "the model's attention is not the one tetri::ragged_attention call"
+    if ragged_attention_op(device.type) is None:
+        return (f"no tetri::ragged_attention kernel for {device.type} (Triton missing, or a "
+                "GPU older than sm80)")
+    return None
+
+
 def decode_graphs(model: ForwardFn, kv: torch.Tensor, allocator: BlockAllocator,
                   block_size: int, max_batch: int, device: torch.device,
-                  capture: bool = True) -> DecodeGraphs:
+                  capture: bool = True) -> DecodeGraphs | None:
     """Take the scratch block from the end of the pool out of the allocator for good
     (``reserve_tail``) and capture the decode graphs (a worker calls this once, after loading
-    the model and before any request)."""
+    the model and before any request); None, with a warning, where graphs would be wrong
+    (``graphs_unsupported``): decode then runs eagerly."""
+    reason = graphs_unsupported(model, device)
+    if reason is not None:
+        log.warning("CUDA graphs off: %s; decode steps run eagerly", reason)
+        return None
     scratch = allocator.reserve_tail(SCRATCH_BLOCKS)
     graphs = DecodeGraphs(model, kv, scratch[0] * block_size, max_batch, device, capture)
     graphs.capture()
