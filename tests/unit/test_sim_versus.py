@@ -28,6 +28,21 @@ def test_server_settings_are_valid_config_and_mirror_the_simulation() -> None:
     assert cfg.predictor.kind == "oracle" and sim.predictor_accuracy == 1.0
 
 
+def test_every_key_the_simulator_models_is_the_servers_own() -> None:
+    """Regression: the simulation pinned only some keys, so it ran overtake_share 0 and
+    finish_alone off while the server ran its defaults (0.5, on): the 'decision sequences
+    must be identical' check could not pass."""
+    from tetri_server.sim.cli import CONFIG_KEYS
+
+    args = build_parser().parse_args(["--model", "m", "--json", "o.json"])
+    cfg = load_config(None, server_sets(args)).resolve(cpu_count=2)
+    sim = sim_config(args)
+    for (section, key), name in CONFIG_KEYS.items():
+        if (section, key) != ("cluster", "workers"):
+            assert getattr(sim, name) == getattr(getattr(cfg, section), key), (section, key)
+    assert (sim.overtake_share, sim.finish_alone) == (cfg.prefill.overtake_share, True)
+
+
 def test_table_shows_relative_error_of_the_simulation_per_real_run() -> None:
     keys = ("ttft_mean_s", "ttft_p90_s", "tpot_mean_s", "tpot_p90_s", "jct_mean_s", "jct_p90_s")
     sim = dict.fromkeys(keys, 1.1)
@@ -146,7 +161,8 @@ def test_a_sparse_trace_decides_the_same_under_other_timing(gap_s: float,
                                                              chunks_identical: bool) -> None:
     """Why ``sim compare --arrival constant`` at a low rate can demand identical decisions: two
     profiles whose step times differ (this CPU's fit, and the same fit on a device 1.6x slower)
-    decide alike when no two requests meet, and chunk differently when they do."""
+    decide alike (every decision) when no two requests meet, and chunk differently when they
+    do."""
     import dataclasses
     import random
 
@@ -172,8 +188,11 @@ def test_a_sparse_trace_decides_the_same_under_other_timing(gap_s: float,
         ends.append(result.duration_s)
     assert ends[0] != ends[1]  # the timing differs
     same = decisions.compare(*logs)
-    assert same["dispatch w0"]["identical"] and same["admit w1"]["identical"]
     assert same["chunk w0"]["identical"] is chunks_identical
+    if chunks_identical:
+        assert all(v["identical"] for v in same.values()), same
+    # when requests meet, short prompts overtake a started long one (prefill.overtake_share,
+    # the server's default) as the timing has them meet: the dispatch order may differ too
 
 
 def test_the_real_server_runs_the_split_the_simulation_models() -> None:

@@ -36,6 +36,7 @@ from tetri_server.bench import data
 from tetri_server.bench.client import RequestRecord
 from tetri_server.bench.metrics import jct_s, ttft_s
 from tetri_server.bench.workload import BenchRequest, WorkloadSpec, build_workload
+from tetri_server.config import load_config
 from tetri_server.sim import decisions
 from tetri_server.sim.cluster import SimConfig, SimResult, Simulation
 from tetri_server.sim.cost import CostModel
@@ -80,12 +81,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def sim_config(args: argparse.Namespace) -> SimConfig:
-    return SimConfig(mode="disaggregated", num_prefill=1, num_decode=1, block_size=16,
-                     num_kv_blocks=args.kv_blocks, chunk_size=args.chunk_size,
-                     sched_batch=args.sched_batch, decode_policy=args.decode_policy,
-                     max_batch=args.max_batch, predictor_accuracy=1.0,
-                     monitor_interval_ms=args.monitor_interval_ms,
-                     max_model_len=args.max_model_len, seed=args.seed)
+    """The simulation of what the server runs: every key the simulator models
+    (``sim.cli.CONFIG_KEYS``) read from the server's resolved config, defaults included —
+    pinning only some let the two sides run different chunking rules (overtake_share,
+    finish_alone) once the server's defaults moved."""
+    from tetri_server.sim.cli import CONFIG_KEYS
+
+    cfg = load_config(None, server_sets(args)).resolve(cpu_count=2)
+    mirrored = {name: getattr(getattr(cfg, section), key)
+                for (section, key), name in CONFIG_KEYS.items()
+                if (section, key) != ("cluster", "workers")}  # the coupled modes' count
+    return SimConfig(**mirrored, predictor_accuracy=1.0, max_model_len=args.max_model_len)
 
 
 def server_sets(args: argparse.Namespace) -> list[str]:
