@@ -509,3 +509,33 @@ async def test_a_request_parked_for_a_prefill_worker_goes_to_one_that_flips_to_p
         assert await asyncio.wait_for(job, 15) == ref  # not 20 s more of waiting, then a 503
     finally:
         await cluster.stop()
+
+
+async def test_hand_offs_from_a_dead_prefill_worker_run_again_where_its_memory_goes_with_it(
+        tiny_llama):
+    """Where a decode worker's mapping does not outlive the prefill worker that owns the pool
+    (CUDA IPC: the owner's death frees it), the hand-offs it had sent and the decode worker
+    had not pulled must run again, not be pulled from freed memory; the decode worker drops
+    them, and whatever it still sends for them is not theirs. Here on shm with the cluster
+    told so (``kv_outlives_owner``): the decode worker is stopped with hand-offs waiting, the
+    prefill worker killed; every output equals transformers and each request ran again."""
+    cluster = make_cluster(tiny_llama, "disaggregated", "model.max_model_len=512",
+                           "kv.num_blocks=200", "monitor.stall_timeout_s=120",
+                           "cluster.restart_backoff_s=0.1", *STRICT_SPLIT)
+    cluster.kv_outlives_owner = False
+    prompts = random_prompts(3, 8000, (40, 60), seed=47)
+    ref = hf_greedy(tiny_llama, prompts, GREEDY.max_tokens)
+    await cluster.start()
+    try:
+        await asyncio.sleep(1.0)  # the prefill worker has a view of the decode worker
+        kill(cluster, 1, signal.SIGSTOP)
+        jobs = [asyncio.create_task(collect(cluster, p, GREEDY)) for p in prompts]
+        await until(lambda: sum(r.state.value == "handoff" for r in cluster.requests.values())
+                    == len(prompts), 60, "every request handed off")
+        kill(cluster, 0)
+        await until(lambda: all(r.num_reruns == 1 for r in cluster.requests.values()), 30,
+                    "every hand-off withdrawn")
+        kill(cluster, 1, signal.SIGCONT)
+        assert await asyncio.wait_for(asyncio.gather(*jobs), 120) == ref
+    finally:
+        await cluster.stop()

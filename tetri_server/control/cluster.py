@@ -32,7 +32,7 @@ from tetri_server.control.protocol import (
     WorkerUnavailableError,
     join_prompt_part,
 )
-from tetri_server.control.requests import DONE, Request, Stream
+from tetri_server.control.requests import DONE, ReqState, Request, Stream
 from tetri_server.control.routing import Router
 from tetri_server.control.supervisor import Supervisor, WorkerHandle
 from tetri_server.control.table import RequestTable
@@ -68,6 +68,10 @@ class Cluster:
         self.tokenizer = load_tokenizer(folder)
         self.metrics = metrics if metrics is not None else NullMetrics()
         self.disaggregated = cfg.cluster.mode == "disaggregated"
+        # a decode worker's mapping of a dead prefill worker's pool: shm keeps the memory
+        # until the last mapping goes; CUDA IPC does not (the owner's death frees it, and an
+        # importer reading it is undefined behaviour), so a hand-off from it runs again
+        self.kv_outlives_owner = cfg.cluster.device != "cuda"
         self.draining: set[int] = set()  # flipping: no new requests, out of the decode view
         self.supervisor = Supervisor(self.cfg, self._on_message, self._on_death,
                                      self._undeliverable, self.metrics)
@@ -187,8 +191,8 @@ class Cluster:
         now = time.monotonic()
         for d in msg.deltas:
             req = self.table.get(d.req_id)
-            if req is None:
-                continue
+            if req is None or req.owner != h.worker_id:
+                continue  # gone, or re-run elsewhere: a stale owner's tokens are not its
             if d.prompt_logprobs is not None:
                 req.prompt_part, forward = join_prompt_part(req.prompt_part, d)
                 if not forward:
@@ -248,7 +252,10 @@ class Cluster:
         self.draining.discard(h.worker_id)
         self.monitor.remove(h.worker_id)
         for req in self.table:
-            if req.src == h.worker_id:
+            if req.src == h.worker_id and req.state not in DONE:
+                if not self.kv_outlives_owner and req.state is ReqState.HANDOFF:
+                    self.router.withdraw(req)  # the decode worker may not have pulled it
+                    continue
                 req.src = -1  # the decode worker's mapping of the dead pool stays valid
             if req.owner == h.worker_id and req.state not in DONE:
                 self.router.rerun(req)

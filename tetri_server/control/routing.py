@@ -77,6 +77,15 @@ class Router:
             return
         self.route(req)
 
+    def withdraw(self, req: Request) -> None:
+        """Re-run a request whose hand-off source died where the decode worker's mapping
+        does not outlive it (CUDA IPC): that worker drops it (its tokens from now on are a
+        stale owner's, which control ignores) and it runs again from what was streamed."""
+        owner = self.workers.get(req.owner)
+        if owner is not None and owner.alive:
+            owner.post(Abort(req.req_id))
+        self.rerun(req)
+
     def has_live(self, role: str) -> bool:
         """A worker of ``role`` is serving (always True for decode in the coupled modes)."""
         if role == "decode" and not self.disaggregated:
@@ -104,15 +113,15 @@ class Router:
 
     def on_kv_pulled(self, h: WorkerHandle, msg: KVPulled) -> None:
         req = self.table.get(msg.req_id)
-        if req is not None and req.src in self.workers:
+        if req is not None and req.owner == h.worker_id and req.src in self.workers:
             self.workers[req.src].post(msg)
             req.src, req.state = -1, ReqState.DECODE
             self.metrics.observe_phase("handoff", time.monotonic() - req.handoff_s)
 
     def on_handoff_rejected(self, h: WorkerHandle, msg: HandoffRejected) -> None:
         req = self.table.get(msg.req_id)
-        if req is None:
-            return
+        if req is None or req.owner != h.worker_id:
+            return  # gone, or withdrawn from this worker and re-run (``withdraw``)
         src = self.workers.get(req.src)
         if src is not None and src.alive:
             src.post(msg)  # it keeps the KV and dispatches again
