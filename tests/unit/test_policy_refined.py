@@ -69,7 +69,8 @@ def test_compute_keys_the_held_out_lengths_by_predicted_bucket() -> None:
     data = samples([30 * i for i in range(40)])
     entry = tails.compute(data, EveryThird(200, 3), test_frac=0.5, seed=0)
     by_pred = LengthTail.from_json(entry["by_predicted"])
-    held = [s for s in data if s.prompt_id in held_out_ids([s.prompt_id for s in data], 0.5, 0)]
+    held_ids = held_out_ids({s.prompt_id: s.prompt for s in data}, 0.5, 0)
+    held = [s for s in data if s.prompt_id in held_ids]
     assert entry["heldout_responses"] == len(held) == 20
     for b in range(3):  # row b: exactly the held-out lengths of the prompts predicted b
         want = sorted(s.output_tokens for s in held if int(s.prompt_id[1:]) % 3 == b)

@@ -59,9 +59,10 @@ def test_shipped_artifact_reproduces_its_recorded_heldout_accuracy() -> None:
     counter = TokenCounter(PACKAGE_ROOT.parent / tok["name"])
     assert counter.sha256 == tok["sha256"], "tokenizer changed: retrain (tools/train_predictor.py)"
     prompts_file, response_files = default_arena_files()
+    texts = {str(r["prompt_id"]): str(r["prompt"]) for r in read_jsonl(prompts_file)}
     ids = {str(r["prompt_id"]) for f in response_files for r in read_jsonl(f)}
     train = meta["training"]
-    test_ids = held_out_ids(ids, train["test_frac"], train["seed"])
+    test_ids = held_out_ids({i: texts[i] for i in ids}, train["test_frac"], train["seed"])
     samples = load_arena(prompts_file, response_files, counter, meta["max_tokens"], test_ids)
     got = score(p, samples)
     recorded = meta["heldout"]

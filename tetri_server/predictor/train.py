@@ -9,7 +9,7 @@ held-out split is touched once, by ``evaluate``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -67,32 +67,45 @@ def softmax(z: np.ndarray) -> np.ndarray:
     return e / e.sum(axis=1, keepdims=True)
 
 
-def held_out_ids(prompt_ids: Iterable[str], test_frac: float, seed: int) -> set[str]:
-    """The held-out prompt ids: a seeded permutation of the sorted distinct ids."""
-    ids = sorted(set(prompt_ids))
-    order = np.random.default_rng(seed).permutation(len(ids))
-    return {ids[i] for i in order[: int(round(len(ids) * test_frac))]}
+def prompt_key(text: str) -> str:
+    """What makes two prompts the same prompt: their text, whitespace runs collapsed. The
+    data set files some texts under several ids (34 texts under 86 ids in the Arena data),
+    so a split or a fold by id put the same prompt on both sides."""
+    return " ".join(text.split())
+
+
+def held_out_ids(prompts: Mapping[str, str], test_frac: float, seed: int) -> set[str]:
+    """The held-out prompt ids of ``prompts`` (id -> text): a seeded permutation of the sorted
+    distinct prompt texts (``prompt_key``) picks the held-out texts, and every id of one is
+    held out."""
+    keys = sorted({prompt_key(t) for t in prompts.values()})
+    order = np.random.default_rng(seed).permutation(len(keys))
+    held = {keys[i] for i in order[: int(round(len(keys) * test_frac))]}
+    return {pid for pid, text in prompts.items() if prompt_key(text) in held}
 
 
 def split_by_prompt(
     samples: Sequence[Sample], test_frac: float, seed: int
 ) -> tuple[list[Sample], list[Sample]]:
-    """Split so that no prompt is in both parts; the same ids and seed give the same split."""
-    test = held_out_ids({s.prompt_id for s in samples}, test_frac, seed)
+    """Split so that no prompt text is in both parts; the same prompts and seed give the same
+    split."""
+    test = held_out_ids({s.prompt_id: s.prompt for s in samples}, test_frac, seed)
     return [s for s in samples if s.prompt_id not in test], [
         s for s in samples if s.prompt_id in test
     ]
 
 
 def unique_prompts(samples: Sequence[Sample]) -> tuple[list[str], np.ndarray]:
-    """The distinct prompts in first-seen order, and each sample's row among them."""
+    """The distinct prompts (``prompt_key``) in first-seen order, and each sample's row among
+    them: one row per text, so that a cross-validation fold holds all of a text's samples."""
     index: dict[str, int] = {}
     texts: list[str] = []
     for s in samples:
-        if s.prompt_id not in index:
-            index[s.prompt_id] = len(texts)
+        key = prompt_key(s.prompt)
+        if key not in index:
+            index[key] = len(texts)
             texts.append(s.prompt)
-    return texts, np.array([index[s.prompt_id] for s in samples], dtype=np.int64)
+    return texts, np.array([index[prompt_key(s.prompt)] for s in samples], dtype=np.int64)
 
 
 def prompt_table(samples: Sequence[Sample], granularity: int, num_buckets: int) -> PromptTable:
@@ -101,7 +114,10 @@ def prompt_table(samples: Sequence[Sample], granularity: int, num_buckets: int) 
     buckets = bucket_of([s.output_tokens for s in samples], granularity, num_buckets)
     np.add.at(counts, (rows, buckets), 1.0)
     weights = counts.sum(axis=1)
-    ids = list(dict.fromkeys(s.prompt_id for s in samples))  # first-seen order, as texts
+    first_id: dict[str, str] = {}  # first-seen id of each text, in the texts' order
+    for s in samples:
+        first_id.setdefault(prompt_key(s.prompt), s.prompt_id)
+    ids = list(first_id.values())
     return PromptTable(ids, texts, counts / weights[:, None], weights)
 
 
