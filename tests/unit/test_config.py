@@ -347,3 +347,26 @@ def test_resolve_served_name_from_path(path: str, name: str) -> None:
 def test_num_workers_by_mode() -> None:
     assert ClusterConfig(prefill_workers=2, decode_workers=3).num_workers == 5
     assert ClusterConfig(mode="coupled", workers=4).num_workers == 4
+
+
+@pytest.mark.parametrize("override", ["monitor.stall_timeout_s=nan", "kv.memory_gb=inf",
+                                      "flip.window_s=-inf"])
+def test_non_finite_numbers_are_refused(override: str) -> None:
+    """Regression: nan passed every range check (a nan stall timeout turned stall detection
+    off: `silent > nan` is never true), and inf sized a KV pool into a crash in every worker."""
+    with pytest.raises(ConfigError, match="finite"):
+        load_config(None, [override])
+
+
+def test_a_flip_low_load_the_flip_rule_refuses_is_a_config_error() -> None:
+    """Regression: flip.low_load in [0.7, 1] passed validation, then the control process
+    died at start-up building the flip policy (which needs low < its high 0.7), flips on or
+    off."""
+    from tetri_server.config.sections import FLIP_HIGH_UTIL
+    from tetri_server.policy.flip import HIGH_UTIL, FlipPolicy
+
+    assert FLIP_HIGH_UTIL == HIGH_UTIL
+    with pytest.raises(ConfigError, match="low_load"):
+        load_config(None, ["flip.low_load=0.7"])
+    cfg = load_config(None, ["flip.low_load=0.69"])
+    FlipPolicy(low_util=cfg.flip.low_load)

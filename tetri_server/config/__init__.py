@@ -24,6 +24,7 @@ Values that need the model or the device stay as they are for the runtime to res
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import tomllib
 import typing
@@ -291,8 +292,9 @@ def _check_type(key: str, value: Any, hint: Any, source: str) -> None:
         expected = "one of: " + ", ".join(get_args(hint))
         ok = isinstance(value, str)  # membership is checked by the section's __post_init__
     elif hint is float:
-        expected = "a number"
-        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        expected = "a finite number"  # nan passes every comparison check, inf breaks sizing
+        ok = (isinstance(value, int | float) and not isinstance(value, bool)
+              and math.isfinite(value))
     elif hint is int:
         expected = "an integer"
         ok = isinstance(value, int) and not isinstance(value, bool)

@@ -322,6 +322,9 @@ class MonitorConfig(_Section):
                               f"least 3 load reports (interval_ms = {self.interval_ms})")
 
 
+FLIP_HIGH_UTIL = 0.70  # policy.flip.HIGH_UTIL (config imports no policy code); a test ties them
+
+
 @dataclass(frozen=True, kw_only=True)
 class FlipConfig(_Section):
     """``[flip]``: automatic prefill <-> decode role changes (disaggregated mode)."""
@@ -337,11 +340,13 @@ class FlipConfig(_Section):
     window_s: float = 60.0
     """Window over which low_load is measured."""
     min_interval_s: float = 120.0
-    """Hysteresis: no worker flips again within this long of its last flip."""
+    """Hysteresis: no flip, of any worker, within this long of the last one."""
 
     def _validate(self) -> None:
         self._positive("idle_s")
-        if not 0 <= self.low_load <= 1:
-            raise ConfigError(f"flip.low_load = {self.low_load} must be in [0, 1]")
+        if not 0 <= self.low_load < FLIP_HIGH_UTIL:  # the flip rule needs low < high
+            raise ConfigError(f"flip.low_load = {self.low_load} must be in [0, "
+                              f"{FLIP_HIGH_UTIL}): a role at {FLIP_HIGH_UTIL} of its capacity "
+                              "asks for a worker, so a donor must be below it")
         self._positive("window_s")
         self._at_least("min_interval_s", 0)

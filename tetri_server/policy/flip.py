@@ -52,6 +52,9 @@ class _WindowStats:
     complete: bool  # the history covers the whole window
 
 
+HIGH_UTIL = 0.70  # a role this busy asks for a worker (``flip.low_load`` must stay below it)
+
+
 class FlipPolicy:
     """The flip rule; keeps a per-worker history of reports over the window."""
 
@@ -61,7 +64,7 @@ class FlipPolicy:
         window_s: float = 60.0,
         idle_window_s: float | None = None,
         low_util: float = 0.10,
-        high_util: float = 0.70,
+        high_util: float = HIGH_UTIL,
         cooldown_s: float = 60.0,
     ) -> None:
         if window_s <= 0 or cooldown_s < 0 or not 0 <= low_util < high_util <= 1:
