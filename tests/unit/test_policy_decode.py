@@ -159,7 +159,8 @@ def test_load_counts_heavy_light_and_predicted_demand() -> None:
     load = rt.adm.load()
     assert (load.num_waiting, load.num_running, load.num_heavy, load.num_light) == (2, 0, 1, 1)
     held_1, full_1 = num_blocks_for(32, BLOCK), num_blocks_for(232, BLOCK)
-    assert load.predicted_demand_blocks == (full_1 - held_1) + 1  # 2 still needs a block: 33
+    # 2 has generated a token, past bucket 0's lower end: its estimate is raised to 200 too
+    assert load.predicted_demand_blocks == 2 * (full_1 - held_1)
     rt.step()
     load = rt.adm.load()
     assert load.num_running == 2
@@ -211,3 +212,36 @@ def test_a_preempted_head_is_not_starved_by_the_kv_of_requests_waiting_behind_it
     assert plan.run_ids == (1,) and plan.admit.recompute_ids == (1,)
     adm.on_done(plan, set())
     assert adm.running_ids == (1,) and len(adm) == 2
+
+
+def test_a_bucket_0_request_is_not_counted_as_finishing_before_it_decodes() -> None:
+    """Regression (over-admission): bucket 0's estimate (its lower end, 0 tokens) was kept at
+    add although the request had already generated its first token, which the estimate's own
+    rule raises at once; reserve-dynamic then counted its prompt blocks as freed at the first
+    step and admitted a request the pool could not grow into."""
+    rt = FakeRuntime("reserve-dynamic", 40)
+    rt.add(1, prompt=160, bucket=0)  # holds 10 blocks
+    assert rt.adm.predicted_len(1) == 200  # raised: it has generated one token already
+    assert rt.step().admit.req_ids == (1,)
+    rt.add(2, prompt=160, bucket=2)  # 10 held; 400 more tokens: 25 blocks in all
+    assert rt.step().admit.req_ids == ()  # 1 grows 13 blocks past its prompt: no room for 2
+
+
+def test_preempted_requests_go_back_oldest_admission_first() -> None:
+    """Regression: victims re-entered the queue newest first (the comment said oldest), so on
+    their re-admission the older one was again the newest, and preempted first again."""
+    from tetri_server.policy.decode import AdmitPlan, PreemptPlan
+
+    adm = DecodeAdmission("greedy", block_size=BLOCK, num_total_blocks=100)
+    for rid in (1, 2, 3):
+        adm.add(rid, 32, 33, 0, 1000)
+    first = adm.plan(100)
+    assert first.admit.req_ids == (1, 2, 3)
+    adm.on_done(first, ())
+    # a step that preempts two, newest admission first (as plan() lists them)
+    adm.on_done(DecodeStepPlan(PreemptPlan((3, 2)), AdmitPlan(), run_ids=(1,)), ())
+    assert adm.running_ids == (1,)
+    again = adm.plan(100)
+    assert again.admit.req_ids == (2, 3)  # 2 was admitted before 3, and is again
+    adm.on_done(again, ())
+    assert adm.running_ids == (1, 2, 3)

@@ -153,6 +153,8 @@ class DecodeAdmission:
         )
         if self.tail is not None:
             seq.refine_estimate(self.tail, self.granularity)
+        else:  # it has generated its first token(s): bucket 0's estimate (0) is already passed
+            seq.raise_estimate(self.granularity)
         self._waiting.append(seq)
 
     def remove(self, req_id: int) -> bool:
@@ -276,13 +278,15 @@ class DecodeAdmission:
         for req_id in plan.fail_ids:
             self.remove(req_id)
         waiting = {s.req_id: s for s in self._waiting}
-        for req_id in reversed(plan.preempt.req_ids):  # oldest admission ends up first
-            victim = self._running.pop(req_id, None)
-            if victim is not None:
-                victim.num_held_blocks = 0
-                self._waiting.insert(0, victim)
-                self._num_preemptions += 1
-            elif req_id in waiting:  # evicted while waiting: keeps its place, loses its KV
+        preempted = set(plan.preempt.req_ids)
+        victims = [s for r, s in self._running.items() if r in preempted]  # admission order
+        for victim in victims:
+            del self._running[victim.req_id]
+            victim.num_held_blocks = 0
+        self._waiting[:0] = victims  # back at the head, the oldest admission first
+        self._num_preemptions += len(victims)
+        for req_id in plan.preempt.req_ids:
+            if req_id in waiting:  # evicted while waiting: keeps its place, loses its KV
                 waiting[req_id].num_held_blocks = 0
                 self._num_preemptions += 1
         waiting = {s.req_id: s for s in self._waiting}
