@@ -149,3 +149,26 @@ def test_random_walk_keeps_stage_counts_consistent() -> None:
         for stage in Stage:
             assert b.count(stage) == sum(s is stage for s in model.values())
         assert len(b.queue) == b.count(Stage.QUEUED)
+
+
+def test_a_request_the_dispatcher_keeps_refusing_is_not_passed_forever() -> None:
+    """Regression (starvation): smaller requests held after a large one took every block the
+    decode worker freed, view after view, and the large one waited until its request timed
+    out. After MAX_PASSED_VIEWS views of being passed, the ones behind it wait too."""
+    from tetri_server.policy.prefill_book import MAX_PASSED_VIEWS
+
+    b = book()
+    b.on_view(view(1, free=20))
+    b.add(0, "big", 1000, 0.0)
+    b.predicted(0, 5)  # 1000 + 1000 tokens: 125 blocks, never in a view of 20 free
+    b.prefilled(0)
+    passed = 0
+    for v in range(2, MAX_PASSED_VIEWS + 2):
+        held(b, 1000 + v)  # a small one held after it, every view
+        passed += len(b.dispatch())
+        b.on_view(view(v, free=20))
+    assert passed == MAX_PASSED_VIEWS  # each small one went, past the big one
+    held(b, 1)
+    assert b.dispatch() == []  # now it goes first
+    b.on_view(view(MAX_PASSED_VIEWS + 2, free=200))  # the decode worker drained
+    assert [r for r, _ in b.dispatch()] == ["big", "r1"]

@@ -27,6 +27,10 @@ from tetri_server.policy.prefill import PrefillQueue
 from tetri_server.policy.views import DecodeSnapshot
 
 T = TypeVar("T")
+# A held request refused for this many decode views is passed by no request held after it:
+# smaller ones would otherwise take every block a decode worker frees, and a large one wait
+# until its request timeout (about 5 s at the default monitor.interval_ms of 100)
+MAX_PASSED_VIEWS = 50
 
 
 class Stage(enum.Enum):
@@ -48,12 +52,14 @@ class Entry(Generic[T]):
     stage: Stage = Stage.NEW
     bucket: int = 0
     plan: DispatchPlan | None = None  # set while HANDED_OFF
+    held_view: int = 0  # the book's view count when it became held (``MAX_PASSED_VIEWS``)
 
 
 class PrefillBook(Generic[T]):
     """The per-request state of one prefill worker. A request is in exactly one stage; the
     ``HELD`` ones are dispatched in the order they became held (a refused hand-off goes to the
-    back)."""
+    back); one the dispatcher keeps refusing is passed for ``MAX_PASSED_VIEWS`` views, then
+    nothing behind it goes before it does."""
 
     def __init__(self, queue: PrefillQueue, dispatcher: Dispatcher) -> None:
         self.queue = queue
@@ -62,6 +68,7 @@ class PrefillBook(Generic[T]):
         self._counts = dict.fromkeys(Stage, 0)  # requests per stage, kept with every move
         self._await_view = False  # a hand-off was refused: dispatch again on the next view
         self.view: DecodeSnapshot | None = None  # the newest decode view adopted
+        self._num_views = 0  # views adopted (the clock of ``MAX_PASSED_VIEWS``)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -129,6 +136,8 @@ class PrefillBook(Generic[T]):
                 self._move(e, Stage.HANDED_OFF)
                 e.plan = plan
                 sent.append((e.req, plan))
+            elif self._num_views - e.held_view >= MAX_PASSED_VIEWS:
+                break  # it has been passed long enough: the rest wait behind it
         return sent
 
     def keep(self, req_id: int) -> T:
@@ -150,6 +159,7 @@ class PrefillBook(Generic[T]):
         adopted = self.dispatcher.on_view(view)
         if adopted:
             self.view = view
+            self._num_views += 1
         return adopted
 
     def pulled(self, req_id: int) -> T | None:
@@ -193,6 +203,7 @@ class PrefillBook(Generic[T]):
         """-> HELD, at the back of the held order (``dispatch`` goes in insertion order)."""
         self._move(e, Stage.HELD)
         self._entries[e.req_id] = self._entries.pop(e.req_id)
+        e.held_view = self._num_views
 
     def _move(self, e: Entry[T], stage: Stage) -> None:
         self._counts[e.stage] -= 1
