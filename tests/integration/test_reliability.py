@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+from collections.abc import Callable
 
 import pytest
 
@@ -21,6 +22,19 @@ GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
 def kill(cluster, worker_id: int, sig: int = signal.SIGKILL) -> None:
     os.kill(cluster.workers[worker_id].proc.pid, sig)
+
+
+async def handoffs_to_a_stopped_decode_worker(
+        cluster, prompts: list[list[int]], enough: Callable[[int], bool],
+        what: str) -> list[asyncio.Task[list[int]]]:
+    """Stop the decode worker (1) once the prefill worker has its view, submit ``prompts`` and
+    wait until ``enough`` of them wait in HANDOFF (``enough(count)``); their tasks."""
+    await asyncio.sleep(1.0)  # the prefill worker has a view of the decode worker
+    kill(cluster, 1, signal.SIGSTOP)
+    jobs = [asyncio.create_task(collect(cluster, p, GREEDY)) for p in prompts]
+    await until(lambda: enough(sum(r.state.value == "handoff"
+                                   for r in cluster.requests.values())), 60, what)
+    return jobs
 
 
 async def test_compaction_under_waiting_handoffs_keeps_every_output_right(tiny_llama):
@@ -337,11 +351,9 @@ async def test_a_prefill_worker_whose_pool_is_full_of_held_kv_waits_instead_of_s
     ref = hf_greedy(tiny_llama, prompts, GREEDY.max_tokens)
     await cluster.start()
     try:
-        await asyncio.sleep(1.0)  # the prefill worker has a view of the decode worker
-        kill(cluster, 1, signal.SIGSTOP)
-        jobs = [asyncio.create_task(collect(cluster, p, GREEDY)) for p in prompts]
-        await until(lambda: sum(r.state.value == "handoff" for r in cluster.requests.values())
-                    >= 2 and cluster.reports[0].num_waiting > 0, 60, "the prefill pool is full")
+        jobs = await handoffs_to_a_stopped_decode_worker(
+            cluster, prompts, lambda n: n >= 2 and cluster.reports[0].num_waiting > 0,
+            "the prefill pool is full")
         await asyncio.sleep(0.5)
         busy0 = cluster.reports[0].busy_s
         await asyncio.sleep(3.0)
@@ -527,11 +539,8 @@ async def test_hand_offs_from_a_dead_prefill_worker_run_again_where_its_memory_g
     ref = hf_greedy(tiny_llama, prompts, GREEDY.max_tokens)
     await cluster.start()
     try:
-        await asyncio.sleep(1.0)  # the prefill worker has a view of the decode worker
-        kill(cluster, 1, signal.SIGSTOP)
-        jobs = [asyncio.create_task(collect(cluster, p, GREEDY)) for p in prompts]
-        await until(lambda: sum(r.state.value == "handoff" for r in cluster.requests.values())
-                    == len(prompts), 60, "every request handed off")
+        jobs = await handoffs_to_a_stopped_decode_worker(
+            cluster, prompts, lambda n: n == len(prompts), "every request handed off")
         kill(cluster, 0)
         await until(lambda: all(r.num_reruns == 1 for r in cluster.requests.values()), 30,
                     "every hand-off withdrawn")
