@@ -12,7 +12,7 @@ from tetri_server.engine.cuda_graphs import decode_graphs, scratch_blocks
 from tetri_server.engine.grammar import Grammars
 from tetri_server.engine.loader import load_model
 from tetri_server.engine.runner import ModelRunner
-from tetri_server.kv.blocks import BlockAllocator, blocks_for
+from tetri_server.kv.blocks import BlockAllocator, check_pool_holds
 from tetri_server.kv.manager import KVCacheManager
 from tetri_server.messages import SamplingParams, TokenDelta
 from tetri_server.modelinfo import resolve_model_path
@@ -49,10 +49,8 @@ class LLMEngine:
         self.max_model_len = s.max_model_len(cfg.model.max_model_len)
         num_blocks = cfg.kv.num_blocks or s.blocks_in_budget(
             (cfg.kv.memory_gb or DEFAULT_KV_GB) * 2**30, dtype.itemsize, bs)
-        scratch = scratch_blocks(self.device, cfg.model.cuda_graphs)
-        if num_blocks - scratch < blocks_for(self.max_model_len, bs):
-            raise ValueError(f"KV pool of {num_blocks} blocks ({scratch} for CUDA graphs) "
-                             f"cannot hold one sequence of max_model_len={self.max_model_len}")
+        check_pool_holds(num_blocks, scratch_blocks(self.device, cfg.model.cuda_graphs),
+                         self.max_model_len, bs)
         self.kv = torch.zeros(s.num_layers, 2, s.num_kv_heads, num_blocks * bs, s.head_dim,
                               dtype=dtype, device=self.device)
         self.allocator = BlockAllocator(num_blocks)

@@ -18,6 +18,16 @@ class OutOfBlocks(Exception):
     """No free run is long enough (there may still be enough free blocks in total)."""
 
 
+def check_pool_holds(num_blocks: int, reserved: int, max_model_len: int,
+                     block_size: int) -> None:
+    """ValueError unless a pool of ``num_blocks``, ``reserved`` of them taken for good (the
+    CUDA-graph scratch block), holds one sequence of ``max_model_len`` tokens."""
+    if num_blocks - reserved < blocks_for(max_model_len, block_size):
+        raise ValueError(f"KV pool of {num_blocks} blocks ({reserved} for CUDA graphs) cannot "
+                         f"hold one sequence of max_model_len={max_model_len}; raise "
+                         "kv.num_blocks")
+
+
 class BlockAllocator:
     """Owns the block ids ``0 .. num_blocks-1`` of one KV pool."""
 

@@ -38,6 +38,7 @@ from tetri_server.bench.metrics import jct_s, ttft_s
 from tetri_server.bench.workload import BenchRequest, WorkloadSpec, build_workload
 from tetri_server.config import load_config
 from tetri_server.sim import decisions
+from tetri_server.sim.cli import CONFIG_KEYS
 from tetri_server.sim.cluster import SimConfig, SimResult, Simulation
 from tetri_server.sim.cost import CostModel
 from tetri_server.sim.instances import SimRequest
@@ -85,8 +86,6 @@ def sim_config(args: argparse.Namespace) -> SimConfig:
     (``sim.cli.CONFIG_KEYS``) read from the server's resolved config, defaults included —
     pinning only some let the two sides run different chunking rules (overtake_share,
     finish_alone) once the server's defaults moved."""
-    from tetri_server.sim.cli import CONFIG_KEYS
-
     cfg = load_config(None, server_sets(args)).resolve(cpu_count=2)
     mirrored = {name: getattr(getattr(cfg, section), key)
                 for (section, key), name in CONFIG_KEYS.items()

@@ -19,7 +19,7 @@ from tetri_server.engine.cuda_graphs import decode_graphs, scratch_blocks
 from tetri_server.engine.grammar import Grammars
 from tetri_server.engine.loader import load_model
 from tetri_server.engine.runner import ModelRunner
-from tetri_server.kv.blocks import BlockAllocator, blocks_for
+from tetri_server.kv.blocks import BlockAllocator, blocks_for, check_pool_holds
 from tetri_server.kv.manager import KVCacheManager
 from tetri_server.kv.transport import PoolGeometry, make_transport, open_peers
 from tetri_server.messages import (
@@ -98,11 +98,8 @@ class Worker:
         dtype = next(self.model.parameters()).dtype
         bs = self.cfg.kv.block_size
         num_blocks = self.cfg.kv.num_blocks or self._blocks_from_memory(dtype)
-        scratch = scratch_blocks(self.device, mcfg.cuda_graphs)
-        if num_blocks - scratch < blocks_for(self.max_model_len, bs):
-            raise ValueError(f"KV pool of {num_blocks} blocks ({scratch} for CUDA graphs) "
-                             f"cannot hold one sequence of max_model_len={self.max_model_len}; "
-                             "raise kv.num_blocks")
+        check_pool_holds(num_blocks, scratch_blocks(self.device, mcfg.cuda_graphs),
+                         self.max_model_len, bs)
         geometry = PoolGeometry(s.num_layers, num_blocks, bs, s.num_kv_heads, s.head_dim, dtype)
         self.transport = make_transport(self.cfg.kv.transport, self.worker_id, geometry,
                                         self.device, spec.kv_segment)
