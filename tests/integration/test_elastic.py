@@ -290,10 +290,19 @@ async def test_a_kept_request_handed_back_mid_decode_equals_transformers(tiny_ll
                                 for r in cluster.reports.values()), 60,
                     "the first request decoding on the decode worker")
         await asyncio.sleep(0.2)  # views that show it: the prefill worker keeps the second
-        run_second = asyncio.ensure_future(collect(cluster, second, long_one))
+        second_out: list[int] = []
+
+        async def stream_second() -> list[int]:
+            async for d in cluster.submit(second, long_one):
+                second_out.extend(d.token_ids)
+            return second_out
+
+        run_second = asyncio.ensure_future(stream_second())
         await until(lambda: any(r.role == "prefill" and r.num_running
                                 for r in cluster.reports.values()), 60,
                     "the second request kept on the prefill worker")
+        # it has decoded a few tokens there before the burst (a slow machine may take a while)
+        await until(lambda: len(second_out) >= 4, 60, "the kept request decoding")
         got_burst = await asyncio.wait_for(
             asyncio.gather(*(collect(cluster, p, GREEDY) for p in burst)), 180)
         got = [await asyncio.wait_for(r, 180) for r in (run_first, run_second)]
