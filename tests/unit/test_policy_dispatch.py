@@ -119,3 +119,18 @@ def test_round_robin_cycles_and_skips_full_workers() -> None:
     assert [p.decode_worker for p in picks if p] == [0, 2, 0, 2]
     dispatcher.on_view(DecodeView(seq=2, decodes=[inst(0, 0)]))
     assert dispatcher.plan(9, 10, 0) is None
+
+
+def test_a_prediction_above_max_tokens_counts_only_max_tokens() -> None:
+    """Regression: the dispatcher counted the bucket's lower end (400 tokens) for a request
+    capped at 10: it waited for room it can never take, and counted as heavy."""
+    dispatcher = tetri()
+    dispatcher.on_view(DecodeView(seq=1, decodes=[inst(0, free=8)]))  # 128 tokens of room
+    assert dispatcher.plan(1, 100, bucket=2) is None  # no cap: 500 tokens do not fit
+    plan = dispatcher.plan(1, 100, bucket=2, max_tokens=10)
+    assert plan is not None and plan.num_blocks == num_blocks_for(110, BLOCK)
+    assert not plan.heavy
+    rr = RoundRobinDispatcher(block_size=BLOCK, granularity=200)
+    rr.on_view(DecodeView(seq=1, decodes=[inst(0, free=8)]))
+    rr_plan = rr.plan(1, 100, bucket=2, max_tokens=10)
+    assert rr_plan is not None and rr_plan.num_blocks == num_blocks_for(110, BLOCK)

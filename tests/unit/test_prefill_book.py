@@ -8,7 +8,13 @@ import random
 import pytest
 
 from tetri_server.messages import DecodeInstanceView, DecodeView
-from tetri_server.policy import PrefillBook, PrefillQueue, RoundRobinDispatcher, Stage
+from tetri_server.policy import (
+    PrefillBook,
+    PrefillQueue,
+    RoundRobinDispatcher,
+    Stage,
+    TetriDispatcher,
+)
 
 BLOCK = 16
 
@@ -172,3 +178,15 @@ def test_a_request_the_dispatcher_keeps_refusing_is_not_passed_forever() -> None
     assert b.dispatch() == []  # now it goes first
     b.on_view(view(MAX_PASSED_VIEWS + 2, free=200))  # the decode worker drained
     assert [r for r, _ in b.dispatch()] == ["big", "r1"]
+
+
+def test_the_dispatcher_is_given_the_requests_max_tokens() -> None:
+    """Regression: a request capped at 10 tokens but predicted 400+ was held until a decode
+    worker had room for 400."""
+    b: PrefillBook[str] = PrefillBook(PrefillQueue("fcfs"), TetriDispatcher(
+        random.Random(0), block_size=BLOCK, granularity=200))
+    b.add(1, "r1", 16, 0.0, max_tokens=10)
+    b.predicted(1, bucket=2)
+    b.prefilled(1)
+    b.on_view(view(1, free=4))  # 64 tokens of room
+    assert [plan.decode_worker for _, plan in b.dispatch()] == [7]

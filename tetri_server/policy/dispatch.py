@@ -2,7 +2,8 @@
 
 Contract: the worker feeds every decode view (a ``views.DecodeSnapshot``: the monitor's
 ``DecodeView`` broadcast) to ``on_view``; when a request's prompt is done it calls
-``plan(req_id, num_prompt_tokens, bucket)``. A ``DispatchPlan`` names the decode worker;
+``plan(req_id, num_prompt_tokens, bucket, max_tokens)``. A ``DispatchPlan`` names the decode
+worker;
 ``None`` means no decode worker has room: hold the request (its KV stays in this pool) and ask
 again after the next view. ``on_rejected(plan)`` undoes a plan whose hand-off the decode worker
 refused. The view is up to one broadcast interval stale, so every dispatcher counts its own
@@ -23,7 +24,8 @@ from tetri_server.policy.views import DecodeInstance, DecodeInstanceLoad, Decode
 @dataclass(frozen=True)
 class DispatchPlan:
     """Send ``req_id`` to ``decode_worker``. ``num_blocks``: its predicted footprint (prompt +
-    lower end of the predicted output), counted against that worker until the next view."""
+    predicted output: the lower end of its bucket, at most ``max_tokens``), counted against
+    that worker until the next view."""
 
     req_id: int
     decode_worker: int
@@ -34,7 +36,8 @@ class DispatchPlan:
 class Dispatcher(Protocol):
     def on_view(self, view: DecodeSnapshot) -> bool: ...
 
-    def plan(self, req_id: int, num_prompt_tokens: int, bucket: int) -> DispatchPlan | None: ...
+    def plan(self, req_id: int, num_prompt_tokens: int, bucket: int,
+             max_tokens: int | None = None) -> DispatchPlan | None: ...
 
     def on_rejected(self, plan: DispatchPlan) -> None: ...
 
@@ -86,10 +89,16 @@ class _ViewTracker:
             )
         return out
 
-    def make_plan(self, req_id: int, worker_id: int, num_prompt: int, bucket: int) -> DispatchPlan:
+    def predicted_output(self, bucket: int, max_tokens: int | None) -> int:
+        """The output a request is predicted to take: its bucket's lower end, at most
+        ``max_tokens`` (as the decode worker counts it; ``None``: no cap)."""
         lower_end = bucket * self.granularity
-        num_blocks = num_blocks_for(num_prompt + max(lower_end, 1), self.block_size)
-        plan = DispatchPlan(req_id, worker_id, num_blocks, lower_end > self.heavy_threshold)
+        return lower_end if max_tokens is None else min(lower_end, max_tokens)
+
+    def make_plan(self, req_id: int, worker_id: int, num_prompt: int, output: int) -> DispatchPlan:
+        """Record a dispatch of ``num_prompt`` + ``output`` (``predicted_output``) tokens."""
+        num_blocks = num_blocks_for(num_prompt + max(output, 1), self.block_size)
+        plan = DispatchPlan(req_id, worker_id, num_blocks, output > self.heavy_threshold)
         self._since_view[req_id] = plan
         return plan
 
@@ -97,8 +106,8 @@ class _ViewTracker:
 class TetriDispatcher(_ViewTracker):
     """TetriInfer's dispatcher: α = decode workers whose free blocks, less what their running
     requests are still predicted to take, hold this request's prompt + predicted output (lower
-    end of its bucket; capped at the worker's pool so an over-long prediction waits for an
-    empty worker rather than forever). Two of α are drawn with ``rng`` (power of two choices);
+    end of its bucket, at most its ``max_tokens``; capped at the worker's pool so an over-long
+    prediction waits for an empty worker rather than forever). Two of α are drawn with ``rng`` (power of two choices);
     the one with the lower heavy share after adding the request wins (ties: fewer requests,
     more room, lower id). Heavy: predicted output above ``heavy_threshold`` tokens."""
 
@@ -115,10 +124,11 @@ class TetriDispatcher(_ViewTracker):
         )
         self.rng = rng
 
-    def plan(self, req_id: int, num_prompt_tokens: int, bucket: int) -> DispatchPlan | None:
-        lower_end = bucket * self.granularity
-        need = num_blocks_for(num_prompt_tokens + max(lower_end, 1), self.block_size)
-        heavy = lower_end > self.heavy_threshold
+    def plan(self, req_id: int, num_prompt_tokens: int, bucket: int,
+             max_tokens: int | None = None) -> DispatchPlan | None:
+        output = self.predicted_output(bucket, max_tokens)
+        need = num_blocks_for(num_prompt_tokens + max(output, 1), self.block_size)
+        heavy = output > self.heavy_threshold
         alpha = [d for d in self.instances() if _room(d) >= min(need, d.num_total_blocks)]
         if not alpha:
             return None
@@ -129,7 +139,7 @@ class TetriDispatcher(_ViewTracker):
             num_all = d.num_heavy + d.num_light + 1
             return (num_heavy / num_all, num_all, -_room(d), d.worker_id)
 
-        return self.make_plan(req_id, min(pair, key=key).worker_id, num_prompt_tokens, bucket)
+        return self.make_plan(req_id, min(pair, key=key).worker_id, num_prompt_tokens, output)
 
 
 class RoundRobinDispatcher(_ViewTracker):
@@ -142,14 +152,16 @@ class RoundRobinDispatcher(_ViewTracker):
         )
         self._last_worker = -1
 
-    def plan(self, req_id: int, num_prompt_tokens: int, bucket: int) -> DispatchPlan | None:
+    def plan(self, req_id: int, num_prompt_tokens: int, bucket: int,
+             max_tokens: int | None = None) -> DispatchPlan | None:
         need = num_blocks_for(num_prompt_tokens + 1, self.block_size)
         fits = [d.worker_id for d in self.instances() if d.num_free_blocks >= need]
         if not fits:
             return None
         later = [w for w in fits if w > self._last_worker]
         self._last_worker = later[0] if later else fits[0]
-        return self.make_plan(req_id, self._last_worker, num_prompt_tokens, bucket)
+        return self.make_plan(req_id, self._last_worker, num_prompt_tokens,
+                              self.predicted_output(bucket, max_tokens))
 
 
 def _room(d: DecodeInstanceLoad) -> int:

@@ -49,6 +49,7 @@ class Entry(Generic[T]):
     arrival_s: float
     prompt_text: str = ""  # the predictor's inputs (the simulator's buckets are drawn up front)
     true_output_len: int | None = None
+    max_tokens: int | None = None  # the output cap (the dispatcher's prediction is at most it)
     stage: Stage = Stage.NEW
     bucket: int = 0
     plan: DispatchPlan | None = None  # set while HANDED_OFF
@@ -94,11 +95,12 @@ class PrefillBook(Generic[T]):
     # ------------------------------------------------------------------ transitions
 
     def add(self, req_id: int, req: T, num_prompt: int, arrival_s: float, *,
-            prompt_text: str = "", true_output_len: int | None = None) -> None:
+            prompt_text: str = "", true_output_len: int | None = None,
+            max_tokens: int | None = None) -> None:
         if req_id in self._entries:
             raise ValueError(f"request {req_id} is already on this prefill worker")
         self._entries[req_id] = Entry(req_id, req, num_prompt, arrival_s, prompt_text,
-                                      true_output_len)
+                                      true_output_len, max_tokens)
         self._counts[Stage.NEW] += 1
 
     def num_waiting_prompt_tokens(self) -> int:
@@ -131,7 +133,7 @@ class PrefillBook(Generic[T]):
             return []
         sent = []
         for req_id, e in list(self._held()):
-            plan = self.dispatcher.plan(req_id, e.num_prompt, e.bucket)
+            plan = self.dispatcher.plan(req_id, e.num_prompt, e.bucket, e.max_tokens)
             if plan is not None:
                 self._move(e, Stage.HANDED_OFF)
                 e.plan = plan

@@ -91,7 +91,8 @@ class PrefillInstance(_Decoding):
         kind = msg[0]
         if kind == "add":
             req: SimRequest = msg[1]
-            self.book.add(req.req_id, SimSeq(req, req.prompt_len), req.prompt_len, req.arrival_s)
+            self.book.add(req.req_id, SimSeq(req, req.prompt_len), req.prompt_len, req.arrival_s,
+                          max_tokens=req.output_len)  # the benchmark's max_tokens
         elif kind == "view":
             if self.book.on_view(msg[1]):
                 self.dispatch_held()

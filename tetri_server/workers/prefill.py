@@ -111,7 +111,8 @@ class PrefillRole(Role):
                            arrival_s=msg.arrival_s,
                            generator=make_generator(msg.sampling.seed, self.w.device))
             self.book.add(seq.req_id, seq, seq.num_prompt, msg.arrival_s,
-                          prompt_text=msg.prompt_text, true_output_len=msg.true_output_len)
+                          prompt_text=msg.prompt_text, true_output_len=msg.true_output_len,
+                          max_tokens=msg.sampling.max_tokens)
         elif isinstance(msg, DecodeView):
             if self.book.on_view(msg):
                 self.dispatch_held()
