@@ -107,9 +107,10 @@ class TetriDispatcher(_ViewTracker):
     """TetriInfer's dispatcher: α = decode workers whose free blocks, less what their running
     requests are still predicted to take, hold this request's prompt + predicted output (lower
     end of its bucket, at most its ``max_tokens``; capped at the worker's pool so an over-long
-    prediction waits for an empty worker rather than forever). Two of α are drawn with ``rng`` (power of two choices);
-    the one with the lower heavy share after adding the request wins (ties: fewer requests,
-    more room, lower id). Heavy: predicted output above ``heavy_threshold`` tokens."""
+    prediction waits for an empty worker rather than forever). Two of α are drawn with ``rng``
+    (power of two choices); the one with the lower heavy share after adding the request wins
+    (ties: fewer requests, more room, lower id). Heavy: predicted output above
+    ``heavy_threshold`` tokens."""
 
     def __init__(
         self,
