@@ -10,11 +10,12 @@ from typing import Any
 import pytest
 
 from tetri_server.bench.workload import WorkloadSpec
+from tetri_server.policy import Stage
 from tetri_server.sim.cli import main
 from tetri_server.sim.cluster import MODES, SimConfig, Simulation
 from tetri_server.sim.cost import CostModel
 from tetri_server.sim.disaggregated import DecodeInstance, PrefillInstance
-from tetri_server.sim.instances import SimRequest
+from tetri_server.sim.instances import SimRequest, SimSeq
 from tetri_server.sim.profiles import load_hardware, load_model
 from tetri_server.sim.run import predict, simulate
 from tetri_server.sim.workload import from_trace, from_workload
@@ -644,3 +645,17 @@ def test_the_cli_counts_slo_attainment_against_the_objectives_given(tmp_path, ca
         attained[ttft_s] = summary["slo_attainment"]
         assert capsys.readouterr().out.split()[-1] == f"{attained[ttft_s]:.3f}"
     assert attained == {1e-6: 0.0, 60.0: 1.0}
+
+
+def test_the_predictors_time_passes_when_no_chunk_fits() -> None:
+    """Regression: a prefill instance whose pool is full predicted new arrivals in zero time
+    (the predictor's cost rode only on a step), while the worker spends it either way."""
+    cost = v100()
+    sim = Simulation(SimConfig(num_kv_blocks=30), cost, [], predictor_cost=cost)
+    prefill = sim.prefills[0]
+    prefill.alloc.allocate(prefill.alloc.num_free)  # held prompts fill the pool
+    prefill.book.add(0, SimSeq(SimRequest(0, 100, 10, 0.0), 100), 100, 0.0)  # an arrival
+    step_s = prefill.start_step()
+    assert step_s == sim.predictor_s([100]) > 0
+    prefill.finish_step()
+    assert prefill.book.ids(Stage.QUEUED) == [0] and prefill.start_step() is None

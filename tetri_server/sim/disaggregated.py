@@ -127,6 +127,15 @@ class PrefillInstance(_Decoding):
     def start_step(self) -> float | None:
         self._step_start_s = self.sim.loop.now_s
         predict_s = self.predict_new()
+        step_s = self._start_work(predict_s)
+        if step_s is None and predict_s > 0:  # the predictor ran with no step: its time passes
+            self._chunk = ChunkPlan([], 0, 0)
+            return predict_s
+        return step_s
+
+    def _start_work(self, predict_s: float) -> float | None:
+        """A mixed step or a prompt chunk, costed with the predictor's ``predict_s``; None when
+        nothing runs."""
         if self.local is not None and len(self.admission):
             self._hand_back(self.local)
         alone, self._alone = self._alone, False
