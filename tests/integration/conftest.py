@@ -101,6 +101,14 @@ async def until(check: Callable[[], object], timeout_s: float, what: str) -> Non
         await asyncio.sleep(0.01)
 
 
+async def next_view(cluster: Cluster, timeout_s: float = 30) -> None:
+    """Until the monitor has posted a decode view built after this call: the prefill workers
+    read it before any request submitted from now on (one ordered ring each), and it holds the
+    reports control has now."""
+    seen = cluster.monitor.view_seq
+    await until(lambda: cluster.monitor.view_seq > seen, timeout_s, "a new decode view")
+
+
 def segments(run_id: str) -> list[str]:
     return [n for n in os.listdir("/dev/shm") if n.startswith(run_id)]
 

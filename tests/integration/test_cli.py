@@ -16,7 +16,7 @@ from tests.integration.conftest import start_server
 
 
 def test_serve_defaults_builtin_model_and_sigterm_drains(tmp_path):
-    proc, url = start_server(tmp_path, "server.drain_timeout_s=20")
+    proc, url = start_server(tmp_path, "server.drain_timeout_s=60")
     pid = proc.pid
     try:
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
@@ -31,7 +31,7 @@ def test_serve_defaults_builtin_model_and_sigterm_drains(tmp_path):
         proc.send_signal(signal.SIGTERM)  # the stream is in flight: it must finish
         rest = list(stream)
         assert rest[-1].choices[0].finish_reason == "length"
-        assert proc.wait(60) == 0
+        assert proc.wait(120) == 0
     finally:
         if proc.poll() is None:
             proc.kill()

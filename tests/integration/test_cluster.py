@@ -18,7 +18,7 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
 
-async def wait_all_free(cluster, timeout_s: float = 5.0) -> dict[int, tuple[int, int]]:
+async def wait_all_free(cluster, timeout_s: float = 30.0) -> dict[int, tuple[int, int]]:
     """Block usage per worker once fresh load reports show every pool empty (or the bound)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s

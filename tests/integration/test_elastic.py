@@ -10,7 +10,14 @@ import json
 import pytest
 
 from tests.conftest import hf_greedy, random_prompts
-from tests.integration.conftest import collect, make_cluster, segments, tokens_of, until
+from tests.integration.conftest import (
+    collect,
+    make_cluster,
+    next_view,
+    segments,
+    tokens_of,
+    until,
+)
 from tests.integration.test_cluster import wait_all_free
 from tetri_server.messages import SamplingParams
 
@@ -26,10 +33,21 @@ def decisions(tmp_path, worker: int = 0) -> list[dict]:
     return [json.loads(line) for line in (tmp_path / f"decisions.w{worker}.jsonl").open()]
 
 
+def placed(tmp_path) -> set[int]:
+    """The requests the prefill worker has kept or dispatched so far, from the decision log
+    written so far (a line being written is left out)."""
+    path = tmp_path / "decisions.w0.jsonl"
+    if not path.exists():
+        return set()
+    lines = [line for line in path.read_text().splitlines(keepends=True) if line.endswith("\n")]
+    return {r["req"] for r in map(json.loads, lines) if r["kind"] in ("keep", "dispatch")}
+
+
 async def run_long_then_crowd(tiny_llama, tmp_path, *sets: str,
                               steps_s: list[float] | None = None) -> tuple[set, set, int, list]:
-    """A long first request (300 tokens) decoding on one side, then a second one and a crowd of
-    short ones (24 tokens) once the prefill worker's view shows the first; every output is
+    """A long first request (300 tokens) decoding on the decode worker (the prefill worker has
+    its view first), then a second one, placed alone once the prefill worker's view shows the
+    first, then a crowd of short ones (24 tokens, the second too); every output is
     checked against transformers. The decode side's rule is off (every prompt is prefilled on
     the prefill worker, the rule under test). Returns (kept ids, ids dispatched by the prefill
     worker, first id, the prefill worker's records); ``steps_s`` gets the decode worker's
@@ -45,14 +63,19 @@ async def run_long_then_crowd(tiny_llama, tmp_path, *sets: str,
                            f"monitor.decision_log={log}", *sets)
     await cluster.start()
     try:
+        await next_view(cluster)  # of the idle decode worker: the first goes there
         run_first = asyncio.ensure_future(collect(cluster, first, long_one))
-        await until(lambda: any(r.num_running for r in cluster.reports.values()), 60,
-                    "the first request decoding")
-        await asyncio.sleep(1.0)  # >= 25 view broadcasts: the prefill worker sees it there
+        await until(lambda: any(r.role == "decode" and r.num_running
+                                for r in cluster.reports.values()), 60,
+                    "the first request decoding on the decode worker")
+        await next_view(cluster)  # that shows it there
         if steps_s is not None:
             steps_s += [r.step_s for r in cluster.reports.values() if r.role == "decode"]
+        run_second = asyncio.ensure_future(collect(cluster, second, GREEDY))
+        # the second is placed (kept or sent) before the crowd queues behind it
+        await until(lambda: len(placed(tmp_path)) >= 2, 60, "the second placed")
         got = await asyncio.wait_for(
-            asyncio.gather(*(collect(cluster, p, GREEDY) for p in [second, *crowd])), 180)
+            asyncio.gather(run_second, *(collect(cluster, p, GREEDY) for p in crowd)), 180)
         assert got == ref
         assert [await asyncio.wait_for(run_first, 180)] == ref_first
         await assert_all_freed(cluster)
@@ -69,13 +92,12 @@ async def run_long_then_crowd(tiny_llama, tmp_path, *sets: str,
 
 async def test_kept_and_handed_off_requests_both_equal_transformers(tiny_llama, tmp_path):
     """With any request worth keeping (min_tokens 0, whatever the load, balance off): the first
-    decodes on
-    one side, the next one goes to the other side; then the crowd. All equal transformers, and
-    no request takes both paths."""
+    decodes on the decode worker, the next one is kept; then the crowd. All equal transformers,
+    and no request takes both paths."""
     kept, sent, first_id, records = await run_long_then_crowd(
         tiny_llama, tmp_path, "prefill.local_decode_min_tokens=0",
         "prefill.local_decode_max_prompt_share=1", "prefill.local_decode_balance=false")
-    assert (first_id in sent) == (first_id + 1 in kept)  # the second went the other way
+    assert first_id in sent and first_id + 1 in kept  # the second went the other way
     assert kept and sent
     assert any(r["kind"] == "mixed_step" and r["run"] for r in records)
     assert max(len(r["run"]) for r in records if r["kind"] == "mixed_step") <= 3
@@ -98,16 +120,18 @@ async def run_kept_pair_then_crowd(tiny_llama, tmp_path, *sets: str) -> list[dic
                            "monitor.interval_ms=20", f"monitor.decision_log={log}", *sets)
     await cluster.start()
     try:
+        await next_view(cluster)  # of the idle decode worker: the first goes there
         first = asyncio.ensure_future(collect(cluster, pair[0], long_one))
-        await until(lambda: any(r.num_running for r in cluster.reports.values()), 60,
-                    "the first request decoding")
+        await until(lambda: any(r.role == "decode" and r.num_running
+                                for r in cluster.reports.values()), 60,
+                    "the first request decoding on the decode worker")
+        await next_view(cluster)  # that shows it there: the second is kept
         second = cluster.submit(pair[1], long_one).__aiter__()
         head: list[int] = []
         while not head:  # its first token: prefilled, and kept or handed off
             head = list((await asyncio.wait_for(second.__anext__(), 60)).token_ids)
         rest = asyncio.ensure_future(tokens_of(second))
-        # at once, while the long ones decode (one of them kept: the first if the prefill
-        # worker had no view yet, else the second)
+        # at once, while the long ones decode (the second kept)
         runs = [collect(cluster, p, GREEDY) for p in crowd]
         assert await asyncio.wait_for(asyncio.gather(*runs), 180) == ref
         second_out = head + await asyncio.wait_for(rest, 180)
@@ -284,12 +308,12 @@ async def test_a_kept_request_handed_back_mid_decode_equals_transformers(tiny_ll
                            "monitor.interval_ms=20", f"monitor.decision_log={log}")
     await cluster.start()
     try:
-        await asyncio.sleep(0.5)  # views of the idle decode worker: the first goes there
+        await next_view(cluster)  # of the idle decode worker: the first goes there
         run_first = asyncio.ensure_future(collect(cluster, first, long_one))
         await until(lambda: any(r.role == "decode" and r.num_running
                                 for r in cluster.reports.values()), 60,
                     "the first request decoding on the decode worker")
-        await asyncio.sleep(0.2)  # views that show it: the prefill worker keeps the second
+        await next_view(cluster)  # that shows it: the prefill worker keeps the second
         second_out: list[int] = []
 
         async def stream_second() -> list[int]:

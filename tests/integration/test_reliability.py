@@ -280,11 +280,13 @@ async def test_requests_kept_on_the_prefill_worker_outlive_the_decode_outage_bou
     (elastic P/D: it decodes there), it streamed past that deadline and control cut its stream
     with a retryable error, though it never waited. Now a request that streams is not waiting:
     every token moves its deadline, and a serving decode worker clears it."""
-    wait_s, tick_s = 0.1, 0.1  # cluster.worker_wait_s; monitor.interval_ms: it fails them
+    # cluster.worker_wait_s; monitor.interval_ms: it fails them. Long enough that a busy
+    # machine's hiccup between two tokens does not pass it; far below the streams' length.
+    wait_s, tick_s = 0.5, 0.1
     cluster = make_cluster(tiny_llama, "disaggregated", "cluster.restart_workers=false",
                            f"cluster.worker_wait_s={wait_s}")
     prompts = random_prompts(2, 8000, (20, 30), seed=47)
-    params = SamplingParams(max_tokens=1500, temperature=0.0, ignore_eos=True)  # kept: > 128
+    params = SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True)  # kept: > 128
     ref = hf_greedy(tiny_llama, prompts, params.max_tokens)
     await cluster.start()
     try:

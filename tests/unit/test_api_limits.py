@@ -86,8 +86,8 @@ def test_backend_queue_full_is_429(api: ApiHarness) -> None:
 
 
 def test_request_timeout_is_an_error_and_aborts(api: ApiHarness) -> None:
-    url = api.serve(request_timeout_s=0.5)
-    with slow_generation(api, 0.05):  # 240 tokens take far longer than 0.5 s
+    url = api.serve(request_timeout_s=2.0)  # the first streamed token comes well within it
+    with slow_generation(api, 0.05):  # 240 tokens take far longer than 2 s
         reply = raw_request(url, "POST", C, LONG)
         assert reply.status == 504 and reply.json()["error"]["code"] == "timeout"
         reply = raw_request(url, "POST", C, {**LONG, "stream": True})

@@ -104,9 +104,11 @@ async def test_streamed_tokens_are_timed(server: tuple[str, dict[str, object]]) 
     assert a.send_s is not None and a.first_token_s is not None and a.end_s is not None
     assert a.first_token_s - a.send_s >= FIRST_TOKEN_S
     gaps = [y - x for x, y in zip(a.token_times_s, a.token_times_s[1:], strict=False)]
-    assert all(g >= TOKEN_GAP_S * 0.8 for g in gaps) and all(g < 1.0 for g in gaps)
+    # a busy client may read two tokens at once: their mean gap is the server's
+    assert sum(gaps) / len(gaps) >= TOKEN_GAP_S * 0.8 and all(g < 1.0 for g in gaps)
     assert a.end_s >= a.token_times_s[-1]
-    assert b.send_s == pytest.approx(0.2, abs=0.05)  # sent at its arrival time, open loop
+    # sent at its arrival time, while the first still streams (open loop)
+    assert b.send_s is not None and 0.19 <= b.send_s < a.end_s
     assert run.duration_s == pytest.approx(max(a.end_s, b.end_s or 0.0))
     body = state["bodies"][0]  # type: ignore[index]
     assert body["max_tokens"] == 5 and body["ignore_eos"] is True and body["stream"] is True
@@ -124,7 +126,7 @@ async def test_failures_are_errors_not_hangs(server: tuple[str, dict[str, object
     assert errors["no-done"] == "stream ended without [DONE]"
     assert errors["stall"] is not None  # silent for 5 s > read timeout of 1 s
     assert all(not r.ok and r.end_s is not None for r in run.records)
-    assert run.records[3].end_s < 3.0  # type: ignore[operator]
+    assert run.records[3].end_s < 4.5  # type: ignore[operator]  # before the 5 s stall ends
 
 
 async def test_concurrency_cap_delays_sends(server: tuple[str, dict[str, object]]) -> None:

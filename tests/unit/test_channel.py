@@ -228,8 +228,8 @@ def test_send_async_waits_for_space_then_times_out(run_id: str) -> None:
         frame = channel.num_bytes_used()
         while channel.num_bytes_used() + frame <= 64:
             await channel.send_async(m.KVPulled(0))
+        start = loop.time()  # the timer's clock, before it is armed (time.monotonic's base)
         loop.call_later(0.05, channel.try_recv)
-        start = time.monotonic()
         await channel.send_async(m.KVPulled(1), timeout_s=5)
         waited = time.monotonic() - start
         with pytest.raises(TimeoutError):

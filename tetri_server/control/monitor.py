@@ -51,6 +51,11 @@ class Monitor:
         self._view_generation = 0  # moves with each decode report, (re)start and removal
         self._last_tick_s = 0.0
 
+    @property
+    def view_seq(self) -> int:
+        """Decode views built so far (each is posted to the prefill workers as it is built)."""
+        return self._view_seq
+
     def start(self, now_s: float) -> None:
         self._last_tick_s = now_s
         for h in self.workers.values():
