@@ -116,6 +116,31 @@ async def test_a_request_that_crashes_its_worker_fails_alone(tiny_llama):
         await cluster.stop()
 
 
+async def test_requests_sharing_a_crashed_step_with_the_culprit_are_served(tiny_llama):
+    """Regression: a crashing request prefilled in one chunk with three others made all four
+    suspects; re-run together they shared the restarted worker's first chunk again, crashed it
+    again, and all four failed. Now suspects re-run one at a time (the next once the one before
+    has streamed a token or ended): only the culprit fails, the others equal transformers."""
+    cluster = make_cluster(tiny_llama, "disaggregated", "cluster.restart_backoff_s=0.1")
+    prompts = random_prompts(3, 8000, (8, 12), seed=52)
+    ref = hf_greedy(tiny_llama, prompts, GREEDY.max_tokens)
+    await cluster.start()
+    try:
+        kill(cluster, 0, signal.SIGSTOP)  # all four wait in its inbox: one chunk
+        bad = asyncio.ensure_future(collect(cluster, [5, 6, cluster.vocab_size + 7], GREEDY))
+        good = [asyncio.ensure_future(collect(cluster, p, GREEDY)) for p in prompts]
+        await asyncio.sleep(0.3)
+        kill(cluster, 0, signal.SIGCONT)
+        with pytest.raises(GenerationError, match="crashed a worker"):
+            await asyncio.wait_for(bad, 120)
+        assert await asyncio.wait_for(asyncio.gather(*good), 120) == ref
+        await until(lambda: cluster.num_restarts == 2, 30, "both crashed workers restarted")
+        await asyncio.sleep(0.5)
+        assert cluster.num_restarts == 2  # the shared chunk, then the culprit alone
+    finally:
+        await cluster.stop()
+
+
 async def test_manual_flips_under_load_never_kill_a_worker(tiny_llama):
     """Regression: a DecodeView (or a Handoff) that reached a worker just after it switched
     roles raised TypeError and killed it. 10 flips back and forth while requests flow."""

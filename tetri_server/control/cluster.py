@@ -200,6 +200,9 @@ class Cluster:
             req.output_ids.extend(d.token_ids)
             if req.wait_deadline_s is not None and d.token_ids:  # not stuck: it streams
                 req.wait_deadline_s = now + self.cfg.cluster.worker_wait_s
+            if req.suspect and d.token_ids:  # it ran a step since its crash: cleared
+                req.suspect = False
+                self.router.next_suspect()
             self.accounting.on_delta(req, d, now)
             req.queue.put_nowait(d)
             if d.finish_reason is not None:
@@ -212,7 +215,8 @@ class Cluster:
 
     def _on_step_failed(self, h: WorkerHandle, msg: StepFailed) -> None:
         """A step raised on ``h`` (it exits next). Requests of a step of one, or of a second
-        crashed step, fail alone; the others are re-run when the worker's exit is seen."""
+        crashed step, fail alone; the others are re-run when the worker's exit is seen, one at
+        a time (``Router.next_suspect``), so a second crash names the one to blame."""
         for req_id in msg.req_ids:
             req = self.table.get(req_id)
             if req is None:
@@ -276,6 +280,7 @@ class Cluster:
         for req in self.table.expired(now, self.router.has_live("decode")):
             self.fail(req, f"no worker could take the request within {wait:g} s "
                       "(workers restarting); retry", retry_after_s=max(1.0, wait / 2))
+        self.router.next_suspect()  # the suspect on trial may have ended meanwhile
         self._broadcast_view()
         self.monitor.count_requests(len(self.table))
         self.flipper.on_tick()

@@ -51,7 +51,8 @@ class Request:
     # Waiting for a worker of a role that has none live (restarting): fail with 503 at this
     # monotonic time unless it got past that role by then. None: not waiting.
     wait_deadline_s: float | None = None
-    suspect: bool = False  # was in a step that crashed a worker (StepFailed)
+    # was in a step that crashed a worker (StepFailed), and has streamed no token since
+    suspect: bool = False
     queue: asyncio.Queue[TokenDelta | GenerationError] = field(default_factory=asyncio.Queue)
 
 

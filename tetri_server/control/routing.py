@@ -6,6 +6,7 @@ who holds a request)."""
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 
 import msgspec
@@ -13,7 +14,7 @@ import msgspec
 from tetri_server.config import Config
 from tetri_server.control.accounting import RequestAccounting
 from tetri_server.control.monitor import Monitor
-from tetri_server.control.requests import ReqState, Request
+from tetri_server.control.requests import DONE, ReqState, Request
 from tetri_server.control.supervisor import WorkerHandle
 from tetri_server.control.table import RequestTable
 from tetri_server.messages import Abort, AddRequest, Handoff, HandoffRejected, KVPulled
@@ -36,6 +37,10 @@ class Router:
         self.monitor = monitor
         self.accounting = accounting
         self.metrics = accounting.metrics
+        # suspects (requests of a crashed step) re-run one at a time, so a second crash names
+        # one of them: the one on trial, and those waiting for their turn
+        self._trial: Request | None = None
+        self._suspects: deque[Request] = deque()
 
     def route(self, req: Request) -> None:
         """Send to the least-loaded prefill (or coupled) worker, or (elastic) a decode worker
@@ -75,7 +80,29 @@ class Router:
         if req.num_reruns > MAX_RERUNS:
             self.table.fail(req, "worker failed repeatedly while running this request")
             return
+        if req.suspect and req is not self._trial:
+            if self._on_trial():
+                req.owner, req.state, req.wait_deadline_s = -1, ReqState.PREFILL, None
+                self._suspects.append(req)  # waits for its turn (``next_suspect``)
+                return
+            self._trial = req
         self.route(req)
+
+    def _on_trial(self) -> bool:
+        """A suspect is re-running and has neither streamed a token since nor ended."""
+        t = self._trial
+        return (t is not None and t.suspect and t.state not in DONE
+                and self.table.get(t.req_id) is t)
+
+    def next_suspect(self) -> None:
+        """Once the suspect on trial has streamed a token (the caller clears its ``suspect``)
+        or ended, the next waiting one re-runs. Called on each such event and each tick."""
+        while not self._on_trial() and self._suspects:
+            req = self._suspects.popleft()
+            if req.state in DONE or self.table.get(req.req_id) is not req:
+                continue  # aborted or failed while it waited
+            self._trial = req
+            self.route(req)
 
     def withdraw(self, req: Request) -> None:
         """Re-run a request whose hand-off source died where the decode worker's mapping
