@@ -153,3 +153,46 @@ def test_family_parsers_whole_and_streamed(name, reply, content, calls):
         sent, got = _fed(make_parser(name), reply, random.Random(seed))
         assert sent == content
         assert [(c.name, json.loads(c.arguments)) for c in got] == calls
+
+
+@pytest.fixture(scope="module")
+def tagged(model_dir, tmp_path_factory) -> Iterator[ApiHarness]:  # noqa: ANN001
+    """The tiny model with a tokenizer whose call tags are special tokens, as Qwen2.5's
+    ``<tool_call>`` and Mistral's ``[TOOL_CALLS]`` are."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from tests.unit.test_api_double import make_engine_backend
+
+    path = tmp_path_factory.mktemp("tagged") / "model"
+    shutil.copytree(model_dir("llama", "tiny"), path)
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.add_special_tokens({"additional_special_tokens": [
+        "<tool_call>", "</tool_call>", "[TOOL_CALLS]"]})
+    tok.save_pretrained(path)
+    harness = ApiHarness(make_engine_backend, path)
+    yield harness
+    harness.close()
+
+
+@pytest.mark.parametrize(("name", "reply"), [
+    ("hermes", CALL), ("mistral", '[TOOL_CALLS][{"name": "weather", "arguments": '
+                                  '{"city": "Oslo"}}]')])
+def test_calls_whose_tags_are_special_tokens_are_parsed(tagged: ApiHarness, name: str,
+                                                         reply: str) -> None:
+    """Regression: the reply was decoded without special tokens, so the parser never saw the
+    tag: the call came back as the message's text, with no ``tool_calls``."""
+    served = dataclasses.replace(default_served_model(tagged.backend), tool_call_parser=name)
+    client = openai.OpenAI(base_url=tagged.serve(served=served) + "/v1", api_key="x",
+                           max_retries=0)
+    backend = double(tagged)
+    backend.script = backend.tokenizer.encode(reply, add_special_tokens=False)
+    assert len(backend.script) < len(backend.tokenizer.encode(
+        reply.replace("[TOOL_CALLS]", "[TOOL CALLS]").replace("tool_call", "tool call"),
+        add_special_tokens=False))  # each tag is one (special) token here
+    out = client.chat.completions.create(model=MODEL_NAME, messages=MSG, tools=TOOLS)
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    assert [(c.function.name, json.loads(c.function.arguments))
+            for c in choice.message.tool_calls] == [("weather", {"city": "Oslo"})]

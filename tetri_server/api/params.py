@@ -30,6 +30,7 @@ MAX_LOGPROBS = 20  # alternatives per token (vLLM's default max_logprobs)
 MAX_N = 16  # choices per request; each is one backend request
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's and vLLM's /v1/completions default
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
+TAGS_ARE_SPECIAL = ("hermes", "mistral")  # tool parsers whose call tags are special tokens
 # vLLM request extras this server does not implement: a 400 naming them, never ignored
 UNSUPPORTED_EXTRAS = (
     "guided_whitespace_pattern", "use_beam_search", "length_penalty",
@@ -266,7 +267,10 @@ def parse_request(
         true_output_len=f.integer("true_output_len", None, low=0),
         n=n,
         include_stop_str=f.boolean("include_stop_str_in_output", False),
-        skip_special_tokens=f.boolean("skip_special_tokens", True),
+        # the Hermes and Mistral call tags are special tokens in many tokenizers (Qwen2.5,
+        # Mistral): the parser must see them (vLLM turns skipping off for these parsers too)
+        skip_special_tokens=(f.boolean("skip_special_tokens", True)
+                             and tool_parser not in TAGS_ARE_SPECIAL),
         echo=echo,
         echo_top=echo_top,
         prompt_top=prompt_top,
