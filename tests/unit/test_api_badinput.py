@@ -38,6 +38,10 @@ CASES: list[tuple[str, str, Any, int, str | None, str]] = [
     ("prompt-number", C, c(prompt=123), 400, "prompt", "expected a string"),
     ("prompt-empty-list", C, c(prompt=[]), 400, "prompt", "the prompt is empty"),
     ("prompt-batch-too-large", C, c(prompt=["a"] * 65), 400, "prompt", "at most 64 prompts"),
+    # a lone surrogate (valid JSON) the tokenizer raises on: was a 500
+    ("prompt-lone-surrogate", C, c(prompt="a\ud800b"), 400, "prompt", "cannot encode"),
+    ("chat-lone-surrogate", CHAT, chat(messages=[{"role": "user", "content": "a\ud800"}]),
+     400, "messages", "cannot encode"),
     ("prompt-batch-bad-member", C, c(prompt=["a", 5]), 400, "prompt[1]", "expected a string"),
     ("prompt-batch-times-n", C, c(prompt=["a"] * 40, n=2), 400, "n", "more than 64 choices"),
     ("prompt-id-out-of-vocab", C, c(prompt=[5, 999999]), 400, "prompt", "outside the vocab"),

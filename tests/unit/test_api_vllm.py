@@ -434,3 +434,38 @@ def test_cors_only_when_origins_are_configured(api: ApiHarness) -> None:
     assert denied.status == 401 and denied.headers["access-control-allow-origin"] == page
     other = raw_request(url, "GET", "/health", headers={"Origin": "http://evil.example"})
     assert other.status == 403 and "access-control-allow-origin" not in other.headers
+
+
+def test_text_parts_of_a_message_are_joined_by_a_newline() -> None:
+    """Regression: the parts were glued together ("Hello.How are you"), where vLLM joins
+    them with a newline: the model saw another prompt for the same request."""
+    from tetri_server.api.fields import Fields
+    from tetri_server.api.prompts import PromptLimits, chat_prompt
+
+    parts = [{"type": "text", "text": "Hello."}, {"type": "text", "text": "How are you"}]
+    tok = _RecordingTokenizer()
+    chat_prompt(Fields({"messages": [{"role": "user", "content": parts}]}), tok,
+                PromptLimits(10, 100, 10_000))
+    assert tok.calls[0][0][0]["content"] == "Hello.\nHow are you"
+
+
+def test_add_special_tokens_is_honoured_on_the_generation_routes(api: ApiHarness) -> None:
+    """Regression: ``add_special_tokens`` was read by /tokenize only. A completions prompt that
+    already starts with the BOS got a second one (vLLM: false leaves it out), and chat ignored
+    true; /tokenize then counted other tokens than the request ran on."""
+    bos = _tok(api).bos_token
+    assert bos
+    for body, path in [({"prompt": f"{bos}Hi there"}, "/v1/completions"),
+                       ({"messages": [{"role": "user", "content": "Hi"}]},
+                        "/v1/chat/completions")]:
+        counts = {}
+        for special in (True, False):
+            reply = raw_request(api.base_url, "POST", path,
+                                {**body, "max_tokens": 1, "add_special_tokens": special})
+            assert reply.status == 200, reply.body
+            used = reply.json()["usage"]["prompt_tokens"]
+            counted = raw_request(api.base_url, "POST", "/tokenize",
+                                  {**body, "add_special_tokens": special}).json()["count"]
+            assert used == counted, (path, special)
+            counts[special] = used
+        assert counts[True] == counts[False] + 1, (path, counts)

@@ -21,7 +21,7 @@ from tetri_server.api.body import parse_json_object, read_json_body
 from tetri_server.api.errors import APIError, bad_param
 from tetri_server.api.fields import Fields
 from tetri_server.api.models import ServedModel
-from tetri_server.api.prompts import PromptLimits, chat_prompt, check_text_length
+from tetri_server.api.prompts import PromptLimits, chat_prompt, check_text_length, encode
 from tetri_server.api.tools import check_tools
 from tetri_server.config import ServerConfig
 from tetri_server.control.protocol import Backend
@@ -77,7 +77,8 @@ class InfoRoutes:
             if not isinstance(prompt, str):
                 raise bad_param("prompt", "expected a string (or send 'messages')")
             check_text_length(len(prompt), "prompt", self.limits)
-            ids = tok.encode(prompt, add_special_tokens=f.boolean("add_special_tokens", True))
+            ids = encode(tok, prompt, "prompt",
+                         add_special_tokens=f.boolean("add_special_tokens", True))
         strs = tok.convert_ids_to_tokens(ids) if f.boolean("return_token_strs", False) else None
         return {"count": len(ids), "max_model_len": self.limits.max_model_len, "tokens": ids,
                 "token_strs": strs}

@@ -91,12 +91,22 @@ def _check_encoded(ids: list[int], param: str, limits: PromptLimits) -> list[int
     return ids
 
 
+def encode(tokenizer: Any, text: str, param: str, *, add_special_tokens: bool) -> list[int]:
+    """``tokenizer.encode``; text it cannot encode (a lone surrogate such as ``"\\ud800"``
+    makes it raise) is a 400 naming ``param``, not a 500."""
+    try:
+        return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+    except Exception as e:
+        raise bad_param(param, f"the tokenizer cannot encode this text ({type(e).__name__}: "
+                               f"{str(e)[:200]})") from None
+
+
 def _one_completion_prompt(
-    value: Any, param: str, tokenizer: Any, limits: PromptLimits
+    value: Any, param: str, tokenizer: Any, limits: PromptLimits, add_special_tokens: bool
 ) -> Prompt:
     if isinstance(value, str):
         check_text_length(len(value), param, limits)
-        ids = tokenizer.encode(value, add_special_tokens=True)
+        ids = encode(tokenizer, value, param, add_special_tokens=add_special_tokens)
         if not ids:
             raise bad_param(param, "the prompt is empty")
         return Prompt(_check_encoded(ids, param, limits), value, param)
@@ -112,16 +122,17 @@ def completion_prompts(f: Fields, tokenizer: Any, limits: PromptLimits) -> list[
     value = f.raw("prompt")
     if value is None:
         raise bad_param("prompt", "this field is required")
+    special = f.boolean("add_special_tokens", True)  # vLLM's: the BOS before a text prompt
     if isinstance(value, list) and value and isinstance(value[0], str | list):
         if len(value) > MAX_BATCH_PROMPTS:
             raise bad_param("prompt", f"at most {MAX_BATCH_PROMPTS} prompts in a batch, "
                                       f"got {len(value)}")
         check_text_length(sum(len(v) for v in value if isinstance(v, str)), "prompt", limits)
         if len(value) == 1:
-            return [_one_completion_prompt(value[0], "prompt", tokenizer, limits)]
-        return [_one_completion_prompt(v, f"prompt[{i}]", tokenizer, limits)
+            return [_one_completion_prompt(value[0], "prompt", tokenizer, limits, special)]
+        return [_one_completion_prompt(v, f"prompt[{i}]", tokenizer, limits, special)
                 for i, v in enumerate(value)]
-    return [_one_completion_prompt(value, "prompt", tokenizer, limits)]
+    return [_one_completion_prompt(value, "prompt", tokenizer, limits, special)]
 
 
 def _content(msg: dict[str, Any], i: int) -> str:
@@ -145,7 +156,7 @@ def _content(msg: dict[str, Any], i: int) -> str:
         if not isinstance(text, str):
             raise bad_param(f"{param}[{j}].text", "expected a string")
         texts.append(text)
-    return "".join(texts)
+    return "\n".join(texts)  # as vLLM joins them for a template that takes a string
 
 
 def _messages(f: Fields) -> list[dict[str, str]]:
@@ -246,6 +257,8 @@ def chat_prompt(
         text = tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
     except Exception as e:  # a template may reject a message order (jinja raise_exception)
         raise bad_param("messages", f"the chat template rejected these messages: {e}") from None
-    ids = _check_encoded(tokenizer.encode(text, add_special_tokens=False), "messages", limits)
+    # the template writes the BOS; add_special_tokens (vLLM's, default false) adds another
+    ids = _check_encoded(encode(tokenizer, text, "messages", add_special_tokens=f.boolean(
+        "add_special_tokens", False)), "messages", limits)
     user_text = "\n".join(m["content"] for m in messages if m["role"] == "user")
     return Prompt(ids, user_text, "messages")
