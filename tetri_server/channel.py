@@ -8,7 +8,10 @@ argv; the child calls ``Channel.attach(spec, msg_type)``. Each process closes it
 the creator unlinks the segment.
 
 Segment layout (u64 words, each counter on its own 64-byte line):
-    [0] magic  [8] capacity  [64] head  [128] tail  [192...] ``capacity`` bytes of frames
+    [0] magic  [8] capacity  [64] head  [128] tail  [192] beat  [256...] ``capacity`` bytes
+    of frames
+``beat`` is the producer's heartbeat (``CLOCK_MONOTONIC`` nanoseconds, any thread of the
+producer's process may store it: ``beat``/``last_beat_s``), outside the frame protocol.
 ``head``/``tail`` count bytes ever written/consumed; only the producer stores ``head``, only the
 consumer stores ``tail``; ``0 <= head - tail <= capacity``. A frame is a u64 payload length at an
 8-aligned offset, then the msgpack payload padded to 8 bytes: the length word never wraps (the
@@ -45,8 +48,8 @@ log = logging.getLogger("tetri.channel")
 SHM_DIR = "/dev/shm"
 DEFAULT_SEND_TIMEOUT_S = 10.0
 _MAGIC = int.from_bytes(b"TETRICH1", "little")
-_CAPACITY, _HEAD, _TAIL = 1, 8, 16  # word indices
-_DATA = 192  # byte offset of the data area
+_CAPACITY, _HEAD, _TAIL, _BEAT = 1, 8, 16, 24  # word indices
+_DATA = 256  # byte offset of the data area
 _SEGMENT_RE = re.compile(r"^tetri-(\d+)-")
 
 
@@ -220,6 +223,16 @@ class Channel(Generic[T]):
 
     def num_bytes_used(self) -> int:
         return int(self._words[_HEAD] - self._words[_TAIL])
+
+    def beat(self) -> None:
+        """Stamp the heartbeat word with now (producer side; one aligned store, so another
+        thread of the producer's process may call it while the owner sends)."""
+        if not self._closed:
+            self._words[_BEAT] = time.monotonic_ns()
+
+    def last_beat_s(self) -> float:
+        """The producer's last ``beat`` on the ``time.monotonic`` clock (0.0: none yet)."""
+        return 0.0 if self._closed else self._words[_BEAT] / 1e9
 
     # ------------------------------------------------------------------ producer side
 

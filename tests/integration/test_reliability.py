@@ -141,6 +141,32 @@ async def test_requests_sharing_a_crashed_step_with_the_culprit_are_served(tiny_
         await cluster.stop()
 
 
+async def test_a_step_longer_than_the_stall_bound_is_not_a_stall(model_dir):
+    """Regression: a worker sent nothing during a forward pass, so a step longer than
+    ``monitor.stall_timeout_s`` (a long prompt on a CPU: seconds with a 1B model) had it killed
+    as stalled, again on each re-run, and the request failed. A worker now stamps a heartbeat
+    while it works: a 1500-token prompt (about a second here) in one step, under a 0.3 s bound,
+    equals transformers with no stall; a SIGSTOP is still one."""
+    path = model_dir("llama", "bench")  # 34M parameters: a long prompt takes a while
+    prompt = random_prompts(1, 8000, (1500, 1500), seed=53)[0]
+    ref = hf_greedy(path, [prompt], 4)
+    cluster = make_cluster(path, "coupled", "monitor.interval_ms=20",
+                           "monitor.stall_timeout_s=0.3", "cluster.restart_backoff_s=0.1")
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    await cluster.start()
+    try:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        assert [await asyncio.wait_for(collect(cluster, prompt, params), 120)] == ref
+        assert loop.time() - t0 > 0.3  # the step did outlast the bound
+        assert cluster.num_restarts == 0 and not any(h.stalled for h in cluster.workers.values())
+        kill(cluster, 0, signal.SIGSTOP)
+        await until(lambda: cluster.workers[0].stalled or cluster.num_restarts, 10,
+                    "a stopped worker is a stall")
+    finally:
+        await cluster.stop()
+
+
 async def test_manual_flips_under_load_never_kill_a_worker(tiny_llama):
     """Regression: a DecodeView (or a Handoff) that reached a worker just after it switched
     roles raised TypeError and killed it. 10 flips back and forth while requests flow."""

@@ -134,9 +134,11 @@ class Monitor:
         self.metrics.set_requests(running=num_requests - waiting, waiting=waiting)
 
     def check_stalls(self, now_s: float) -> None:
-        """A ready worker silent for monitor.stall_timeout_s (SIGSTOP, a stuck kernel, an
-        endless loop) gets no new work and is killed: its exit re-runs its requests and
-        restarts it. If this loop itself was blocked, nobody was listening: no verdicts."""
+        """A ready worker silent for monitor.stall_timeout_s, with no heartbeat stamped
+        (SIGSTOP, a frozen process; a stuck kernel or an endless loop once its turn passed
+        monitor.max_step_s: ``workers.heartbeat``) gets no new work and is killed: its exit
+        re-runs its requests and restarts it. If this loop itself was blocked, nobody was
+        listening: no verdicts."""
         bound = self.cfg.monitor.stall_timeout_s
         late = now_s - self._last_tick_s - self.cfg.monitor.interval_ms / 1000
         self._last_tick_s = now_s
@@ -146,10 +148,12 @@ class Monitor:
                 h.last_heard_s = now_s
             return
         for h in self.workers.values():
-            silent = now_s - h.last_heard_s
-            if h.is_ready and silent > bound:
-                log.error("worker %d (%s) sent nothing for %.1f s: stalled; killing it",
-                          h.worker_id, h.role, silent)
+            if not h.is_ready:
+                continue
+            silent = now_s - max(h.last_heard_s, h.outbox.last_beat_s())
+            if silent > bound:
+                log.error("worker %d (%s) sent nothing and stamped no heartbeat for %.1f s: "
+                          "stalled; killing it", h.worker_id, h.role, silent)
                 h.stalled = True
                 self.metrics.inc_stalls()
                 self.metrics.set_up(h.worker_id, False)

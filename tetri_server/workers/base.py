@@ -41,6 +41,7 @@ from tetri_server.messages import (
     WorkerSpec,
 )
 from tetri_server.policy import LengthTail
+from tetri_server.workers.heartbeat import Heartbeat
 from tetri_server.workers.trace import DecisionLog
 
 log = logging.getLogger("tetri.worker")
@@ -163,8 +164,11 @@ class Worker:
     def run(self) -> None:
         self.send(self.ready_message())
         next_report = time.monotonic()
+        mon = self.cfg.monitor
+        beat = Heartbeat(self.outbox, min(1.0, mon.stall_timeout_s / 4), mon.max_step_s)
         try:
             while not self.stopping:
+                beat.busy()
                 for msg in self.inbox.drain():
                     self.handle(msg)
                 if os.getppid() != self.spec.parent_pid:
@@ -181,14 +185,17 @@ class Worker:
                     ran = True
                 if not ran:  # idle, or blocked (e.g. no blocks): wait for a message, bounded
                     wait = max(0.0, next_report - time.monotonic())
+                    beat.idle()
                     msg = self.inbox.recv(timeout_s=min(wait, 0.5))
                     if msg is not None:
+                        beat.busy()
                         self.handle(msg)
                 now = time.monotonic()
                 if now >= next_report:
                     self.send(self.load_report())
                     next_report = now + self.report_interval_s
         finally:
+            beat.close()
             self.decisions.close()
             self.transport.close()
             self.inbox.close()
