@@ -195,9 +195,12 @@ class DecodeView(msgspec.Struct, tag=True, array_like=True):
 
 
 class SetRole(msgspec.Struct, tag=True, array_like=True):
-    """Instance flip: once drained, the worker switches role without reloading weights."""
+    """Instance flip: once drained, the worker switches role without reloading weights.
+    ``cancel``: control gave up waiting; a flip to ``role`` still pending is dropped (one that
+    already happened stands: its ``Ready`` tells control)."""
 
     role: Role
+    cancel: bool = False
 
 
 # ---------------------------------------------------------------- worker -> control

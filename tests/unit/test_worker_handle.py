@@ -5,7 +5,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from tetri_server.messages import AddRequest, Guide, LoadReport, RequestFailed, SamplingParams
+from tetri_server.messages import (
+    AddRequest,
+    Guide,
+    LoadReport,
+    RequestFailed,
+    SamplingParams,
+    SetRole,
+)
 from tetri_server.workers.base import Worker
 
 
@@ -57,3 +64,23 @@ def test_a_prompt_failed_on_arrival_is_handled_too() -> None:
     w.handle(add(7, 1, guide=Guide("regex", "(")))
     assert [type(m) for m in sent] == [RequestFailed]
     assert w.load_report().last_add_seq == 1
+
+
+def test_a_flip_cancel_that_crossed_the_switch_does_not_flip_back() -> None:
+    """Regression: control's flip timed out just as the worker switched (its Ready on the way)
+    and sent SetRole(old role) to cancel; the worker, already in the new role, took it for a
+    new flip and switched back later, unasked (no drain, no cooldown, maybe the last worker of
+    a role). A cancel now names the flip it cancels."""
+    w, _ = worker()  # a prefill worker
+    w.pending_role = None
+    w.handle(SetRole("decode"))
+    assert w.pending_role == "decode"
+    w.handle(SetRole("decode", cancel=True))  # still pending: dropped
+    assert w.pending_role is None
+    w.role.name = "decode"  # switched; the cancel of that flip arrives after
+    w.handle(SetRole("decode", cancel=True))
+    assert w.pending_role is None
+    w.handle(SetRole("prefill"))  # a flip back control asked for
+    assert w.pending_role == "prefill"
+    w.handle(SetRole("decode"))  # to the current role: nothing pending
+    assert w.pending_role is None

@@ -95,8 +95,9 @@ class FlipController:
             self.policy.on_done(plan, time.monotonic())
 
     async def _run(self, worker_id: int, from_role: str, role: str) -> FlipResult:
-        """Drain, switch, resume. On a timeout the worker is told to cancel (``SetRole`` of its
-        current role), so it never switches later behind control's back."""
+        """Drain, switch, resume. On a timeout the worker is told to cancel (``SetRole`` with
+        ``cancel``), so it never switches later behind control's back; if it switched just
+        before, its ``Ready`` still tells control its new role."""
         c = self.cluster
         t0 = time.monotonic()
         fut: asyncio.Future[float] = asyncio.get_running_loop().create_future()
@@ -109,7 +110,7 @@ class FlipController:
         except TimeoutError:
             h = c.workers.get(worker_id)
             if h is not None:
-                h.post(SetRole(from_role))
+                h.post(SetRole(role, cancel=True))
             log.error("flip: worker %d did not drain within %.0f s; cancelled", worker_id,
                       self.timeout_s)
             raise

@@ -244,8 +244,7 @@ class Worker:
         elif isinstance(msg, Abort):
             self.role.abort(msg.req_id)
         elif isinstance(msg, SetRole):
-            # SetRole to the current role cancels a pending flip (control gave up waiting).
-            self.pending_role = None if msg.role == self.role.name else msg.role
+            self.pending_role = pending_role_after(self.role.name, self.pending_role, msg)
         elif isinstance(msg, AddRequest) and (err := self.grammars.check(msg.sampling.guide)):
             # a guide that does not compile fails its request alone, before any work (a 400)
             self.send(RequestFailed(msg.req_id, err, invalid=True))
@@ -254,6 +253,15 @@ class Worker:
 
     def on_peer_pools(self, msg: PeerPools) -> None:
         open_peers(self.transport, [p for p in msg.pools if p.worker_id != self.worker_id])
+
+
+def pending_role_after(current: str, pending: str | None, msg: SetRole) -> str | None:
+    """The role a worker is to switch to once drained, after ``msg``. A cancel drops only the
+    flip it names: one that already happened (its cancel crossed the ``Ready``) must not turn
+    into a flip back behind control's back."""
+    if msg.cancel:
+        return None if pending == msg.role else pending
+    return None if msg.role == current else msg.role
 
 
 class Role:
