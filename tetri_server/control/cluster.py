@@ -210,7 +210,7 @@ class Cluster:
 
     def _on_request_failed(self, h: WorkerHandle, msg: RequestFailed) -> None:
         req = self.table.get(msg.req_id)
-        if req is not None:
+        if req is not None and h.worker_id in (req.owner, req.src):  # not a stale owner's
             self.fail(req, InvalidRequestError(msg.error) if msg.invalid else msg.error)
 
     def _on_step_failed(self, h: WorkerHandle, msg: StepFailed) -> None:
