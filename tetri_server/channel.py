@@ -57,6 +57,11 @@ class MessageTooLarge(ValueError):
     """One encoded message needs more bytes than the whole ring holds."""
 
 
+class ChannelBroken(RuntimeError):
+    """A frame's length word is impossible (memory corruption, a second producer): nothing
+    after it can be read, so the channel is given up for good (its peer must be replaced)."""
+
+
 def reserve_shm(fd: int, num_bytes: int, what: str) -> None:
     """Give a /dev/shm file its pages now: a full tmpfs fails here with a clear error instead of
     a SIGBUS at the first write that finds no page."""
@@ -165,6 +170,7 @@ class Channel(Generic[T]):
         self._async_lock: asyncio.Lock | None = None
         self._num_async_waiting = 0  # send_async calls queued behind a full ring
         self._closed = self._unlinked = False
+        self._broken: ChannelBroken | None = None
 
     @classmethod
     def create(cls, name: str, capacity: int, msg_type: Any) -> Channel[Any]:
@@ -334,20 +340,32 @@ class Channel(Generic[T]):
     def drain(self, on_error: Callable[[Exception], None] | None = None) -> list[T]:
         """Clear the wake-up and pop every message pushed so far. A frame that does not decode
         (the peer broke the wire contract) is consumed and its error raised, or passed to
-        ``on_error`` and skipped when given."""
+        ``on_error`` and skipped when given. A broken channel (``ChannelBroken``) returns the
+        frames before the break; its error goes to ``on_error`` once, or is raised by the
+        next call without one (and by every later one)."""
         _clear(self._data_fd)
         out: list[T] = []
+        if self._broken is not None:
+            if on_error is None:
+                raise self._broken
+            return out
         head = self._words[_HEAD]
         if self._words[_TAIL] == head:
             return out
         try:
-            while (tail := self._words[_TAIL]) != head:
+            while (tail := self._words[_TAIL]) < head:
                 try:
                     out.append(self._pop(tail))
                 except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                     if on_error is None:
                         raise
                     on_error(exc)
+                except ChannelBroken as exc:
+                    if on_error is not None:
+                        on_error(exc)
+                    elif not out:
+                        raise
+                    break
         finally:
             os.eventfd_write(self._space_fd, 1)
         return out
@@ -359,7 +377,9 @@ class Channel(Generic[T]):
         pos = tail % cap
         size = self._words[(_DATA + pos) >> 3]
         if size > cap - 8:
-            raise RuntimeError(f"channel {self.name}: corrupt frame length {size} at {pos}")
+            self._broken = ChannelBroken(f"channel {self.name}: corrupt frame length {size} at "
+                                         f"{pos}; the channel is given up")
+            raise self._broken
         start = _DATA + (pos + 8) % cap
         end, limit = start + size, _DATA + cap
         try:
@@ -413,12 +433,15 @@ class AsyncReceiver(Generic[T]):
     ``loop.add_reader`` on its data fd (no polling). It is the channel's only consumer while
     open; ``close()`` removes the reader and leaves the channel to its owner. Errors from a bad
     frame or from ``callback`` go to ``loop.call_exception_handler`` and the next message is
-    still delivered."""
+    still delivered. A broken channel (``ChannelBroken``) closes the receiver, after the frames
+    before the break, and calls ``on_broken`` (the peer must go: nothing it sends can be read)."""
 
     def __init__(
-        self, channel: Channel[T], loop: asyncio.AbstractEventLoop, callback: Callable[[T], None]
+        self, channel: Channel[T], loop: asyncio.AbstractEventLoop, callback: Callable[[T], None],
+        on_broken: Callable[[], None] | None = None,
     ) -> None:
         self._channel, self._loop, self._callback = channel, loop, callback
+        self._on_broken = on_broken
         self._open = True
         loop.add_reader(channel.fileno(), self._on_readable)
         loop.call_soon(self._on_readable)  # frames pushed before the reader existed
@@ -441,6 +464,10 @@ class AsyncReceiver(Generic[T]):
         self._loop.call_exception_handler(
             {"message": f"channel {self._channel.name}: receive failed", "exception": exc}
         )
+        if isinstance(exc, ChannelBroken):
+            self.close()
+            if self._on_broken is not None:
+                self._on_broken()
 
     def close(self) -> None:
         if self._open:

@@ -24,9 +24,11 @@ import uvloop
 
 from tetri_server import messages as m
 from tetri_server.channel import (
+    _DATA,
     SHM_DIR,
     AsyncReceiver,
     Channel,
+    ChannelBroken,
     ChannelSpec,
     MessageTooLarge,
     cleanup_stale_segments,
@@ -117,6 +119,57 @@ def test_random_sizes_wrap_around_in_order(run_id: str) -> None:
             sent.append(msg)
         got.extend(channel.drain())
         assert [g for g in got if g is not None] == sent
+    finally:
+        dispose(channel)
+
+
+def corrupt_second_frame(channel: Channel[Any]) -> None:
+    """Abort(1), Abort(2) and Abort(3) sent, then the second frame's length word made
+    impossible, as memory corruption or a second producer would."""
+    channel.send(m.Abort(1))
+    first = channel.num_bytes_used()
+    channel.send(m.Abort(2))
+    channel.send(m.Abort(3))
+    channel._words[(_DATA + first) >> 3] = 10**9
+
+
+def test_a_corrupt_frame_length_gives_the_channel_up_after_the_frames_before_it(
+        run_id: str) -> None:
+    """Regression: a corrupt length raised out of drain, losing the frame drain had already
+    popped, and every later drain raised again: the ring was wedged, and the control process's
+    reap of that worker raised before it finished."""
+    channel = make(run_id, "corrupt", 256, m.ToWorker)
+    try:
+        corrupt_second_frame(channel)
+        assert channel.drain() == [m.Abort(1)]
+        with pytest.raises(ChannelBroken, match="corrupt frame length"):
+            channel.drain()
+        with pytest.raises(ChannelBroken):
+            channel.drain()
+    finally:
+        dispose(channel)
+
+
+def test_a_receiver_of_a_broken_channel_delivers_then_stops_and_says_so(run_id: str) -> None:
+    channel = make(run_id, "broken", 256, m.ToWorker)
+    got: list[Any] = []
+    broken: list[bool] = []
+    errors: list[Any] = []
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        loop.set_exception_handler(lambda _, ctx: errors.append(ctx["exception"]))
+        receiver = AsyncReceiver(channel, loop, got.append, on_broken=lambda: broken.append(True))
+        corrupt_second_frame(channel)
+        await asyncio.sleep(0.2)
+        receiver.flush()  # closed: nothing more, no error
+        receiver.close()
+
+    try:
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            runner.run(main())
+        assert got == [m.Abort(1)] and broken == [True]
+        assert [type(e) for e in errors] == [ChannelBroken]
     finally:
         dispose(channel)
 

@@ -115,7 +115,8 @@ def spawn_worker(worker_id: int, role: str, generation: int, run_id: str,
         raise
     handle = WorkerHandle(worker_id, role, generation, proc, inbox, outbox, f"{prefix}-kv",
                           os.pidfd_open(proc.pid))
-    handle.receiver = AsyncReceiver(outbox, loop, lambda msg: on_message(handle, msg))
+    handle.receiver = AsyncReceiver(outbox, loop, lambda msg: on_message(handle, msg),
+                                    on_broken=handle.proc.kill)  # its exit re-runs its work
     loop.add_reader(handle.pidfd, on_exit, handle)
     handle._writer = loop.create_task(handle._write_loop())
     return handle
@@ -127,7 +128,10 @@ def reap(handle: WorkerHandle) -> int | None:
     its segments."""
     loop = asyncio.get_running_loop()
     if handle.receiver is not None and handle.alive:
-        handle.receiver.flush()
+        try:
+            handle.receiver.flush()
+        except Exception:  # a callback's error is reported there; the rest must still run
+            log.exception("worker %d: delivering its last messages failed", handle.worker_id)
     handle.alive = False
     loop.remove_reader(handle.pidfd)
     os.close(handle.pidfd)
