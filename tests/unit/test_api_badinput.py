@@ -87,7 +87,8 @@ CASES: list[tuple[str, str, Any, int, str | None, str]] = [
     ("min-p-above-one", C, c(min_p=1.5), 400, "min_p", "<= 1"),
     ("logit-bias-out-of-vocab", C, c(logit_bias={"999999": 5}), 400, "logit_bias", "outside"),
     ("logit-bias-not-id", C, c(logit_bias={"abc": 5}), 400, "logit_bias", "not a token id"),
-    ("logit-bias-range", C, c(logit_bias={"5": 101}), 400, "logit_bias.5", "[-100, 100]"),
+    ("logit-bias-not-number", C, c(logit_bias={"5": "x"}), 400, "logit_bias.5", "a number"),
+    ("max-tokens-fraction", C, c(max_tokens=5.5), 400, "max_tokens", "an integer"),
     (
         "logit-bias-too-many",
         C,

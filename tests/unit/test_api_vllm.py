@@ -112,6 +112,19 @@ def test_greedy_repetition_penalty_equals_transformers(api: ApiHarness, client, 
     assert out.choices[0].text == _tok(api).decode(ref, skip_special_tokens=True)
 
 
+def test_integral_floats_and_out_of_range_biases_are_taken_as_vllm_takes_them(
+        api: ApiHarness, client) -> None:
+    """Regression: ``max_tokens: 5.0`` (an integer-valued float, which vLLM's pydantic models
+    accept; some clients send them) was a 400, and a logit_bias beyond +-100 a 400 where vLLM
+    and OpenAI clamp it."""
+    tok = _tok(api).encode(" the", add_special_tokens=False)[-1]
+    out = client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=5.0,
+                                    temperature=1.0, logit_bias={str(tok): 1000},
+                                    extra_body=EOS)
+    assert out.usage.completion_tokens == 5
+    assert out.choices[0].text == _tok(api).decode([tok] * 5)  # 1000 is 100: still forced
+
+
 def test_logit_bias_forces_a_token_even_when_sampling(api: ApiHarness, client) -> None:
     tok = _tok(api).encode(" the", add_special_tokens=False)[-1]
     out = client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=6,

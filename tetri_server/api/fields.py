@@ -35,6 +35,8 @@ class Fields:
         value = self.body.get(name)
         if value is None:
             return default
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)  # 100.0, as vLLM's request models (pydantic) take it
         if not is_int(value):
             raise bad_param(name, f"expected an integer, got {json_type(value)}")
         if low is not None and value < low:

@@ -130,9 +130,9 @@ def _logit_bias(f: Fields, vocab_size: int) -> dict[int, float]:
         if not 0 <= tok < vocab_size:
             raise bad_param("logit_bias", f"token id {tok} is outside the vocabulary "
                                           f"[0, {vocab_size})")
-        if isinstance(bias, bool) or not isinstance(bias, int | float) or not -100 <= bias <= 100:
-            raise bad_param(f"logit_bias.{key}", "expected a number in [-100, 100]")
-        out[tok] = float(bias)
+        if isinstance(bias, bool) or not isinstance(bias, int | float) or bias != bias:
+            raise bad_param(f"logit_bias.{key}", "expected a number")
+        out[tok] = min(100.0, max(-100.0, float(bias)))  # clamped, as vLLM and OpenAI do
     return out
 
 
