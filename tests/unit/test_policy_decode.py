@@ -245,3 +245,36 @@ def test_preempted_requests_go_back_oldest_admission_first() -> None:
     assert again.admit.req_ids == (2, 3)  # 2 was admitted before 3, and is again
     adm.on_done(again, ())
     assert adm.running_ids == (1, 2, 3)
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_new_prompt_does_not_take_the_blocks_a_preempted_request_waits_for(
+        chunked: bool) -> None:
+    """Regression: a coupled worker prefilled new prompts into the blocks a preempted request
+    (back at the head of its queue) needed; they then waited behind it holding their KV, and
+    under memory pressure the batch shrank to one or none. Like vLLM, a prompt now starts only
+    in blocks the waiting head does not need."""
+    from tetri_server.policy import PrefillQueue
+    from tetri_server.policy.coupled import coupled_step_plan
+
+    adm = DecodeAdmission("greedy", block_size=16, num_total_blocks=20, max_batch=8,
+                          watermark=0)
+    adm.add(1, 111, 112, 0, 50)  # 7 blocks of KV each; 112 tokens fill them
+    adm.add(2, 111, 112, 0, 50)
+    plan = adm.plan(num_free_blocks=6)
+    assert plan.run_ids == (1, 2)
+    adm.on_done(plan, set())  # 113 tokens: each needs an 8th block
+    plan = adm.plan(num_free_blocks=1)
+    assert plan.preempt.req_ids == (2,) and plan.run_ids == (1,)
+    adm.on_done(plan, set())
+    queue = PrefillQueue("fcfs")
+    queue.add(3, 60, 0.0)  # 4 blocks
+    # 7 free: too few for 2 (8), room for 3 beside 1's step: 3 must not take them
+    _, slices = coupled_step_plan(queue, adm, 7, chunked=chunked, token_budget=256,
+                                  max_batch=8, max_prefill_tokens=2048, block_size=16)
+    assert not slices
+    # room for 2, 1's step and 3: it starts
+    _, slices = coupled_step_plan(queue, adm, 8 + 1 + 4, chunked=chunked, token_budget=256,
+                                  max_batch=8, max_prefill_tokens=2048, block_size=16)
+    assert [p.req_id for p in slices] == [3]
+    assert adm.head_need() == 8  # 2's whole context again

@@ -22,17 +22,20 @@ def coupled_step_plan(
     """One step of a coupled worker (the baselines): prompts in ``queue``, prefilled requests in
     a greedy ``admission``. Prefill-first (vLLM-like): whole prompts when any can start, the
     decode batch pauses (None); chunked (Sarathi-like): the admission's batch plus prompt slices
-    filling ``token_budget``, within the blocks the batch leaves free. Both the coupled worker
+    filling ``token_budget``, within the blocks the batch leaves free. Either way a prompt
+    starts only in blocks the admission's waiting head does not need (``head_need``: a
+    preempted request is not overtaken by new prompts, as in vLLM). Both the coupled worker
     and the simulator plan with this."""
     room = max(0, max_batch - len(admission))
     if not chunked:
-        slices = prefill_first_plan(queue, (), max_prefill_tokens, max_seqs=room,
-                                    num_free_blocks=num_free_blocks,
-                                    block_size=block_size).slices
+        slices = prefill_first_plan(
+            queue, (), max_prefill_tokens, max_seqs=room,
+            num_free_blocks=max(0, num_free_blocks - admission.head_need()),
+            block_size=block_size).slices
         return (None if slices else admission.plan(num_free_blocks)), slices
     decode = admission.plan(num_free_blocks)
     slices = coupled_chunked_plan(queue, decode.run_ids, token_budget,
                                   max_seqs=room + len(decode.run_ids),
-                                  num_free_blocks=admission.free_after(decode, num_free_blocks),
+                                  num_free_blocks=admission.prompt_room(decode, num_free_blocks),
                                   block_size=block_size).slices
     return decode, slices

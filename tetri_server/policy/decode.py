@@ -252,6 +252,30 @@ class DecodeAdmission:
             free -= num_blocks_for(seqs[r].num_tokens, self.block_size) - held
         return free
 
+    def head_need(self, plan: DecodeStepPlan | None = None) -> int:
+        """Blocks the request at the head of the waiting queue after ``plan`` (None: with no
+        plan yet) needs to start: a request preempted by the plan (the oldest admitted), else
+        the first waiting one the plan does not start. Prompts planned beside the batch leave
+        them (``prompt_room``): else a preempted request waits behind new prompts that took its
+        blocks, and they hold their KV idle behind it while the batch shrinks (vLLM, too,
+        starts no new prompt ahead of a preempted request)."""
+        bs = self.block_size
+        dropped = set() if plan is None else set(plan.preempt.req_ids)
+        victims = [s for r, s in self._running.items() if r in dropped]
+        if victims:
+            return num_blocks_for(victims[0].num_tokens, bs)
+        started = set() if plan is None else set(plan.admit.req_ids) | set(plan.fail_ids)
+        for seq in self._waiting:
+            if seq.req_id not in started:
+                return (num_blocks_for(seq.num_tokens, bs) if seq.req_id in dropped
+                        else seq.num_step_blocks(bs))
+        return 0
+
+    def prompt_room(self, plan: DecodeStepPlan, num_free_blocks: int) -> int:
+        """Free blocks for prompt slices beside ``plan``: what ``free_after`` leaves, less the
+        waiting head's ``head_need``."""
+        return max(0, self.free_after(plan, num_free_blocks) - self.head_need(plan))
+
     def _evict_waiting(self, running: list[DecodeSeq], victims: list[int],
                        free: int) -> list[int]:
         """With nothing running, a head of the queue that does not fit would wait forever

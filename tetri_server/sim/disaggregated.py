@@ -351,7 +351,7 @@ class DecodeInstance(_Decoding):
         if len(self.queue):
             slices = coupled_chunked_plan(
                 self.queue, plan.run_ids, len(plan.run_ids) + self.prompt_budget,
-                num_free_blocks=self.admission.free_after(plan, free),
+                num_free_blocks=self.admission.prompt_room(plan, free),
                 block_size=self.block_size).slices
         self.num_planned += 1
         if plan.run_ids or plan.preempt.req_ids or plan.fail_ids or slices:

@@ -128,7 +128,7 @@ class DecodeRole(Role):
         if len(self.queue):
             slices = coupled_chunked_plan(
                 self.queue, plan.run_ids, len(plan.run_ids) + self.prompt_budget,
-                num_free_blocks=self.admission.free_after(plan, free),
+                num_free_blocks=self.admission.prompt_room(plan, free),
                 block_size=self.w.block_size).slices
         log = self.w.decisions
         log.step += 1
