@@ -241,6 +241,21 @@ def test_bad_override_error_names_the_set_not_the_file() -> None:
         load_config(SHIPPED, ["cluster.mode=tetris"])
 
 
+def test_overrides_that_a_rule_ties_together_are_judged_together(tmp_path: Path) -> None:
+    """Regression: each --set was checked in a section otherwise at its defaults, so two keys
+    a rule ties (stall_timeout_s <= max_step_s; 3 reports per stall bound) could not be raised
+    together from the command line, in either order, nor one beside the file's other."""
+    for sets in (["monitor.max_step_s=600", "monitor.stall_timeout_s=200"],
+                 ["monitor.stall_timeout_s=200", "monitor.max_step_s=600"],
+                 ["monitor.interval_ms=2000", "monitor.stall_timeout_s=10"]):
+        load_config(None, sets)
+    path = tmp_path / "c.toml"
+    path.write_text("[monitor]\nmax_step_s = 600.0\n")
+    assert load_config(path, ["monitor.stall_timeout_s=200"]).monitor.stall_timeout_s == 200
+    with pytest.raises(ConfigError, match=r"^--set 'monitor.stall_timeout_s=200'"):
+        load_config(None, ["monitor.stall_timeout_s=200"])  # still refused alone
+
+
 # --- resolve --------------------------------------------------------------------------------
 
 

@@ -224,10 +224,18 @@ def load_config(
     for section, values in (flags or {}).items():
         _section_class(section, "flags")
         _table(data, section, source).update(values)
+    deferred: list[ConfigError] = []  # a --set refused alone: may be fine beside the others
     for item in overrides or []:
-        section, key, value = _parse_override(item)
+        section, key, value, error = _parse_override(item)
         _table(data, section, source)[key] = value
-    return Config.from_dict(data, source=source)
+        if error is not None:
+            deferred.append(error)
+    try:
+        return Config.from_dict(data, source=source)
+    except ConfigError:
+        if deferred:  # name the --set, not the file
+            raise deferred[0] from None
+        raise
 
 
 def _table(data: dict[str, Any], section: str, source: str) -> dict[str, Any]:
@@ -237,7 +245,10 @@ def _table(data: dict[str, Any], section: str, source: str) -> dict[str, Any]:
     return table
 
 
-def _parse_override(item: str) -> tuple[str, str, Any]:
+def _parse_override(item: str) -> tuple[str, str, Any, ConfigError | None]:
+    """(section, key, value, the error of the key's section built with it alone or None). A
+    wrong name or type raises here; a rule error is returned, since a rule may tie two keys
+    that other overrides set (``monitor.max_step_s`` and ``stall_timeout_s``)."""
     source = f"--set {item!r}"
     name, sep, text = item.partition("=")
     parts = name.strip().split(".")
@@ -255,11 +266,11 @@ def _parse_override(item: str) -> tuple[str, str, Any]:
     if (hint is str or get_origin(hint) is Literal) and not isinstance(value, str):
         value = text
     _check_type(f"{section}.{key}", value, hint, source)
-    try:  # per-field rules now, so the error names the --set; cross-field rules run at the end
+    try:  # per-field rules now, so the error names the --set; all rules run at the end
         section_cls(**{key: _coerce(value, hint)})
     except ConfigError as e:
-        raise ConfigError(f"{source}: {e}") from None
-    return section, key, value
+        return section, key, value, ConfigError(f"{source}: {e}")
+    return section, key, value, None
 
 
 def _sections() -> dict[str, type[_Section]]:
