@@ -9,6 +9,7 @@ import logging
 import os
 import re
 import signal
+import socket
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -133,6 +134,26 @@ def resolve_hub_model(model: ModelConfig, environ: Mapping[str, str]) -> ModelCo
     return dataclasses.replace(model, path=folder, served_name=model.served_name or path)
 
 
+def port_error(host: str, port: int) -> str | None:
+    """Why the server could not listen on ``host:port`` (None: it can), checked by binding
+    as the server will (address reuse on), before the workers load."""
+    if port == 0:
+        return None
+    try:
+        addrs = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as e:
+        return f"server.host {host!r} does not resolve: {e}"
+    for family, kind, proto, _, addr in addrs:
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(addr)
+            except OSError as e:
+                return (f"cannot listen on {host}:{port}: {e.strerror} (is another server "
+                        "there? choose another with --port)")
+    return None
+
+
 async def serve(cfg: Config, given_path: str | None = None) -> int:
     """Run the server until SIGTERM/SIGINT (drain, exit 0) or a fatal worker failure (1).
     ``given_path``: model.path as the user wrote it (accepted as a model name)."""
@@ -163,8 +184,31 @@ async def serve(cfg: Config, given_path: str | None = None) -> int:
     except ConfigError as e:
         print(f"tetri-server: {e}", file=sys.stderr)
         return 2
-    await cluster.start()
-    runner, port = await start_site(app, cfg.server.host, cfg.server.port)
+    if (error := port_error(cfg.server.host, cfg.server.port)) is not None:
+        print(f"tetri-server: {error}", file=sys.stderr)  # before minutes of model loading
+        return 2
+    log.info("starting %d workers (%s) of %s", len(cluster.roles()), cfg.cluster.mode,
+             cluster.model_name)
+    starting = asyncio.ensure_future(cluster.start())
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([starting, stopping], return_when=asyncio.FIRST_COMPLETED)
+    if not starting.done():  # SIGTERM/SIGINT while the workers load: stop now, not after
+        log.warning("stopped while starting")
+        starting.cancel()  # Cluster.start stops the workers it spawned
+        await asyncio.gather(starting, return_exceptions=True)
+        return 0
+    stopping.cancel()
+    if (failed := starting.exception()) is not None:
+        print(f"tetri-server: the workers did not start: {type(failed).__name__}: {failed}",
+              file=sys.stderr)
+        return 1
+    try:
+        runner, port = await start_site(app, cfg.server.host, cfg.server.port)
+    except OSError as e:
+        print(f"tetri-server: cannot listen on {cfg.server.host}:{cfg.server.port}: {e}",
+              file=sys.stderr)
+        await cluster.stop(drain_timeout_s=0)
+        return 2
     url = f"http://{cfg.server.host}:{port}"
     print(f"tetri-server: serving {cluster.model_name!r} ({cfg.cluster.mode}) at {url}/v1\n"
           f"  try: curl {url}/v1/completions -H 'Content-Type: application/json' "

@@ -84,3 +84,47 @@ def test_unknown_hub_id_is_a_clear_error(tmp_path):
                          capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode == 2
     assert "org/absent" in out.stderr and "Hugging Face cache" in out.stderr
+
+
+def test_a_busy_port_is_a_clear_error_before_the_workers_load(tmp_path):
+    """Regression: the port was bound only after every worker had loaded its model, and a busy
+    one ended in an OSError traceback (systemd then reloaded the model every few seconds)."""
+    import socket
+    import time
+
+    with socket.socket() as taken:
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        t0 = time.monotonic()
+        out = subprocess.run([sys.executable, "-m", "tetri_server", "serve", "--port",
+                              str(port), "--set", "cluster.mode=coupled"],
+                             capture_output=True, text=True, timeout=120,
+                             env=dict(os.environ, TETRI_CACHE_DIR=str(tmp_path / "cache")))
+        elapsed = time.monotonic() - t0
+    assert out.returncode == 2, out.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in out.stderr and "Traceback" not in out.stderr
+    assert "cluster ready" not in out.stderr + out.stdout, elapsed  # no worker was started
+
+
+def test_sigterm_while_the_workers_load_stops_at_once(tmp_path):
+    """Regression: SIGTERM during start-up waited for every worker to load, then bound the
+    port, printed the URL and only then drained."""
+    env = dict(os.environ, TETRI_CACHE_DIR=str(tmp_path / "cache"))
+    proc = subprocess.Popen([sys.executable, "-m", "tetri_server", "serve", "--set",
+                             "server.port=0", "--set", "cluster.mode=coupled"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        lines = []
+        for line in proc.stdout:  # the workers start (loading takes seconds: torch, model)
+            lines.append(line)
+            if "starting" in line and "workers" in line:
+                break
+        proc.send_signal(signal.SIGTERM)
+        rest, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, "".join(lines) + rest
+        assert "serving" not in rest and "Traceback" not in rest, rest
+    finally:
+        if proc.poll() is None:
+            proc.kill()
