@@ -373,6 +373,14 @@ def test_api_key_precedence_file_then_env_then_set(tmp_path: Path) -> None:
     assert load_config(path, ["server.api_key=from-set"], environ=env).server.api_key == "from-set"
 
 
+def test_vllms_api_key_variable_is_honoured() -> None:
+    """Regression: a vLLM unit or container setting VLLM_API_KEY (with --host 0.0.0.0) got a
+    server with no authentication at all, silently. TETRI_API_KEY wins where both are set."""
+    assert load_config(None, environ={"VLLM_API_KEY": "v"}).server.api_key == "v"
+    both = {"VLLM_API_KEY": "v", "TETRI_API_KEY": "t"}
+    assert load_config(None, environ=both).server.api_key == "t"
+
+
 def test_every_secret_is_redacted() -> None:
     cfg = load_config(None, ["server.api_key=a", "server.admin_api_key=b"], environ={})
     server = cfg.to_dict()["server"]

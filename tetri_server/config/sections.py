@@ -97,8 +97,10 @@ class ServerConfig(_Section):
     """Also export the vLLM-shaped metrics as vllm:NAME (tools that hard-code vLLM's names)."""
 
     SECRETS: ClassVar[tuple[str, ...]] = ("api_key", "admin_api_key")
-    # environment variable -> key; applied by load_config between the file and --set
+    # environment variable -> key; applied by load_config between the file and --set, in this
+    # order (vLLM's variable first: TETRI_API_KEY wins where both are set)
     ENV_KEYS: ClassVar[dict[str, str]] = {
+        "VLLM_API_KEY": "api_key",
         "TETRI_API_KEY": "api_key",
         "TETRI_ADMIN_API_KEY": "admin_api_key",
     }
