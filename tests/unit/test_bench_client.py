@@ -45,6 +45,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     state["peak"] = max(state["peak"], state["running"])
     try:
         prompt, n = body["prompt"], body["max_tokens"]
+        if prompt == "short":  # stops early (an abort, or ignore_eos not honoured), HTTP 200
+            n = 2
         if prompt == "http-500":
             return web.json_response({"error": {"message": "boom"}}, status=500)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -118,13 +120,15 @@ async def test_streamed_tokens_are_timed(server: tuple[str, dict[str, object]]) 
 async def test_failures_are_errors_not_hangs(server: tuple[str, dict[str, object]]) -> None:
     url, _ = server
     cfg = ClientConfig(url, "m", read_timeout_s=1.0, progress=False)
-    prompts = ["http-500", "error-event", "no-done", "stall"]
+    prompts = ["http-500", "error-event", "no-done", "stall", "short"]
     run = await run_benchmark([_req(i, p) for i, p in enumerate(prompts)], cfg, False)
     errors = {p: r.error for p, r in zip(prompts, run.records, strict=True)}
     assert errors["http-500"] is not None and errors["http-500"].startswith("HTTP 500")
     assert errors["error-event"] == "stream error: worker died"
     assert errors["no-done"] == "stream ended without [DONE]"
     assert errors["stall"] is not None  # silent for 5 s > read timeout of 1 s
+    # regression: a complete-looking stream of 2 of the 4 tokens asked for was a fast success
+    assert errors["short"] == "short reply: 2 of 4 tokens"
     assert all(not r.ok and r.end_s is not None for r in run.records)
     assert run.records[3].end_s < 4.5  # type: ignore[operator]  # before the 5 s stall ends
 

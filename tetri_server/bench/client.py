@@ -146,6 +146,11 @@ async def _read_stream(resp: aiohttp.ClientResponse, rec: RequestRecord, t0: flo
         rec.error = "stream ended without [DONE]"
     if rec.error is None and not rec.token_times_s:
         rec.error = "stream finished with no tokens"
+    n = rec.num_output_tokens
+    if rec.error is None and n is not None and n != rec.output_len:
+        # every request asks for exactly output_len (ignore_eos): a shorter reply (an abort
+        # with HTTP 200, a server ignoring ignore_eos) must not count as a fast success
+        rec.error = f"short reply: {n} of {rec.output_len} tokens"
 
 
 async def _send(
