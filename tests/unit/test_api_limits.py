@@ -148,6 +148,31 @@ def test_drain_refuses_new_and_waits_for_in_flight(api: ApiHarness) -> None:
         assert done.result(30) is True
 
 
+def test_drain_waits_for_a_request_still_sending_its_body(api: ApiHarness) -> None:
+    """Regression: a request counted as in flight only once its body was read and parsed. A
+    drain starting while a client still sent its body found nothing in flight and returned at
+    once; the request, accepted, was then cut off with an empty reply."""
+    import json as jsonlib
+
+    url = api.serve()
+    port = int(url.rsplit(":", 1)[1])
+    body = jsonlib.dumps({**LONG, "max_tokens": 20}).encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(f"POST {C} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+                     f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+                     "Connection: close\r\n\r\n".encode() + body[:10])
+        api.run(asyncio.sleep(0.3))  # the handler is reading the body
+        done = asyncio.run_coroutine_threadsafe(drain(api.apps[url], 30), api.loop)
+        api.run(asyncio.sleep(0.3))
+        assert not done.done(), "the drain did not wait for the request being sent"
+        sock.sendall(body[10:])
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.1 200") and b'"completion_tokens": 20' in reply, reply[:300]
+    assert done.result(30) is True
+
+
 def test_metrics_page_parses_and_has_every_metric(api: ApiHarness) -> None:
     _client(api.base_url).completions.create(
         model=MODEL_NAME, prompt="hi", max_tokens=3, extra_body=LONG_EOS

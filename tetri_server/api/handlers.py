@@ -49,10 +49,13 @@ log = logging.getLogger(__name__)
 
 
 class ApiState:
-    """Per-app mutable state: requests in flight and whether the server is draining."""
+    """Per-app mutable state: generations in flight (``in_flight``, the queue limit's count),
+    requests still arriving (body read, parsed: ``arriving``) and whether the server is
+    draining; ``idle`` once neither has any (the drain waits for it)."""
 
     def __init__(self) -> None:
         self.in_flight = 0
+        self.arriving = 0
         self.draining = False
         self.idle = asyncio.Event()
         self.idle.set()
@@ -63,7 +66,18 @@ class ApiState:
 
     def leave(self, n: int = 1) -> None:
         self.in_flight -= n
-        if self.in_flight == 0:
+        self._check_idle()
+
+    def arrive(self) -> None:
+        self.arriving += 1
+        self.idle.clear()
+
+    def arrived(self) -> None:
+        self.arriving -= 1
+        self._check_idle()
+
+    def _check_idle(self) -> None:
+        if self.in_flight == 0 and self.arriving == 0:
             self.idle.set()
 
 
@@ -170,26 +184,30 @@ class GenerateHandlers:
         arrival_s = time.monotonic()
         if self.state.draining:
             raise APIError("the server is shutting down", status=503, code="shutting_down")
-        raw = await read_json_body(
-            request,
-            max_bytes=self.cfg.max_body_bytes,
-            timeout_s=min(self.cfg.body_timeout_s, self._remaining(arrival_s)),
-        )
-        reqs = await asyncio.to_thread(self._parse, raw, kind)
-        n = reqs[0].n
-        # choice p * n + j: prompt p, sample j (seed + j)
-        gens = [Generation(self.backend, req, self.metrics, arrival_s, p * n + j, sample=j)
-                for p, req in enumerate(reqs) for j in range(n)]
-        if self.state.in_flight + len(gens) > self.cfg.max_queued_requests:
-            raise queue_full(1.0)
+        self.state.arrive()  # a drain from now on waits for it: it was accepted
         try:
-            for gen in gens:
-                gen.submit()
-        except APIError:
-            for gen in gens:
-                await gen.close()
-            raise
-        self.state.enter(len(gens))
+            raw = await read_json_body(
+                request,
+                max_bytes=self.cfg.max_body_bytes,
+                timeout_s=min(self.cfg.body_timeout_s, self._remaining(arrival_s)),
+            )
+            reqs = await asyncio.to_thread(self._parse, raw, kind)
+            n = reqs[0].n
+            # choice p * n + j: prompt p, sample j (seed + j)
+            gens = [Generation(self.backend, req, self.metrics, arrival_s, p * n + j, sample=j)
+                    for p, req in enumerate(reqs) for j in range(n)]
+            if self.state.in_flight + len(gens) > self.cfg.max_queued_requests:
+                raise queue_full(1.0)
+            try:
+                for gen in gens:
+                    gen.submit()
+            except APIError:
+                for gen in gens:
+                    await gen.close()
+                raise
+            self.state.enter(len(gens))
+        finally:
+            self.state.arrived()
         try:
             deadline = asyncio.get_running_loop().time() + self._remaining(arrival_s)
             if reqs[0].stream:

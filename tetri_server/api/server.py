@@ -162,7 +162,8 @@ async def drain(app: web.Application, timeout_s: float) -> bool:
     ones in flight. True if all finished in time."""
     state = app[STATE]
     state.draining = True
-    log.info("draining: %d request(s) in flight, waiting up to %.0f s", state.in_flight, timeout_s)
+    log.info("draining: %d request(s) in flight and %d arriving, waiting up to %.0f s",
+             state.in_flight, state.arriving, timeout_s)
     try:
         await asyncio.wait_for(state.idle.wait(), timeout_s)
     except TimeoutError:
