@@ -353,7 +353,16 @@ class Metrics:
         self.worker_stalls.inc()
 
     def set_up(self, worker: int | str, up: bool) -> None:
-        self.workers_up.labels(self.model_name, str(worker)).set(1 if up else 0)
+        """A worker is up or gone. A gone worker's pool is gone: its KV gauges read 0 and its
+        recent decode step is dropped (they showed its last report until a restart reported,
+        forever without one)."""
+        key, m = str(worker), self.model_name
+        self.workers_up.labels(m, key).set(1 if up else 0)
+        if not up:
+            self.kv_blocks_used.labels(m, key).set(0)
+            self.kv_usage.labels(m, key).set(0.0)
+            with contextlib.suppress(KeyError):  # never set for this worker
+                self.decode_step.remove(m, key)
 
     # ------------------------------------------------------------------ API side
 

@@ -153,6 +153,19 @@ def test_a_flipped_worker_drops_the_gauges_of_its_old_role() -> None:
     assert _samples(m)[("tetri_prefill_chunk_size", (("worker", "1"),))] == 128
 
 
+def test_a_dead_worker_shows_no_kv_in_use_and_no_recent_step() -> None:
+    """Regression: a dead worker's KV usage and decode step kept its last report's values until
+    a restart reported (forever with restarts off): saturation alerts read stale load."""
+    m = Metrics("m", vllm_aliases=True)
+    m.set_worker(1, "decode", blocks_used=48, blocks_total=64, busy_s=1.0, step_s=0.02)
+    m.set_up(1, False)
+    got = _samples(m)
+    assert got[("tetri_kv_cache_usage_perc", (("worker", "1"),))] == 0.0
+    assert got[("tetri_kv_blocks_used", (("worker", "1"),))] == 0.0
+    assert ("tetri_decode_step_seconds", (("worker", "1"),)) not in got
+    assert got[("tetri_worker_up", (("worker", "1"),))] == 0.0
+
+
 def test_itl_counts_every_token_after_the_first_and_kv_usage_stays_in_0_1() -> None:
     m = Metrics("m")
     lengths = [1, 4, 7]
