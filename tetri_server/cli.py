@@ -65,6 +65,9 @@ def _serve_args(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
                         "(model.use_generation_config)")
 
 
+DTYPE_ALIASES = {"half": "float16", "float": "float32", "bf16": "bfloat16"}
+
+
 def flag_values(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     """The named serve options that were given, as ``{section: {key: value}}``."""
     flags: dict[str, dict[str, Any]] = {}
@@ -72,6 +75,8 @@ def flag_values(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
         value = getattr(args, attr)
         if value is not None:
             flags.setdefault(section, {})[key] = value
+    if args.dtype is not None:  # vLLM's aliases: half = float16, float = float32
+        flags["model"]["dtype"] = DTYPE_ALIASES.get(args.dtype, args.dtype)
     if args.model is not None:
         flags.setdefault("model", {})["path"] = args.model
     if args.allowed_origins:

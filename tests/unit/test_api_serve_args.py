@@ -59,6 +59,12 @@ def test_flags_alias_config_keys_with_file_env_flag_set_precedence(tmp_path: Pat
     assert cfg.server.port == 7002  # --set wins over everything
 
 
+def test_vllms_dtype_aliases_are_taken() -> None:
+    """Regression: ``--dtype half`` and ``--dtype float`` (vLLM's spellings) were refused."""
+    for given, dtype in (("half", "float16"), ("float", "float32"), ("bfloat16", "bfloat16")):
+        assert build_config(parse("--dtype", given), {})[0].model.dtype == dtype
+
+
 def test_bad_flag_values_name_the_key() -> None:
     with pytest.raises(ConfigError, match="cluster.mode"):
         build_config(parse("--mode", "tetris"), {})
