@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from tetri_server.bench.ablation import run_order
 from tetri_server.bench.client import (
     ClientConfig,
     RequestRecord,
@@ -159,7 +160,10 @@ def main() -> int:
     rounds: list[dict[str, Any]] = []
     for i in range(args.repeat):
         row: dict[str, Any] = {}
-        for label, make in (("baseline", baseline), ("tetri", ours), ("vllm", vllm)):
+        # reversed every other round (``run_order``), so a machine that drifts steadily through
+        # the run weighs on each server alike over two rounds
+        order = (("baseline", baseline), ("tetri", ours), ("vllm", vllm))
+        for label, make in run_order(order, i):
             if (label == "vllm" and vllm_cmd is None
                     or label == "baseline" and not args.baseline_checkout):
                 continue
