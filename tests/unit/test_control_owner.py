@@ -29,3 +29,27 @@ def test_a_failure_from_a_worker_that_no_longer_holds_the_request_is_ignored() -
         assert cluster.table.get(req.req_id) is None and not req.queue.empty()
 
     asyncio.run(main())
+
+
+def test_a_pulled_handoff_whose_prefill_worker_died_is_decoding() -> None:
+    """Regression: a KVPulled for a request whose prefill worker had died meanwhile (its source
+    reset: the shm pool outlives it) left it in HANDOFF for good, its hand-off time never
+    observed (and a later death of its decode worker took it for a hand-off in flight)."""
+    from tetri_server.control.requests import ReqState
+    from tetri_server.control.routing import Router
+    from tetri_server.messages import KVPulled
+
+    async def main() -> None:
+        phases: list[str] = []
+        router = object.__new__(Router)
+        router.table = RequestTable({}, 10)
+        router.workers = {}
+        router.metrics = SimpleNamespace(observe_phase=lambda phase, s: phases.append(phase))
+        req = router.table.add([1, 2], SamplingParams(), "", None)
+        req.owner, req.src, req.state = 2, -1, ReqState.HANDOFF  # its prefill worker died
+        router.on_kv_pulled(SimpleNamespace(worker_id=1), KVPulled(req.req_id))  # not owner
+        assert req.state is ReqState.HANDOFF and phases == []
+        router.on_kv_pulled(SimpleNamespace(worker_id=2), KVPulled(req.req_id))
+        assert req.state is ReqState.DECODE and phases == ["handoff"]
+
+    asyncio.run(main())

@@ -139,11 +139,15 @@ class Router:
         dst.post(msg)
 
     def on_kv_pulled(self, h: WorkerHandle, msg: KVPulled) -> None:
+        """The decode worker holds the KV now: the prefill worker may free its copy. One whose
+        source died meanwhile (``src`` reset: its pool outlives it on shm) decodes too."""
         req = self.table.get(msg.req_id)
-        if req is not None and req.owner == h.worker_id and req.src in self.workers:
+        if req is None or req.owner != h.worker_id or req.state is not ReqState.HANDOFF:
+            return
+        if req.src in self.workers:
             self.workers[req.src].post(msg)
-            req.src, req.state = -1, ReqState.DECODE
-            self.metrics.observe_phase("handoff", time.monotonic() - req.handoff_s)
+        req.src, req.state = -1, ReqState.DECODE
+        self.metrics.observe_phase("handoff", time.monotonic() - req.handoff_s)
 
     def on_handoff_rejected(self, h: WorkerHandle, msg: HandoffRejected) -> None:
         req = self.table.get(msg.req_id)
