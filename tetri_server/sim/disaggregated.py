@@ -137,7 +137,7 @@ class PrefillInstance(_Decoding):
         """A mixed step or a prompt chunk, costed with the predictor's ``predict_s``; None when
         nothing runs."""
         if self.local is not None and len(self.admission):
-            self._hand_back(self.local)
+            self._hand_back(self.local, draining=self.worker_id in self.sim.draining)
         alone, self._alone = self._alone, False
         if len(self.admission) and (self.local is None or not self.local.prompt_alone(
                 self.book.queue.num_queued_tokens, self.mixed_chunk, alone)):
@@ -236,7 +236,7 @@ class PrefillInstance(_Decoding):
         self.dispatch_held()
 
     def dispatch_held(self) -> None:
-        if self.local is not None:
+        if self.local is not None and self.worker_id not in self.sim.draining:
             self._keep_held(self.local)
         for seq, plan in self.book.dispatch():
             self.record("dispatch", req=seq.req.req_id, to=plan.decode_worker,
@@ -262,11 +262,13 @@ class PrefillInstance(_Decoding):
             self.admission.add(req_id, seq.req.prompt_len, seq.num_tokens, seq.req.bucket,
                                seq.req.output_len)
 
-    def _hand_back(self, local: LocalDecode) -> None:
-        """``PrefillRole._hand_back``: prompts wait beyond the next chunk; the kept requests
-        whose KV is whole go to a decode instance, but those that finish here."""
+    def _hand_back(self, local: LocalDecode, *, draining: bool = False) -> None:
+        """``PrefillRole._hand_back``: prompts wait beyond the next chunk (or the instance
+        drains for a flip); the kept requests whose KV is whole go to a decode instance, but
+        those that finish here."""
         book = self.book
-        if not local.hands_back(book.queue.num_queued_tokens, self.chunker.chunk_size):
+        if not (draining or local.hands_back(book.queue.num_queued_tokens,
+                                             self.chunker.chunk_size)):
             return
         for req_id in book.ids(Stage.DECODING):
             seq = self.seqs[req_id]

@@ -174,7 +174,7 @@ class PrefillRole(Role):
     def step(self) -> bool:
         self.predict_new()
         if self.local is not None and len(self.admission):
-            self._hand_back(self.local)
+            self._hand_back(self.local, draining=self.w.pending_role is not None)
         alone, self._alone = self._alone, False
         if len(self.admission) and (self.local is None or not self.local.prompt_alone(
                 self.book.queue.num_queued_tokens, self._mixed_chunk, alone)):
@@ -303,7 +303,7 @@ class PrefillRole(Role):
         return chunk.keep(reserve_prompts(chunk.slices, self.book.get, self.w.kv, items)), items
 
     def dispatch_held(self) -> None:
-        if self.local is not None:
+        if self.local is not None and self.w.pending_role is None:  # a flip drains: keep none
             self._keep_held(self.local)
         for seq, plan in self.book.dispatch():
             self.w.decisions.record("dispatch", req=seq.req_id, to=plan.decode_worker,
@@ -335,12 +335,14 @@ class PrefillRole(Role):
             self.w.decisions.record("keep", req=req_id, gap_s=gap_s, decode_step_s=[
                 d.step_s for d in (book.view.decodes if book.view else ())])
 
-    def _hand_back(self, local: LocalDecode) -> None:
+    def _hand_back(self, local: LocalDecode, *, draining: bool = False) -> None:
         """Elastic: prompts wait beyond the next chunk, so the kept requests whose KV is whole
         go to a decode worker now (one preempted here has none: it stays and is recomputed);
-        one that ``finishes_here`` stays (``choose`` would keep it again at once)."""
+        one that ``finishes_here`` stays (``choose`` would keep it again at once). While the
+        worker drains for a flip (``draining``) they all go, whatever the rule says: a long one
+        decoding here to its end would hold the flip past its timeout."""
         book = self.book
-        if not local.hands_back(book.queue.num_queued_tokens, self._chunk_size):
+        if not (draining or local.hands_back(book.queue.num_queued_tokens, self._chunk_size)):
             return
         for req_id in book.ids(Stage.DECODING):
             seq = book.get(req_id)
