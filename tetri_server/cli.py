@@ -177,12 +177,12 @@ async def serve(cfg: Config, given_path: str | None = None) -> int:
                     ", ".join(overridden))
     metrics = Metrics(model_name=resolved.model.served_name,
                       vllm_aliases=cfg.server.vllm_metric_names)
-    cluster = Cluster(resolved, metrics)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
+        cluster = Cluster(resolved, metrics)  # reads the model's config: limits refused here
         served = ServedModel.from_config(cfg.model, cluster.model_name,
                                          root=cluster.cfg.model.path, given_path=given_path)
         app = build_app(cluster, cluster.cfg.server, metrics, served)  # reads api_key_file

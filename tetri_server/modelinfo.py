@@ -27,9 +27,16 @@ def resolve_model_path(path: str) -> Path:
 
 def serving_max_model_len(configured: int, max_position_embeddings: int) -> int:
     """The context length served: ``configured`` (0 = the model's), never above the model's
-    positions. The one rule for the control process, the workers and the engine; a sliding
-    window does not shorten it (attention applies the window)."""
-    return min(configured or max_position_embeddings, max_position_embeddings)
+    positions: more is refused (``ConfigError``), as vLLM refuses it, rather than lowered
+    behind the user's back. The one rule for the control process, the workers and the engine;
+    a sliding window does not shorten it (attention applies the window)."""
+    if configured > max_position_embeddings:
+        from tetri_server.config import ConfigError
+
+        raise ConfigError(f"model.max_model_len = {configured} is more than the model's "
+                          f"max_position_embeddings ({max_position_embeddings}); leave it 0 "
+                          "for the model's, or set at most that")
+    return configured or max_position_embeddings
 
 
 @dataclass(frozen=True)

@@ -116,3 +116,16 @@ def test_missing_hub_model_is_a_clear_error_and_never_downloads(tmp_path: Path) 
         build_config(parse("org/absent"), env)
     with pytest.raises(ConfigError, match="not a folder"):
         build_config(parse(str(tmp_path / "no" / "such")), env)
+
+
+def test_a_max_model_len_beyond_the_models_is_refused(model_dir) -> None:
+    """Regression: --max-model-len above the model's max_position_embeddings was lowered to it
+    without a word (vLLM refuses to start)."""
+    from tetri_server.control.cluster import Cluster
+
+    path = model_dir("llama", "tiny")  # 2048 positions
+    cfg, _ = build_config(parse(str(path), "--max-model-len", "4096"), {})
+    with pytest.raises(ConfigError, match=r"max_model_len = 4096 .* \(2048\)"):
+        Cluster(cfg.resolve(cpu_count=2))
+    cfg, _ = build_config(parse(str(path), "--max-model-len", "1024"), {})
+    assert Cluster(cfg.resolve(cpu_count=2)).max_model_len == 1024
