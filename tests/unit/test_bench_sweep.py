@@ -184,6 +184,9 @@ def test_sweep_end_to_end_against_fake_servers(
     assert [m["mode"] for m in result["modes"]] == ["disaggregated", "coupled"]
     assert result["slo_calibration"]["source"] == "coupled"  # the reference
     assert result["machine"]["nproc"] >= 1 and "--modes" in result["argv"]
+    # what ran, beside the numbers (regression: no commit, ISA or torch version was recorded)
+    assert result["machine"]["isa"] and result["machine"]["torch"]
+    assert result["machine"]["commit"] != ""
     for mode in result["modes"]:
         assert mode["rates"] == [20.0, 40.0] and len(mode["attainment"]) == 2
         assert mode["calibration"]["step_s"] > 0 and len(mode["points"][0]["records"]) == 4

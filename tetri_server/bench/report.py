@@ -29,13 +29,17 @@ PAPER_DELTAS_PCT: dict[str, tuple[float | None, float | None]] = {
 
 def git_commit(cwd: Path | None = None) -> str:
     """The short commit of the checkout at ``cwd`` (default: the current directory), the one
-    a benchmark's servers run; "unknown" outside git."""
+    a benchmark's servers run, with "-dirty" when tracked files differ from it (a number from
+    uncommitted code is not the commit's); "unknown" outside git."""
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                              text=True, cwd=cwd, timeout=10)
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"], cwd=cwd,
+                               capture_output=True, timeout=10).returncode == 1
     except (OSError, subprocess.TimeoutExpired):
         return "unknown"
-    return out.stdout.strip() or "unknown"
+    commit = out.stdout.strip()
+    return (commit + "-dirty" if dirty else commit) if commit else "unknown"
 
 
 @dataclass

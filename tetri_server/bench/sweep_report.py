@@ -9,7 +9,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from tetri_server.bench.report import BenchResult
+from tetri_server.bench.report import BenchResult, git_commit
 from tetri_server.bench.slo import Calibration, SLOScale, meets_slo, tpot_slo_s
 from tetri_server.bench.sweep import ModeSweep
 from tetri_server.hostinfo import cpuinfo
@@ -76,9 +76,14 @@ def sweep_table(sweeps: Sequence[ModeSweep], cal: Calibration, scale: SLOScale) 
 
 
 def machine_info() -> dict[str, Any]:
-    """nproc, CPU model and load average now (take it before the runs)."""
+    """nproc, CPU model, ISA, load average now (take it before the runs), and what ran: the
+    commit (``git_commit``, "-dirty" for uncommitted changes) and the torch version."""
+    import torch
+
     model = cpuinfo("model name") or platform.processor()
-    return {"nproc": os.cpu_count(), "cpu_model": model, "load_avg": os.getloadavg()}
+    return {"nproc": os.cpu_count(), "cpu_model": model,
+            "isa": torch.backends.cpu.get_cpu_capability(), "load_avg": os.getloadavg(),
+            "commit": git_commit(), "torch": torch.__version__}
 
 
 def _result_dict(r: BenchResult, cal: Calibration, scale: SLOScale) -> dict[str, Any]:
