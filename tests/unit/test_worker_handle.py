@@ -84,3 +84,29 @@ def test_a_flip_cancel_that_crossed_the_switch_does_not_flip_back() -> None:
     assert w.pending_role == "prefill"
     w.handle(SetRole("decode"))  # to the current role: nothing pending
     assert w.pending_role is None
+
+
+def test_a_flip_whose_caller_gives_up_is_cancelled_on_the_worker() -> None:
+    """Regression: a POST /admin/flip whose client went away cancelled the flip's task; only a
+    timeout sent the worker its cancel, so it still flipped later, behind control's back (and
+    control already routed work to it again)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from tetri_server.config import Config
+    from tetri_server.control.flip import FlipController
+
+    async def main() -> list[object]:
+        posted: list[object] = []
+        host = SimpleNamespace(cfg=Config(), workers={0: SimpleNamespace(post=posted.append)},
+                               draining=set())
+        flips = FlipController(host)  # type: ignore[arg-type]
+        task = asyncio.ensure_future(flips._run(0, "prefill", "decode"))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        assert host.draining == set()
+        return posted
+
+    posted = asyncio.run(main())
+    assert posted == [SetRole("decode"), SetRole("decode", cancel=True)]

@@ -107,12 +107,13 @@ class FlipController:
         log.info("flip: worker %d %s -> %s: draining", worker_id, from_role, role)
         try:
             switch_s = await asyncio.wait_for(fut, self.timeout_s)
-        except TimeoutError:
+        except BaseException as e:  # a timeout, or the caller cancelled (an HTTP client gone)
             h = c.workers.get(worker_id)
-            if h is not None:
+            if h is not None:  # else it would flip later, behind control's back
                 h.post(SetRole(role, cancel=True))
-            log.error("flip: worker %d did not drain within %.0f s; cancelled", worker_id,
-                      self.timeout_s)
+            if isinstance(e, TimeoutError):
+                log.error("flip: worker %d did not drain within %.0f s; cancelled", worker_id,
+                          self.timeout_s)
             raise
         finally:
             self._pending.pop(worker_id, None)
