@@ -120,7 +120,7 @@ async def test_requests_sharing_a_crashed_step_with_the_culprit_are_served(tiny_
     """Regression: a crashing request prefilled in one chunk with three others made all four
     suspects; re-run together they shared the restarted worker's first chunk again, crashed it
     again, and all four failed. Now suspects re-run one at a time (the next once the one before
-    has streamed a token or ended): only the culprit fails, the others equal transformers."""
+    has streamed two tokens or ended): only the culprit fails, the others equal transformers."""
     cluster = make_cluster(tiny_llama, "disaggregated", "cluster.restart_backoff_s=0.1")
     prompts = random_prompts(3, 8000, (8, 12), seed=52)
     ref = hf_greedy(tiny_llama, prompts, GREEDY.max_tokens)

@@ -53,3 +53,40 @@ def test_a_pulled_handoff_whose_prefill_worker_died_is_decoding() -> None:
         assert req.state is ReqState.DECODE and phases == ["handoff"]
 
     asyncio.run(main())
+
+
+def test_a_suspect_is_cleared_by_a_decode_steps_token_not_by_its_prefill_token() -> None:
+    """Regression: a suspect's mark was cleared by its first token after the re-run, which in
+    disaggregated mode comes from the prefill worker: a request that crashed a decode step was
+    cleared before it reached one, the next suspect was released, and a second crash of the
+    decode batch again named no one. Two tokens (a prefill and a decode step's) clear it."""
+    from collections import deque
+
+    from tetri_server.config import Config
+    from tetri_server.control.routing import Router
+    from tetri_server.messages import StepOutput, TokenDelta
+
+    async def main() -> None:
+        posted: list[object] = []
+        cluster = object.__new__(Cluster)
+        cluster.cfg = Config()
+        cluster.table = RequestTable({}, 10)
+        cluster.accounting = SimpleNamespace(on_delta=lambda req, d, now: None)
+        router = object.__new__(Router)
+        router.table, router.workers, router._trial, router._suspects = (
+            cluster.table, {}, None, deque())
+        router.route = lambda req: (setattr(req, "owner", 0), posted.append(req.req_id))
+        cluster.router = router
+        a, b = (cluster.table.add([1, 2], SamplingParams(), "", None) for _ in range(2))
+        for req in (a, b):
+            req.suspect = True
+            router.rerun(req)
+        assert posted == [a.req_id]  # b waits for a's trial
+        cluster._on_step_output(SimpleNamespace(worker_id=0),  # type: ignore[arg-type]
+                                StepOutput(0, [TokenDelta(a.req_id, [7])]))  # prefill's token
+        assert a.suspect and posted == [a.req_id]
+        cluster._on_step_output(SimpleNamespace(worker_id=0),  # type: ignore[arg-type]
+                                StepOutput(0, [TokenDelta(a.req_id, [8])]))  # a decode step's
+        assert not a.suspect and posted == [a.req_id, b.req_id]
+
+    asyncio.run(main())

@@ -200,8 +200,8 @@ class Cluster:
             req.output_ids.extend(d.token_ids)
             if req.wait_deadline_s is not None and d.token_ids:  # not stuck: it streams
                 req.wait_deadline_s = now + self.cfg.cluster.worker_wait_s
-            if req.suspect and d.token_ids:  # it ran a step since its crash: cleared
-                req.suspect = False
+            if req.suspect and len(req.output_ids) >= req.suspect_clear_at:
+                req.suspect = False  # it ran a prefill and a decode step since its crash
                 self.router.next_suspect()
             self.accounting.on_delta(req, d, now)
             req.queue.put_nowait(d)

@@ -51,8 +51,10 @@ class Request:
     # Waiting for a worker of a role that has none live (restarting): fail with 503 at this
     # monotonic time unless it got past that role by then. None: not waiting.
     wait_deadline_s: float | None = None
-    # was in a step that crashed a worker (StepFailed), and has streamed no token since
+    # was in a step that crashed a worker (StepFailed), and has not streamed two tokens since
+    # its re-run (a prefill step's and a decode step's: either kind may be what crashed)
     suspect: bool = False
+    suspect_clear_at: int = 0  # len(output_ids) that clears ``suspect``
     queue: asyncio.Queue[TokenDelta | GenerationError] = field(default_factory=asyncio.Queue)
 
 

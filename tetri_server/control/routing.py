@@ -80,6 +80,8 @@ class Router:
         if req.num_reruns > MAX_RERUNS:
             self.table.fail(req, "worker failed repeatedly while running this request")
             return
+        if req.suspect:
+            req.suspect_clear_at = len(req.output_ids) + 2
         if req.suspect and req is not self._trial:
             if self._on_trial():
                 req.owner, req.state, req.wait_deadline_s = -1, ReqState.PREFILL, None
@@ -89,14 +91,15 @@ class Router:
         self.route(req)
 
     def _on_trial(self) -> bool:
-        """A suspect is re-running and has neither streamed a token since nor ended."""
+        """A suspect is re-running and has neither streamed two tokens since nor ended."""
         t = self._trial
         return (t is not None and t.suspect and t.state not in DONE
                 and self.table.get(t.req_id) is t)
 
     def next_suspect(self) -> None:
-        """Once the suspect on trial has streamed a token (the caller clears its ``suspect``)
-        or ended, the next waiting one re-runs. Called on each such event and each tick."""
+        """Once the suspect on trial has streamed two tokens (a prefill step's and a decode
+        step's: the caller clears its ``suspect``) or ended, the next waiting one re-runs.
+        Called on each such event and each tick."""
         while not self._on_trial() and self._suspects:
             req = self._suspects.popleft()
             if req.state in DONE or self.table.get(req.req_id) is not req:
