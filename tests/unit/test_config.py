@@ -243,17 +243,22 @@ def test_bad_override_error_names_the_set_not_the_file() -> None:
 
 def test_overrides_that_a_rule_ties_together_are_judged_together(tmp_path: Path) -> None:
     """Regression: each --set was checked in a section otherwise at its defaults, so two keys
-    a rule ties (stall_timeout_s <= max_step_s; 3 reports per stall bound) could not be raised
-    together from the command line, in either order, nor one beside the file's other."""
-    for sets in (["monitor.max_step_s=600", "monitor.stall_timeout_s=200"],
-                 ["monitor.stall_timeout_s=200", "monitor.max_step_s=600"],
-                 ["monitor.interval_ms=2000", "monitor.stall_timeout_s=10"]):
+    a rule ties (a stall bound covering 3 load reports) could not be raised together from the
+    command line, in either order, nor one beside the file's other; and a long stall bound
+    is not refused for the heartbeat's max_step_s (the larger of the two applies)."""
+    for sets in (["monitor.interval_ms=2000", "monitor.stall_timeout_s=10"],
+                 ["monitor.stall_timeout_s=10", "monitor.interval_ms=2000"],
+                 ["monitor.stall_timeout_s=200"]):
         load_config(None, sets)
     path = tmp_path / "c.toml"
-    path.write_text("[monitor]\nmax_step_s = 600.0\n")
-    assert load_config(path, ["monitor.stall_timeout_s=200"]).monitor.stall_timeout_s == 200
-    with pytest.raises(ConfigError, match=r"^--set 'monitor.stall_timeout_s=200'"):
-        load_config(None, ["monitor.stall_timeout_s=200"])  # still refused alone
+    path.write_text("[monitor]\nstall_timeout_s = 10.0\n")
+    assert load_config(path, ["monitor.interval_ms=2000"]).monitor.interval_ms == 2000
+    with pytest.raises(ConfigError, match=r"^--set 'monitor.interval_ms=2000'"):
+        load_config(None, ["monitor.interval_ms=2000"])  # still refused alone
+    # the error names the --set it is about, not the first one refused alone
+    with pytest.raises(ConfigError, match=r"^--set 'server.port=-1'"):
+        load_config(None, ["monitor.stall_timeout_s=10", "monitor.interval_ms=2000",
+                           "server.port=-1"])
 
 
 # --- resolve --------------------------------------------------------------------------------

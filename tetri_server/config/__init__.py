@@ -224,17 +224,18 @@ def load_config(
     for section, values in (flags or {}).items():
         _section_class(section, "flags")
         _table(data, section, source).update(values)
-    deferred: list[ConfigError] = []  # a --set refused alone: may be fine beside the others
+    deferred: list[tuple[str, ConfigError]] = []  # --set refused alone: fine beside others?
     for item in overrides or []:
         section, key, value, error = _parse_override(item)
         _table(data, section, source)[key] = value
         if error is not None:
-            deferred.append(error)
+            deferred.append((key, error))
     try:
         return Config.from_dict(data, source=source)
-    except ConfigError:
-        if deferred:  # name the --set, not the file
-            raise deferred[0] from None
+    except ConfigError as e:
+        for key, error in deferred:  # name the --set the error is about, not the file
+            if key in str(e):
+                raise error from None
         raise
 
 

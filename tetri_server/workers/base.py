@@ -165,7 +165,8 @@ class Worker:
         self.send(self.ready_message())
         next_report = time.monotonic()
         mon = self.cfg.monitor
-        beat = Heartbeat(self.outbox, min(1.0, mon.stall_timeout_s / 4), mon.max_step_s)
+        beat = Heartbeat(self.outbox, min(1.0, mon.stall_timeout_s / 4),
+                         max(mon.max_step_s, mon.stall_timeout_s))
         try:
             while not self.stopping:
                 beat.busy()
