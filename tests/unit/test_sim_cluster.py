@@ -659,3 +659,27 @@ def test_the_predictors_time_passes_when_no_chunk_fits() -> None:
     assert step_s == sim.predictor_s([100]) > 0
     prefill.finish_step()
     assert prefill.book.ids(Stage.QUEUED) == [0] and prefill.start_step() is None
+
+
+def test_a_draining_prefill_instance_hands_back_only_what_a_decode_instance_takes() -> None:
+    """Regression (a review of the first fix): draining for a flip, a prefill instance handed
+    every kept request back; with no decode room they sat held, decoding nowhere, until the
+    flip timed out. Now one no decode instance takes goes on decoding here, and is tried
+    again with the next view."""
+    from tetri_server.messages import DecodeInstanceView, DecodeView
+
+    sim = Simulation(SimConfig(num_kv_blocks=64, local_decode_batch=4), v100(), [])
+    prefill = sim.prefills[0]
+    seq = SimSeq(SimRequest(0, 100, 300, 0.0, bucket=1), 101, num_computed=100)
+    prefill.book.add(0, seq, 100, 0.0, max_tokens=300)
+    prefill.book.predicted(0, 1)
+    prefill.book.prefilled(0)
+    prefill._keep(0)
+    full = DecodeView(1, [DecodeInstanceView(1, 0, 64, 0, 0, 0)])  # no room anywhere
+    prefill.book.on_view(full)
+    prefill._hand_back(prefill.local, draining=True)
+    assert prefill.book.ids(Stage.DECODING) == [0] and 0 in prefill.admission
+    roomy = DecodeView(2, [DecodeInstanceView(1, 64, 64, 0, 0, 0)])
+    prefill.book.on_view(roomy)
+    prefill._hand_back(prefill.local, draining=True)
+    assert prefill.book.ids(Stage.HANDED_OFF) == [0] and 0 not in prefill.admission

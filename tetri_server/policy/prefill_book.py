@@ -74,6 +74,11 @@ class PrefillBook(Generic[T]):
     def __len__(self) -> int:
         return len(self._entries)
 
+    @property
+    def num_views(self) -> int:
+        """Decode views adopted so far."""
+        return self._num_views
+
     def __contains__(self, req_id: int) -> bool:
         return req_id in self._entries
 

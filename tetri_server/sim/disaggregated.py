@@ -75,6 +75,7 @@ class PrefillInstance(_Decoding):
         self.mixed_chunk = mixed_chunk(cfg.chunk_size, cfg.local_decode_chunk)
         self.steps = LocalSteps()  # for self.local
         self._alone = False  # the last step was a pure chunk beside kept requests
+        self._drain_views = -1  # ``PrefillRole._drain_views``
         self._step_start_s = 0.0
         self._last_bucket = num_buckets(cfg.max_model_len, cfg.granularity) - 1  # open
         self.admission = DecodeAdmission("greedy", block_size=self.block_size,
@@ -255,21 +256,28 @@ class PrefillInstance(_Decoding):
         for req_id in local.choose(held, len(self.admission), book.queue.num_queued_tokens,
                                    self.chunker.chunk_size, book.view, share,
                                    self.steps.gap_s(share, book.view)):
-            seq = self.seqs[req_id] = book.keep(req_id)
-            self.record("keep", req=req_id)
-            self.num_kept += 1
-            self.max_kept = max(self.max_kept, len(self.seqs))
-            self.admission.add(req_id, seq.req.prompt_len, seq.num_tokens, seq.req.bucket,
-                               seq.req.output_len)
+            self._keep(req_id)
+
+    def _keep(self, req_id: int) -> None:
+        seq = self.seqs[req_id] = self.book.keep(req_id)
+        self.record("keep", req=req_id)
+        self.num_kept += 1
+        self.max_kept = max(self.max_kept, len(self.seqs))
+        self.admission.add(req_id, seq.req.prompt_len, seq.num_tokens, seq.req.bucket,
+                           seq.req.output_len)
 
     def _hand_back(self, local: LocalDecode, *, draining: bool = False) -> None:
         """``PrefillRole._hand_back``: prompts wait beyond the next chunk (or the instance
         drains for a flip); the kept requests whose KV is whole go to a decode instance, but
         those that finish here."""
         book = self.book
-        if not (draining or local.hands_back(book.queue.num_queued_tokens,
-                                             self.chunker.chunk_size)):
+        if draining:
+            if book.num_views == self._drain_views:
+                return  # tried with this view: wait for a newer one
+            self._drain_views = book.num_views
+        elif not local.hands_back(book.queue.num_queued_tokens, self.chunker.chunk_size):
             return
+        moved = []
         for req_id in book.ids(Stage.DECODING):
             seq = self.seqs[req_id]
             if seq.num_computed != seq.num_tokens - 1:
@@ -281,7 +289,13 @@ class PrefillInstance(_Decoding):
             book.hand_back(req_id)
             self.record("hand_back", req=req_id)
             self.num_handed_back += 1
+            moved.append(req_id)
         self.dispatch_held()
+        if draining:  # not dispatched: decoding here beats waiting idle for room
+            held = set(book.ids(Stage.HELD))
+            for req_id in moved:
+                if req_id in held:
+                    self._keep(req_id)
 
     def load_report(self) -> LoadReport:
         book = self.book

@@ -95,6 +95,7 @@ class PrefillRole(Role):
         self._mixed_chunk = mixed_chunk(self._chunk_size, cfg.prefill.local_decode_chunk)
         self.steps = LocalSteps()  # for self.local (monotonic clock)
         self._alone = False  # the last step was a pure chunk beside kept requests
+        self._drain_views = -1  # book.num_views when draining last handed kept requests back
         self.admission = DecodeAdmission("greedy", block_size=w.block_size,
                                          num_total_blocks=w.allocator.num_blocks,
                                          max_batch=max(1, num_local),
@@ -328,22 +329,32 @@ class PrefillRole(Role):
         gap_s = self.steps.gap_s(share, book.view)
         for req_id in local.choose(held, len(self.admission), book.queue.num_queued_tokens,
                                    self._chunk_size, book.view, share, gap_s):
-            seq = book.keep(req_id)
-            seq.status = SeqStatus.RUNNING
-            self.admission.add(req_id, seq.num_prompt, seq.num_tokens, seq.predicted_bucket,
-                               seq.params.max_tokens)
-            self.w.decisions.record("keep", req=req_id, gap_s=gap_s, decode_step_s=[
-                d.step_s for d in (book.view.decodes if book.view else ())])
+            self._keep(req_id, gap_s)
+
+    def _keep(self, req_id: int, gap_s: float) -> None:
+        book = self.book
+        seq = book.keep(req_id)
+        seq.status = SeqStatus.RUNNING
+        self.admission.add(req_id, seq.num_prompt, seq.num_tokens, seq.predicted_bucket,
+                           seq.params.max_tokens)
+        self.w.decisions.record("keep", req=req_id, gap_s=gap_s, decode_step_s=[
+            d.step_s for d in (book.view.decodes if book.view else ())])
 
     def _hand_back(self, local: LocalDecode, *, draining: bool = False) -> None:
         """Elastic: prompts wait beyond the next chunk, so the kept requests whose KV is whole
         go to a decode worker now (one preempted here has none: it stays and is recomputed);
         one that ``finishes_here`` stays (``choose`` would keep it again at once). While the
-        worker drains for a flip (``draining``) they all go, whatever the rule says: a long one
-        decoding here to its end would hold the flip past its timeout."""
+        worker drains for a flip (``draining``) they go whatever the rule says, once per new
+        decode view (a long one decoding here to its end would hold the flip past its
+        timeout); those no decode worker has room for go on decoding here meanwhile."""
         book = self.book
-        if not (draining or local.hands_back(book.queue.num_queued_tokens, self._chunk_size)):
+        if draining:
+            if book.num_views == self._drain_views:
+                return  # tried with this view: wait for a newer one
+            self._drain_views = book.num_views
+        elif not local.hands_back(book.queue.num_queued_tokens, self._chunk_size):
             return
+        moved = []
         for req_id in book.ids(Stage.DECODING):
             seq = book.get(req_id)
             if (seq.num_computed != seq.num_tokens - 1
@@ -352,7 +363,13 @@ class PrefillRole(Role):
             self.admission.remove(req_id)
             book.hand_back(req_id)
             self.w.decisions.record("hand_back", req=req_id)
+            moved.append(req_id)
         self.dispatch_held()
+        if draining:  # not dispatched: decoding here beats waiting idle for room
+            held = set(book.ids(Stage.HELD))
+            for req_id in moved:
+                if req_id in held:
+                    self._keep(req_id, 0.0)
 
     def load_report(self) -> LoadReport:
         a, book = self.w.allocator, self.book
