@@ -63,6 +63,7 @@ class FakeWorker:
         self.max_model_len = 2048
         self.device = torch.device("cpu")
         self.busy_s = 0.0
+        self.pending_role: str | None = None  # no flip under way
         self.decisions = DecisionLog(lambda line: lines.append(f"w{worker_id} {line.rstrip()}"))
         self.sent: list[object] = []
 
