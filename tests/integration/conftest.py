@@ -109,6 +109,21 @@ async def next_view(cluster: Cluster, timeout_s: float = 30) -> None:
     await until(lambda: cluster.monitor.view_seq > seen, timeout_s, "a new decode view")
 
 
+async def first_on_the_decode_worker(cluster: Cluster, prompt: list[int],
+                                     params: SamplingParams) -> asyncio.Future[list[int]]:
+    """Submit ``prompt`` once the prefill worker has a view of the idle decode worker (so it is
+    handed off there), wait until the decode worker reports it running and for a view that
+    shows it (a prefill worker with elastic P/D then keeps the next request); returns the
+    running collection of its tokens."""
+    await next_view(cluster)
+    run = asyncio.ensure_future(collect(cluster, prompt, params))
+    await until(lambda: any(r.role == "decode" and r.num_running
+                            for r in cluster.reports.values()), 60,
+                "the first request decoding on the decode worker")
+    await next_view(cluster)
+    return run
+
+
 def segments(run_id: str) -> list[str]:
     return [n for n in os.listdir("/dev/shm") if n.startswith(run_id)]
 

@@ -12,8 +12,8 @@ import pytest
 from tests.conftest import hf_greedy, random_prompts
 from tests.integration.conftest import (
     collect,
+    first_on_the_decode_worker,
     make_cluster,
-    next_view,
     segments,
     tokens_of,
     until,
@@ -63,12 +63,7 @@ async def run_long_then_crowd(tiny_llama, tmp_path, *sets: str,
                            f"monitor.decision_log={log}", *sets)
     await cluster.start()
     try:
-        await next_view(cluster)  # of the idle decode worker: the first goes there
-        run_first = asyncio.ensure_future(collect(cluster, first, long_one))
-        await until(lambda: any(r.role == "decode" and r.num_running
-                                for r in cluster.reports.values()), 60,
-                    "the first request decoding on the decode worker")
-        await next_view(cluster)  # that shows it there
+        run_first = await first_on_the_decode_worker(cluster, first, long_one)
         if steps_s is not None:
             steps_s += [r.step_s for r in cluster.reports.values() if r.role == "decode"]
         run_second = asyncio.ensure_future(collect(cluster, second, GREEDY))
@@ -120,12 +115,8 @@ async def run_kept_pair_then_crowd(tiny_llama, tmp_path, *sets: str) -> list[dic
                            "monitor.interval_ms=20", f"monitor.decision_log={log}", *sets)
     await cluster.start()
     try:
-        await next_view(cluster)  # of the idle decode worker: the first goes there
-        first = asyncio.ensure_future(collect(cluster, pair[0], long_one))
-        await until(lambda: any(r.role == "decode" and r.num_running
-                                for r in cluster.reports.values()), 60,
-                    "the first request decoding on the decode worker")
-        await next_view(cluster)  # that shows it there: the second is kept
+        first = await first_on_the_decode_worker(cluster, pair[0], long_one)
+        # the second is kept
         second = cluster.submit(pair[1], long_one).__aiter__()
         head: list[int] = []
         while not head:  # its first token: prefilled, and kept or handed off
@@ -308,12 +299,8 @@ async def test_a_kept_request_handed_back_mid_decode_equals_transformers(tiny_ll
                            "monitor.interval_ms=20", f"monitor.decision_log={log}")
     await cluster.start()
     try:
-        await next_view(cluster)  # of the idle decode worker: the first goes there
-        run_first = asyncio.ensure_future(collect(cluster, first, long_one))
-        await until(lambda: any(r.role == "decode" and r.num_running
-                                for r in cluster.reports.values()), 60,
-                    "the first request decoding on the decode worker")
-        await next_view(cluster)  # that shows it: the prefill worker keeps the second
+        run_first = await first_on_the_decode_worker(cluster, first, long_one)
+        # the prefill worker keeps the second
         second_out: list[int] = []
 
         async def stream_second() -> list[int]:
@@ -365,12 +352,8 @@ async def test_a_flip_of_a_prefill_worker_hands_its_kept_requests_back(tiny_llam
                            "monitor.interval_ms=20", f"monitor.decision_log={tmp_path / 'd'}")
     await cluster.start()
     try:
-        await next_view(cluster)  # of the idle decode worker: the first goes there
-        run_first = asyncio.ensure_future(collect(cluster, first, long_one))
-        await until(lambda: any(r.role == "decode" and r.num_running
-                                for r in cluster.reports.values()), 60,
-                    "the first request decoding on the decode worker")
-        await next_view(cluster)  # that shows it: a prefill worker keeps the second
+        run_first = await first_on_the_decode_worker(cluster, first, long_one)
+        # a prefill worker keeps the second
         run_second = asyncio.ensure_future(collect(cluster, second, long_one))
         await until(lambda: any(r.role == "prefill" and r.num_running
                                 for r in cluster.reports.values()), 60,

@@ -16,8 +16,8 @@ from tests.conftest import hf_greedy, random_prompts
 from tests.integration.conftest import (
     STRICT_SPLIT,
     collect,
+    first_on_the_decode_worker,
     make_cluster,
-    next_view,
     segments,
     until,
 )
@@ -113,12 +113,8 @@ async def test_short_prompts_overtake_it_in_steps_beside_a_kept_request(tiny_lla
                            "decode.local_prefill_tokens=0", "monitor.interval_ms=20",
                            f"monitor.decision_log={tmp_path / 'decisions'}")
     async with running(cluster):
-        await next_view(cluster)  # of the idle decode worker: the first goes there
-        first = asyncio.ensure_future(collect(cluster, pair[0], decode_long))
-        await until(lambda: any(r.role == "decode" and r.num_running
-                                for r in cluster.reports.values()), 60,
-                    "the first request decoding on the decode worker")
-        await next_view(cluster)  # that shows it there: the second is kept
+        first = await first_on_the_decode_worker(cluster, pair[0], decode_long)
+        # the second is kept
         second = asyncio.ensure_future(collect(cluster, pair[1], decode_long))
         await until(lambda: any(r.role == "prefill" and r.num_running
                                 for r in cluster.reports.values()), 60, "a request kept")
