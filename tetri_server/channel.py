@@ -172,6 +172,11 @@ class Channel(Generic[T]):
         self._closed = self._unlinked = False
         self._broken: ChannelBroken | None = None
 
+    @property
+    def capacity(self) -> int:
+        """Bytes of the ring; a frame (8 + the payload, rounded up to 8) must fit in it."""
+        return self._cap
+
     @classmethod
     def create(cls, name: str, capacity: int, msg_type: Any) -> Channel[Any]:
         """Make the segment and both eventfds (non-blocking, close-on-exec: only children given

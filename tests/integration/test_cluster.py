@@ -217,3 +217,46 @@ async def test_prompt_logprobs_come_from_the_prefilling_worker_in_every_mode(tin
         lp = first.prompt_logprobs
         assert torch.allclose(torch.tensor(lp.logprobs), own, atol=1e-3, rtol=0)
         assert [len(r) for r in lp.top] == [2] * (len(p) - 1)
+
+
+@pytest.mark.parametrize(("mode", "extra"), [("coupled", ()),
+                                             ("disaggregated", ("prefill.chunk_size=512",))])
+async def test_prompt_logprobs_bigger_than_the_ring_arrive_whole(tiny_llama, mode, extra,
+                                                                 monkeypatch):
+    """A prefill-first step (coupled) or a big chunk computes whole prompts: with 20 top
+    logprobs each, one step's output is bigger than the worker's message ring (shrunk to
+    64 KiB here, as a 32k-token prompt fills the 4 MiB one). It was one message, so the
+    worker crashed and the requests failed; it goes in parts and every logprob arrives."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tetri_server.control import supervisor
+
+    monkeypatch.setattr(supervisor, "RING_BYTES", 64 << 10)
+    prompts = random_prompts(4, 8000, (250, 300), seed=23)
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32).eval()
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=20)
+    cluster = make_cluster(tiny_llama, mode, *extra)
+    await cluster.start()
+    pids = [w["pid"] for w in cluster.monitor.workers_info()]
+
+    async def first_and_tokens(p):
+        first, out = None, []
+        async for d in cluster.submit(p, params):
+            first = first or d
+            out.extend(d.token_ids)
+        return first, out
+
+    try:
+        got = await asyncio.wait_for(asyncio.gather(*(first_and_tokens(p) for p in prompts)), 120)
+        assert [w["pid"] for w in cluster.monitor.workers_info()] == pids  # none crashed
+    finally:
+        await cluster.stop()
+    assert [out for _, out in got] == hf_greedy(tiny_llama, prompts, 4)
+    for p, (first, _) in zip(prompts, got, strict=True):
+        with torch.inference_mode():
+            logp = torch.log_softmax(hf(torch.tensor([p])).logits[0, :-1].float(), dim=-1)
+        own = logp.gather(1, torch.tensor(p[1:])[:, None])[:, 0]
+        lp = first.prompt_logprobs
+        assert torch.allclose(torch.tensor(lp.logprobs), own, atol=1e-3, rtol=0)
+        assert [len(r) for r in lp.top] == [20] * (len(p) - 1)

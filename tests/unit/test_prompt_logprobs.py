@@ -139,3 +139,44 @@ def test_parts_join_in_order_onto_the_first_token_delta():
     assert first.prompt_logprobs == part(0, 6)
     later = TokenDelta(0, [10])
     assert join_prompt_part(None, later) == (None, True) and later.prompt_logprobs is None
+
+
+@pytest.mark.parametrize("k", [0, 5, 20])
+def test_split_prompt_parts_fits_each_message_and_joins_back_whole(k):
+    """A step's deltas cut for a ring: every message's encoding stays within the budget (plus
+    the deltas' own tokens), order is kept, and the control process's join gives back each
+    request's whole prompt logprobs on its token delta."""
+    import random
+
+    import msgspec
+
+    from tetri_server.engine.stops import split_prompt_parts
+    from tetri_server.messages import StepOutput, TokenDelta
+
+    rng = random.Random(k)
+
+    def part(n: int) -> PromptLogprobs:
+        return PromptLogprobs([-rng.random() * 30 for _ in range(n)],
+                              [rng.randrange(1, 1 << 31) for _ in range(n)],
+                              [[(rng.randrange(1 << 31), -rng.random()) for _ in range(k)]
+                               for _ in range(n)])
+
+    whole = {1: part(900), 2: part(3), 3: None, 4: part(2500), 5: part(0)}
+    deltas = [TokenDelta(r, [7], prompt_logprobs=None if p is None else
+                         PromptLogprobs(list(p.logprobs), list(p.ranks), list(p.top)))
+              for r, p in whole.items()]
+    budget = 16 << 10
+    groups = split_prompt_parts(deltas, budget)
+    assert len(groups) > 1
+    enc = msgspec.msgpack.Encoder()
+    for g in groups:
+        assert len(enc.encode(StepOutput(0, g))) <= budget + 64 * len(g)
+    flat = [d for g in groups for d in g]
+    assert [d.req_id for d in flat if d.token_ids] == [1, 2, 3, 4, 5]
+    held: dict[int, PromptLogprobs | None] = {}
+    got: dict[int, PromptLogprobs | None] = {}
+    for d in flat:
+        held[d.req_id], forward = join_prompt_part(held.get(d.req_id), d)
+        if forward:
+            got[d.req_id] = d.prompt_logprobs
+    assert got == whole

@@ -55,3 +55,38 @@ def prompt_parts(seqs: Iterable[Sequence]) -> list[TokenDelta]:
             parts.append(TokenDelta(seq.req_id, [], prompt_logprobs=seq.prompt_logprobs))
             seq.prompt_logprobs = None
     return parts
+
+
+# msgpack bytes of one prompt position at most: its logprob (9) and rank (5) with list
+# headers, and per top entry a (token id, logprob) pair (1 + 5 + 9)
+POSITION_BYTES, TOP_ENTRY_BYTES = 24, 16
+
+
+def _position_bytes(part: PromptLogprobs) -> int:
+    return POSITION_BYTES + TOP_ENTRY_BYTES * (len(part.top[0]) if part.top else 0)
+
+
+def split_prompt_parts(deltas: list[TokenDelta], budget_bytes: int) -> list[list[TokenDelta]]:
+    """``deltas`` in order, in groups whose prompt logprobs take at most ``budget_bytes``: a
+    prefill-first step computes whole prompts, and their logprobs in one message would not fit
+    the worker's ring on a long-context model. A part too big for one group is cut into parts
+    (deltas with no tokens, joined again in order by the control process); the delta that ends
+    a part keeps its tokens and fields. Deltas without prompt logprobs are free."""
+    groups: list[list[TokenDelta]] = [[]]
+    room = budget_bytes
+    for d in deltas:
+        part = d.prompt_logprobs
+        if part is not None and part.logprobs:
+            each = _position_bytes(part)
+            while len(part.logprobs) * each > room:
+                n = room // each
+                if n:
+                    groups[-1].append(TokenDelta(d.req_id, [], prompt_logprobs=PromptLogprobs(
+                        part.logprobs[:n], part.ranks[:n], part.top[:n])))
+                    part = PromptLogprobs(part.logprobs[n:], part.ranks[n:], part.top[n:])
+                groups.append([])
+                room = max(budget_bytes, each)  # at least one position per message
+            d.prompt_logprobs = part
+            room -= len(part.logprobs) * each
+        groups[-1].append(d)
+    return [g for g in groups if g]

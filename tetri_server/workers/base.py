@@ -19,6 +19,7 @@ from tetri_server.engine.cuda_graphs import decode_graphs, scratch_blocks
 from tetri_server.engine.grammar import Grammars
 from tetri_server.engine.loader import load_model
 from tetri_server.engine.runner import ModelRunner
+from tetri_server.engine.stops import split_prompt_parts
 from tetri_server.kv.blocks import BlockAllocator, blocks_for, check_pool_holds
 from tetri_server.kv.manager import KVCacheManager
 from tetri_server.kv.transport import PoolGeometry, make_transport, open_peers
@@ -37,6 +38,8 @@ from tetri_server.messages import (
     SetRole,
     Shutdown,
     StepFailed,
+    StepOutput,
+    TokenDelta,
     ToWorker,
     WorkerSpec,
 )
@@ -234,6 +237,12 @@ class Worker:
 
     def send(self, msg: object) -> None:
         self.outbox.send(msg, timeout_s=SEND_TIMEOUT_S)
+
+    def send_deltas(self, deltas: list[TokenDelta]) -> None:
+        """A step's deltas, in as many ``StepOutput`` messages as their prompt logprobs need
+        (each at most a quarter of the ring, ``split_prompt_parts``); none if there are none."""
+        for group in split_prompt_parts(deltas, self.outbox.capacity // 4):
+            self.send(StepOutput(self.worker_id, group))
 
     def handle(self, msg: object) -> None:
         if isinstance(msg, AddRequest):  # from here on, our reports count it

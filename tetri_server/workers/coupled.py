@@ -29,7 +29,6 @@ from tetri_server.messages import (
     LoadReport,
     RequestFailed,
     SamplingParams,
-    StepOutput,
     TokenDelta,
 )
 from tetri_server.policy import (
@@ -225,8 +224,7 @@ class CoupledRole(Role):
         for failure in self.loop.failed:
             self.w.send(failure)
         self.loop.failed.clear()
-        if deltas:
-            self.w.send(StepOutput(self.w.worker_id, deltas))
+        self.w.send_deltas(deltas)
         return self.loop.last_step_ran
 
     def load_report(self) -> LoadReport:

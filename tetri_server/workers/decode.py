@@ -28,7 +28,6 @@ from tetri_server.messages import (
     KVPulled,
     LoadReport,
     RequestFailed,
-    StepOutput,
     TokenDelta,
 )
 from tetri_server.policy import (
@@ -171,8 +170,7 @@ class DecodeRole(Role):
         self.admission.on_done(plan, finished)
         if not len(self.admission):
             self.step_times.idle()
-        if deltas:
-            self.w.send(StepOutput(self.w.worker_id, deltas))
+        self.w.send_deltas(deltas)
         # a step that only preempted or failed requests made progress: plan again at once
         return bool(items or plan.preempt.req_ids or plan.fail_ids)
 

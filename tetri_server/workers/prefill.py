@@ -26,7 +26,6 @@ from tetri_server.messages import (
     KVPulled,
     LoadReport,
     RequestFailed,
-    StepOutput,
     TokenDelta,
 )
 from tetri_server.policy import (
@@ -294,8 +293,7 @@ class PrefillRole(Role):
         return deltas
 
     def _send(self, deltas: list[TokenDelta]) -> None:
-        if deltas:
-            self.w.send(StepOutput(self.w.worker_id, deltas))
+        self.w.send_deltas(deltas)
 
     def _reserve(self, chunk: ChunkPlan) -> tuple[ChunkPlan, list[ScheduledSeq]]:
         """Blocks for every request the chunk starts (``reserve_prompts``): a prompt whose
