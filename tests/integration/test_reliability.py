@@ -576,6 +576,41 @@ async def test_a_request_parked_for_a_prefill_worker_goes_to_one_that_flips_to_p
         await cluster.stop()
 
 
+async def test_a_parked_request_counts_as_waiting_not_running(tiny_llama):
+    """Regression: a request parked in the control process (its role's only worker down) is
+    on no worker, so no report counts it as waiting, and the dashboard showed it running."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tests.integration.conftest import BASE
+    from tetri_server.config import load_config
+    from tetri_server.control.cluster import Cluster
+    from tetri_server.metrics import Metrics
+
+    cfg = load_config(None, ["cluster.mode=disaggregated", f"model.path={tiny_llama}", *BASE,
+                             "cluster.restart_workers=false", "cluster.worker_wait_s=60",
+                             *STRICT_SPLIT])
+    metrics = Metrics("m")
+    cluster = Cluster(cfg.resolve(cpu_count=os.cpu_count() or 1), metrics)
+
+    def gauges() -> tuple[float, float]:
+        got = {s.name: s.value
+               for fam in text_string_to_metric_families(metrics.render().decode())
+               for s in fam.samples}
+        return got["tetri_num_requests_running"], got["tetri_num_requests_waiting"]
+
+    [prompt] = random_prompts(1, 8000, (20, 40), seed=46)
+    await cluster.start()
+    try:
+        kill(cluster, 0)
+        await until(lambda: not cluster.workers[0].alive, 10, "the kill is seen")
+        job = asyncio.create_task(collect(cluster, prompt, GREEDY))
+        await until(lambda: len(cluster.table.parked) == 1, 10, "the request is parked")
+        await until(lambda: gauges() == (0, 1), 10, "parked counted as waiting")
+        job.cancel()
+    finally:
+        await cluster.stop()
+
+
 async def test_hand_offs_from_a_dead_prefill_worker_run_again_where_its_memory_goes_with_it(
         tiny_llama):
     """Where a decode worker's mapping does not outlive the prefill worker that owns the pool

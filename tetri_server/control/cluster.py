@@ -282,7 +282,7 @@ class Cluster:
                       "(workers restarting); retry", retry_after_s=max(1.0, wait / 2))
         self.router.next_suspect()  # the suspect on trial may have ended meanwhile
         self._broadcast_view()
-        self.monitor.count_requests(len(self.table))
+        self.monitor.count_requests(len(self.table), sum(r.owner == -1 for r in self.table))
         self.flipper.on_tick()
         if not self.supervisor.stopping:
             self._schedule_tick()

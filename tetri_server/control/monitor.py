@@ -126,11 +126,14 @@ class Monitor:
                    if r.role == "decode" and wid in self.workers and self.serving(wid)]
         return DecodeView(self._view_seq, decodes, self._view_generation)
 
-    def count_requests(self, num_requests: int) -> None:
-        """Running and waiting of the ``num_requests`` live ones. The reports are up to one
+    def count_requests(self, num_requests: int, num_unplaced: int = 0) -> None:
+        """Running and waiting of the ``num_requests`` live ones, ``num_unplaced`` of which are
+        on no worker (parked for a worker of a role that has none serving, suspects waiting
+        for their re-run): those wait, whatever the reports say. The reports are up to one
         interval old: a request they count as waiting may have finished since, so waiting is
         capped at the live count (running never goes below 0)."""
-        waiting = min(num_requests, sum(r.num_waiting for r in self.reports.values()))
+        queued = sum(r.num_waiting for r in self.reports.values())
+        waiting = min(num_requests, num_unplaced + queued)
         self.metrics.set_requests(running=num_requests - waiting, waiting=waiting)
 
     def check_stalls(self, now_s: float) -> None:
