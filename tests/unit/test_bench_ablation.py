@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -135,3 +136,17 @@ def test_the_table_divides_by_coupled_and_averages_the_repeats() -> None:
     assert cells[11] == "100%"  # JCT 2 and 6 around a mean of 4
     assert "pool-greedy" not in text  # no result, no line
     assert "| coupled " in mixed and "| sjf " not in mixed
+
+
+def test_a_ratio_over_a_row_that_lost_requests_is_marked() -> None:
+    """Regression: latency means cover completed requests, so a row whose slowest requests
+    failed looked faster than coupled with nothing to say so."""
+    lost = replace(summary(0.5, 2.0, 0.1, {"0:prefill": 1.0}), num_completed=3, num_errors=1)
+    results = [result("coupled", "LPHD", summary(1.0, 4.0, 0.3, {"0:coupled": 9.0})),
+               result("sjf", "LPHD", lost)]
+    text = ablation.tables(ablation.select_rows("sjf"), results, SLO())
+    [sjf] = [line for line in text.splitlines() if line.startswith("| sjf ")]
+    cells = [c.strip() for c in sjf.strip("|").split("|")]
+    assert cells[3] == "3/4" and cells[9] == "0.50 / 0.50 / 0.33 †"
+    [coupled] = [line for line in text.splitlines() if line.startswith("| coupled ")]
+    assert "†" not in coupled.split("|")[10]

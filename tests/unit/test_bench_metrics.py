@@ -166,7 +166,8 @@ def test_tables_report_ratios_against_coupled() -> None:
     # half the latency and the same busy seconds in half the time: perf/$ doubles; no server
     # CPU numbers (those come from compare only)
     assert (
-        "| LPLD | disaggregated | 0.50× (-50%) | 0.50× (-50%) | 1.00× (+0%) | n/a "
+        "| LPLD | disaggregated | 0.50× (-50%) † 1/1 failed | 0.50× (-50%) † 1/1 failed "
+        "| 1.00× (+0%) | n/a "
         "| 2.00× (+100%) | -44% / -40% |" in ratios
     )
     assert "| LPLD | coupled |" not in ratios
@@ -188,7 +189,26 @@ def test_ratio_table_against_another_baseline_and_server_cpu() -> None:
     assert "vs vllm-cpu" in ratios and "| Mixed | vllm-cpu |" not in ratios
     # same latencies, 1.5x the CPU seconds; the paper's deltas beside disaggregated only
     assert (
-        "| Mixed | disaggregated | 1.00× (+0%) | 1.00× (+0%) | 1.00× (+0%) | 1.50× (+50%) "
+        "| Mixed | disaggregated | 1.00× (+0%) † 1/1 failed | 1.00× (+0%) † 1/1 failed "
+        "| 1.00× (+0%) | 1.50× (+50%) "
         "| 1.00× (+0%) | -85% / -50% |" in ratios
     )
-    assert "| Mixed | coupled | 1.00× (+0%) | 1.00× (+0%) | 1.00× (+0%) | 1.25× (+25%) " in ratios
+    assert ("| Mixed | coupled | 1.00× (+0%) † 1/1 failed | 1.00× (+0%) † 1/1 failed "
+            "| 1.00× (+0%) | 1.25× (+25%) " in ratios)
+
+
+def test_a_ratio_over_a_side_that_lost_requests_says_so() -> None:
+    """Regression: means cover completed requests only, so a mode whose slowest requests
+    failed showed a better TTFT/JCT ratio with nothing beside it; now the ratio names the
+    failures and the table says why."""
+    failed = _run()
+    clean = _run()
+    clean.records = [r for r in clean.records if r.ok]
+    results = [BenchResult("coupled", WorkloadSpec("LPLD"), summarize(clean, SLO()), clean),
+               BenchResult("disaggregated", WorkloadSpec("LPLD"), summarize(failed, SLO()),
+                           failed)]
+    ratios = ratio_table(results)
+    assert "| LPLD | disaggregated | 1.00× (+0%) † 1/0 failed | 1.00× (+0%) † 1/0 failed " in ratios
+    assert "cover the completed ones only" in ratios
+    assert "†" not in ratio_table(results[:1] + [BenchResult(
+        "disaggregated", WorkloadSpec("LPLD"), summarize(clean, SLO()), clean)])

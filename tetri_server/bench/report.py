@@ -137,14 +137,20 @@ def ratio_table(results: Sequence[BenchResult], baseline: str = BASELINE_MODE) -
         paper_txt = (
             "" if paper is None else " / ".join("?" if p is None else f"{p:+.0f}%" for p in paper)
         )
+        # means over completed requests only: a side that lost its slowest looks faster
+        lost = f" † {s.num_errors}/{b.num_errors} failed" if s.num_errors or b.num_errors else ""
         rows.append(
-            f"| {r.spec.name} | {r.mode} | {_fmt_ratio(ratio(s.ttft_s.mean, b.ttft_s.mean))} "
-            f"| {_fmt_ratio(ratio(s.jct_s.mean, b.jct_s.mean))} "
+            f"| {r.spec.name} | {r.mode} "
+            f"| {_fmt_ratio(ratio(s.ttft_s.mean, b.ttft_s.mean))}{lost} "
+            f"| {_fmt_ratio(ratio(s.jct_s.mean, b.jct_s.mean))}{lost} "
             f"| {_fmt_ratio(ratio(s.busy_s_total, b.busy_s_total))} "
             f"| {_fmt_ratio(ratio(s.server_cpu_s_total, b.server_cpu_s_total))} "
             f"| {_fmt_ratio(ratio(s.perf_per_dollar, b.perf_per_dollar))} | {paper_txt} |"
         )
-    return head + "\n".join(rows) + "\n"
+    note = ("\n† requests failed (this mode / the baseline): TTFT and JCT means cover the "
+            "completed ones only, so a side that lost its slowest requests looks faster.\n"
+            if any("†" in row for row in rows) else "")
+    return head + "\n".join(rows) + "\n" + note
 
 
 def _pyplot() -> Any:
