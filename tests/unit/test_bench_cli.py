@@ -140,6 +140,7 @@ def test_run_writes_json_table_and_plots(tmp_path: Path, model_dir: Path) -> Non
     assert "| HPLD | server | 8/8 |" in (out / "table.md").read_text()
     for png in ("cdf_LPLD.png", "cdf_HPLD.png", "bars.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
+    assert first["machine"]["commit"] and first["machine"]["isa"]
 
 
 def test_compare_runs_every_mode_and_prints_ratios(
@@ -188,6 +189,11 @@ def test_compare_runs_every_mode_and_prints_ratios(
     assert lens[0] == lens[1] == lens[2]
     for mode in ("disaggregated", "coupled", "coupled-chunked"):
         assert (out / f"{mode}.log").exists()
+    # what ran where, on every run (sweep.json says it too): without it a published compare
+    # table could not be traced to its commit, ISA or torch
+    machine = results[0]["machine"]
+    assert machine["commit"] and machine["isa"] and machine["torch"] and machine["nproc"]
+    assert all(r["machine"] == machine for r in results)
 
 
 def test_session_cpu_seconds_of_a_started_server(tmp_path: Path) -> None:

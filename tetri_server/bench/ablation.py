@@ -320,6 +320,7 @@ def main(args: argparse.Namespace, build: Callable[[argparse.Namespace],
     if args.dry_run:
         print(command_lines(rows, args.model, max_model_len(args), args.set, args.pool_blocks))
         return 0
+    machine = report.machine_info()  # before the runs: the load average of an idle machine
     built = build(args)
     slo = SLO(args.slo_ttft_s, args.slo_tpot_s)
     # the oracle row reads each request's true length; the other rows ignore the field
@@ -340,10 +341,11 @@ def main(args: argparse.Namespace, build: Callable[[argparse.Namespace],
         plot_load_cdfs(pooled, args.out)  # cdf_<workload>_<rate>.png, every row's requests
     out_json = args.json or args.out / "ablation.json"
     out_json.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"argv": args.argv, "rows": [vars_of(r, args.pool_blocks) for r in rows],
+    payload = {"argv": args.argv, "machine": machine,
+               "rows": [vars_of(r, args.pool_blocks) for r in rows],
                "table": text, "results": [r.to_dict(include_records=False) for r in results]}
     out_json.write_text(json.dumps(payload, indent=1))
-    report.write_json(results, args.out / "results.json")  # with every request's record
+    report.write_json(results, args.out / "results.json", machine)  # every request's record
     (args.out / "table.md").write_text(text)
     print(text)
     print(f"results in {out_json}", file=sys.stderr)

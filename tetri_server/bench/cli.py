@@ -64,7 +64,7 @@ from tetri_server.bench.sweep import (
 from tetri_server.bench.sweep import (
     add_arguments as add_sweep_arguments,
 )
-from tetri_server.bench.sweep_report import machine_info, sweep_json, sweep_table
+from tetri_server.bench.sweep_report import sweep_json, sweep_table
 from tetri_server.bench.workload import (
     CLASSES,
     RATE_ARRIVALS,
@@ -230,8 +230,9 @@ def write_outputs(
     out: Path,
     plots: bool,
     baseline: str = report.BASELINE_MODE,
+    machine: dict[str, Any] | None = None,
 ) -> None:
-    report.write_json(results, out / "results.json")
+    report.write_json(results, out / "results.json", machine)
     text = report.markdown_table(results)
     if any(r.mode == baseline for r in results) and len({r.mode for r in results}) > 1:
         text += "\n" + report.ratio_table(results, baseline)
@@ -267,6 +268,7 @@ def _client_config(args: argparse.Namespace, label: str) -> ClientConfig:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    machine = report.machine_info()  # before the runs: the load average of an idle machine
     built = build_requests(args)
     base_url = args.url.rstrip("/")
     base = _client_config(args, args.label)
@@ -279,11 +281,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         summary = summarize(run, slo, args.num_workers)
         config = {"url": base_url, "served_model": model, **_server_config(args.server_config)}
         results.append(report.BenchResult(args.label, spec, summary, run, config))
-    write_outputs(results, args.out, not args.no_plots)
+    write_outputs(results, args.out, not args.no_plots, machine=machine)
     return 0 if all(r.summary.num_errors == 0 for r in results) else 1
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
+    machine = report.machine_info()  # before the runs: the load average of an idle machine
     built = build_requests(args)
     opts = CompareOptions(
         args.out,
@@ -307,7 +310,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     results: list[report.BenchResult] = []
     for spec in specs:
         results += run_against(replace(spec, ready_timeout_s=args.ready_timeout_s), built, opts)
-    write_outputs(results, args.out, not args.no_plots, args.baseline)
+    write_outputs(results, args.out, not args.no_plots, args.baseline, machine)
     return 0 if all(r.summary.num_errors == 0 for r in results) else 1
 
 
@@ -379,7 +382,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         ref = reference_mode(labels, args.slo_reference)
     except ValueError as exc:
         raise SystemExit(str(exc)) from exc
-    started, machine = time.time(), machine_info()
+    started, machine = time.time(), report.machine_info()
     measure = loaded is None
     if args.url:
         sweeps = [_sweep_one_url(args, built, vocab, measure)]

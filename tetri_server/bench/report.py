@@ -6,6 +6,8 @@ matplotlib is imported only when a plot is drawn (it belongs in the ``bench`` ex
 from __future__ import annotations
 
 import json
+import os
+import platform
 import subprocess
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -15,6 +17,7 @@ from typing import Any
 from tetri_server.bench.client import RequestRecord, RunResult
 from tetri_server.bench.metrics import Summary, jct_s, ttft_s
 from tetri_server.bench.workload import WorkloadSpec
+from tetri_server.hostinfo import cpuinfo
 
 BASELINE_MODE = "coupled"
 # TetriInfer vs vanilla vLLM, avg TTFT / avg JCT change in % (docs/tetriinfer.md §8.2)
@@ -65,9 +68,24 @@ class BenchResult:
         return out
 
 
-def write_json(results: Sequence[BenchResult], path: Path) -> None:
+def machine_info() -> dict[str, Any]:
+    """nproc, CPU model, ISA, load average now (take it before the runs), and what ran: the
+    commit (``git_commit``, "-dirty" for uncommitted changes) and the torch version."""
+    import torch
+
+    model = cpuinfo("model name") or platform.processor()
+    return {"nproc": os.cpu_count(), "cpu_model": model,
+            "isa": torch.backends.cpu.get_cpu_capability(), "load_avg": os.getloadavg(),
+            "commit": git_commit(), "torch": torch.__version__}
+
+
+def write_json(results: Sequence[BenchResult], path: Path,
+               machine: dict[str, Any] | None = None) -> None:
+    """A list of runs, each with ``machine`` (``machine_info()``, taken before the runs by a
+    caller that can; now if None): what ran where, as sweep.json says it."""
+    machine = machine if machine is not None else machine_info()
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps([r.to_dict() for r in results], indent=1))
+    path.write_text(json.dumps([r.to_dict() | {"machine": machine} for r in results], indent=1))
 
 
 def _num(x: float | None, scale: float = 1.0, digits: int = 3) -> str:

@@ -1,18 +1,15 @@
 """``bench sweep`` output: the Markdown table and the result JSON (pure but for
-``machine_info``, which reads /proc/cpuinfo)."""
+``report.machine_info``, which reads /proc/cpuinfo, when no machine block is given)."""
 
 from __future__ import annotations
 
-import os
-import platform
 import time
 from collections.abc import Sequence
 from typing import Any
 
-from tetri_server.bench.report import BenchResult, git_commit
+from tetri_server.bench.report import BenchResult, machine_info
 from tetri_server.bench.slo import Calibration, SLOScale, meets_slo, tpot_slo_s
 from tetri_server.bench.sweep import ModeSweep
-from tetri_server.hostinfo import cpuinfo
 
 # summary fields computed against metrics.SLO's fixed objectives: not this sweep's SLO
 _FIXED_SLO_KEYS = ("goodput_rps", "slo_attainment", "slo")
@@ -73,17 +70,6 @@ def sweep_table(sweeps: Sequence[ModeSweep], cal: Calibration, scale: SLOScale) 
         "of requests within both (0 = below the lowest rate).\n"
     )
     return head + "\n".join(rows) + "\n" + note
-
-
-def machine_info() -> dict[str, Any]:
-    """nproc, CPU model, ISA, load average now (take it before the runs), and what ran: the
-    commit (``git_commit``, "-dirty" for uncommitted changes) and the torch version."""
-    import torch
-
-    model = cpuinfo("model name") or platform.processor()
-    return {"nproc": os.cpu_count(), "cpu_model": model,
-            "isa": torch.backends.cpu.get_cpu_capability(), "load_avg": os.getloadavg(),
-            "commit": git_commit(), "torch": torch.__version__}
 
 
 def _result_dict(r: BenchResult, cal: Calibration, scale: SLOScale) -> dict[str, Any]:
