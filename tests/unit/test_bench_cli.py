@@ -180,10 +180,14 @@ def test_compare_runs_every_mode_and_prints_ratios(
     assert rc == 0
     assert [s[0] for s in started] == ["disaggregated", "coupled", "coupled-chunked"]
     assert started[0][1:] == [str(model_dir), "700", "cluster.num_workers=2"]
-    printed = capsys.readouterr().out
+    captured = capsys.readouterr()
+    printed = captured.out
     assert "| LPLD | disaggregated |" in printed and "vs coupled" in printed
+    # each fresh server got two unmeasured requests before its first workload
+    assert captured.err.count("/warm-up: 2 requests\n") == 3
     results = json.loads((out / "results.json").read_text())
     assert [r["mode"] for r in results] == ["disaggregated", "coupled", "coupled-chunked"]
+    assert all(len(r["records"]) == 6 and r["summary"]["num_requests"] == 6 for r in results)
     # the same requests went to every server
     lens = [[(q["prompt_len"], q["output_len"]) for q in r["records"]] for r in results]
     assert lens[0] == lens[1] == lens[2]
@@ -245,3 +249,18 @@ def test_the_elastic_preset_is_disaggregated_with_local_decodes():
     assert "cluster.mode=disaggregated" in sets and "prefill.local_decode_batch=16" in sets
     assert "decode.local_prefill_tokens=1024" in sets
     assert sets[-1] == "cluster.workers=2"  # the caller's sets come last: they win
+
+
+def test_warm_up_sends_the_longest_and_shortest_prompts_reversed_and_short() -> None:
+    from tetri_server.bench.compare import warmup_requests
+    from tetri_server.bench.workload import BenchRequest
+
+    reqs = [BenchRequest(i, list(range(i, i + n)), n, 100, 0.5 * i, "LPLD", "x")
+            for i, n in enumerate([5, 9, 3, 7])]
+    warm = warmup_requests(reqs, 3)
+    assert [w.prompt_len for w in warm] == [9, 3, 7]
+    assert warm[0].prompt == list(range(1, 10))[::-1]  # not a prompt the run sends
+    assert {w.output_len for w in warm} == {8} and {w.arrival_s for w in warm} == {0.0}
+    assert all(w.request_id < 0 for w in warm)
+    assert len(warmup_requests(reqs, 10)) == 4  # no more than the workload has
+    assert warmup_requests(reqs, 0) == []

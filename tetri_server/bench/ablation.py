@@ -325,7 +325,8 @@ def main(args: argparse.Namespace, build: Callable[[argparse.Namespace],
     slo = SLO(args.slo_ttft_s, args.slo_tpot_s)
     # the oracle row reads each request's true length; the other rows ignore the field
     opts = CompareOptions(args.out, slo, args.max_concurrency, args.request_timeout_s,
-                          not args.no_progress, send_true_output_len=True)
+                          not args.no_progress, send_true_output_len=True,
+                          num_warmups=args.num_warmups)
     max_len = built[0][0].max_model_len
     results: list[report.BenchResult] = []
     for k in range(args.repeat):

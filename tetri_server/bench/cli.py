@@ -48,6 +48,7 @@ from tetri_server.bench.compare import (
     run_against,
     tetri_spec,
     vllm_spec,
+    warm_up,
 )
 from tetri_server.bench.metrics import SLO, summarize
 from tetri_server.bench.prompts import PromptTokenizer, load_tokenizer, model_max_len, model_vocab
@@ -154,6 +155,14 @@ def _add_workload_args(p: argparse.ArgumentParser, sweep: bool = False) -> None:
     else:
         c.add_argument("--slo-ttft-s", type=float, default=SLO.ttft_s)
         c.add_argument("--slo-tpot-s", type=float, default=SLO.tpot_s)
+        c.add_argument(
+            "--num-warmups",
+            type=int,
+            default=2,
+            help="unmeasured requests, one at a time, before the first workload on each server "
+            "(its longest and shortest prompts, reversed; default 2; sweep warms up by "
+            "calibrating)",
+        )
     c.add_argument("--out", type=Path, help="default bench_results/<time>")
     c.add_argument("--no-progress", action="store_true")
     c.add_argument("--no-plots", action="store_true")
@@ -275,6 +284,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     model = base.model
     slo = SLO(args.slo_ttft_s, args.slo_tpot_s)
     results = []
+    warm_up(base, built[0][1], args.num_warmups)
     for spec, requests in built:
         cfg = dataclasses.replace(base, label=f"{args.label}/{spec.name}")
         run = asyncio.run(run_benchmark(requests, cfg))
@@ -295,6 +305,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         args.request_timeout_s,
         not args.no_progress,
         args.send_true_output_len,
+        args.num_warmups,
     )
     max_len = built[0][0].max_model_len
     specs = [

@@ -225,6 +225,7 @@ class CompareOptions:
     request_timeout_s: float = 600.0
     progress: bool = True
     send_true_output_len: bool = False  # to tetri_server only (predictor.kind = oracle)
+    num_warmups: int = 0  # unmeasured requests before a started server's first workload
 
 
 def run_against(
@@ -248,6 +249,35 @@ def _client_config(spec: ServerSpec, model: str, opts: CompareOptions) -> Client
     )
 
 
+WARMUP_OUTPUT_TOKENS = 8
+
+
+def warmup_requests(requests: Sequence[BenchRequest], n: int) -> list[BenchRequest]:
+    """``n`` requests that warm a fresh server for ``requests`` (first calls allocate, tune
+    and fill caches; measured, they would lift the first requests' TTFT): the longest and
+    the shortest prompts in turn, reversed so that no prompt of the run is sent twice, each
+    with a few output tokens, all at time 0 (sent one at a time)."""
+    by_len = sorted(requests, key=lambda q: q.prompt_len)
+    picks = [by_len[-1 - i // 2] if i % 2 == 0 else by_len[i // 2]
+             for i in range(min(n, len(by_len)))]
+    return [replace(q, request_id=-1 - i, prompt=q.prompt[::-1], arrival_s=0.0,
+                    output_len=min(q.output_len, WARMUP_OUTPUT_TOKENS), source="warm-up")
+            for i, q in enumerate(picks)]
+
+
+def warm_up(cfg: ClientConfig, requests: Sequence[BenchRequest], n: int) -> None:
+    """Send ``warmup_requests`` one at a time; not measured. A failure is printed, not
+    raised: the measured run that follows shows what the server does."""
+    if n <= 0 or not requests:
+        return
+    warm = warmup_requests(requests, n)
+    cfg = replace(cfg, max_concurrency=1, label=f"{cfg.label}/warm-up", progress=False)
+    run = asyncio.run(run_benchmark(warm, cfg, scrape_metrics=False))
+    failed = [r for r in run.records if not r.ok]
+    print(f"{cfg.label}: {len(warm)} requests"
+          + (f", {len(failed)} failed: {failed[0].error}" if failed else ""), file=sys.stderr)
+
+
 def run_workloads(
     spec: ServerSpec,
     proc: subprocess.Popen[bytes],
@@ -260,6 +290,8 @@ def run_workloads(
     model = asyncio.run(fetch_model_name(spec.base_url))
     cfg = _client_config(spec, model, opts)
     server_config = {**spec.config(), "served_model": model}
+    if workloads:
+        warm_up(replace(cfg, label=spec.label), workloads[0][1], opts.num_warmups)
     for wspec, requests in workloads:
         at = "" if wspec.rate_rps is None else f"@{wspec.rate_rps:g}"
         cfg = replace(cfg, label=f"{spec.label}/{wspec.name}{at}")
