@@ -391,17 +391,18 @@ class ModeResult:
 
 
 def window_gaps(times: list[float], t0: float, t1: float, end: float | None = None,
-                clock: Callable[[float], float] = float) -> list[float]:
+                clock: Callable[[float], float] = float, finished: bool = False) -> list[float]:
     """Gaps between consecutive arrivals ``times`` (wall clock), measured on ``clock``: those
     inside [t0, t1] (``end`` None), or those overlapping (t0, t1) (``end`` given: a stall that
     starts in the window and ends after it counts whole; one still open at ``end`` counts as
-    ``end - start``, a lower bound)."""
+    ``end - start``, a lower bound). A ``finished`` stream has no gap after its last token:
+    it ended, it did not stall."""
     if end is None:
         inside = [t for t in times if t0 <= t <= t1]
         return [clock(b) - clock(a) for a, b in zip(inside, inside[1:], strict=False)]
     gaps = [clock(b) - clock(a) for a, b in zip(times, times[1:], strict=False)
             if b > t0 and a < t1]
-    if times and times[-1] < t1:
+    if times and times[-1] < t1 and not finished:
         gaps.append(clock(end) - clock(times[-1]))
     return gaps
 
@@ -516,7 +517,8 @@ async def run_mode(mode: str, model: Path, load: Load, args: argparse.Namespace)
             t.cancel()
         await asyncio.gather(*arrival_tasks, return_exceptions=True)
         wall = Gaps([g for ts in times for g in window_gaps(ts, q0, w0)],
-                    [g for ts in times for g in window_gaps(ts, w0, w1, end)],
+                    [g for ts, done in zip(times, finished, strict=True)
+                     for g in window_gaps(ts, w0, w1, end, finished=done)],
                     sorted(ttft.values()))
 
         def on(w: int) -> Callable[[float], float]:
@@ -525,8 +527,8 @@ async def run_mode(mode: str, model: Path, load: Load, args: argparse.Namespace)
         cpu = Gaps(
             [g for ts, w in zip(times, owners, strict=True)
              for g in window_gaps(ts, q0, w0, clock=on(w))],
-            [g for ts, w in zip(times, owners, strict=True)
-             for g in window_gaps(ts, w0, w1, end, clock=on(w))],
+            [g for ts, w, done in zip(times, owners, finished, strict=True)
+             for g in window_gaps(ts, w0, w1, end, clock=on(w), finished=done)],
             sorted(clock.cpu(sent[k][1], sent[k][0] + v) - clock.cpu(sent[k][1], sent[k][0])
                    for k, v in ttft.items()))
         shares = {names[w]: (*clock.shares(w, q0, w0), *clock.shares(w, w0, w1))
@@ -537,7 +539,9 @@ async def run_mode(mode: str, model: Path, load: Load, args: argparse.Namespace)
                "clock_run": clock.run, "clock_wait": clock.wait}
         return ModeResult(
             mode, wall, cpu, tokens_in(times, counts, q0, w0), tokens_in(times, counts, w0, w1),
-            len(load.arrivals), sum(finished), sum(ts[-1] < w1 for ts in times), start_s,
+            len(load.arrivals), sum(finished),
+            sum(ts[-1] < w1 and not done for ts, done in zip(times, finished, strict=True)),
+            start_s,
             cpu_quiet, cpu_load, shares, raw)
     finally:
         for t in tasks:
