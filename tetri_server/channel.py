@@ -326,7 +326,7 @@ class Channel(Generic[T]):
         if tail == self._words[_HEAD]:
             return None
         try:
-            return self._pop(tail)
+            return self._pop(tail, self._words[_HEAD])
         finally:
             os.eventfd_write(self._space_fd, 1)
 
@@ -360,7 +360,7 @@ class Channel(Generic[T]):
         try:
             while (tail := self._words[_TAIL]) < head:
                 try:
-                    out.append(self._pop(tail))
+                    out.append(self._pop(tail, head))
                 except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                     if on_error is None:
                         raise
@@ -375,15 +375,18 @@ class Channel(Generic[T]):
             os.eventfd_write(self._space_fd, 1)
         return out
 
-    def _pop(self, tail: int) -> T:
-        """Decode the frame at ``tail`` (< head) and store the tail past it, even if decoding
-        fails: the bytes stay untouched by the producer until the tail moves."""
+    def _pop(self, tail: int, head: int) -> T:
+        """Decode the frame at ``tail`` (< ``head``, read before) and store the tail past it,
+        even if decoding fails: the bytes stay untouched by the producer until the tail moves.
+        A length that runs past ``head`` is corrupt too: decoding would read bytes not yet
+        written (or a stale message still there), and the tail would pass the head."""
         cap = self._cap
         pos = tail % cap
         size = self._words[(_DATA + pos) >> 3]
-        if size > cap - 8:
+        if size > cap - 8 or tail + 8 + size > head:
             self._broken = ChannelBroken(f"channel {self.name}: corrupt frame length {size} at "
-                                         f"{pos}; the channel is given up")
+                                         f"{pos} ({head - tail} bytes written); the channel "
+                                         "is given up")
             raise self._broken
         start = _DATA + (pos + 8) % cap
         end, limit = start + size, _DATA + cap

@@ -25,6 +25,8 @@ import uvloop
 from tetri_server import messages as m
 from tetri_server.channel import (
     _DATA,
+    _HEAD,
+    _TAIL,
     SHM_DIR,
     AsyncReceiver,
     Channel,
@@ -146,6 +148,26 @@ def test_a_corrupt_frame_length_gives_the_channel_up_after_the_frames_before_it(
             channel.drain()
         with pytest.raises(ChannelBroken):
             channel.drain()
+    finally:
+        dispose(channel)
+
+
+def test_a_frame_length_past_the_written_bytes_gives_the_channel_up(run_id: str) -> None:
+    """Regression: a corrupt length small enough for the ring but past what the producer had
+    written was decoded from bytes not written for it (old frames still in the ring: a decode
+    error here, a stale message where they happen to parse) and moved the tail past the head,
+    so the producer's next frames were never read."""
+    channel = make(run_id, "short", 256, m.ToWorker)
+    try:
+        for k in range(6):  # wrap the ring: every byte of it holds an old Abort frame
+            channel.send(m.Abort(k))
+            assert channel.drain() == [m.Abort(k)]
+        channel.send(m.Abort(7))
+        tail = channel._words[_TAIL]
+        channel._words[(_DATA + tail % 256) >> 3] = 200  # < 256, but 24 bytes were written
+        with pytest.raises(ChannelBroken, match="corrupt frame length 200"):
+            channel.drain()
+        assert channel._words[_TAIL] <= channel._words[_HEAD]
     finally:
         dispose(channel)
 
