@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from tetri_server.config import BUILTIN_PREFIX, Config, ConfigError, ModelConfig, load_config
+from tetri_server.hostinfo import listen_addresses
 
 log = logging.getLogger("tetri")
 
@@ -148,8 +149,13 @@ def port_error(host: str, port: int) -> str | None:
         addrs = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except OSError as e:
         return f"server.host {host!r} does not resolve: {e}"
-    for family, kind, proto, _, addr in addrs:
-        with socket.socket(family, kind, proto) as sock:
+    usable = listen_addresses(host, port)  # the server leaves the others out (IPv6 off)
+    for family, kind, proto, _, addr in [a for a in addrs if a[4][0] in usable] or addrs:
+        try:
+            sock = socket.socket(family, kind, proto)
+        except OSError as e:
+            return f"cannot listen on {host}:{port}: {e.strerror}"
+        with sock:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 sock.bind(addr)

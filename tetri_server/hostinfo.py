@@ -1,7 +1,10 @@
-"""What this machine's CPU is, from ``/proc/cpuinfo`` (no torch import: the bench client uses it
-too)."""
+"""What this machine is: its CPU, from ``/proc/cpuinfo`` (no torch import: the bench client uses
+it too), and the addresses of a host name it can listen on."""
 
 from __future__ import annotations
+
+import errno
+import socket
 
 
 def cpuinfo(field: str) -> str:
@@ -16,3 +19,31 @@ def cpuinfo(field: str) -> str:
     except OSError:
         return ""
     return ""
+
+
+def listen_addresses(host: str, port: int) -> list[str]:
+    """The addresses of ``host`` this machine can listen on, in resolver order: one of a family
+    the kernel lacks (IPv6 off) or not assigned here (``::1`` of ``localhost`` with IPv6
+    disabled on the loopback: EADDRNOTAVAIL) is left out, as asyncio's create_server does
+    (bpo-30945) and uvloop's does not. Each is tried with ``port`` 0, so a busy port is not
+    judged here. All left out, or ``host`` does not resolve: ``[host]``, for the bind to
+    report."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError:
+        return [host]
+    usable: list[str] = []
+    for family, kind, proto, _, addr in infos:
+        try:
+            sock = socket.socket(family, kind, proto)
+        except OSError:
+            continue
+        with sock:
+            try:
+                sock.bind((addr[0], 0, *addr[2:]))
+            except OSError as e:
+                if e.errno == errno.EADDRNOTAVAIL:
+                    continue
+        if addr[0] not in usable:
+            usable.append(addr[0])
+    return usable or [host]

@@ -21,6 +21,7 @@ from aiohttp import web
 
 from tetri_server.api.app import CONFIG, STATE
 from tetri_server.api.errors import error_body
+from tetri_server.hostinfo import listen_addresses
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +155,8 @@ class _CappedSite(web.BaseSite):
         assert server is not None
         cap = _ConnectionCap(server, *self._cap_args)
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(cap, self._host, self._port)
+        hosts = listen_addresses(self._host, self._port)  # not an address IPv6-off lacks
+        self._server = await loop.create_server(cap, hosts, self._port)
 
 
 async def drain(app: web.Application, timeout_s: float) -> bool:
