@@ -381,6 +381,20 @@ def test_vllms_api_key_variable_is_honoured() -> None:
     assert load_config(None, environ=both).server.api_key == "t"
 
 
+def test_vllms_api_key_variable_beside_our_key_file_leaves_the_file_in_charge(caplog) -> None:  # noqa: ANN001
+    """Regression: VLLM_API_KEY left in a shared environment (a unit's EnvironmentFile) beside
+    server.api_key_file refused to start, naming only TETRI_API_KEY. The file wins, with a
+    warning; our own variable or --api-key beside the file is still refused."""
+    env = {"VLLM_API_KEY": "v"}
+    cfg = load_config(None, ["server.api_key_file=/etc/tetri/key"], environ=env).server
+    assert (cfg.api_key, cfg.api_key_file) == ("", "/etc/tetri/key")
+    assert "VLLM_API_KEY is ignored" in caplog.text
+    with pytest.raises(ConfigError, match="both"):
+        load_config(None, ["server.api_key_file=/k"], environ={"TETRI_API_KEY": "t"})
+    with pytest.raises(ConfigError, match="both"):
+        load_config(None, ["server.api_key_file=/k", "server.api_key=x"], environ=env)
+
+
 def test_every_secret_is_redacted() -> None:
     cfg = load_config(None, ["server.api_key=a", "server.admin_api_key=b"], environ={})
     server = cfg.to_dict()["server"]

@@ -24,6 +24,7 @@ Values that need the model or the device stay as they are for the runtime to res
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
 import tomllib
@@ -218,9 +219,12 @@ def load_config(
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path}: invalid TOML: {e}") from None
     env = os.environ if environ is None else environ
+    env_key: tuple[str, str] | None = None  # (variable, value) that set server.api_key
     for var, key in ServerConfig.ENV_KEYS.items():
         if env.get(var):
             _table(data, "server", source)[key] = env[var]
+            if key == "api_key":
+                env_key = (var, env[var])
     for section, values in (flags or {}).items():
         _section_class(section, "flags")
         _table(data, section, source).update(values)
@@ -230,6 +234,14 @@ def load_config(
         _table(data, section, source)[key] = value
         if error is not None:
             deferred.append((key, error))
+    server = data.get("server")
+    if (env_key is not None and env_key[0] == "VLLM_API_KEY" and isinstance(server, dict)
+            and server.get("api_key") == env_key[1] and server.get("api_key_file")):
+        # vLLM's variable, left in a shared environment, beside our own key file: the file is
+        # the more specific choice (and a client with the other key is refused, not let in)
+        del server["api_key"]
+        logging.getLogger("tetri.config").warning(
+            "VLLM_API_KEY is ignored: server.api_key_file sets the API key")
     try:
         return Config.from_dict(data, source=source)
     except ConfigError as e:

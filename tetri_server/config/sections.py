@@ -127,7 +127,8 @@ class ServerConfig(_Section):
         self._positive("max_connections")
         if self.api_key and self.api_key_file:
             raise ConfigError(
-                "server.api_key (or TETRI_API_KEY) and server.api_key_file are both set; keep one"
+                "server.api_key (or TETRI_API_KEY, --api-key) and server.api_key_file are both "
+                "set; keep one"
             )
         if not all(self.allowed_hosts):
             raise ConfigError("server.allowed_hosts must not hold empty names")
