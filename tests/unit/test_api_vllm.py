@@ -53,6 +53,34 @@ def test_n_choices_are_distinct_reproducible_and_seeded_per_choice(client: opena
     assert chunks[-1].usage.completion_tokens == 24
 
 
+def test_continuous_usage_stats_count_each_choices_tokens_on_every_chunk(
+        client: openai.OpenAI) -> None:
+    """vLLM's stream_options.continuous_usage_stats (guidellm sends it): every chunk carries
+    the usage so far of its choice, so a client can count tokens of chunks that hold several.
+    It was ignored: chunks said usage null."""
+    kw = dict(model=MODEL_NAME, prompt="Once upon", max_tokens=7, temperature=1.0, seed=5,
+              extra_body=EOS, stream=True)
+    chunks = list(client.completions.create(
+        **kw, n=2, stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    final = chunks[-1].usage
+    assert final.completion_tokens == 14
+    seen: dict[int, list[int]] = {0: [], 1: []}
+    for c in chunks[:-1]:
+        assert c.usage is not None and c.usage.prompt_tokens == final.prompt_tokens
+        assert c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens
+        seen[c.choices[0].index].append(c.usage.completion_tokens)
+    assert all(v == sorted(v) and v[-1] == 7 for v in seen.values())
+    # as in vLLM, only together with include_usage
+    plain = list(client.completions.create(**kw, stream_options={"continuous_usage_stats": True}))
+    assert all(c.usage is None for c in plain)
+    chat = list(client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
+        extra_body=EOS, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    assert chat[0].usage.completion_tokens == 0  # the role chunk
+    assert chat[-2].usage.completion_tokens == chat[-1].usage.completion_tokens == 5
+
+
 def test_n_choices_in_chat(client: openai.OpenAI) -> None:
     out = client.chat.completions.create(
         model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=6, n=2,

@@ -62,6 +62,8 @@ class GenRequest:
     include_usage: bool
     logprobs: bool
     true_output_len: int | None
+    # stream_options.continuous_usage_stats (with include_usage): usage so far on every chunk
+    continuous_usage: bool = False
     n: int = 1  # choices; choice i samples with choice_params(i)
     include_stop_str: bool = False  # include_stop_str_in_output
     skip_special_tokens: bool = True
@@ -243,6 +245,9 @@ def parse_request(
     include_usage = (options or {}).get("include_usage") or False
     if not isinstance(include_usage, bool):
         raise bad_param("stream_options.include_usage", "expected true or false")
+    continuous_usage = (options or {}).get("continuous_usage_stats") or False
+    if not isinstance(continuous_usage, bool):
+        raise bad_param("stream_options.continuous_usage_stats", "expected true or false")
     echo = kind == "completion" and f.boolean("echo", False)
     max_tokens = _max_tokens(f, kind, prompt, max_model_len, defaults, echo)
     ignore_eos = f.boolean("ignore_eos", False)
@@ -263,6 +268,7 @@ def parse_request(
         stop=tuple(f.string_list("stop", max_items=MAX_STOP_STRINGS, max_len=MAX_STOP_CHARS)),
         stream=stream,
         include_usage=include_usage,
+        continuous_usage=include_usage and continuous_usage,  # vLLM: only with include_usage
         logprobs=params.logprobs,
         true_output_len=f.integer("true_output_len", None, low=0),
         n=n,

@@ -43,6 +43,7 @@ class ResponseBuilder:
         self._tok = tokenizer
         self.num_choices = num_choices  # prompts x n
         self._text_offset = [0] * num_choices  # per choice
+        self._num_output = [0] * num_choices  # tokens streamed so far, per choice
         # chat with tool_choice=auto: each choice's reply parsed for calls; with a forced call
         # the reply is the call (finish_reason: tool_calls, or stop for a named function)
         self._parsers: list[ReplyParser] | list[ForcedCallParser] | None = None
@@ -188,9 +189,14 @@ class ResponseBuilder:
     # ------------------------------------------------------------------ streaming
 
     def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
+        """A chunk of one choice; its usage so far with ``continuous_usage_stats`` (vLLM's
+        extension: clients count the tokens of a stream whose chunks may hold several)."""
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         out = {**self._head(obj), "choices": [choice]}
-        if self.req.include_usage:
+        if self.req.continuous_usage:
+            i = choice["index"]
+            out["usage"] = usage(len(self._prompt_ids[i]), self._num_output[i])
+        elif self.req.include_usage:
             out["usage"] = None
         return out
 
@@ -209,6 +215,7 @@ class ResponseBuilder:
         gets its chunk even when their text is held back (a partial character, the start of a
         stop string), with empty text, as vLLM sends it: streaming clients count chunks as
         tokens. Only a tool-call parser holding text back sends nothing (vLLM's too)."""
+        self._num_output[piece.index] += len(piece.token_ids)
         prompt = piece.prompt_logprobs
         has_logprobs = ((piece.logprobs is not None and bool(piece.token_ids))
                         or (prompt is not None and self.req.echo_top is not None))
