@@ -326,7 +326,9 @@ def main(args: argparse.Namespace, build: Callable[[argparse.Namespace],
     # the oracle row reads each request's true length; the other rows ignore the field
     opts = CompareOptions(args.out, slo, args.max_concurrency, args.request_timeout_s,
                           not args.no_progress, send_true_output_len=True,
-                          num_warmups=args.num_warmups)
+                          num_warmups=args.num_warmups,
+                          hidden_len_context=max_model_len(args) if args.hide_output_len
+                          else None)
     max_len = built[0][0].max_model_len
     results: list[report.BenchResult] = []
     for k in range(args.repeat):

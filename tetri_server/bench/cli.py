@@ -167,6 +167,14 @@ def _add_workload_args(p: argparse.ArgumentParser, sweep: bool = False) -> None:
     c.add_argument("--no-progress", action="store_true")
     c.add_argument("--no-plots", action="store_true")
     c.add_argument(
+        "--hide-output-len",
+        action="store_true",
+        help="ask each request for max_tokens = the context left after its prompt (no length "
+        "in mind, as most clients) and stop reading at its true length, which disconnects: "
+        "no policy sees the length (default: max_tokens = the true length, as vllm bench "
+        "serve)",
+    )
+    c.add_argument(
         "--send-true-output-len",
         action="store_true",
         help="send each request's output length as true_output_len (tetri_server's field for "
@@ -273,7 +281,13 @@ def _client_config(args: argparse.Namespace, label: str) -> ClientConfig:
         raise SystemExit(f"cannot list models at {base_url}/v1/models: {exc}") from exc
     return ClientConfig(base_url, model, args.max_concurrency, args.request_timeout_s,
                         api_key=args.api_key, progress=not args.no_progress, label=label,
-                        send_true_output_len=args.send_true_output_len)
+                        send_true_output_len=args.send_true_output_len,
+                        hidden_len_context=_hidden_len_context(args))
+
+
+def _hidden_len_context(args: argparse.Namespace) -> int | None:
+    """``--hide-output-len``: the context length max_tokens is taken from (the workloads')."""
+    return _max_model_len(args) if args.hide_output_len else None
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -306,6 +320,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         not args.no_progress,
         args.send_true_output_len,
         args.num_warmups,
+        _hidden_len_context(args),
     )
     max_len = built[0][0].max_model_len
     specs = [
@@ -405,6 +420,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             args.request_timeout_s,
             not args.no_progress,
             args.send_true_output_len,
+            hidden_len_context=_hidden_len_context(args),
         )
         sweeps = (sweep_interleaved(specs, built, vocab, opts, measure, args.seed)
                   if args.interleave else

@@ -43,6 +43,12 @@ class ClientConfig:
     # send each request's true output length as ``true_output_len`` (tetri_server's extension
     # for predictor.kind = oracle; other servers may reject or ignore the field)
     send_true_output_len: bool = False
+    # The true length hidden from the server (``--hide-output-len``): each request asks for
+    # max_tokens = this context length - its prompt (what a client with no length in mind
+    # gets) with continuous usage stats, and the client stops reading and disconnects once
+    # the true output length has streamed (the server sees an abort, as at an EOS it could
+    # not foresee). None: max_tokens = the true length, with ignore_eos (vllm bench serve's).
+    hidden_len_context: int | None = None
 
 
 @dataclass
@@ -94,6 +100,9 @@ def request_body(req: BenchRequest, cfg: ClientConfig) -> dict[str, Any]:
     }
     if cfg.send_true_output_len:
         body["true_output_len"] = req.output_len
+    if cfg.hidden_len_context is not None:
+        body["max_tokens"] = max(req.output_len, cfg.hidden_len_context - req.prompt_len)
+        body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
     body.update(cfg.extra_body)
     return body
 
@@ -129,12 +138,20 @@ def _on_event(ev: SSEEvent, rec: RequestRecord, now_s: float) -> bool:
     return False
 
 
-async def _read_stream(resp: aiohttp.ClientResponse, rec: RequestRecord, t0: float) -> None:
+async def _read_stream(resp: aiohttp.ClientResponse, rec: RequestRecord, t0: float,
+                       hidden: bool = False) -> None:
+    """Read the SSE stream into ``rec``. ``hidden``: stop at ``rec.output_len`` tokens (the
+    chunks' continuous usage counts them) and close the connection, which aborts the rest."""
     parser, done = SSEParser(), False
     async for chunk in resp.content.iter_any():
         now_s = time.perf_counter() - t0
         for ev in parser.feed(chunk):
             done = _on_event(ev, rec, now_s) or done
+        n = rec.num_output_tokens
+        if hidden and rec.error is None and n is not None and n >= rec.output_len:
+            rec.num_output_tokens = rec.output_len  # what the client wanted; it stops here
+            done = True
+            resp.close()
         if done:
             break
     if not done:
@@ -183,7 +200,7 @@ async def _send(
                 if resp.status != 200:
                     rec.error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
                 else:
-                    await _read_stream(resp, rec, t0)
+                    await _read_stream(resp, rec, t0, cfg.hidden_len_context is not None)
         except TimeoutError:
             rec.error = rec.error or "timeout"
         except aiohttp.ClientError as exc:

@@ -226,6 +226,7 @@ class CompareOptions:
     progress: bool = True
     send_true_output_len: bool = False  # to tetri_server only (predictor.kind = oracle)
     num_warmups: int = 0  # unmeasured requests before a started server's first workload
+    hidden_len_context: int | None = None  # ClientConfig's: the true length hidden
 
 
 def run_against(
@@ -246,6 +247,7 @@ def _client_config(spec: ServerSpec, model: str, opts: CompareOptions) -> Client
         opts.request_timeout_s,
         progress=opts.progress,
         send_true_output_len=opts.send_true_output_len and spec.label != VLLM_LABEL,
+        hidden_len_context=opts.hidden_len_context,
     )
 
 
