@@ -9,6 +9,7 @@ the control process; the control process unlinks them when the worker exits.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import secrets
@@ -28,6 +29,7 @@ from tetri_server.messages import FromWorker, PoolHandle, Shutdown, ToWorker, Wo
 
 log = logging.getLogger("tetri.supervisor")
 RING_BYTES = 4 << 20
+SHUTDOWN_WAIT_S = 10.0  # Shutdown to exit, all workers together; then they are killed
 SEND_TIMEOUT_S = 30.0
 
 
@@ -254,16 +256,19 @@ class Supervisor:
             h.proc.kill()  # its exit counts as one more death in a row
 
     async def shutdown(self) -> None:
-        """Shutdown to every worker, then wait (10 s each at most) and reap them."""
+        """Shutdown to every worker, wait for them all (``SHUTDOWN_WAIT_S`` in all: a worker
+        still loading its model reads no message until it has, and a wait per worker made a
+        stop during start-up take that long times the workers), kill the rest, reap them."""
         self.stopping = True
         for h in self.workers.values():
             h.post(Shutdown())
-        for h in list(self.workers.values()):
-            if not h.alive:
-                continue
-            try:
-                await asyncio.wait_for(asyncio.to_thread(h.proc.wait), 10.0)
-            except TimeoutError:
+        live = [h for h in self.workers.values() if h.alive]
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(
+                asyncio.gather(*(asyncio.to_thread(h.proc.wait) for h in live)),
+                SHUTDOWN_WAIT_S)
+        for h in live:
+            if h.proc.poll() is None:
                 h.proc.kill()
             if h.alive:
                 reap(h)
