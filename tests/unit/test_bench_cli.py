@@ -263,4 +263,7 @@ def test_warm_up_sends_the_longest_and_shortest_prompts_reversed_and_short() -> 
     assert {w.output_len for w in warm} == {8} and {w.arrival_s for w in warm} == {0.0}
     assert all(w.request_id < 0 for w in warm)
     assert len(warmup_requests(reqs, 10)) == 4  # no more than the workload has
+    # a text prompt keeps its words (reversed characters tokenize to about twice as many)
+    text = [BenchRequest(0, "one two three four five", 5, 20, 0.0, "LPLD", "x")]
+    assert warmup_requests(text, 1)[0].prompt == "three four five one two"
     assert warmup_requests(reqs, 0) == []

@@ -257,14 +257,24 @@ WARMUP_OUTPUT_TOKENS = 8
 def warmup_requests(requests: Sequence[BenchRequest], n: int) -> list[BenchRequest]:
     """``n`` requests that warm a fresh server for ``requests`` (first calls allocate, tune
     and fill caches; measured, they would lift the first requests' TTFT): the longest and
-    the shortest prompts in turn, reversed so that no prompt of the run is sent twice, each
-    with a few output tokens, all at time 0 (sent one at a time)."""
+    the shortest prompts in turn, each with a few output tokens, all at time 0 (sent one at
+    a time). So that no prompt of the run is sent twice (a server with prefix caching would
+    serve it from cache), token-id prompts are reversed and text prompts start at their
+    middle word (the halves swapped: about the same tokens; reversed characters would
+    tokenize to twice as many, past the context)."""
     by_len = sorted(requests, key=lambda q: q.prompt_len)
     picks = [by_len[-1 - i // 2] if i % 2 == 0 else by_len[i // 2]
              for i in range(min(n, len(by_len)))]
-    return [replace(q, request_id=-1 - i, prompt=q.prompt[::-1], arrival_s=0.0,
+    return [replace(q, request_id=-1 - i, prompt=_other_order(q.prompt), arrival_s=0.0,
                     output_len=min(q.output_len, WARMUP_OUTPUT_TOKENS), source="warm-up")
             for i, q in enumerate(picks)]
+
+
+def _other_order(prompt: list[int] | str) -> list[int] | str:
+    if not isinstance(prompt, str):
+        return prompt[::-1]
+    words = prompt.split(" ")
+    return " ".join(words[len(words) // 2:] + words[:len(words) // 2])
 
 
 def warm_up(cfg: ClientConfig, requests: Sequence[BenchRequest], n: int) -> None:
@@ -273,7 +283,9 @@ def warm_up(cfg: ClientConfig, requests: Sequence[BenchRequest], n: int) -> None
     if n <= 0 or not requests:
         return
     warm = warmup_requests(requests, n)
-    cfg = replace(cfg, max_concurrency=1, label=f"{cfg.label}/warm-up", progress=False)
+    # max_tokens = the few warm-up tokens, even where the run hides its lengths
+    cfg = replace(cfg, max_concurrency=1, label=f"{cfg.label}/warm-up", progress=False,
+                  hidden_len_context=None)
     run = asyncio.run(run_benchmark(warm, cfg, scrape_metrics=False))
     failed = [r for r in run.records if not r.ok]
     print(f"{cfg.label}: {len(warm)} requests"
