@@ -193,3 +193,17 @@ async def test_true_output_len_is_sent_only_when_asked(
     await run_benchmark([_req(1, "ok", 2)], oracle, False)
     first, second = state["bodies"]  # type: ignore[misc]
     assert "true_output_len" not in first and second["true_output_len"] == 2
+
+
+async def test_a_hidden_length_needs_continuous_usage_and_says_so(
+    server: tuple[str, dict[str, object]],
+) -> None:
+    """This fixture server sends usage only at the end: with --hide-output-len the client
+    could not count tokens and would read the whole context; it stops with a clear error."""
+    url, state = server
+    cfg = ClientConfig(url, "m", progress=False, hidden_len_context=50)
+    run = await run_benchmark([_req(0, "ok", 3)], cfg, False)
+    [rec] = run.records
+    assert rec.error is not None and "continuous_usage_stats" in rec.error
+    [body] = state["bodies"]  # type: ignore[misc]
+    assert body["max_tokens"] == 47 and body["stream_options"]["continuous_usage_stats"]

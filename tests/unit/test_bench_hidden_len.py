@@ -30,7 +30,8 @@ def test_hidden_length_asks_for_the_context_and_stops_at_the_true_length(
         run = asyncio.run(run_benchmark(reqs, cfg, scrape_metrics=False))
     assert [r.error for r in run.records] == [None, None]
     assert [r.num_output_tokens for r in run.records] == [5, 9]
-    assert all(len(r.token_times_s) >= r.output_len for r in run.records)
+    # no chunk after the cut is counted (a read may hold several events)
+    assert all(1 <= len(r.token_times_s) <= r.output_len for r in run.records)
     deadline = time.monotonic() + 30
     while (metric(api.base_url, "tetri_request_success_total", finished_reason="abort")
            < aborted + 2 and time.monotonic() < deadline):

@@ -58,7 +58,7 @@ class RequestRecord:
     request_id: int
     kind: str
     prompt_len: int
-    output_len: int  # requested (max_tokens)
+    output_len: int  # the true length: max_tokens, or where --hide-output-len stops reading
     arrival_s: float  # scheduled send time
     send_s: float | None = None
     first_token_s: float | None = None
@@ -138,6 +138,25 @@ def _on_event(ev: SSEEvent, rec: RequestRecord, now_s: float) -> bool:
     return False
 
 
+def _cut(rec: RequestRecord) -> bool:
+    """``--hide-output-len``: True once ``rec.output_len`` tokens have streamed (the client
+    stops there); a token chunk without the usage so far is an error (a server without
+    continuous usage stats would stream the whole context)."""
+    if rec.error is not None:
+        return True
+    n = rec.num_output_tokens
+    if n is None:
+        if rec.token_times_s:
+            rec.error = ("no continuous usage stats in the stream: --hide-output-len needs "
+                         "stream_options.continuous_usage_stats")
+            return True
+        return False
+    if n < rec.output_len:
+        return False
+    rec.num_output_tokens = rec.output_len  # what the client wanted; it stops here
+    return True
+
+
 async def _read_stream(resp: aiohttp.ClientResponse, rec: RequestRecord, t0: float,
                        hidden: bool = False) -> None:
     """Read the SSE stream into ``rec``. ``hidden``: stop at ``rec.output_len`` tokens (the
@@ -147,11 +166,10 @@ async def _read_stream(resp: aiohttp.ClientResponse, rec: RequestRecord, t0: flo
         now_s = time.perf_counter() - t0
         for ev in parser.feed(chunk):
             done = _on_event(ev, rec, now_s) or done
-        n = rec.num_output_tokens
-        if hidden and rec.error is None and n is not None and n >= rec.output_len:
-            rec.num_output_tokens = rec.output_len  # what the client wanted; it stops here
-            done = True
-            resp.close()
+            if hidden and not done and _cut(rec):
+                done = True  # the events after the cut in this read are not the client's
+                resp.close()
+                break
         if done:
             break
     if not done:
