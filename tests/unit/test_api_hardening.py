@@ -381,7 +381,7 @@ def test_vllms_api_key_variable_is_honoured() -> None:
     assert load_config(None, environ=both).server.api_key == "t"
 
 
-def test_vllms_api_key_variable_beside_our_key_file_leaves_the_file_in_charge(caplog) -> None:  # noqa: ANN001
+def test_vllms_api_key_variable_beside_our_key_file_leaves_the_file_in_charge(caplog, tmp_path) -> None:  # noqa: ANN001, E501
     """Regression: VLLM_API_KEY left in a shared environment (a unit's EnvironmentFile) beside
     server.api_key_file refused to start, naming only TETRI_API_KEY. The file wins, with a
     warning; our own variable or --api-key beside the file is still refused."""
@@ -393,6 +393,16 @@ def test_vllms_api_key_variable_beside_our_key_file_leaves_the_file_in_charge(ca
         load_config(None, ["server.api_key_file=/k"], environ={"TETRI_API_KEY": "t"})
     with pytest.raises(ConfigError, match="both"):
         load_config(None, ["server.api_key_file=/k", "server.api_key=x"], environ=env)
+    # an explicit key equal to the variable's (a vLLM unit's --api-key $VLLM_API_KEY)
+    with pytest.raises(ConfigError, match="both"):
+        load_config(None, ["server.api_key_file=/k", "server.api_key=v"], environ=env)
+    with pytest.raises(ConfigError, match="both"):
+        load_config(None, ["server.api_key_file=/k"], environ=env,
+                    flags={"server": {"api_key": "v"}})
+    both = tmp_path / "both.toml"  # the file's own conflict stays one with the variable set
+    both.write_text('[server]\napi_key = "a"\napi_key_file = "/k"\n')
+    with pytest.raises(ConfigError, match="both"):
+        load_config(both, environ=env)
 
 
 def test_every_secret_is_redacted() -> None:

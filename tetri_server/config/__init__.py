@@ -219,26 +219,31 @@ def load_config(
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path}: invalid TOML: {e}") from None
     env = os.environ if environ is None else environ
-    env_key: tuple[str, str] | None = None  # (variable, value) that set server.api_key
+    # where server.api_key came from last: "file", a variable, "flags" or "--set"
+    key_source = "file" if "api_key" in (data.get("server") or {}) else None
     for var, key in ServerConfig.ENV_KEYS.items():
         if env.get(var):
             _table(data, "server", source)[key] = env[var]
             if key == "api_key":
-                env_key = (var, env[var])
+                key_source = var if key_source != "file" else "file"
     for section, values in (flags or {}).items():
         _section_class(section, "flags")
         _table(data, section, source).update(values)
+        if section == "server" and "api_key" in values:
+            key_source = "flags"
     deferred: list[tuple[str, ConfigError]] = []  # --set refused alone: fine beside others?
     for item in overrides or []:
         section, key, value, error = _parse_override(item)
         _table(data, section, source)[key] = value
+        if (section, key) == ("server", "api_key"):
+            key_source = "--set"
         if error is not None:
             deferred.append((key, error))
     server = data.get("server")
-    if (env_key is not None and env_key[0] == "VLLM_API_KEY" and isinstance(server, dict)
-            and server.get("api_key") == env_key[1] and server.get("api_key_file")):
-        # vLLM's variable, left in a shared environment, beside our own key file: the file is
-        # the more specific choice (and a client with the other key is refused, not let in)
+    if key_source == "VLLM_API_KEY" and isinstance(server, dict) and server.get("api_key_file"):
+        # vLLM's variable alone, left in a shared environment, beside our own key file: the
+        # file is the more specific choice (a client with the other key is refused, not let
+        # in). A key the file, TETRI_API_KEY, --api-key or --set gave is still a conflict.
         del server["api_key"]
         logging.getLogger("tetri.config").warning(
             "VLLM_API_KEY is ignored: server.api_key_file sets the API key")
