@@ -9,7 +9,6 @@ the control process; the control process unlinks them when the worker exits.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import secrets
@@ -263,10 +262,11 @@ class Supervisor:
         for h in self.workers.values():
             h.post(Shutdown())
         live = [h for h in self.workers.values() if h.alive]
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(
-                asyncio.gather(*(asyncio.to_thread(h.proc.wait) for h in live)),
-                SHUTDOWN_WAIT_S)
+        deadline = time.monotonic() + SHUTDOWN_WAIT_S
+        # polled, not a thread per worker: more workers than the default executor's threads
+        # would queue their waits (and block other to_thread users) until the kill
+        while any(h.proc.poll() is None for h in live) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
         for h in live:
             if h.proc.poll() is None:
                 h.proc.kill()
