@@ -255,7 +255,8 @@ class TokenDelta(msgspec.Struct, array_like=True, gc=False):
 
 
 class StepOutput(msgspec.Struct, tag=True, array_like=True, gc=False):
-    """Every token produced by one model step of one worker, in one message."""
+    """The tokens one model step of one worker produced: one message, or several in order
+    where the step's prompt logprobs would not fit one (``Worker.send_deltas``)."""
 
     worker_id: int
     deltas: list[TokenDelta]

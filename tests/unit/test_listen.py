@@ -61,6 +61,9 @@ def test_a_busy_port_is_still_found_behind_an_unusable_address(ipv6_off: None) -
 
 
 def test_the_site_listens_on_the_usable_addresses_under_uvloop() -> None:
+    """The site binds the list ``listen_addresses`` gives, under uvloop (whose create_server
+    does not skip EADDRNOTAVAIL itself); this host's IPv6 state decides whether ::1 is in
+    it, so only the port check above reproduces the IPv6-off failure everywhere."""
     from aiohttp import web
 
     from tetri_server.api.server import _CappedSite  # noqa: PLC2701 - the site under test

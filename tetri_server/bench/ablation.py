@@ -271,14 +271,16 @@ def workload_table(workload: str, rows: Sequence[Row], agg: dict[str, dict[str, 
             r.mode if r.mode != "disaggregated" else "-")
         ratios = " / ".join(_ratio(a[k], base.get(k))
                             for k in ("ttft_mean_s", "jct_mean_s", "itl_p99_s"))
-        if a["done"] < a["sent"] or base.get("done", 0) < base.get("sent", 0):
-            ratios += " †"  # means over completed requests: one side lost some
+        own_base = agg.get(r.base, {}) if r.base else {}
+        lost = [x for x in (a, base, own_base) if x.get("done", 0) < x.get("sent", 0)]
+        mark = " †" if lost else ""  # means over completed requests: a side lost some
+        ratios += mark
         lines.append(
             f"| {r.name} | {changes} | {r.base or '-'} | {a['done']}/{a['sent']} "
             f"| {_num(a['ttft_mean_s'])} / {_num(a['ttft_p90_s'])} | {_num(a['jct_mean_s'])} "
             f"| {_num(a['itl_p99_s'], 1e3, 1)} | {_num(a['slo_attainment'])} "
             f"| {_busy(a['busy_s'])} | {ratios} "
-            f"| {_ratio(a['jct_mean_s'], agg.get(r.base, {}).get('jct_mean_s'))} "
+            f"| {_ratio(a['jct_mean_s'], own_base.get('jct_mean_s'))}{mark} "
             f"| {a['spread']['jct_mean_s']:.0%} |")
     return head + "\n".join(lines) + "\n"
 
@@ -291,9 +293,9 @@ def tables(rows: Sequence[Row], results: Sequence[report.BenchResult], slo: SLO)
                      for w, per in by.items())
     return text + (f"\nSLO attainment: share of requests with TTFT <= {slo.ttft_s} s and "
                    f"TPOT <= {slo.tpot_s * 1e3:.0f} ms. Spread: (max - min) / mean over the "
-                   "repeats. †: this row or coupled failed requests (done < sent); latency "
-                   "means cover completed requests only, so a side that lost its slowest "
-                   "looks faster.\n")
+                   "repeats. †: this row, coupled or its base failed requests (done < "
+                   "sent); latency means cover completed requests only, so a side that lost "
+                   "its slowest looks faster.\n")
 
 
 # ---------------------------------------------------------------------- the command

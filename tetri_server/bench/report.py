@@ -82,7 +82,9 @@ def machine_info() -> dict[str, Any]:
 def write_json(results: Sequence[BenchResult], path: Path,
                machine: dict[str, Any] | None = None) -> None:
     """A list of runs, each with ``machine`` (``machine_info()``, taken before the runs by a
-    caller that can; now if None): what ran where, as sweep.json says it."""
+    caller that can; now if None): the machine and checkout the command ran on, as
+    sweep.json says it. That is the server's for compare, ablation and spawned sweeps, the
+    client's for ``run --url`` and ``sweep --url`` (the server may run elsewhere)."""
     machine = machine if machine is not None else machine_info()
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps([r.to_dict() | {"machine": machine} for r in results], indent=1))
