@@ -15,6 +15,7 @@ import torch
 
 from tests.unit.test_decision_trace import FakeRunner
 from tetri_server.config import load_config
+from tetri_server.engine.stops import split_prompt_parts
 from tetri_server.kv.blocks import BlockAllocator
 from tetri_server.kv.manager import KVCacheManager
 from tetri_server.messages import (
@@ -23,6 +24,8 @@ from tetri_server.messages import (
     HandoffRejected,
     KVPulled,
     SamplingParams,
+    StepOutput,
+    TokenDelta,
 )
 from tetri_server.predictor import load_predictor
 from tetri_server.sim.cluster import decode_view
@@ -69,6 +72,11 @@ class FakeWorker:
 
     def send(self, msg: object) -> None:
         self.sent.append(msg)
+
+    def send_deltas(self, deltas: list[TokenDelta]) -> None:
+        """As ``Worker.send_deltas``, with a 4 MiB ring."""
+        for group in split_prompt_parts(deltas, (4 << 20) // 4):
+            self.send(StepOutput(self.worker_id, group))
 
     def predictor(self):  # noqa: ANN201 - the role's predictor
         return load_predictor("none", None)
