@@ -188,35 +188,46 @@ async def test_prompt_logprobs_come_from_the_prefilling_worker_in_every_mode(tin
     """Prompts split across 64-token chunks and packed with others (elastic on too: rows of
     requests the prefill worker keeps may share its chunks): their logprobs equal
     transformers' log_softmax of the whole prompt, then decoding goes on as usual."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
     prompts = random_prompts(6, 8000, (2, 150), seed=21)
-    hf = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32).eval()
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=2)
     cluster = make_cluster(tiny_llama, mode, *extra)
     await cluster.start()
+    try:
+        got = await first_deltas_and_tokens(cluster, prompts, params)
+    finally:
+        await cluster.stop()
+    assert all(first.scheduled_s is not None for first, _ in got)
+    assert_prompt_logprobs_equal_transformers(tiny_llama, prompts, got, 2)
 
-    async def first_and_tokens(p):
+
+async def first_deltas_and_tokens(cluster, prompts, params):  # noqa: ANN001, ANN201
+    """Per prompt, streamed at once: (its first delta, all its output tokens), within 120 s."""
+
+    async def one(p):  # noqa: ANN001, ANN202
         first, out = None, []
         async for d in cluster.submit(p, params):
             first = first or d
             out.extend(d.token_ids)
         return first, out
 
-    try:
-        got = await asyncio.wait_for(asyncio.gather(*(first_and_tokens(p) for p in prompts)), 120)
-    finally:
-        await cluster.stop()
-    assert [out for _, out in got] == hf_greedy(tiny_llama, prompts, 4)
+    return await asyncio.wait_for(asyncio.gather(*(one(p) for p in prompts)), 120)
+
+
+def assert_prompt_logprobs_equal_transformers(model, prompts, got, k: int) -> None:  # noqa: ANN001
+    """Greedy tokens equal transformers', and each first delta's prompt logprobs equal its
+    log_softmax of the whole prompt, with ``k`` alternatives a token."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    assert [out for _, out in got] == hf_greedy(model, prompts, len(got[0][1]))
+    hf = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).eval()
     for p, (first, _) in zip(prompts, got, strict=True):
         with torch.inference_mode():
             logp = torch.log_softmax(hf(torch.tensor([p])).logits[0, :-1].float(), dim=-1)
         own = logp.gather(1, torch.tensor(p[1:])[:, None])[:, 0]
-        assert first.scheduled_s is not None
         lp = first.prompt_logprobs
         assert torch.allclose(torch.tensor(lp.logprobs), own, atol=1e-3, rtol=0)
-        assert [len(r) for r in lp.top] == [2] * (len(p) - 1)
+        assert [len(r) for r in lp.top] == [k] * (len(p) - 1)
 
 
 @pytest.mark.parametrize(("mode", "extra"), [("coupled", ()),
@@ -227,36 +238,17 @@ async def test_prompt_logprobs_bigger_than_the_ring_arrive_whole(tiny_llama, mod
     logprobs each, one step's output is bigger than the worker's message ring (shrunk to
     64 KiB here, as a 32k-token prompt fills the 4 MiB one). It was one message, so the
     worker crashed and the requests failed; it goes in parts and every logprob arrives."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
     from tetri_server.control import supervisor
 
     monkeypatch.setattr(supervisor, "RING_BYTES", 64 << 10)
     prompts = random_prompts(4, 8000, (250, 300), seed=23)
-    hf = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32).eval()
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=20)
     cluster = make_cluster(tiny_llama, mode, *extra)
     await cluster.start()
     pids = [w["pid"] for w in cluster.monitor.workers_info()]
-
-    async def first_and_tokens(p):
-        first, out = None, []
-        async for d in cluster.submit(p, params):
-            first = first or d
-            out.extend(d.token_ids)
-        return first, out
-
     try:
-        got = await asyncio.wait_for(asyncio.gather(*(first_and_tokens(p) for p in prompts)), 120)
+        got = await first_deltas_and_tokens(cluster, prompts, params)
         assert [w["pid"] for w in cluster.monitor.workers_info()] == pids  # none crashed
     finally:
         await cluster.stop()
-    assert [out for _, out in got] == hf_greedy(tiny_llama, prompts, 4)
-    for p, (first, _) in zip(prompts, got, strict=True):
-        with torch.inference_mode():
-            logp = torch.log_softmax(hf(torch.tensor([p])).logits[0, :-1].float(), dim=-1)
-        own = logp.gather(1, torch.tensor(p[1:])[:, None])[:, 0]
-        lp = first.prompt_logprobs
-        assert torch.allclose(torch.tensor(lp.logprobs), own, atol=1e-3, rtol=0)
-        assert [len(r) for r in lp.top] == [20] * (len(p) - 1)
+    assert_prompt_logprobs_equal_transformers(tiny_llama, prompts, got, 20)

@@ -554,6 +554,16 @@ async def test_grammar_and_penalties_go_on_across_a_rerun_after_a_worker_death(t
         await cluster.stop()
 
 
+async def parked_behind_a_dead_prefill_worker(cluster, prompt: list[int]) -> asyncio.Task:
+    """Kill worker 0 (the only prefill worker, no restart), then submit ``prompt``: the
+    request is parked in the control process. Returns its collecting task."""
+    kill(cluster, 0)
+    await until(lambda: not cluster.workers[0].alive, 10, "the kill is seen")
+    job = asyncio.create_task(collect(cluster, prompt, GREEDY))
+    await until(lambda: len(cluster.table.parked) == 1, 10, "the request is parked")
+    return job
+
+
 async def test_a_request_parked_for_a_prefill_worker_goes_to_one_that_flips_to_prefill(tiny_llama):
     """Regression: with the only prefill worker down (strict split: no decode worker takes a
     prompt), a new request is parked. A decode worker flipped to prefill said Ready while
@@ -566,10 +576,7 @@ async def test_a_request_parked_for_a_prefill_worker_goes_to_one_that_flips_to_p
     [ref] = hf_greedy(tiny_llama, [prompt], GREEDY.max_tokens)
     await cluster.start()
     try:
-        kill(cluster, 0)
-        await until(lambda: not cluster.workers[0].alive, 10, "the kill is seen")
-        job = asyncio.create_task(collect(cluster, prompt, GREEDY))
-        await until(lambda: len(cluster.table.parked) == 1, 10, "the request is parked")
+        job = await parked_behind_a_dead_prefill_worker(cluster, prompt)
         await cluster.flip(1, "prefill")
         assert await asyncio.wait_for(job, 15) == ref  # not 20 s more of waiting, then a 503
     finally:
@@ -601,10 +608,7 @@ async def test_a_parked_request_counts_as_waiting_not_running(tiny_llama):
     [prompt] = random_prompts(1, 8000, (20, 40), seed=46)
     await cluster.start()
     try:
-        kill(cluster, 0)
-        await until(lambda: not cluster.workers[0].alive, 10, "the kill is seen")
-        job = asyncio.create_task(collect(cluster, prompt, GREEDY))
-        await until(lambda: len(cluster.table.parked) == 1, 10, "the request is parked")
+        job = await parked_behind_a_dead_prefill_worker(cluster, prompt)
         await until(lambda: gauges() == (0, 1), 10, "parked counted as waiting")
         job.cancel()
     finally:
