@@ -156,7 +156,8 @@ class _CappedSite(web.BaseSite):
         cap = _ConnectionCap(server, *self._cap_args)
         loop = asyncio.get_running_loop()
         hosts = listen_addresses(self._host, self._port)  # not an address IPv6-off lacks
-        self._server = await loop.create_server(cap, hosts, self._port)
+        target = self._host if hosts == [self._host] else hosts  # "" etc. as the loop reads it
+        self._server = await loop.create_server(cap, target, self._port)
 
 
 async def drain(app: web.Application, timeout_s: float) -> bool:

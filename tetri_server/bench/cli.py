@@ -160,8 +160,8 @@ def _add_workload_args(p: argparse.ArgumentParser, sweep: bool = False) -> None:
             type=int,
             default=2,
             help="unmeasured requests, one at a time, before the first workload on each server "
-            "(its longest and shortest prompts, reversed; default 2; sweep warms up by "
-            "calibrating)",
+            "(its longest and shortest prompts, in another order so no prompt is sent twice; "
+            "default 2; sweep warms up by calibrating)",
         )
     c.add_argument("--out", type=Path, help="default bench_results/<time>")
     c.add_argument("--no-progress", action="store_true")
