@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.unit.test_bench_cli import fake_spec
-from tetri_server.bench import cli, sweep
+from tetri_server.bench import cli, options, sweep
 from tetri_server.bench.client import RequestRecord, RunResult
 from tetri_server.bench.compare import ServerSpec, running_server
 from tetri_server.bench.metrics import SLO, summarize
@@ -130,7 +130,7 @@ def test_spawn_means_every_mode_and_needs_a_model() -> None:
 def test_same_requests_at_every_rate(model_dir: Path) -> None:
     args = _args("--url", "http://x", "--model", str(model_dir), "--rates", "0.2")
     args.num_requests = 8
-    built = cli._sweep_workloads(args, [0.2, 0.4])
+    built = options.sweep_workloads(args, [0.2, 0.4])
     assert [s.rate_rps for s, _ in built] == [0.2, 0.4]
     (_, slow), (_, fast) = built
     assert [(q.prompt_len, q.output_len) for q in slow] == [
@@ -138,11 +138,11 @@ def test_same_requests_at_every_rate(model_dir: Path) -> None:
     ]
     assert slow[-1].arrival_s == pytest.approx(2 * fast[-1].arrival_s)
     args.num_requests, args.duration_s = None, 20.0
-    assert [len(r) for _, r in cli._sweep_workloads(args, [0.2, 0.4])] == [4, 8]
+    assert [len(r) for _, r in options.sweep_workloads(args, [0.2, 0.4])] == [4, 8]
     for bad in (["Mixed,LPLD"], ["all"]):
         args.workload = bad
         with pytest.raises(SystemExit, match="one workload"):
-            cli._sweep_workloads(args, [0.2])
+            options.sweep_workloads(args, [0.2])
 
 
 def test_a_bad_reference_or_scale_fails_before_any_server_starts(

@@ -30,7 +30,7 @@ from typing import Any
 
 import aiohttp
 
-from tetri_server.bench import ablation, data, report
+from tetri_server.bench import ablation, report
 from tetri_server.bench.breakdown import breakdown_table, plot_load_cdfs
 from tetri_server.bench.client import (
     ClientConfig,
@@ -51,13 +51,19 @@ from tetri_server.bench.compare import (
     warm_up,
 )
 from tetri_server.bench.metrics import SLO, summarize
-from tetri_server.bench.prompts import PromptTokenizer, load_tokenizer, model_max_len, model_vocab
+from tetri_server.bench.options import (
+    Built,
+    add_workload_args,
+    build_requests,
+    max_model_len_of,
+    sweep_workloads,
+    workload_vocab,
+)
 from tetri_server.bench.slo import Calibration, SLOScale
 from tetri_server.bench.sweep import (
     ModeSweep,
     parse_rates,
     reference_mode,
-    requests_at,
     sweep_interleaved,
     sweep_spawned,
     sweep_url,
@@ -66,180 +72,6 @@ from tetri_server.bench.sweep import (
     add_arguments as add_sweep_arguments,
 )
 from tetri_server.bench.sweep_report import sweep_json, sweep_table
-from tetri_server.bench.workload import (
-    CLASSES,
-    RATE_ARRIVALS,
-    WORKLOADS,
-    BenchRequest,
-    WorkloadSpec,
-    build_workload,
-)
-
-DEFAULT_MAX_MODEL_LEN = 4096
-DEFAULT_RATE_RPS = 1.0  # Poisson without --rate; a trace without --rate keeps its own timing
-DEFAULT_SWEEP_REQUESTS = 50  # per rate, without --num-requests or --duration-s
-_Built = list[tuple[WorkloadSpec, list[BenchRequest]]]
-
-
-def _add_workload_args(p: argparse.ArgumentParser, sweep: bool = False) -> None:
-    """The options every sub-command shares; ``sweep`` swaps the one rate for ``--rates`` and
-    the fixed SLOs for multiples of the calibrated unloaded latencies."""
-    g = p.add_argument_group("workload")
-    g.add_argument(
-        "--workload",
-        action="append",
-        help=f"{', '.join(WORKLOADS)}"
-        + (
-            " (one); default Mixed"
-            if sweep
-            else " or 'all' (the five paper workloads); repeat or comma-separate; default Mixed"
-        ),
-    )
-    g.add_argument("--seed", type=int, default=0)
-    if sweep:
-        g.add_argument("--rates", required=True, help="comma-separated requests/s, e.g. 0.2,0.4")
-        n = g.add_mutually_exclusive_group()
-        n.add_argument(
-            "--num-requests", type=int, help=f"per rate (default {DEFAULT_SWEEP_REQUESTS})"
-        )
-        n.add_argument("--duration-s", type=float, help="per rate: rate x this many requests")
-    else:
-        g.add_argument("--num-requests", type=int, default=100)
-        g.add_argument(
-            "--rate",
-            action="append",
-            default=[],
-            help="requests/s ('inf' = burst; "
-            "default 1); NAME=RATE sets one workload's rate; for a trace: the target "
-            "mean rate (default: the trace's own timing)",
-        )
-    g.add_argument(
-        "--arrival",
-        default="poisson",
-        help=f"poisson, constant (evenly spaced) or {', '.join(data.TRACE_FILES)}",
-    )
-    g.add_argument("--time-scale", type=float, help="trace: multiply the trace's gaps by this")
-    g.add_argument("--trace-start", type=int, default=0, help="trace: first row used")
-    g.add_argument("--prompt-mode", choices=("ids", "text"), default="ids")
-    g.add_argument(
-        "--model", help="model folder or builtin:NAME (vocab size, tokenizer, context length)"
-    )
-    g.add_argument("--vocab-size", type=int, help="for id prompts without --model")
-    g.add_argument("--max-model-len", type=int, help="default: the model's, else 4096")
-    g.add_argument("--arena-model", help="Arena: only this model's responses")
-    g.add_argument("--input-len", type=int, help="Fixed: prompt tokens of every request")
-    g.add_argument("--output-len", type=int, help="Fixed: output tokens of every request")
-    g.add_argument("--data-dir", help="default $TETRI_DATA_DIR or ../shared/data")
-    c = p.add_argument_group("client and metrics")
-    c.add_argument("--max-concurrency", type=int)
-    c.add_argument("--request-timeout-s", type=float, default=600.0)
-    if sweep:
-        c.add_argument(
-            "--slo-ttft-x",
-            type=float,
-            default=SLOScale.ttft_x,
-            help="TTFT SLO = this x the unloaded prefill of the prompt",
-        )
-        c.add_argument(
-            "--slo-tpot-x",
-            type=float,
-            default=SLOScale.tpot_x,
-            help="TPOT SLO = this x the unloaded decode step",
-        )
-        c.add_argument(
-            "--slo-target",
-            type=float,
-            default=SLOScale.target,
-            help="fraction of requests that must meet both",
-        )
-    else:
-        c.add_argument("--slo-ttft-s", type=float, default=SLO.ttft_s)
-        c.add_argument("--slo-tpot-s", type=float, default=SLO.tpot_s)
-        c.add_argument(
-            "--num-warmups",
-            type=int,
-            default=2,
-            help="unmeasured requests, one at a time, before the first workload on each server "
-            "(its longest and shortest prompts, in another order so no prompt is sent twice; "
-            "default 2; sweep warms up by calibrating)",
-        )
-    c.add_argument("--out", type=Path, help="default bench_results/<time>")
-    c.add_argument("--no-progress", action="store_true")
-    c.add_argument("--no-plots", action="store_true")
-    c.add_argument(
-        "--hide-output-len",
-        action="store_true",
-        help="ask each request for max_tokens = the context left after its prompt (no length "
-        "in mind, as most clients) and stop reading at its true length, which disconnects: "
-        "no policy sees the length (default: max_tokens = the true length, as vllm bench "
-        "serve)",
-    )
-    c.add_argument(
-        "--send-true-output-len",
-        action="store_true",
-        help="send each request's output length as true_output_len (tetri_server's field for "
-        "predictor.kind=oracle; compare never sends it to vLLM)",
-    )
-
-
-def _parse_rates(items: Sequence[str]) -> tuple[float | None, dict[str, float]]:
-    default: float | None = None
-    per: dict[str, float] = {}
-    for item in items:
-        for part in item.split(","):
-            name, _, val = part.rpartition("=")
-            if name:
-                per[name] = float(val)
-            else:
-                default = float(val)
-    return default, per
-
-
-def _vocab(args: argparse.Namespace) -> tuple[int, frozenset[int]] | None:
-    if args.model:
-        return model_vocab(args.model)
-    return (args.vocab_size, frozenset()) if args.vocab_size else None
-
-
-def _fixed_lens(args: argparse.Namespace) -> tuple[int, int]:
-    if args.input_len is None or args.output_len is None:
-        raise SystemExit("the Fixed workload needs --input-len and --output-len")
-    return args.input_len, args.output_len
-
-
-def build_requests(args: argparse.Namespace) -> _Built:
-    names: list[str] = []
-    for item in args.workload or ["Mixed"]:
-        names += [*CLASSES, "Mixed"] if item == "all" else item.split(",")
-    max_len = args.max_model_len or (model_max_len(args.model) if args.model else None)
-    if max_len is None:
-        max_len = DEFAULT_MAX_MODEL_LEN
-        print(f"max_model_len not given: using {max_len}", file=sys.stderr)
-    rate, per = _parse_rates(args.rate)
-    folder = data.data_dir(args.data_dir)
-    vocab = _vocab(args)
-    tok: PromptTokenizer | None = None
-    if args.model and (args.prompt_mode == "text" or "Arena" in names):
-        tok = load_tokenizer(args.model)
-    if rate is None and args.arrival in RATE_ARRIVALS:
-        rate = DEFAULT_RATE_RPS
-    built: _Built = []
-    for name in names:
-        spec = WorkloadSpec(
-            name=name,
-            num_requests=args.num_requests,
-            seed=args.seed,
-            max_model_len=max_len,
-            prompt_mode=args.prompt_mode,
-            arrival=args.arrival,
-            rate_rps=per.get(name, rate),
-            time_scale=args.time_scale,
-            trace_start=args.trace_start,
-            arena_model=args.arena_model,
-            fixed_lens=_fixed_lens(args) if name == "Fixed" else None,
-        )
-        built.append((spec, build_workload(spec, folder, vocab=vocab, tokenizer=tok)))
-    return built
 
 
 def write_outputs(
@@ -287,7 +119,7 @@ def _client_config(args: argparse.Namespace, label: str) -> ClientConfig:
 
 def _hidden_len_context(args: argparse.Namespace) -> int | None:
     """``--hide-output-len``: the context length max_tokens is taken from (the workloads')."""
-    return _max_model_len(args) if args.hide_output_len else None
+    return max_model_len_of(args) if args.hide_output_len else None
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -340,25 +172,6 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0 if all(r.summary.num_errors == 0 for r in results) else 1
 
 
-def _sweep_workloads(args: argparse.Namespace, rates: Sequence[float]) -> _Built:
-    """The same workload at each rate; with a fixed count, every rate gets the same requests
-    (lengths and prompts do not depend on the arrival process)."""
-    names = [n for item in args.workload or ["Mixed"] for n in item.split(",")]
-    if len(names) != 1 or names[0] == "all":
-        raise SystemExit("sweep runs one workload (--workload NAME)")
-    if args.time_scale is not None:
-        raise SystemExit("sweep sets the rate: --time-scale does not apply")
-    num, dur = args.num_requests, args.duration_s
-    if num is None and dur is None:
-        num = DEFAULT_SWEEP_REQUESTS
-    built: _Built = []
-    for rate in rates:
-        ns = argparse.Namespace(**vars(args))
-        ns.rate, ns.num_requests = [repr(rate)], requests_at(rate, num, dur)
-        built += build_requests(ns)
-    return built
-
-
 def _load_calibration(path: str) -> Calibration:
     """A calibration from an earlier sweep's JSON (its SLO calibration) or a bare one."""
     loaded = json.loads(Path(path).read_text())
@@ -380,7 +193,7 @@ def _sweep_specs(args: argparse.Namespace, max_len: int) -> list[ServerSpec]:
 
 
 def _sweep_one_url(
-    args: argparse.Namespace, built: _Built, vocab: tuple[int, frozenset[int]], measure: bool
+    args: argparse.Namespace, built: Built, vocab: tuple[int, frozenset[int]], measure: bool
 ) -> ModeSweep:
     base_url = args.url.rstrip("/")
     cfg = _client_config(args, args.label)
@@ -397,10 +210,10 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         rates = parse_rates(args.rates)
     except ValueError as exc:
         raise SystemExit(str(exc)) from exc
-    vocab = _vocab(args)
+    vocab = workload_vocab(args)
     if vocab is None or args.prompt_mode != "ids":
         raise SystemExit("sweep sends token-id prompts: give --model (or --vocab-size)")
-    built = _sweep_workloads(args, rates)
+    built = sweep_workloads(args, rates)
     loaded = _load_calibration(args.calibration) if args.calibration else None
     specs = [] if args.url else _sweep_specs(args, built[0][0].max_model_len)
     labels = [args.label] if args.url else [s.label for s in specs]
@@ -443,13 +256,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     return 0 if all(r.summary.num_errors == 0 for s in sweeps for r in s.results) else 1
 
 
-def _max_model_len(args: argparse.Namespace) -> int:
-    return int(args.max_model_len or (model_max_len(args.model) if args.model else 0)
-               or DEFAULT_MAX_MODEL_LEN)
-
-
 def cmd_ablation(args: argparse.Namespace) -> int:
-    return ablation.main(args, build_requests, _max_model_len)
+    return ablation.main(args, build_requests, max_model_len_of)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -462,7 +270,7 @@ def parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="benchmark a running server")
     run.add_argument("--url", required=True, help="e.g. http://127.0.0.1:8010")
     add_server_arguments(run)
-    _add_workload_args(run)
+    add_workload_args(run)
     cmp = sub.add_parser("compare", help="start each server mode in turn and compare")
     cmp.add_argument("--modes", default=",".join(TETRI_MODES))
     cmp.add_argument(
@@ -480,13 +288,13 @@ def parser() -> argparse.ArgumentParser:
         default=report.BASELINE_MODE,
         help=f"mode the ratio table divides by (default {report.BASELINE_MODE}; e.g. vllm-cpu)",
     )
-    _add_workload_args(cmp)
+    add_workload_args(cmp)
     swp = sub.add_parser("sweep", help="SLO goodput: one workload at several rates")
     add_sweep_arguments(swp)
-    _add_workload_args(swp, sweep=True)
+    add_workload_args(swp, sweep=True)
     abl = sub.add_parser("ablation", help="one row per lever changed from the defaults")
     ablation.add_arguments(abl)
-    _add_workload_args(abl)
+    add_workload_args(abl)
     return p
 
 

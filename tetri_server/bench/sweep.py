@@ -255,7 +255,7 @@ def sweep_spawned(
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The ``bench sweep`` options of its own (the workload's are ``cli._add_workload_args``)."""
+    """The ``bench sweep`` options of its own (the workload's are ``options.add_workload_args``)."""
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--url", help="sweep this running server")
     where.add_argument(
