@@ -67,6 +67,7 @@ class LLMEngine:
                                 self.device, chunked=cfg.cluster.mode == "coupled-chunked",
                                 token_budget=budget, max_batch=cfg.decode.max_batch,
                                 max_prefill_tokens=max(self.max_model_len, budget),
+                                recompute_tokens=cfg.decode.recompute_tokens,
                                 pad_chunks=pad_chunks)
         self.seqs = self.loop.seqs
 

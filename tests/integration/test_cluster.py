@@ -48,6 +48,40 @@ async def test_every_mode_equals_transformers_and_frees_everything(tiny_llama, m
     assert segments(run_id) == []
 
 
+async def test_a_decode_worker_recomputes_a_preempted_request_in_slices(tiny_llama, tmp_path):
+    """Memory pressure on the decode worker: its pool binds, a request is preempted and is
+    recomputed at most ``decode.recompute_tokens`` a step beside the others (the decode
+    worker's decision log), and every output still equals transformers."""
+    import json
+    from collections import Counter
+
+    from tests.integration.conftest import STRICT_SPLIT
+
+    prompts = random_prompts(6, 8000, (100, 120), seed=41)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    ref = hf_greedy(tiny_llama, prompts, params.max_tokens)
+    log = tmp_path / "decisions"
+    cluster = make_cluster(tiny_llama, "disaggregated", "kv.num_blocks=30",
+                           "model.max_model_len=256", "decode.recompute_tokens=32",
+                           f"monitor.decision_log={log}", *STRICT_SPLIT)
+    await cluster.start()
+    try:
+        got = await asyncio.wait_for(
+            asyncio.gather(*(collect(cluster, p, params) for p in prompts)), 180)
+        assert got == ref
+        usage = await wait_all_free(cluster)
+        assert all(u == 0 for u, _ in usage.values()), usage
+    finally:
+        await cluster.stop()
+    steps = [json.loads(line) for line in (tmp_path / "decisions.w1.jsonl").open()]
+    steps = [s for s in steps if s["kind"] == "decode_step"]
+    assert any(s["preempt"] for s in steps)
+    slices = [(r, n) for s in steps for r, n in s.get("recompute_tokens", ())]
+    assert slices and max(n for _, n in slices) <= 32
+    # every preempted context is over 100 tokens: at least 4 steps of at most 32
+    assert min(Counter(r for r, _ in slices).values()) >= 4
+
+
 def test_decode_output_depends_on_the_kv_it_attends_to(tiny_llama):
     """Why matching transformers in disaggregated mode proves the KV crossed processes: the
     decode step of this model gives other tokens when the prompt's KV is missing."""

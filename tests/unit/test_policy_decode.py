@@ -278,3 +278,84 @@ def test_a_new_prompt_does_not_take_the_blocks_a_preempted_request_waits_for(
                                   max_batch=8, max_prefill_tokens=2048, block_size=16)
     assert [p.req_id for p in slices] == [3]
     assert adm.head_need() == 8  # 2's whole context again
+
+
+def test_a_recompute_after_a_preemption_is_spread_over_steps_beside_the_batch() -> None:
+    """Regression (inter-token gap spike): a preempted request was recomputed whole in the step
+    that re-admitted it, so every other row of that step waited for a prefill of its whole
+    context. With ``recompute_chunk`` it computes at most that many tokens a step (the batch
+    runs each of them), takes its whole context's blocks at once, and gains its next token
+    only in the step that computes its last one."""
+    adm = DecodeAdmission("greedy", block_size=16, num_total_blocks=20, max_batch=8,
+                          watermark=0, recompute_chunk=40)
+    adm.add(1, 111, 112, 0, 500)  # 7 blocks of KV each; 112 tokens fill them
+    adm.add(2, 111, 112, 0, 500)
+    plan = adm.plan(num_free_blocks=6)
+    assert plan.run_ids == (1, 2) and plan.recompute == () and plan.num_tokens == 2
+    adm.on_done(plan, set())  # 113 tokens each: an 8th block each, one is free
+    plan = adm.plan(num_free_blocks=1)
+    assert plan.preempt.req_ids == (2,) and plan.run_ids == (1,)
+    adm.on_done(plan, set())
+    plan = adm.plan(num_free_blocks=12)  # 1 holds 8 of the 20, and needs no 9th before 128
+    assert plan.admit.recompute_ids == (2,) and plan.run_ids == (1, 2)
+    assert plan.recompute == ((2, 40),) and plan.num_tokens == 41
+    assert plan.row_tokens(1) == 1 and plan.row_tokens(2) == 40
+    steps = [plan]
+    adm.on_done(plan, set())
+    while True:
+        plan = adm.plan(num_free_blocks=0)  # 2 took its whole context's blocks: needs none
+        steps.append(plan)
+        assert plan.run_ids == (1, 2)
+        adm.on_done(plan, set())
+        if not plan.recompute:
+            break
+    # 113 tokens in 40 + 40 + 33: two steps without a token, then 2 decodes again
+    assert [p.recompute for p in steps] == [((2, 40),), ((2, 40),), ((2, 33),), ()]
+    assert adm.predicted_len(2) >= 1
+    [seq2] = [s for s in adm._running.values() if s.req_id == 2]
+    assert seq2.num_tokens == 115 and seq2.num_kv_tokens == 114  # one token since the third
+
+
+def test_a_recompute_chunk_is_shared_in_admission_order_and_holds_back_a_second_one() -> None:
+    """The step's recompute tokens are a budget over the batch: the oldest admission takes
+    what it lacks first; a waiting request that must recompute starts only when some of the
+    budget is left, and a decode row always runs."""
+    adm = DecodeAdmission("greedy", block_size=16, num_total_blocks=40, max_batch=8,
+                          watermark=0, recompute_chunk=50)
+    for rid in (1, 2, 3):
+        adm.add(rid, 31, 32, 0, 500)  # 2 blocks each
+    plan = adm.plan(40)
+    adm.on_done(plan, set())
+    from tetri_server.policy.decode import AdmitPlan, PreemptPlan
+
+    adm.on_done(DecodeStepPlan(PreemptPlan((3, 2)), AdmitPlan(), run_ids=(1,)), ())
+    plan = adm.plan(40)
+    # 2 lacks 33 tokens, 3 lacks 33: 2 takes 33, 3 the 17 left
+    assert plan.run_ids == (1, 2, 3) and plan.recompute == ((2, 33), (3, 17))
+    adm.on_done(plan, set())
+    plan = adm.plan(40)
+    assert plan.run_ids == (1, 2, 3) and plan.recompute == ((3, 16),)  # 2 decodes, 3 ends
+    adm.on_done(plan, set())
+    small = DecodeAdmission("greedy", block_size=16, num_total_blocks=40, max_batch=8,
+                            watermark=0, recompute_chunk=20)
+    for rid in (1, 2):
+        small.add(rid, 31, 32, 0, 500)
+    small.on_done(small.plan(40), set())
+    small.on_done(DecodeStepPlan(PreemptPlan((2, 1)), AdmitPlan(), run_ids=()), ())
+    plan = small.plan(40)  # 1 takes the whole budget: 2 waits for a step with some left
+    assert plan.admit.req_ids == (1,) and plan.recompute == ((1, 20),)
+    with pytest.raises(ValueError, match="recompute_chunk"):
+        DecodeAdmission("greedy", block_size=16, num_total_blocks=4, recompute_chunk=-1)
+
+
+def test_without_a_recompute_chunk_a_context_is_recomputed_in_one_step() -> None:
+    adm = DecodeAdmission("greedy", block_size=16, num_total_blocks=40, watermark=0)
+    adm.add(1, 31, 32, 0, 500)
+    adm.on_done(adm.plan(40), set())
+    from tetri_server.policy.decode import AdmitPlan, PreemptPlan
+
+    adm.on_done(DecodeStepPlan(PreemptPlan((1,)), AdmitPlan(), run_ids=()), ())
+    plan = adm.plan(40)
+    assert plan.recompute == ((1, 33),)
+    adm.on_done(plan, set())
+    assert adm.plan(40).recompute == ()

@@ -148,6 +148,13 @@ class DecodeConfig(_Section):
     predicted bucket, raised a bucket at a time on overrun; the paper) or refined (the expected
     output given the bucket and the tokens generated so far, from the artifact's length
     distributions; the victim of a preemption is the request expected to run longest)."""
+    recompute_tokens: int = 256
+    """A request preempted for KV blocks is recomputed (its prompt and the tokens it has
+    generated) when it is admitted again: at most this many of those tokens a step, over as
+    many steps as it takes, riding beside the batch's decode rows (in coupled-chunked mode at
+    most ``prefill.token_budget`` too), so the others' inter-token gap never takes a whole
+    prefill. 0: a whole context in one step (before session 49). Decode, coupled and prefill
+    workers (the requests a prefill worker keeps)."""
     local_prefill_tokens: int = 1024
     """Elastic P/D (disaggregated mode): control sends a prompt to a decode worker when it
     would finish there sooner (the prefill worker has over a chunk more queued ahead of it than
@@ -178,4 +185,5 @@ class DecodeConfig(_Section):
     def _validate(self) -> None:
         self._at_least("max_batch", 1)
         self._at_least("local_prefill_tokens", 0)
+        self._at_least("recompute_tokens", 0)
         self._at_least("local_prefill_max_gap_x", 0)

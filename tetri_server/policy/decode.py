@@ -8,7 +8,11 @@ Block invariant (the runtime keeps it): a request holds exactly ``ceil(kv_tokens
 blocks, where ``kv_tokens`` are the tokens whose KV is computed. ``num_tokens`` counts prompt +
 generated tokens; the last generated token's KV is computed by the next step, so one step of a
 request needs ``blocks(num_tokens)`` blocks in all. A preempted request holds nothing and is
-recomputed (prefill over all its ``num_tokens``) when it is admitted again.
+recomputed (prefill over all its ``num_tokens``) when it is admitted again: it takes the blocks
+of its whole context at once, and with ``recompute_chunk`` its tokens are computed over several
+steps, at most that many a step across the batch (``DecodeStepPlan.recompute``), so the other
+rows' inter-token gap does not take a whole prefill; it samples its next token in the step that
+computes its last one.
 
 Estimates (``tail``): without one (``decode.estimate = "bucket"``) a request's predicted output
 is the lower end of its bucket (``bucket * granularity``, capped at ``max_tokens``), as in the
@@ -49,7 +53,8 @@ class PreemptPlan:
 @dataclass(frozen=True)
 class AdmitPlan:
     """Waiting requests that join the batch this step, in order. ``recompute_ids`` (a subset)
-    lost their KV to a preemption: the runtime prefills all their tokens in this step."""
+    lost their KV to a preemption: the runtime takes blocks for their whole context and
+    computes the tokens ``DecodeStepPlan.recompute`` gives them this step."""
 
     req_ids: tuple[int, ...] = ()
     recompute_ids: tuple[int, ...] = ()
@@ -58,13 +63,25 @@ class AdmitPlan:
 @dataclass(frozen=True)
 class DecodeStepPlan:
     """One decode step. ``run_ids``: the batch (surviving running requests, then admitted
-    ones); each produces one token. ``fail_ids``: waiting requests whose context can never fit
-    this pool; the runtime reports them failed and frees their blocks."""
+    ones); each computes one token and samples the next, but for the rows in ``recompute``:
+    (request, tokens) of those recomputing their KV after a preemption, which compute that many
+    tokens and sample only if those are all they lacked. ``fail_ids``: waiting requests whose
+    context can never fit this pool; the runtime reports them failed and frees their blocks."""
 
     preempt: PreemptPlan
     admit: AdmitPlan
     run_ids: tuple[int, ...]
     fail_ids: tuple[int, ...] = ()
+    recompute: tuple[tuple[int, int], ...] = ()
+
+    def row_tokens(self, req_id: int) -> int:
+        """Tokens the row of ``req_id`` computes this step."""
+        return next((n for r, n in self.recompute if r == req_id), 1)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the batch's rows compute this step."""
+        return len(self.run_ids) + sum(n - 1 for _, n in self.recompute)
 
     def without(self, req_ids: Collection[int]) -> DecodeStepPlan:
         """The plan with ``req_ids`` neither run nor admitted this step (a running one keeps
@@ -74,7 +91,8 @@ class DecodeStepPlan:
         return replace(self, run_ids=tuple(r for r in self.run_ids if r not in req_ids),
                        admit=AdmitPlan(
                            tuple(r for r in self.admit.req_ids if r not in req_ids),
-                           tuple(r for r in self.admit.recompute_ids if r not in req_ids)))
+                           tuple(r for r in self.admit.recompute_ids if r not in req_ids)),
+                       recompute=tuple(p for p in self.recompute if p[0] not in req_ids))
 
 
 @dataclass(frozen=True)
@@ -100,6 +118,10 @@ class DecodeAdmission:
 
     Reserve policies always admit into an empty batch, so a request predicted larger than the
     pool still runs (and is preempted or finishes).
+
+    ``recompute_chunk``: the most tokens the batch's recomputing rows compute in one step (the
+    oldest admission first; a row left without any sits the step out, and a waiting request
+    that must recompute is not admitted then); 0: a whole context in one step.
     """
 
     def __init__(
@@ -113,11 +135,14 @@ class DecodeAdmission:
         heavy_threshold: int = 128,
         watermark: float = 0.01,
         tail: LengthTail | None = None,
+        recompute_chunk: int = 0,
     ) -> None:
         if policy not in DECODE_POLICIES:
             raise ValueError(f"decode policy must be one of {DECODE_POLICIES}, got {policy!r}")
         if min(block_size, num_total_blocks, granularity, max_batch) < 1:
             raise ValueError("block_size, num_total_blocks, granularity, max_batch must be >= 1")
+        if recompute_chunk < 0:
+            raise ValueError(f"recompute_chunk must be >= 0, got {recompute_chunk}")
         self.policy: DecodePolicyName = policy
         self.block_size = block_size
         self.num_total_blocks = num_total_blocks
@@ -126,6 +151,7 @@ class DecodeAdmission:
         self.heavy_threshold = heavy_threshold
         self.num_watermark_blocks = int(watermark * num_total_blocks)
         self.tail = tail  # None: the bucket estimate; else the refined one
+        self.recompute_chunk = recompute_chunk
         self._waiting: list[DecodeSeq] = []  # FCFS; preempted requests go back to the head
         self._running: dict[int, DecodeSeq] = {}  # insertion order == admission order
         self._num_preemptions = 0
@@ -150,6 +176,7 @@ class DecodeAdmission:
             bucket=bucket,
             est_output_tokens=min(bucket * self.granularity, max_tokens),
             num_held_blocks=num_blocks_for(num_tokens - 1, self.block_size),
+            num_kv_tokens=num_tokens - 1,
         )
         if self.tail is not None:
             seq.refine_estimate(self.tail, self.granularity)
@@ -201,6 +228,8 @@ class DecodeAdmission:
         free -= step_need
         evicted = self._evict_waiting(running, victims, free)
         free += sum(s.num_held_blocks for s in self._waiting if s.req_id in evicted)
+        chunk = _RecomputeChunk(self.recompute_chunk)
+        running = [s for s in running if chunk.take(s.req_id, s.num_uncomputed)]
         admitted: list[DecodeSeq] = []
         failed: list[int] = []
         for seq in self._waiting if not victims else ():
@@ -221,6 +250,9 @@ class DecodeAdmission:
                 dynamic = self.policy == "reserve-dynamic"
                 if not fits_reserved(seq, batch, num_free_blocks, self.block_size, dynamic):
                     break
+            if not chunk.take(seq.req_id, seq.num_tokens if seq.req_id in evicted
+                              else seq.num_uncomputed):
+                break
             admitted.append(seq)
             free -= step
         return DecodeStepPlan(
@@ -232,6 +264,7 @@ class DecodeAdmission:
             ),
             run_ids=tuple(s.req_id for s in running + admitted),
             fail_ids=tuple(failed),
+            recompute=tuple(chunk.rows),
         )
 
     def _victim_index(self, running: list[DecodeSeq]) -> int:
@@ -298,7 +331,8 @@ class DecodeAdmission:
 
     def on_done(self, plan: DecodeStepPlan, finished: Collection[int]) -> None:
         """The step ran. ``finished``: ids that stopped (stop token, length, abort); every other
-        id in ``plan.run_ids`` gained one token. Ids removed meanwhile are ignored."""
+        id in ``plan.run_ids`` gained one token, but a recompute that has more tokens to
+        compute. Ids removed meanwhile are ignored."""
         for req_id in plan.fail_ids:
             self.remove(req_id)
         waiting = {s.req_id: s for s in self._waiting}
@@ -306,12 +340,12 @@ class DecodeAdmission:
         victims = [s for r, s in self._running.items() if r in preempted]  # admission order
         for victim in victims:
             del self._running[victim.req_id]
-            victim.num_held_blocks = 0
+            victim.num_held_blocks = victim.num_kv_tokens = 0
         self._waiting[:0] = victims  # back at the head, the oldest admission first
         self._num_preemptions += len(victims)
         for req_id in plan.preempt.req_ids:
             if req_id in waiting:  # evicted while waiting: keeps its place, loses its KV
-                waiting[req_id].num_held_blocks = 0
+                waiting[req_id].num_held_blocks = waiting[req_id].num_kv_tokens = 0
                 self._num_preemptions += 1
         waiting = {s.req_id: s for s in self._waiting}
         for req_id in plan.admit.req_ids:
@@ -327,6 +361,10 @@ class DecodeAdmission:
                 del self._running[req_id]
                 continue
             seq.num_held_blocks = num_blocks_for(seq.num_tokens, self.block_size)
+            seq.num_kv_tokens += plan.row_tokens(req_id)
+            if seq.num_kv_tokens < seq.num_tokens:  # a recompute with more to go: no token
+                continue
+            seq.num_kv_tokens = seq.num_tokens
             seq.num_tokens += 1
             if self.tail is None:
                 seq.raise_estimate(self.granularity)
@@ -347,3 +385,24 @@ class DecodeAdmission:
             predicted_demand_blocks=demand,
             num_preemptions=self._num_preemptions,
         )
+
+
+class _RecomputeChunk:
+    """The tokens a step's recomputing rows take, in batch order, within ``limit`` (0: none)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.num_left = limit
+        self.rows: list[tuple[int, int]] = []
+
+    def take(self, req_id: int, num_uncomputed: int) -> bool:
+        """Whether the row runs this step: a decode row (one token) always does; a recompute
+        takes what is left of the limit, and does not run when nothing is."""
+        if num_uncomputed <= 1:
+            return True
+        n = num_uncomputed if not self.limit else min(num_uncomputed, self.num_left)
+        if n < 1:
+            return False
+        self.num_left -= n
+        self.rows.append((req_id, n))
+        return True

@@ -24,10 +24,16 @@ class DecodeSeq:
     bucket: int  # bucket of the current estimate: starts at predicted_bucket, raised on overrun
     est_output_tokens: int  # estimated output length: lower end of `bucket` (capped), or refined
     num_held_blocks: int  # 0 after a preemption: recompute on admission
+    num_kv_tokens: int  # tokens whose KV is computed: num_tokens - 1, or fewer in a recompute
 
     @property
     def num_generated(self) -> int:
         return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed(self) -> int:
+        """Tokens the next step must compute before it samples: 1, or more in a recompute."""
+        return self.num_tokens - self.num_kv_tokens
 
     @property
     def num_remaining_tokens(self) -> int:

@@ -53,6 +53,7 @@ CONFIG_KEYS = {
     ("decode", "local_prefill_max_gap_x"): "local_prefill_max_gap_x",
     ("decode", "policy"): "decode_policy", ("decode", "max_batch"): "max_batch",
     ("decode", "estimate"): "decode_estimate",
+    ("decode", "recompute_tokens"): "recompute_tokens",
     ("predictor", "heavy_decode_tokens"): "heavy_decode_tokens",
     ("dispatch", "policy"): "dispatch", ("dispatch", "seed"): "seed",
     ("monitor", "interval_ms"): "monitor_interval_ms",
@@ -83,6 +84,7 @@ FLAGS = {
     "local_prefill_max_gap_x": "local_prefill_max_gap_x",
     "decode_policy": "decode_policy", "decode_estimate": "decode_estimate",
     "max_batch": "max_batch", "granularity": "granularity",
+    "recompute_tokens": "recompute_tokens",
     "predictor_accuracy": "predictor_accuracy", "predictor_model": "predictor_model",
     "predictor_miss": "predictor_miss", "dispatch": "dispatch", "seed": "seed",
     "monitor_interval_ms": "monitor_interval_ms",
@@ -188,6 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="refined: the expected output given the tokens so far, from the shipped "
                         "predictor artifact of --granularity (default bucket: the paper's)")
     p.add_argument("--max-batch", type=int)
+    p.add_argument("--recompute-tokens", type=int,
+                   help="most tokens a step recomputes of requests preempted for KV blocks "
+                        "(default 0: a whole context in one step; the server's 256)")
     p.add_argument("--granularity", type=int)
     p.add_argument("--predictor-accuracy", type=float, help="1.0 = oracle")
     p.add_argument("--predictor-miss", choices=("neighbour", "uniform"),

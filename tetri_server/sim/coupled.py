@@ -11,6 +11,7 @@ from tetri_server.policy import (
     DecodeAdmission,
     DecodeStepPlan,
     PrefillQueue,
+    coupled_recompute_chunk,
     coupled_step_plan,
 )
 from tetri_server.policy.chunker import ChunkSlice
@@ -35,9 +36,11 @@ class CoupledInstance(_Decoding):
         self.max_batch = cfg.max_batch
         self.max_prefill_tokens = max(cfg.max_model_len, cfg.token_budget)
         self.queue = PrefillQueue("fcfs")
-        self.admission = DecodeAdmission("greedy", block_size=self.block_size,
-                                         num_total_blocks=num_blocks, max_batch=cfg.max_batch,
-                                         tail=sim.length_tail("none"))  # predicts nothing
+        self.admission = DecodeAdmission(
+            "greedy", block_size=self.block_size, num_total_blocks=num_blocks,
+            max_batch=cfg.max_batch, tail=sim.length_tail("none"),  # predicts nothing
+            recompute_chunk=coupled_recompute_chunk(cfg.recompute_tokens, chunked,
+                                                    cfg.token_budget))
         self.seqs = {}
         self._step: tuple[DecodeStepPlan | None, tuple[ChunkSlice, ...]] | None = None
 
@@ -68,7 +71,7 @@ class CoupledInstance(_Decoding):
                         preempt=[] if d is None else list(d.preempt.req_ids),
                         slices=slice_list(planned), pad=0, free=free)
         items = [] if decode is None else self.decode_items(decode)
-        num_decode = len(items)
+        num_decode = 0 if decode is None else self.num_sampled(decode)
         slices = self.reserve_slices(planned, items)
         if not items:
             if decode is not None:

@@ -88,11 +88,13 @@ def sequences(log: Log) -> dict[str, list[Any]]:
             for key in ("admit", "preempt", "fail"):
                 for rid in r.get(key, ()):
                     add(key, wid, rank[rid])
+            for rid, n in r.get("recompute_tokens", ()):
+                add("recompute_tokens", wid, [rank[rid], n])
     return out
 
 
 def _req_ids(r: dict[str, Any]) -> list[int]:
-    ids = [s[0] for s in r.get("slices", ())]
+    ids = [s[0] for s in (*r.get("slices", ()), *r.get("recompute_tokens", ()))]
     for key in ("run", "admit", "preempt", "fail", "recompute"):
         ids += r.get(key, ())
     if "req" in r:

@@ -81,7 +81,8 @@ class PrefillInstance(_Decoding):
         self.admission = DecodeAdmission("greedy", block_size=self.block_size,
                                          num_total_blocks=num_blocks,
                                          max_batch=max(1, cfg.local_decode_batch),
-                                         tail=sim.length_tail("oracle"))
+                                         tail=sim.length_tail("oracle"),
+                                         recompute_chunk=cfg.recompute_tokens)
         self.seqs = {}  # the kept requests (DECODING in the book)
         self.num_kept = 0  # requests kept in all
         self.num_handed_back = 0  # kept requests handed to a decode instance after all
@@ -155,7 +156,8 @@ class PrefillInstance(_Decoding):
         free = self.alloc.num_free
         decode = self.admission.plan(free)
         tokens = self.kept_step_tokens(finishing=True, num_rows=len(decode.run_ids))
-        slices = coupled_chunked_plan(self.book.queue, decode.run_ids, tokens,
+        num_recompute = decode.num_tokens - len(decode.run_ids)  # count against the chunk
+        slices = coupled_chunked_plan(self.book.queue, decode.run_ids, tokens - num_recompute,
                                       num_free_blocks=self.admission.free_after(decode, free),
                                       block_size=self.block_size,
                                       overtake_share=self.chunker.overtake_share).slices
@@ -163,21 +165,22 @@ class PrefillInstance(_Decoding):
         self.record("mixed_step", run=list(decode.run_ids), preempt=list(decode.preempt.req_ids),
                     fail=list(decode.fail_ids), slices=slice_list(slices))
         items = self.decode_items(decode)
+        num_sampled = self.num_sampled(decode)
         for req_id in decode.fail_ids:
             self.book.remove(req_id)
         self._decode = decode
         step_s = self._start_chunk(ChunkPlan(slices, 0, sum(p.num_tokens for p in slices)),
-                                   items, predict_s, pad=False)
+                                   items, predict_s, pad=False, num_sampled=num_sampled)
         if step_s is None:
             self._decode = None
             self.admission.on_done(decode, set())
         return step_s
 
     def _start_chunk(self, chunk: ChunkPlan, items: list[tuple[int, int]], predict_s: float,
-                     *, pad: bool) -> float | None:
-        """The step's prompt slices after ``items`` (the kept requests' decode rows, if any);
-        ``pad``: a pure prefill chunk, its padding costed as the worker runs it."""
-        num_decode = len(items)
+                     *, pad: bool, num_sampled: int = 0) -> float | None:
+        """The step's prompt slices after ``items`` (the kept requests' decode rows, if any,
+        ``num_sampled`` of which sample); ``pad``: a pure prefill chunk, its padding costed as
+        the worker runs it."""
         kept = self.reserve_slices(chunk.slices, items)
         if not items:
             return None
@@ -185,7 +188,7 @@ class PrefillInstance(_Decoding):
         if pad:  # a pure prefill chunk: the worker logs it once it has its blocks
             self.num_planned += 1
             self.record("chunk", slices=slice_list(self._chunk.slices), pad=self._chunk.num_pad)
-        num_sampled = num_decode + sum(p.is_last for p in kept)
+        num_sampled += sum(p.is_last for p in kept)
         num_pad = self._chunk.num_pad if pad else 0
         return self.cost.step_s(items, num_pad, num_sampled) + predict_s
 
@@ -207,7 +210,7 @@ class PrefillInstance(_Decoding):
         assert self._chunk is not None
         now = self.sim.loop.now_s
         if self._chunk.slices or self._decode is not None:
-            num_decode = 0 if self._decode is None else len(self._decode.run_ids)
+            num_decode = 0 if self._decode is None else self._decode.num_tokens
             self.steps.add(self._step_start_s, now, prompt=bool(self._chunk.slices),
                            num_tokens=num_decode + self._chunk.num_tokens,
                            wait_tokens=self.kept_step_tokens())
@@ -321,7 +324,8 @@ class DecodeInstance(_Decoding):
             cfg.decode_policy, block_size=self.block_size, num_total_blocks=num_blocks,
             granularity=cfg.granularity, max_batch=cfg.max_batch,
             heavy_threshold=cfg.heavy_decode_tokens,
-            tail=sim.length_tail("oracle"))  # buckets are true ones, with misses (sim/predictor)
+            tail=sim.length_tail("oracle"),  # buckets are true ones, with misses (sim/predictor)
+            recompute_chunk=cfg.recompute_tokens)
         self.seqs = {}
         self.pulling: dict[int, tuple[SimSeq, PrefillInstance]] = {}
         self.link_free_s = 0.0  # the inbound link carries one hand-off at a time
@@ -364,24 +368,28 @@ class DecodeInstance(_Decoding):
         free = self.alloc.num_free
         plan = self.admission.plan(free)
         slices: tuple[ChunkSlice, ...] = ()
-        if len(self.queue):
+        if len(self.queue):  # a recompute's tokens count against the prompt tokens
+            num_prompt = max(0, self.prompt_budget - (plan.num_tokens - len(plan.run_ids)))
             slices = coupled_chunked_plan(
-                self.queue, plan.run_ids, len(plan.run_ids) + self.prompt_budget,
+                self.queue, plan.run_ids, len(plan.run_ids) + num_prompt,
                 num_free_blocks=self.admission.prompt_room(plan, free),
                 block_size=self.block_size).slices
         self.num_planned += 1
         if plan.run_ids or plan.preempt.req_ids or plan.fail_ids or slices:
             self.record("decode_step", run=list(plan.run_ids), admit=list(plan.admit.req_ids),
                         preempt=list(plan.preempt.req_ids), fail=list(plan.fail_ids), free=free,
-                        **({"slices": slice_list(slices)} if slices else {}))
+                        **({"slices": slice_list(slices)} if slices else {}),
+                        **({"recompute_tokens": [list(r) for r in plan.recompute]}
+                           if plan.recompute else {}))
         items = self.decode_items(plan)
         num_decode = len(items)
+        num_sampled = self.num_sampled(plan)
         kept = self.reserve_slices(slices, items)
         if not items:
             self.admission.on_done(plan, set())
             return None
         self._plan, self._slices = plan, kept
-        step_s = self.cost.step_s(items, 0, num_decode + sum(p.is_last for p in kept))
+        step_s = self.cost.step_s(items, 0, num_sampled + sum(p.is_last for p in kept))
         if num_decode:  # the gap its requests see, prompt slices and all
             self.step_times.add(step_s)
         return step_s

@@ -227,9 +227,14 @@ class _Decoding(Instance):
             if not reserve(self.alloc, seq, seq.num_tokens, self.block_size):
                 raise RuntimeError(f"admission planned request {req_id} but its blocks do not "
                                    "fit: allocator and policy disagree")
-            num_new = seq.num_tokens - seq.num_computed  # 1, or all after a preemption
-            items.append((num_new, seq.num_computed))
+            # 1, or a slice of the context after a preemption (``DecodeStepPlan.recompute``)
+            items.append((plan.row_tokens(req_id), seq.num_computed))
         return items
+
+    def num_sampled(self, plan: DecodeStepPlan) -> int:
+        """Rows of ``plan`` that sample (all but recomputes with more tokens to go)."""
+        return sum(self.seqs[r].num_computed + plan.row_tokens(r) == self.seqs[r].num_tokens
+                   for r in plan.run_ids)
 
     def seq(self, req_id: int) -> SimSeq:
         """This instance's state of a request it prefills or decodes."""
@@ -266,12 +271,15 @@ class _Decoding(Instance):
                                    seq.req.bucket if predicted else 0, seq.req.output_len)
 
     def decode_done(self, plan: DecodeStepPlan) -> None:
-        """Every request of the batch gained one token; the finished ones leave."""
+        """Every request of the batch gained one token (but a recompute with more tokens to
+        go); the finished ones leave."""
         now = self.sim.loop.now_s
         finished: set[int] = set()
         for req_id in plan.run_ids:
             seq = self.seqs[req_id]
-            seq.num_computed = seq.num_tokens
+            seq.num_computed += plan.row_tokens(req_id)
+            if seq.num_computed < seq.num_tokens:
+                continue
             seq.num_tokens += 1
             if seq.num_tokens - seq.req.prompt_len >= seq.req.output_len:
                 finished.add(req_id)

@@ -37,6 +37,7 @@ from tetri_server.policy import (
     DecodeStepPlan,
     LengthTail,
     PrefillQueue,
+    coupled_recompute_chunk,
     coupled_step_plan,
 )
 from tetri_server.workers.base import Role, Worker, length_tail
@@ -63,8 +64,9 @@ class CoupledLoop:
 
     def __init__(self, runner: ModelRunner, kv: KVCacheManager, eos_token_ids: tuple[int, ...],
                  max_model_len: int, device: torch.device, *, chunked: bool, token_budget: int,
-                 max_batch: int, max_prefill_tokens: int, pad_chunks: bool = False,
-                 decisions: DecisionLog | None = None, tail: LengthTail | None = None) -> None:
+                 max_batch: int, max_prefill_tokens: int, recompute_tokens: int = 0,
+                 pad_chunks: bool = False, decisions: DecisionLog | None = None,
+                 tail: LengthTail | None = None) -> None:
         self.runner, self.kv = runner, kv
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
@@ -76,9 +78,10 @@ class CoupledLoop:
         self.pad_chunks = pad_chunks
         self.block_size = kv.block_size
         self.queue = PrefillQueue("fcfs")
-        self.admission = DecodeAdmission("greedy", block_size=kv.block_size,
-                                         num_total_blocks=kv.allocator.num_blocks,
-                                         max_batch=max_batch, tail=tail)
+        self.admission = DecodeAdmission(
+            "greedy", block_size=kv.block_size, num_total_blocks=kv.allocator.num_blocks,
+            max_batch=max_batch, tail=tail,
+            recompute_chunk=coupled_recompute_chunk(recompute_tokens, chunked, token_budget))
         self.seqs: dict[int, Sequence] = {}
         self.failed: list[RequestFailed] = []  # for the caller to report, then clear
         self.decisions = decisions or DecisionLog()
@@ -135,7 +138,8 @@ class CoupledLoop:
         finished: set[int] = set()
         for item, tok, lp in zip(items[:num_decode], result.sampled, result.logprobs,
                                  strict=False):
-            assert tok is not None
+            if tok is None:  # a recompute with more tokens to go
+                continue
             if self._append(item.seq, tok, lp, deltas):
                 finished.add(item.seq.req_id)
         if d is not None:
@@ -206,7 +210,8 @@ class CoupledRole(Role):
             chunked=cfg.cluster.mode == "coupled-chunked", token_budget=cfg.prefill.token_budget,
             max_batch=cfg.decode.max_batch,
             max_prefill_tokens=max(w.max_model_len, cfg.prefill.token_budget),
-            decisions=w.decisions, tail=length_tail(cfg, "none"))  # predicts nothing: bucket 0
+            recompute_tokens=cfg.decode.recompute_tokens, decisions=w.decisions,
+            tail=length_tail(cfg, "none"))  # predicts nothing: bucket 0
 
     def handle(self, msg: object) -> None:
         if not isinstance(msg, AddRequest):

@@ -53,7 +53,8 @@ class DecodeRole(Role):
             num_total_blocks=self.w.allocator.num_blocks, granularity=w.predictor().granularity,
             max_batch=self.w.cfg.decode.max_batch,
             heavy_threshold=self.w.cfg.predictor.heavy_decode_tokens,
-            tail=length_tail(w.cfg, w.cfg.predictor.kind))
+            tail=length_tail(w.cfg, w.cfg.predictor.kind),
+            recompute_chunk=w.cfg.decode.recompute_tokens)
         self.seqs: dict[int, Sequence] = {}  # handed off, and prompts routed here
         self.queue = PrefillQueue("fcfs")  # elastic: prompts this worker prefills itself
         self.prompt_budget = self.w.cfg.decode.local_prefill_tokens  # prompt tokens a step
@@ -124,9 +125,10 @@ class DecodeRole(Role):
         free = self.w.allocator.num_free
         plan = self.admission.plan(free)
         slices: tuple[ChunkSlice, ...] = ()
-        if len(self.queue):
+        if len(self.queue):  # a recompute's tokens count against the prompt tokens
+            num_prompt = max(0, self.prompt_budget - (plan.num_tokens - len(plan.run_ids)))
             slices = coupled_chunked_plan(
-                self.queue, plan.run_ids, len(plan.run_ids) + self.prompt_budget,
+                self.queue, plan.run_ids, len(plan.run_ids) + num_prompt,
                 num_free_blocks=self.admission.prompt_room(plan, free),
                 block_size=self.w.block_size).slices
         log = self.w.decisions
@@ -135,7 +137,9 @@ class DecodeRole(Role):
             log.record("decode_step", run=list(plan.run_ids), admit=list(plan.admit.req_ids),
                        preempt=list(plan.preempt.req_ids), fail=list(plan.fail_ids),
                        free=free, **({"slices": [[p.req_id, p.start, p.num_tokens]
-                                                 for p in slices]} if slices else {}))
+                                                 for p in slices]} if slices else {}),
+                       **({"recompute_tokens": [list(r) for r in plan.recompute]}
+                          if plan.recompute else {}))
         items, dropped, plan = carry_out(plan, self.seqs, self.w.kv)
         for req_id in dropped:
             self.w.send(RequestFailed(req_id, "request no longer fits this worker's KV pool"))
@@ -151,7 +155,8 @@ class DecodeRole(Role):
             for item, tok, lp in zip(items[:num_decode], result.sampled, result.logprobs,
                                      strict=False):
                 seq = item.seq
-                assert tok is not None
+                if tok is None:  # a recompute with more tokens to go
+                    continue
                 if self._append(seq, tok, lp, deltas):
                     finished.add(seq.req_id)
             done = set(self.queue.advance(slices)) if slices else set()

@@ -17,8 +17,10 @@ from tetri_server.policy.chunker import reserved_slices
 def carry_out(plan: DecodeStepPlan, seqs: dict[int, Sequence], kv: KVCacheManager
               ) -> tuple[list[ScheduledSeq], list[int], DecodeStepPlan]:
     """Preempt (drop the KV; recomputed when re-admitted), drop from ``seqs`` what can never
-    fit, reserve the batch's blocks. Returns the batch's items, the dropped requests (the
-    caller fails them) and the plan carried out, which the caller passes to ``on_done``.
+    fit, reserve the batch's blocks (a recompute's whole context). Returns the batch's items
+    (each row's tokens as the plan gives them: a recompute may take several steps, and samples
+    nothing until its last), the dropped requests (the caller fails them) and the plan carried
+    out, which the caller passes to ``on_done``.
 
     The admission counts free blocks, but a sequence's blocks are one extent: while extents
     are pinned (a prefill worker's un-acked hand-offs, which compaction cannot move), enough
@@ -32,7 +34,7 @@ def carry_out(plan: DecodeStepPlan, seqs: dict[int, Sequence], kv: KVCacheManage
         seq.num_computed = 0
     for req_id in plan.fail_ids:
         kv.free(seqs.pop(req_id))
-    recompute = set(plan.admit.recompute_ids)
+    recompute = {req_id for req_id, _ in plan.recompute}
     items, waiting = [], []
     for req_id in plan.run_ids:
         seq = seqs[req_id]
@@ -42,7 +44,12 @@ def carry_out(plan: DecodeStepPlan, seqs: dict[int, Sequence], kv: KVCacheManage
                                    "fit: allocator and policy disagree")
             waiting.append(req_id)
             continue
-        items.append(ScheduledSeq(seq, seq.num_uncomputed if req_id in recompute else 1))
+        num_tokens = plan.row_tokens(req_id)
+        if num_tokens > seq.num_uncomputed or (req_id not in recompute
+                                               and seq.num_uncomputed != 1):
+            raise RuntimeError(f"admission planned {num_tokens} tokens of request {req_id}, "
+                               f"which lacks {seq.num_uncomputed}: the two disagree")
+        items.append(ScheduledSeq(seq, num_tokens))
     return items, list(plan.fail_ids), plan.without(waiting)
 
 

@@ -98,7 +98,8 @@ class PrefillRole(Role):
         self.admission = DecodeAdmission("greedy", block_size=w.block_size,
                                          num_total_blocks=w.allocator.num_blocks,
                                          max_batch=max(1, num_local),
-                                         tail=length_tail(cfg, cfg.predictor.kind))
+                                         tail=length_tail(cfg, cfg.predictor.kind),
+                                         recompute_chunk=cfg.decode.recompute_tokens)
 
     def chunk_size(self) -> int:
         return self._chunk_size
@@ -207,7 +208,8 @@ class PrefillRole(Role):
         free, book = self.w.allocator.num_free, self.book
         decode = self.admission.plan(free)
         tokens = self._kept_step_tokens(finishing=True, num_rows=len(decode.run_ids))
-        slices = coupled_chunked_plan(book.queue, decode.run_ids, tokens,
+        num_recompute = decode.num_tokens - len(decode.run_ids)  # count against the chunk
+        slices = coupled_chunked_plan(book.queue, decode.run_ids, tokens - num_recompute,
                                       num_free_blocks=self.admission.free_after(decode, free),
                                       block_size=self.w.block_size,
                                       overtake_share=self.chunker.overtake_share).slices
@@ -233,12 +235,13 @@ class PrefillRole(Role):
         t0 = time.monotonic()
         result = self.w.runner.execute(StepPlan(items))
         self.steps.add(t0, time.monotonic(), prompt=bool(prompt_items),
-                       num_tokens=num_decode + chunk.num_tokens, wait_tokens=tokens)
+                       num_tokens=decode.num_tokens + chunk.num_tokens, wait_tokens=tokens)
         deltas, finished = [], set()
         for item, tok, lp in zip(items[:num_decode], result.sampled, result.logprobs,
                                  strict=False):
             seq = item.seq
-            assert tok is not None
+            if tok is None:  # a recompute with more tokens to go
+                continue
             reason = append_token(seq, tok, lp, self.w.model_spec.eos_token_ids,
                                   self.w.max_model_len)
             deltas.append(emit(seq, reason))
