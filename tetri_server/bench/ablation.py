@@ -96,6 +96,9 @@ ROWS: tuple[Row, ...] = (
         sets=(POOL, "decode.policy=reserve-static"), base="pool-reserve-dynamic"),
     Row("pool-greedy", "decode admission (small pool)", sets=(POOL, "decode.policy=greedy"),
         base="pool-reserve-dynamic"),
+    # a preempted request recomputed whole in one step (to session 48), not 256 tokens a step
+    Row("pool-recompute-whole", "recompute (small pool)",
+        sets=(POOL, "decode.policy=greedy", "decode.recompute_tokens=0"), base="pool-greedy"),
     Row("refined", "refined estimate", sets=("decode.estimate=refined",)),
     Row("pool-refined", "refined estimate (small pool)",
         sets=(POOL, "decode.estimate=refined"), base="pool-reserve-dynamic"),
