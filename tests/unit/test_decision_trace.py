@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tetri_server.config.scheduling import DecodeConfig
 from tetri_server.engine.runner import StepPlan, StepResult
 from tetri_server.kv.blocks import BlockAllocator
 from tetri_server.kv.manager import KVCacheManager
@@ -54,6 +55,7 @@ def replay(chunked: bool) -> list[dict[str, object]]:
     kv = KVCacheManager(BlockAllocator(num_blocks), torch.zeros(1, 2, 1, num_blocks * bs, 1), bs)
     loop = CoupledLoop(FakeRunner(), kv, (), 2048, torch.device("cpu"),  # type: ignore[arg-type]
                        chunked=chunked, token_budget=256, max_batch=8, max_prefill_tokens=1024,
+                       recompute_tokens=DecodeConfig().recompute_tokens,  # the shipped default
                        decisions=DecisionLog(lines.append))
     pending = trace()
     step = 0

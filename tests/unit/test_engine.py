@@ -107,11 +107,14 @@ def test_a_preempted_request_is_recomputed_in_slices_and_still_matches(model_dir
     for i, p in enumerate(prompts):
         eng.add_request(i, p, params)
     recomputes: list[int] = []  # tokens of each recompute row, as the runner is given them
+    steps: list[int] = []  # tokens of each step with a recompute
     execute = eng.runner.execute
 
     def watched(plan: StepPlan):
-        recomputes.extend(i.num_tokens for i in plan.items
-                          if i.seq.num_output > 0 and i.num_tokens > 1)
+        rows = [i.num_tokens for i in plan.items if i.seq.num_output > 0 and i.num_tokens > 1]
+        recomputes.extend(rows)
+        if rows:
+            steps.append(plan.num_tokens)
         return execute(plan)
 
     eng.runner.execute = watched
@@ -121,6 +124,8 @@ def test_a_preempted_request_is_recomputed_in_slices_and_still_matches(model_dir
             got[d.req_id].extend(d.token_ids)
     assert eng.loop.num_preemptions > 0 and recomputes
     assert max(recomputes) <= bound, recomputes
+    if mode == "coupled-chunked":  # the rows and the recompute within the step's budget
+        assert max(steps) <= 64, steps
     assert [got[i] for i in range(len(prompts))] == hf_greedy(path, prompts, 40)
     assert eng.allocator.num_free == 30
 

@@ -298,22 +298,18 @@ def test_a_recompute_after_a_preemption_is_spread_over_steps_beside_the_batch() 
     adm.on_done(plan, set())
     plan = adm.plan(num_free_blocks=12)  # 1 holds 8 of the 20, and needs no 9th before 128
     assert plan.admit.recompute_ids == (2,) and plan.run_ids == (1, 2)
-    assert plan.recompute == ((2, 40),) and plan.num_tokens == 41
-    assert plan.row_tokens(1) == 1 and plan.row_tokens(2) == 40
+    assert plan.recompute == ((2, 40, 113),) and plan.num_tokens == 41
+    assert plan.row_tokens(1) == 1 and plan.row_tokens(2) == 40 and plan.lacking(1) == 1
     steps = [plan]
     adm.on_done(plan, set())
-    while True:
+    for _ in range(3):
         plan = adm.plan(num_free_blocks=0)  # 2 took its whole context's blocks: needs none
         steps.append(plan)
         assert plan.run_ids == (1, 2)
         adm.on_done(plan, set())
-        if not plan.recompute:
-            break
     # 113 tokens in 40 + 40 + 33: two steps without a token, then 2 decodes again
-    assert [p.recompute for p in steps] == [((2, 40),), ((2, 40),), ((2, 33),), ()]
-    assert adm.predicted_len(2) >= 1
-    [seq2] = [s for s in adm._running.values() if s.req_id == 2]
-    assert seq2.num_tokens == 115 and seq2.num_kv_tokens == 114  # one token since the third
+    assert [p.recompute_tokens for p in steps] == [[[2, 40]], [[2, 40]], [[2, 33]], []]
+    assert [s.num_tokens for s in adm._running.values()] == [118, 115]  # 2: one token since
 
 
 def test_a_recompute_chunk_is_shared_in_admission_order_and_holds_back_a_second_one() -> None:
@@ -331,11 +327,13 @@ def test_a_recompute_chunk_is_shared_in_admission_order_and_holds_back_a_second_
     adm.on_done(DecodeStepPlan(PreemptPlan((3, 2)), AdmitPlan(), run_ids=(1,)), ())
     plan = adm.plan(40)
     # 2 lacks 33 tokens, 3 lacks 33: 2 takes 33, 3 the 17 left
-    assert plan.run_ids == (1, 2, 3) and plan.recompute == ((2, 33), (3, 17))
+    assert plan.run_ids == (1, 2, 3) and plan.recompute == ((2, 33, 33), (3, 17, 33))
     adm.on_done(plan, set())
     plan = adm.plan(40)
-    assert plan.run_ids == (1, 2, 3) and plan.recompute == ((3, 16),)  # 2 decodes, 3 ends
+    assert plan.run_ids == (1, 2, 3) and plan.recompute == ((3, 16, 16),)  # 2 decodes, 3 ends
     adm.on_done(plan, set())
+    plan = adm.plan(40, recompute_room=0)  # a step's room lowers the chunk (at least 1)
+    assert plan.recompute == ()
     small = DecodeAdmission("greedy", block_size=16, num_total_blocks=40, max_batch=8,
                             watermark=0, recompute_chunk=20)
     for rid in (1, 2):
@@ -343,7 +341,10 @@ def test_a_recompute_chunk_is_shared_in_admission_order_and_holds_back_a_second_
     small.on_done(small.plan(40), set())
     small.on_done(DecodeStepPlan(PreemptPlan((2, 1)), AdmitPlan(), run_ids=()), ())
     plan = small.plan(40)  # 1 takes the whole budget: 2 waits for a step with some left
-    assert plan.admit.req_ids == (1,) and plan.recompute == ((1, 20),)
+    assert plan.admit.req_ids == (1,) and plan.recompute_tokens == [[1, 20]]
+    small.on_done(plan, set())
+    plan = small.plan(40, recompute_room=5)  # the room left by a step's cap: 5, not 20
+    assert plan.run_ids == (1,) and plan.recompute_tokens == [[1, 5]]
     with pytest.raises(ValueError, match="recompute_chunk"):
         DecodeAdmission("greedy", block_size=16, num_total_blocks=4, recompute_chunk=-1)
 
@@ -356,6 +357,59 @@ def test_without_a_recompute_chunk_a_context_is_recomputed_in_one_step() -> None
 
     adm.on_done(DecodeStepPlan(PreemptPlan((1,)), AdmitPlan(), run_ids=()), ())
     plan = adm.plan(40)
-    assert plan.recompute == ((1, 33),)
+    assert plan.recompute == ((1, 33, 33),)
     adm.on_done(plan, set())
     assert adm.plan(40).recompute == ()
+
+
+def test_a_request_part_way_through_its_recompute_is_preempted_last() -> None:
+    """It would lose that work and gain no token: the newest admission whose KV is whole goes
+    first (without this a re-admitted request, the newest, was the next victim at once)."""
+    from tetri_server.policy.decode import AdmitPlan, PreemptPlan
+
+    adm = DecodeAdmission("greedy", block_size=16, num_total_blocks=40, max_batch=8,
+                          watermark=0, recompute_chunk=2)
+    for rid in (1, 2, 3):
+        adm.add(rid, 31, 32, 0, 500)  # 2 blocks each: 32 tokens fill them
+    adm.on_done(adm.plan(40), set())  # 33 tokens: each took a third block
+    adm.on_done(DecodeStepPlan(PreemptPlan((1,)), AdmitPlan(), run_ids=(2, 3)), ())
+    plan = adm.plan(40 - 6)
+    assert plan.admit.recompute_ids == (1,) and plan.recompute_tokens == [[1, 2]]
+    adm.on_done(plan, set())  # 1 is part-way (2 of 33); 2 and 3 have 35 tokens in 3 blocks
+    # no free block, and 2, 3 and 1 running: 1 is the newest admission, but 3 goes
+    for _ in range(16):  # 2 and 3 reach 49 tokens: the step needs a fourth block each
+        plan = adm.plan(0)
+        if plan.preempt.req_ids:
+            break
+        assert plan.recompute_tokens == [[1, 2]]  # still part-way
+        adm.on_done(plan, set())
+    assert plan.preempt.req_ids == (3,) and plan.run_ids == (2, 1)
+
+
+def test_an_evicted_waiting_request_readmitted_in_the_same_plan_recomputes_whole() -> None:
+    """``_evict_waiting`` drops a waiting request's KV so the head fits; if the plan starts it
+    too, its recompute counts its whole context, not the KV it held when planned."""
+    adm = DecodeAdmission("greedy", block_size=16, num_total_blocks=8, max_batch=8,
+                          watermark=0, recompute_chunk=16)
+    adm.add(1, 111, 112, 0, 50)  # 7 blocks
+    plan = adm.plan(num_free_blocks=1)
+    adm.on_done(plan, set())  # 113 tokens: needs an 8th
+    plan = adm.plan(num_free_blocks=0)
+    assert plan.preempt.req_ids == (1,)
+    adm.on_done(plan, set())
+    adm.add(2, 15, 16, 0, 50)  # 1 block held, behind the preempted head
+    plan = adm.plan(num_free_blocks=7)  # the head needs 8: 2's block too
+    assert plan.preempt.req_ids == (2,) and plan.run_ids == (1,)
+    assert plan.recompute == ((1, 16, 113),)  # 2 not started: the budget is spent
+    adm.on_done(plan, set())
+    assert adm.plan(num_free_blocks=0).recompute == ((1, 16, 97),)
+
+
+def test_without_drops_a_recompute_row_from_the_plan() -> None:
+    from tetri_server.policy.decode import AdmitPlan, PreemptPlan
+
+    plan = DecodeStepPlan(PreemptPlan(), AdmitPlan((2,), (2,)), (1, 2),
+                          recompute=((2, 16, 40),))
+    left = plan.without([2])
+    assert left.run_ids == (1,) and left.admit == AdmitPlan() and left.recompute == ()
+    assert left.num_tokens == 1 and plan.num_tokens == 17

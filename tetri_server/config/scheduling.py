@@ -151,10 +151,11 @@ class DecodeConfig(_Section):
     recompute_tokens: int = 256
     """A request preempted for KV blocks is recomputed (its prompt and the tokens it has
     generated) when it is admitted again: at most this many of those tokens a step, over as
-    many steps as it takes, riding beside the batch's decode rows (in coupled-chunked mode at
-    most ``prefill.token_budget`` too), so the others' inter-token gap never takes a whole
-    prefill. 0: a whole context in one step (before session 49). Decode, coupled and prefill
-    workers (the requests a prefill worker keeps)."""
+    many steps as it takes, riding beside the batch's decode rows (at most what the rows leave
+    of a step's cap too: ``prefill.token_budget`` in coupled-chunked mode, the kept rows' step
+    on a prefill worker), so the others' inter-token gap never takes a whole prefill. 0: a
+    whole context in one step (before session 49). Decode, coupled and prefill workers (the
+    requests a prefill worker keeps)."""
     local_prefill_tokens: int = 1024
     """Elastic P/D (disaggregated mode): control sends a prompt to a decode worker when it
     would finish there sooner (the prefill worker has over a chunk more queued ahead of it than

@@ -15,7 +15,7 @@ from tetri_server.policy.chunker import (
     prefill_first_plan,
     take_slices,
 )
-from tetri_server.policy.coupled import coupled_recompute_chunk, coupled_step_plan
+from tetri_server.policy.coupled import coupled_step_plan
 from tetri_server.policy.decode import (
     DECODE_POLICIES,
     ESTIMATES,
@@ -99,7 +99,6 @@ __all__ = [
     "TetriDispatcher",
     "calibration_rows",
     "coupled_chunked_plan",
-    "coupled_recompute_chunk",
     "coupled_step_plan",
     "kept_gap_s",
     "mixed_chunk",

@@ -22,8 +22,8 @@ def coupled_step_plan(
     """One step of a coupled worker (the baselines): prompts in ``queue``, prefilled requests in
     a greedy ``admission``. Prefill-first (vLLM-like): whole prompts when any can start, the
     decode batch pauses (None); chunked (Sarathi-like): the admission's batch plus prompt slices
-    filling ``token_budget`` (less the tokens a recompute after a preemption takes),
-    within the blocks the batch leaves free. Either way a prompt
+    filling ``token_budget`` (a recompute after a preemption takes its tokens from what the
+    rows leave of it first), within the blocks the batch leaves free. Either way a prompt
     starts only in blocks the admission's waiting head does not need (``head_need``: a
     preempted request is not overtaken by new prompts, as in vLLM). Both the coupled worker
     and the simulator plan with this."""
@@ -34,7 +34,10 @@ def coupled_step_plan(
             num_free_blocks=max(0, num_free_blocks - admission.head_need()),
             block_size=block_size).slices
         return (None if slices else admission.plan(num_free_blocks)), slices
-    decode = admission.plan(num_free_blocks)  # a recompute's tokens count against the budget
+    # a recompute's tokens take room of the budget: at most what the rows leave, and less the
+    # slices' share
+    decode = admission.plan(num_free_blocks,
+                            recompute_room=token_budget - len(admission.running_ids))
     slices = coupled_chunked_plan(queue, decode.run_ids,
                                   token_budget - (decode.num_tokens - len(decode.run_ids)),
                                   max_seqs=room + len(decode.run_ids),
@@ -42,10 +45,3 @@ def coupled_step_plan(
                                   block_size=block_size).slices
     return decode, slices
 
-
-def coupled_recompute_chunk(recompute_tokens: int, chunked: bool, token_budget: int) -> int:
-    """The coupled admission's ``recompute_chunk``: ``decode.recompute_tokens`` (0: whole), and
-    in chunked mode at most the step's token budget."""
-    if not chunked:
-        return recompute_tokens
-    return min(recompute_tokens, token_budget) if recompute_tokens else token_budget

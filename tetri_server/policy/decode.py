@@ -9,10 +9,11 @@ blocks, where ``kv_tokens`` are the tokens whose KV is computed. ``num_tokens`` 
 generated tokens; the last generated token's KV is computed by the next step, so one step of a
 request needs ``blocks(num_tokens)`` blocks in all. A preempted request holds nothing and is
 recomputed (prefill over all its ``num_tokens``) when it is admitted again: it takes the blocks
-of its whole context at once, and with ``recompute_chunk`` its tokens are computed over several
-steps, at most that many a step across the batch (``DecodeStepPlan.recompute``), so the other
-rows' inter-token gap does not take a whole prefill; it samples its next token in the step that
-computes its last one.
+of its whole context at once, and with ``recompute_chunk`` (or a step's ``recompute_room``) its
+tokens are computed over several steps, at most that many a step across the batch
+(``DecodeStepPlan.recompute``), so the other rows' inter-token gap does not take a whole
+prefill; it samples its next token in the step that computes its last one. A request part-way
+through its recompute is preempted only when no other running request is left.
 
 Estimates (``tail``): without one (``decode.estimate = "bucket"``) a request's predicted output
 is the lower end of its bucket (``bucket * granularity``, capped at ``max_tokens``), as in the
@@ -64,24 +65,35 @@ class AdmitPlan:
 class DecodeStepPlan:
     """One decode step. ``run_ids``: the batch (surviving running requests, then admitted
     ones); each computes one token and samples the next, but for the rows in ``recompute``:
-    (request, tokens) of those recomputing their KV after a preemption, which compute that many
-    tokens and sample only if those are all they lacked. ``fail_ids``: waiting requests whose
-    context can never fit this pool; the runtime reports them failed and frees their blocks."""
+    (request, tokens, tokens it lacks) of those recomputing their KV after a preemption, which
+    compute that many tokens and sample only if those are all they lacked. ``fail_ids``: waiting
+    requests whose context can never fit this pool; the runtime reports them failed and frees
+    their blocks."""
 
     preempt: PreemptPlan
     admit: AdmitPlan
     run_ids: tuple[int, ...]
     fail_ids: tuple[int, ...] = ()
-    recompute: tuple[tuple[int, int], ...] = ()
+    recompute: tuple[tuple[int, int, int], ...] = ()
 
     def row_tokens(self, req_id: int) -> int:
         """Tokens the row of ``req_id`` computes this step."""
-        return next((n for r, n in self.recompute if r == req_id), 1)
+        return next((n for r, n, _ in self.recompute if r == req_id), 1)
+
+    def lacking(self, req_id: int) -> int:
+        """Tokens whose KV the row of ``req_id`` lacks before this step (1 but in a
+        recompute): the runtime's sequence must lack as many."""
+        return next((k for r, _, k in self.recompute if r == req_id), 1)
+
+    @property
+    def recompute_tokens(self) -> list[list[int]]:
+        """[request, tokens] of each recomputing row (the decision logs)."""
+        return [[r, n] for r, n, _ in self.recompute]
 
     @property
     def num_tokens(self) -> int:
         """Tokens the batch's rows compute this step."""
-        return len(self.run_ids) + sum(n - 1 for _, n in self.recompute)
+        return len(self.run_ids) + sum(n - 1 for _, n, _ in self.recompute)
 
     def without(self, req_ids: Collection[int]) -> DecodeStepPlan:
         """The plan with ``req_ids`` neither run nor admitted this step (a running one keeps
@@ -120,8 +132,9 @@ class DecodeAdmission:
     pool still runs (and is preempted or finishes).
 
     ``recompute_chunk``: the most tokens the batch's recomputing rows compute in one step (the
-    oldest admission first; a row left without any sits the step out, and a waiting request
-    that must recompute is not admitted then); 0: a whole context in one step.
+    oldest admission first; a running one computes at least one, and a waiting request that must
+    recompute does not start in a step with none left); 0: a whole context in one step.
+    ``plan``'s ``recompute_room`` lowers it for one step (the room a step's token cap leaves).
     """
 
     def __init__(
@@ -214,8 +227,9 @@ class DecodeAdmission:
 
     # ------------------------------------------------------------------ the step
 
-    def plan(self, num_free_blocks: int) -> DecodeStepPlan:
-        """Decide this step's preemptions and admissions. Pure."""
+    def plan(self, num_free_blocks: int, *, recompute_room: int | None = None) -> DecodeStepPlan:
+        """Decide this step's preemptions and admissions. Pure. ``recompute_room``: at most this
+        many recompute tokens this step (at least 1), below ``recompute_chunk``."""
         running = list(self._running.values())
         step_need = sum(s.num_step_blocks(self.block_size) for s in running)
         free = num_free_blocks
@@ -228,8 +242,12 @@ class DecodeAdmission:
         free -= step_need
         evicted = self._evict_waiting(running, victims, free)
         free += sum(s.num_held_blocks for s in self._waiting if s.req_id in evicted)
-        chunk = _RecomputeChunk(self.recompute_chunk)
-        running = [s for s in running if chunk.take(s.req_id, s.num_uncomputed)]
+        limit = self.recompute_chunk or None
+        if recompute_room is not None:
+            limit = max(1, recompute_room if limit is None else min(limit, recompute_room))
+        chunk = _RecomputeChunk(limit)
+        for seq in running:
+            chunk.take(seq.req_id, seq.num_uncomputed, running=True)
         admitted: list[DecodeSeq] = []
         failed: list[int] = []
         for seq in self._waiting if not victims else ():
@@ -251,7 +269,7 @@ class DecodeAdmission:
                 if not fits_reserved(seq, batch, num_free_blocks, self.block_size, dynamic):
                     break
             if not chunk.take(seq.req_id, seq.num_tokens if seq.req_id in evicted
-                              else seq.num_uncomputed):
+                              else seq.num_uncomputed, running=False):
                 break
             admitted.append(seq)
             free -= step
@@ -269,10 +287,13 @@ class DecodeAdmission:
 
     def _victim_index(self, running: list[DecodeSeq]) -> int:
         """The request to preempt: the most recently admitted, or with a tail the one expected
-        to run longest (the most recent among equals)."""
+        to run longest (the most recent among equals); one part-way through its recompute
+        (which would lose that work and gain no token) only when none other is left."""
+        whole = [i for i, s in enumerate(running) if s.num_uncomputed <= 1]
+        candidates = whole or list(range(len(running)))
         if self.tail is None:
-            return len(running) - 1
-        return max(range(len(running)), key=lambda i: (running[i].num_remaining_tokens, i))
+            return candidates[-1]
+        return max(candidates, key=lambda i: (running[i].num_remaining_tokens, i))
 
     def free_after(self, plan: DecodeStepPlan, num_free_blocks: int) -> int:
         """Free blocks once ``plan`` is carried out: preempted requests give back what they
@@ -388,21 +409,25 @@ class DecodeAdmission:
 
 
 class _RecomputeChunk:
-    """The tokens a step's recomputing rows take, in batch order, within ``limit`` (0: none)."""
+    """The tokens a step's recomputing rows take, in batch order, within ``limit`` (None: no
+    limit)."""
 
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
+    def __init__(self, limit: int | None) -> None:
         self.num_left = limit
-        self.rows: list[tuple[int, int]] = []
+        self.rows: list[tuple[int, int, int]] = []  # DecodeStepPlan.recompute
 
-    def take(self, req_id: int, num_uncomputed: int) -> bool:
+    def take(self, req_id: int, num_uncomputed: int, *, running: bool) -> bool:
         """Whether the row runs this step: a decode row (one token) always does; a recompute
-        takes what is left of the limit, and does not run when nothing is."""
+        takes what is left of the limit, a running one at least one token (so at most one
+        running request is ever part-way through), a waiting one none: it does not start."""
         if num_uncomputed <= 1:
             return True
-        n = num_uncomputed if not self.limit else min(num_uncomputed, self.num_left)
+        n = num_uncomputed if self.num_left is None else min(num_uncomputed, self.num_left)
         if n < 1:
-            return False
-        self.num_left -= n
-        self.rows.append((req_id, n))
+            if not running:
+                return False
+            n = 1
+        if self.num_left is not None:
+            self.num_left = max(0, self.num_left - n)
+        self.rows.append((req_id, n, num_uncomputed))
         return True

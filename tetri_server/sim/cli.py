@@ -192,7 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=int)
     p.add_argument("--recompute-tokens", type=int,
                    help="most tokens a step recomputes of requests preempted for KV blocks "
-                        "(default 0: a whole context in one step; the server's 256)")
+                        "(default 256, as the server's; 0: a whole context in one step; "
+                        "--paper: 0)")
     p.add_argument("--granularity", type=int)
     p.add_argument("--predictor-accuracy", type=float, help="1.0 = oracle")
     p.add_argument("--predictor-miss", choices=("neighbour", "uniform"),

@@ -75,7 +75,7 @@ class SimConfig:
     # whose granularity is ``granularity`` (none matching: the simulation does not start)
     decode_estimate: EstimateName = "bucket"
     max_batch: int = 256
-    recompute_tokens: int = 0  # [decode] recompute_tokens (0: a preempted context in one step)
+    recompute_tokens: int = 256  # [decode] recompute_tokens (0: a preempted context in one step)
     granularity: int = 200
     heavy_decode_tokens: int = 128
     predictor_accuracy: float = 1.0  # 1.0 = oracle

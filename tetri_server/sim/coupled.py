@@ -11,7 +11,6 @@ from tetri_server.policy import (
     DecodeAdmission,
     DecodeStepPlan,
     PrefillQueue,
-    coupled_recompute_chunk,
     coupled_step_plan,
 )
 from tetri_server.policy.chunker import ChunkSlice
@@ -39,8 +38,7 @@ class CoupledInstance(_Decoding):
         self.admission = DecodeAdmission(
             "greedy", block_size=self.block_size, num_total_blocks=num_blocks,
             max_batch=cfg.max_batch, tail=sim.length_tail("none"),  # predicts nothing
-            recompute_chunk=coupled_recompute_chunk(cfg.recompute_tokens, chunked,
-                                                    cfg.token_budget))
+            recompute_chunk=cfg.recompute_tokens)
         self.seqs = {}
         self._step: tuple[DecodeStepPlan | None, tuple[ChunkSlice, ...]] | None = None
 
@@ -69,17 +67,18 @@ class CoupledInstance(_Decoding):
                         admit=[] if d is None else list(d.admit.req_ids),
                         recompute=[] if d is None else list(d.admit.recompute_ids),
                         preempt=[] if d is None else list(d.preempt.req_ids),
-                        slices=slice_list(planned), pad=0, free=free)
+                        slices=slice_list(planned), pad=0, free=free,
+                        **({"recompute_tokens": d.recompute_tokens}
+                           if d is not None and d.recompute else {}))
         items = [] if decode is None else self.decode_items(decode)
-        num_decode = 0 if decode is None else self.num_sampled(decode)
+        num_sampled = 0 if decode is None else self.num_sampled(decode)
         slices = self.reserve_slices(planned, items)
         if not items:
             if decode is not None:
                 self.admission.on_done(decode, set())
             return None
         self._step = (decode, slices)
-        num_sampled = num_decode + sum(p.is_last for p in slices)
-        return self.cost.step_s(items, 0, num_sampled)
+        return self.cost.step_s(items, 0, num_sampled + sum(p.is_last for p in slices))
 
     def finish_step(self) -> None:
         assert self._step is not None

@@ -154,7 +154,9 @@ class PrefillInstance(_Decoding):
         """The kept requests decode and prompt slices fill the rest of the chunk (of
         ``local_decode_chunk`` when set)."""
         free = self.alloc.num_free
-        decode = self.admission.plan(free)
+        rows = len(self.admission.running_ids)  # a recompute takes room the step's cap leaves
+        decode = self.admission.plan(free, recompute_room=self.kept_step_tokens(
+            finishing=True, num_rows=rows) - rows)
         tokens = self.kept_step_tokens(finishing=True, num_rows=len(decode.run_ids))
         num_recompute = decode.num_tokens - len(decode.run_ids)  # count against the chunk
         slices = coupled_chunked_plan(self.book.queue, decode.run_ids, tokens - num_recompute,
@@ -163,7 +165,8 @@ class PrefillInstance(_Decoding):
                                       overtake_share=self.chunker.overtake_share).slices
         self.num_planned += 1
         self.record("mixed_step", run=list(decode.run_ids), preempt=list(decode.preempt.req_ids),
-                    fail=list(decode.fail_ids), slices=slice_list(slices))
+                    fail=list(decode.fail_ids), slices=slice_list(slices),
+                    **({"recompute_tokens": decode.recompute_tokens} if decode.recompute else {}))
         items = self.decode_items(decode)
         num_sampled = self.num_sampled(decode)
         for req_id in decode.fail_ids:
@@ -379,7 +382,7 @@ class DecodeInstance(_Decoding):
             self.record("decode_step", run=list(plan.run_ids), admit=list(plan.admit.req_ids),
                         preempt=list(plan.preempt.req_ids), fail=list(plan.fail_ids), free=free,
                         **({"slices": slice_list(slices)} if slices else {}),
-                        **({"recompute_tokens": [list(r) for r in plan.recompute]}
+                        **({"recompute_tokens": plan.recompute_tokens}
                            if plan.recompute else {}))
         items = self.decode_items(plan)
         num_decode = len(items)

@@ -37,7 +37,6 @@ from tetri_server.policy import (
     DecodeStepPlan,
     LengthTail,
     PrefillQueue,
-    coupled_recompute_chunk,
     coupled_step_plan,
 )
 from tetri_server.workers.base import Role, Worker, length_tail
@@ -55,7 +54,7 @@ class CoupledStepPlan:
 
     @property
     def num_tokens(self) -> int:
-        num_decode = 0 if self.decode is None else len(self.decode.run_ids)
+        num_decode = 0 if self.decode is None else self.decode.num_tokens
         return num_decode + sum(p.num_tokens for p in self.slices) + self.num_pad
 
 
@@ -81,7 +80,7 @@ class CoupledLoop:
         self.admission = DecodeAdmission(
             "greedy", block_size=kv.block_size, num_total_blocks=kv.allocator.num_blocks,
             max_batch=max_batch, tail=tail,
-            recompute_chunk=coupled_recompute_chunk(recompute_tokens, chunked, token_budget))
+            recompute_chunk=recompute_tokens)
         self.seqs: dict[int, Sequence] = {}
         self.failed: list[RequestFailed] = []  # for the caller to report, then clear
         self.decisions = decisions or DecisionLog()
@@ -168,7 +167,9 @@ class CoupledLoop:
                    recompute=[] if d is None else list(d.admit.recompute_ids),
                    preempt=[] if d is None else list(d.preempt.req_ids),
                    slices=[[p.req_id, p.start, p.num_tokens] for p in plan.slices],
-                   pad=plan.num_pad, free=self.kv.allocator.num_free)
+                   pad=plan.num_pad, free=self.kv.allocator.num_free,
+                   **({"recompute_tokens": d.recompute_tokens}
+                      if d is not None and d.recompute else {}))
 
     def _decode_items(self, decode: DecodeStepPlan | None
                       ) -> tuple[list[ScheduledSeq], DecodeStepPlan | None]:

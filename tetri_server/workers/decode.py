@@ -138,7 +138,7 @@ class DecodeRole(Role):
                        preempt=list(plan.preempt.req_ids), fail=list(plan.fail_ids),
                        free=free, **({"slices": [[p.req_id, p.start, p.num_tokens]
                                                  for p in slices]} if slices else {}),
-                       **({"recompute_tokens": [list(r) for r in plan.recompute]}
+                       **({"recompute_tokens": plan.recompute_tokens}
                           if plan.recompute else {}))
         items, dropped, plan = carry_out(plan, self.seqs, self.w.kv)
         for req_id in dropped:

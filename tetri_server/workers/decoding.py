@@ -34,7 +34,6 @@ def carry_out(plan: DecodeStepPlan, seqs: dict[int, Sequence], kv: KVCacheManage
         seq.num_computed = 0
     for req_id in plan.fail_ids:
         kv.free(seqs.pop(req_id))
-    recompute = {req_id for req_id, _ in plan.recompute}
     items, waiting = [], []
     for req_id in plan.run_ids:
         seq = seqs[req_id]
@@ -44,12 +43,11 @@ def carry_out(plan: DecodeStepPlan, seqs: dict[int, Sequence], kv: KVCacheManage
                                    "fit: allocator and policy disagree")
             waiting.append(req_id)
             continue
-        num_tokens = plan.row_tokens(req_id)
-        if num_tokens > seq.num_uncomputed or (req_id not in recompute
-                                               and seq.num_uncomputed != 1):
-            raise RuntimeError(f"admission planned {num_tokens} tokens of request {req_id}, "
-                               f"which lacks {seq.num_uncomputed}: the two disagree")
-        items.append(ScheduledSeq(seq, num_tokens))
+        if seq.num_uncomputed != plan.lacking(req_id):
+            raise RuntimeError(f"admission planned request {req_id} as lacking "
+                               f"{plan.lacking(req_id)} tokens of KV, it lacks "
+                               f"{seq.num_uncomputed}: allocator and policy disagree")
+        items.append(ScheduledSeq(seq, plan.row_tokens(req_id)))
     return items, list(plan.fail_ids), plan.without(waiting)
 
 

@@ -206,7 +206,9 @@ class PrefillRole(Role):
         the rest of the chunk, or of ``prefill.local_decode_chunk`` when set (Sarathi-style),
         in one forward."""
         free, book = self.w.allocator.num_free, self.book
-        decode = self.admission.plan(free)
+        rows = len(self.admission.running_ids)  # a recompute takes room the step's cap leaves
+        decode = self.admission.plan(free, recompute_room=self._kept_step_tokens(
+            finishing=True, num_rows=rows) - rows)
         tokens = self._kept_step_tokens(finishing=True, num_rows=len(decode.run_ids))
         num_recompute = decode.num_tokens - len(decode.run_ids)  # count against the chunk
         slices = coupled_chunked_plan(book.queue, decode.run_ids, tokens - num_recompute,
@@ -216,7 +218,9 @@ class PrefillRole(Role):
         self.w.decisions.step += 1
         self.w.decisions.record("mixed_step", run=list(decode.run_ids),
                                 preempt=list(decode.preempt.req_ids), fail=list(decode.fail_ids),
-                                slices=[[p.req_id, p.start, p.num_tokens] for p in slices])
+                                slices=[[p.req_id, p.start, p.num_tokens] for p in slices],
+                                **({"recompute_tokens": decode.recompute_tokens}
+                                   if decode.recompute else {}))
         local = {rid: book.get(rid) for rid in book.ids(Stage.DECODING)}
         planned = decode.run_ids
         items, dropped, decode = carry_out(decode, local, self.w.kv)
