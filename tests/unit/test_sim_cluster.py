@@ -683,3 +683,25 @@ def test_a_draining_prefill_instance_hands_back_only_what_a_decode_instance_take
     prefill.book.on_view(roomy)
     prefill._hand_back(prefill.local, draining=True)
     assert prefill.book.ids(Stage.HANDED_OFF) == [0] and 0 not in prefill.admission
+
+
+def test_a_prefill_instance_recomputes_a_kept_request_within_its_step_cap() -> None:
+    """Regression: a request the prefill instance keeps, preempted there, was recomputed up to
+    ``recompute_tokens`` (256) a step beside the other kept rows, past the 64-token step cap
+    of steps with kept rows (``local_decode_chunk``); now its slices fit what the rows leave
+    (the server's prefill worker plans the same way)."""
+    reqs = [SimRequest(i, 200, 300, i * 0.01, bucket=0) for i in range(8)]
+    cfg = SimConfig(mode="disaggregated", num_kv_blocks=60, decode_policy="greedy",
+                    local_decode_batch=4, local_decode_min_tokens=0, local_decode_chunk=64,
+                    chunk_size=128)
+    sim = Simulation(cfg, v100(), reqs)
+    steps: list[dict[str, Any]] = []
+    for inst in sim.instances:
+        inst.decisions = steps.append
+    sim.run()
+    assert all(r.end_s is not None and r.error is None for r in sim.requests)
+    mixed = [r for r in steps if r["kind"] == "mixed_step" and r.get("recompute_tokens")]
+    assert len(mixed) >= 4  # a kept request preempted, recomputed over several steps
+    for r in mixed:
+        rows = r["recompute_tokens"]
+        assert len(r["run"]) - len(rows) + sum(n for _, n in rows) <= 64, r

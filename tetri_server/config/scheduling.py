@@ -153,9 +153,10 @@ class DecodeConfig(_Section):
     generated) when it is admitted again: at most this many of those tokens a step, over as
     many steps as it takes, riding beside the batch's decode rows (at most what the rows leave
     of a step's cap too: ``prefill.token_budget`` in coupled-chunked mode, the kept rows' step
-    on a prefill worker), so the others' inter-token gap never takes a whole prefill. 0: a
-    whole context in one step (before session 49). Decode, coupled and prefill workers (the
-    requests a prefill worker keeps)."""
+    on a prefill worker), so the others' inter-token gap never takes a whole prefill. 0: no
+    limit of its own, a whole context in one step on a decode worker and in coupled mode
+    (before session 49). Decode, coupled and prefill workers (the requests a prefill worker
+    keeps)."""
     local_prefill_tokens: int = 1024
     """Elastic P/D (disaggregated mode): control sends a prompt to a decode worker when it
     would finish there sooner (the prefill worker has over a chunk more queued ahead of it than
