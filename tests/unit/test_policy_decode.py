@@ -413,3 +413,28 @@ def test_without_drops_a_recompute_row_from_the_plan() -> None:
     left = plan.without([2])
     assert left.run_ids == (1,) and left.admit == AdmitPlan() and left.recompute == ()
     assert left.num_tokens == 1 and plan.num_tokens == 17
+
+
+def test_the_kv_of_waiting_requests_goes_before_a_running_request_is_preempted() -> None:
+    """Regression (session 49): a decode worker pulls a hand-off's KV on arrival and the
+    request may wait for admission (reserve policies, max_batch) holding it. When the running
+    batch then needed a block, a running request was preempted: it recomputes all it
+    generated and its stream stalls. In the simulator on Mixed with reserve policies, 4-6 of
+    6-7 such preemptions came while waiting requests held KV. Now the waiting ones' KV goes
+    first (newest first); they keep their place and recompute their prompt when admitted."""
+    adm = DecodeAdmission("reserve-static", block_size=16, num_total_blocks=20, max_batch=8,
+                          granularity=50, watermark=0)
+    adm.add(1, 111, 112, 1, 500)  # 7 blocks, predicted 50 more tokens: 10 in all
+    plan = adm.plan(num_free_blocks=13)
+    assert plan.run_ids == (1,)
+    adm.on_done(plan, set())  # 113 tokens: the next step needs an 8th block
+    adm.add(2, 79, 80, 1, 500)  # 5 blocks held; predicted 8 in all: no room beside 1's 10
+    adm.add(3, 47, 48, 1, 500)  # 3 blocks held
+    plan = adm.plan(num_free_blocks=20 - 7 - 5 - 3 - 5)  # 0 free (5 held elsewhere)
+    assert plan.preempt.req_ids == (3,)  # the newest waiting one: 3 blocks, 1 needs 1
+    assert plan.run_ids == (1,) and plan.admit.req_ids == ()
+    adm.on_done(plan, set())
+    assert adm.running_ids == (1,) and len(adm) == 3
+    assert adm.load().num_preemptions == 1
+    again = adm.plan(num_free_blocks=2)  # 3 lost its KV: it recomputes whole when it starts
+    assert 3 not in again.admit.req_ids

@@ -18,8 +18,9 @@ through its recompute is preempted only when no other running request is left.
 Estimates (``tail``): without one (``decode.estimate = "bucket"``) a request's predicted output
 is the lower end of its bucket (``bucket * granularity``, capped at ``max_tokens``), as in the
 paper. The paper leaves mispredictions open; here a request that reaches its estimate and keeps
-going gets the estimate raised one bucket at a time, and when blocks run out anyway the most
-recently admitted request is preempted. With a ``LengthTail`` (``"refined"``) the estimate is the
+going gets the estimate raised one bucket at a time, and when blocks run out anyway the KV of
+requests waiting for admission is dropped first (the newest first), then the most recently
+admitted request is preempted. With a ``LengthTail`` (``"refined"``) the estimate is the
 expected output given the bucket and the tokens generated so far, updated every step
 (``policy/remaining.py``), and the preempted request is the one expected to run longest (the
 newest on ties): it would hold and grow its blocks longest, while one about to finish frees
@@ -233,6 +234,8 @@ class DecodeAdmission:
         running = list(self._running.values())
         step_need = sum(s.num_step_blocks(self.block_size) for s in running)
         free = num_free_blocks
+        evicted = self._evict_for_batch(step_need, free)
+        free += sum(s.num_held_blocks for s in self._waiting if s.req_id in evicted)
         victims: list[int] = []
         while running and step_need > free:
             victim = running.pop(self._victim_index(running))
@@ -240,8 +243,9 @@ class DecodeAdmission:
             free += victim.num_held_blocks
             victims.append(victim.req_id)
         free -= step_need
-        evicted = self._evict_waiting(running, victims, free)
-        free += sum(s.num_held_blocks for s in self._waiting if s.req_id in evicted)
+        head_evicted = self._evict_waiting(running, victims, free)
+        free += sum(s.num_held_blocks for s in self._waiting if s.req_id in head_evicted)
+        evicted += head_evicted
         limit = self.recompute_chunk or None
         if recompute_room is not None:
             limit = max(1, recompute_room if limit is None else min(limit, recompute_room))
@@ -329,6 +333,21 @@ class DecodeAdmission:
         """Free blocks for prompt slices beside ``plan``: what ``free_after`` leaves, less the
         waiting head's ``head_need``."""
         return max(0, self.free_after(plan, num_free_blocks) - self.head_need(plan))
+
+    def _evict_for_batch(self, step_need: int, free: int) -> list[int]:
+        """When the running batch's next step needs more blocks than are free, the KV of
+        requests waiting for admission goes first, the newest first (a waiting request
+        recomputes its prompt and one token; a running one would recompute all it generated
+        too, and its stream would stall: vLLM's waiting requests hold no KV at all). Running
+        requests are preempted only for what that does not free."""
+        evicted = []
+        for seq in reversed(self._waiting):
+            if step_need <= free:
+                break
+            if seq.num_held_blocks:
+                evicted.append(seq.req_id)
+                free += seq.num_held_blocks
+        return evicted
 
     def _evict_waiting(self, running: list[DecodeSeq], victims: list[int],
                        free: int) -> list[int]:
