@@ -30,21 +30,29 @@ async def wait_all_free(cluster, timeout_s: float = 30.0) -> dict[int, tuple[int
         await asyncio.sleep(0.1)
 
 
-@pytest.mark.parametrize("mode", ["disaggregated", "coupled", "coupled-chunked"])
-async def test_every_mode_equals_transformers_and_frees_everything(tiny_llama, mode):
-    prompts = random_prompts(24, 8000, (1, 300), seed=11)
-    ref = hf_greedy(tiny_llama, prompts, GREEDY.max_tokens)
-    cluster = make_cluster(tiny_llama, mode)
+async def serve_all_right_and_free(cluster, model, prompts: list[list[int]],
+                                   params: SamplingParams, timeout_s: float) -> str:
+    """Start ``cluster``, send every prompt at once: every output equals transformers', and
+    every pool is empty after; stopped. Returns the run id (its segments are checked after)."""
+    ref = hf_greedy(model, prompts, params.max_tokens)
     await cluster.start()
     try:
         got = await asyncio.wait_for(
-            asyncio.gather(*(collect(cluster, p, GREEDY) for p in prompts)), 120)
+            asyncio.gather(*(collect(cluster, p, params) for p in prompts)), timeout_s)
         assert got == ref
         usage = await wait_all_free(cluster)
         assert all(u == 0 for u, _ in usage.values()), usage
     finally:
         run_id = cluster.run_id
         await cluster.stop()
+    return run_id
+
+
+@pytest.mark.parametrize("mode", ["disaggregated", "coupled", "coupled-chunked"])
+async def test_every_mode_equals_transformers_and_frees_everything(tiny_llama, mode):
+    prompts = random_prompts(24, 8000, (1, 300), seed=11)
+    run_id = await serve_all_right_and_free(make_cluster(tiny_llama, mode), tiny_llama, prompts,
+                                            GREEDY, 120)
     assert segments(run_id) == []
 
 
@@ -59,20 +67,10 @@ async def test_a_decode_worker_recomputes_a_preempted_request_in_slices(tiny_lla
 
     prompts = random_prompts(6, 8000, (100, 120), seed=41)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    ref = hf_greedy(tiny_llama, prompts, params.max_tokens)
-    log = tmp_path / "decisions"
     cluster = make_cluster(tiny_llama, "disaggregated", "kv.num_blocks=30",
                            "model.max_model_len=256", "decode.recompute_tokens=32",
-                           f"monitor.decision_log={log}", *STRICT_SPLIT)
-    await cluster.start()
-    try:
-        got = await asyncio.wait_for(
-            asyncio.gather(*(collect(cluster, p, params) for p in prompts)), 180)
-        assert got == ref
-        usage = await wait_all_free(cluster)
-        assert all(u == 0 for u, _ in usage.values()), usage
-    finally:
-        await cluster.stop()
+                           f"monitor.decision_log={tmp_path / 'decisions'}", *STRICT_SPLIT)
+    await serve_all_right_and_free(cluster, tiny_llama, prompts, params, 180)
     steps = [json.loads(line) for line in (tmp_path / "decisions.w1.jsonl").open()]
     steps = [s for s in steps if s["kind"] == "decode_step"]
     assert any(s["preempt"] for s in steps)

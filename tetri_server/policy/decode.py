@@ -340,14 +340,7 @@ class DecodeAdmission:
         recomputes its prompt and one token; a running one would recompute all it generated
         too, and its stream would stall: vLLM's waiting requests hold no KV at all). Running
         requests are preempted only for what that does not free."""
-        evicted = []
-        for seq in reversed(self._waiting):
-            if step_need <= free:
-                break
-            if seq.num_held_blocks:
-                evicted.append(seq.req_id)
-                free += seq.num_held_blocks
-        return evicted
+        return _drop_newest_kv(self._waiting, step_need, free)
 
     def _evict_waiting(self, running: list[DecodeSeq], victims: list[int],
                        free: int) -> list[int]:
@@ -360,14 +353,7 @@ class DecodeAdmission:
         need = head.num_step_blocks(self.block_size)
         if need <= free or num_blocks_for(head.num_tokens, self.block_size) > self.num_total_blocks:
             return []
-        evicted = []
-        for seq in reversed(self._waiting[1:]):
-            if need <= free:
-                break
-            if seq.num_held_blocks:
-                evicted.append(seq.req_id)
-                free += seq.num_held_blocks
-        return evicted
+        return _drop_newest_kv(self._waiting[1:], need, free)
 
     def on_done(self, plan: DecodeStepPlan, finished: Collection[int]) -> None:
         """The step ran. ``finished``: ids that stopped (stop token, length, abort); every other
@@ -425,6 +411,19 @@ class DecodeAdmission:
             predicted_demand_blocks=demand,
             num_preemptions=self._num_preemptions,
         )
+
+
+def _drop_newest_kv(waiting: list[DecodeSeq], need: int, free: int) -> list[int]:
+    """The waiting requests whose KV to drop, the newest first, until ``need`` blocks fit in
+    ``free`` (or none holding any is left)."""
+    dropped = []
+    for seq in reversed(waiting):
+        if need <= free:
+            break
+        if seq.num_held_blocks:
+            dropped.append(seq.req_id)
+            free += seq.num_held_blocks
+    return dropped
 
 
 class _RecomputeChunk:
