@@ -436,5 +436,40 @@ def test_the_kv_of_waiting_requests_goes_before_a_running_request_is_preempted()
     adm.on_done(plan, set())
     assert adm.running_ids == (1,) and len(adm) == 3
     assert adm.load().num_preemptions == 1
-    again = adm.plan(num_free_blocks=2)  # 3 lost its KV: it recomputes whole when it starts
-    assert 3 not in again.admit.req_ids
+    adm.remove(2)  # (aborted): 3 is the waiting head, and lost its KV
+    assert adm.head_need() == 3  # its whole context, 48 tokens
+    again = adm.plan(num_free_blocks=20 - 8)  # 1 holds 8
+    assert again.admit.recompute_ids == (3,) and again.recompute == ((3, 48, 48),)
+
+
+def test_the_kv_of_waiting_requests_goes_only_where_it_covers_the_shortfall() -> None:
+    """Two running requests each need a block, none is free, and a waiting one holds one:
+    dropping it would not save a preemption, so it keeps its KV and the newest running
+    request is preempted alone (as before)."""
+    adm = DecodeAdmission("greedy", block_size=16, num_total_blocks=20, max_batch=2,
+                          watermark=0)
+    adm.add(1, 31, 32, 0, 500)
+    adm.add(2, 31, 32, 0, 500)
+    adm.on_done(adm.plan(20), set())  # both at 33 tokens: 3 blocks each next step
+    adm.add(3, 15, 16, 0, 500)  # 1 block held, waiting (max_batch 2)
+    plan = adm.plan(num_free_blocks=0)
+    assert plan.preempt.req_ids == (2,) and plan.run_ids == (1,)
+    off = DecodeAdmission("greedy", block_size=16, num_total_blocks=20, max_batch=1,
+                          watermark=0, waiting_kv_first=False)
+    off.add(1, 31, 32, 0, 500)
+    off.on_done(off.plan(20), set())
+    off.add(3, 15, 16, 0, 500)
+    assert off.plan(num_free_blocks=0).preempt.req_ids == (1,)  # off: the running one goes
+
+
+def test_a_hand_off_does_not_take_the_blocks_the_batch_or_the_waiting_head_needs() -> None:
+    """``has_room_for``: a decode worker pulled a hand-off into the blocks its running batch
+    needed next step; the newcomer, the newest waiting request, then lost that KV at once (a
+    wasted transfer, and its prompt recomputed on the decode worker)."""
+    adm = DecodeAdmission("greedy", block_size=16, num_total_blocks=20, watermark=0)
+    adm.add(1, 31, 32, 0, 500)
+    adm.on_done(adm.plan(18), set())  # 33 tokens: the next step needs a third block
+    assert not adm.has_room_for(2, num_free_blocks=2)
+    assert adm.has_room_for(2, num_free_blocks=3)
+    adm.add(2, 48, 49, 0, 500)  # waiting head with its KV, its step needs one more block
+    assert adm.head_need() == 1 and not adm.has_room_for(2, num_free_blocks=3)

@@ -19,9 +19,10 @@ Estimates (``tail``): without one (``decode.estimate = "bucket"``) a request's p
 is the lower end of its bucket (``bucket * granularity``, capped at ``max_tokens``), as in the
 paper. The paper leaves mispredictions open; here a request that reaches its estimate and keeps
 going gets the estimate raised one bucket at a time, and when blocks run out anyway the KV of
-requests waiting for admission is dropped first (the newest first), then the most recently
-admitted request is preempted. With a ``LengthTail`` (``"refined"``) the estimate is the
-expected output given the bucket and the tokens generated so far, updated every step
+requests waiting for admission is dropped instead where it covers the shortfall (the newest
+first), else the most recently admitted request is preempted. With a ``LengthTail``
+(``"refined"``) the estimate is the expected output given the bucket and the tokens generated
+so far, updated every step
 (``policy/remaining.py``), and the preempted request is the one expected to run longest (the
 newest on ties): it would hold and grow its blocks longest, while one about to finish frees
 its own soon.
@@ -45,9 +46,10 @@ ESTIMATES: tuple[EstimateName, ...] = ("bucket", "refined")
 
 @dataclass(frozen=True)
 class PreemptPlan:
-    """Requests to evict, newest admission first: the runtime frees their KV blocks and keeps
-    their tokens; running ones return to the head of the waiting queue, waiting ones keep their
-    place; all are recomputed when admitted."""
+    """Requests to evict (running ones the newest admission first, or waiting ones the newest
+    first): the runtime frees their KV blocks and keeps their tokens; running ones return to
+    the head of the waiting queue, waiting ones keep their place; all are recomputed (their
+    prompt and every token generated) when admitted."""
 
     req_ids: tuple[int, ...] = ()
 
@@ -136,6 +138,9 @@ class DecodeAdmission:
     oldest admission first; a running one computes at least one, and a waiting request that must
     recompute does not start in a step with none left); 0: a whole context in one step.
     ``plan``'s ``recompute_room`` lowers it for one step (the room a step's token cap leaves).
+    ``waiting_kv_first``: the KV of waiting requests goes before a running request is
+    preempted, where it covers the shortfall (off on a prefill worker, whose waiting kept
+    requests go to a decode worker with their KV instead).
     """
 
     def __init__(
@@ -150,6 +155,7 @@ class DecodeAdmission:
         watermark: float = 0.01,
         tail: LengthTail | None = None,
         recompute_chunk: int = 0,
+        waiting_kv_first: bool = True,
     ) -> None:
         if policy not in DECODE_POLICIES:
             raise ValueError(f"decode policy must be one of {DECODE_POLICIES}, got {policy!r}")
@@ -166,6 +172,7 @@ class DecodeAdmission:
         self.num_watermark_blocks = int(watermark * num_total_blocks)
         self.tail = tail  # None: the bucket estimate; else the refined one
         self.recompute_chunk = recompute_chunk
+        self.waiting_kv_first = waiting_kv_first
         self._waiting: list[DecodeSeq] = []  # FCFS; preempted requests go back to the head
         self._running: dict[int, DecodeSeq] = {}  # insertion order == admission order
         self._num_preemptions = 0
@@ -310,6 +317,14 @@ class DecodeAdmission:
             free -= num_blocks_for(seqs[r].num_tokens, self.block_size) - held
         return free
 
+    def has_room_for(self, num_blocks: int, num_free_blocks: int) -> bool:
+        """Whether a request arriving with ``num_blocks`` of KV (a hand-off) may take them: the
+        blocks the running batch's next step needs and those the waiting head needs to start
+        (``head_need``) stay free. Otherwise the newcomer would be the first waiting request
+        whose KV goes when the batch grows (``_evict_for_batch``), its transfer wasted."""
+        step_need = sum(s.num_step_blocks(self.block_size) for s in self._running.values())
+        return num_free_blocks - num_blocks >= step_need + self.head_need()
+
     def head_need(self, plan: DecodeStepPlan | None = None) -> int:
         """Blocks the request at the head of the waiting queue after ``plan`` (None: with no
         plan yet) needs to start: a request preempted by the plan (the oldest admitted), else
@@ -335,11 +350,14 @@ class DecodeAdmission:
         return max(0, self.free_after(plan, num_free_blocks) - self.head_need(plan))
 
     def _evict_for_batch(self, step_need: int, free: int) -> list[int]:
-        """When the running batch's next step needs more blocks than are free, the KV of
-        requests waiting for admission goes first, the newest first (a waiting request
-        recomputes its prompt and one token; a running one would recompute all it generated
-        too, and its stream would stall: vLLM's waiting requests hold no KV at all). Running
-        requests are preempted only for what that does not free."""
+        """When the running batch's next step needs more blocks than are free and the KV of
+        requests waiting for admission covers the shortfall, that KV goes instead of a running
+        request, the newest first: a running request's stream would stall, and vLLM's waiting
+        requests hold no KV at all. When it does not cover it, running requests are preempted
+        as before and the waiting keep theirs. Off with ``waiting_kv_first=False``."""
+        if not self.waiting_kv_first or step_need <= free or (
+                free + sum(s.num_held_blocks for s in self._waiting) < step_need):
+            return []
         return _drop_newest_kv(self._waiting, step_need, free)
 
     def _evict_waiting(self, running: list[DecodeSeq], victims: list[int],

@@ -23,6 +23,7 @@ from tetri_server.policy import (
     coupled_chunked_plan,
     mixed_chunk,
 )
+from tetri_server.policy.chunker import num_blocks_for
 from tetri_server.policy.dispatch import Dispatcher
 from tetri_server.policy.prefill import ChunkSlice
 from tetri_server.policy.prefill_book import PrefillBook, Stage
@@ -82,7 +83,8 @@ class PrefillInstance(_Decoding):
                                          num_total_blocks=num_blocks,
                                          max_batch=max(1, cfg.local_decode_batch),
                                          tail=sim.length_tail("oracle"),
-                                         recompute_chunk=cfg.recompute_tokens)
+                                         recompute_chunk=cfg.recompute_tokens,
+                                         waiting_kv_first=False)  # PrefillRole's
         self.seqs = {}  # the kept requests (DECODING in the book)
         self.num_kept = 0  # requests kept in all
         self.num_handed_back = 0  # kept requests handed to a decode instance after all
@@ -348,7 +350,10 @@ class DecodeInstance(_Decoding):
             req: SimRequest = msg[2]
             num_tokens: int = msg[3]  # prompt + first token, + what a prefill worker decoded
             seq = SimSeq(req, num_tokens, num_computed=num_tokens - 1)
-            if not reserve(self.alloc, seq, seq.num_computed, self.block_size):
+            # DecodeRole.receive: the batch's next step keeps its blocks
+            if not self.admission.has_room_for(
+                    num_blocks_for(seq.num_computed, self.block_size), self.alloc.num_free) \
+                    or not reserve(self.alloc, seq, seq.num_computed, self.block_size):
                 self.sim.send(src, ("rejected", req.req_id))
                 return
             self.pulling[req.req_id] = (seq, src)

@@ -7,7 +7,8 @@ pure policies as the disaggregated roles.
                      ``prefill.token_budget`` tokens (``policy.coupled_chunked_plan``).
 
 Prompts wait in a ``PrefillQueue``; a request whose prompt is done joins a greedy
-``DecodeAdmission``, which decides the batch and its preemptions (the newest first, or with
+``DecodeAdmission``, which decides the batch and its preemptions (the KV of prefilled requests
+waiting for admission where it covers the shortfall, else the newest running one, or with
 ``decode.estimate = "refined"`` the one expected to run longest; recomputed when re-admitted).
 ``CoupledLoop`` is channel-free: the coupled worker and the in-process ``LLMEngine`` both run
 it.

@@ -37,6 +37,7 @@ from tetri_server.policy import (
     StepTimes,
     coupled_chunked_plan,
 )
+from tetri_server.policy.chunker import num_blocks_for
 from tetri_server.policy.prefill import ChunkSlice
 from tetri_server.predictor import PredictorError
 from tetri_server.workers.base import Role, Worker, length_tail
@@ -95,6 +96,11 @@ class DecodeRole(Role):
                        predicted_bucket=h.predicted_bucket, predicted_len=h.predicted_len)
         seq.num_computed = seq.num_tokens - 1  # the last sampled token has no KV yet
         seq.num_emitted = seq.num_output  # the prefill worker streamed these
+        if not self.admission.has_room_for(num_blocks_for(seq.num_computed, self.w.block_size),
+                                           self.w.allocator.num_free):
+            self.w.send(HandoffRejected(h.req_id, "decode worker's free blocks are its "
+                                                  "running batch's next step"))
+            return
         if not self.w.kv.reserve(seq, seq.num_computed):
             self.w.send(HandoffRejected(h.req_id, "decode worker has no free blocks"))
             return

@@ -99,7 +99,10 @@ class PrefillRole(Role):
                                          num_total_blocks=w.allocator.num_blocks,
                                          max_batch=max(1, num_local),
                                          tail=length_tail(cfg, cfg.predictor.kind),
-                                         recompute_chunk=cfg.decode.recompute_tokens)
+                                         recompute_chunk=cfg.decode.recompute_tokens,
+                                         # a waiting kept request keeps its KV to be handed
+                                         # back whole (_hand_back)
+                                         waiting_kv_first=False)
 
     def chunk_size(self) -> int:
         return self._chunk_size
