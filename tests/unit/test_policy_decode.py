@@ -473,3 +473,18 @@ def test_a_hand_off_does_not_take_the_blocks_the_batch_or_the_waiting_head_needs
     assert adm.has_room_for(2, num_free_blocks=3)
     adm.add(2, 48, 49, 0, 500)  # waiting head with its KV, its step needs one more block
     assert adm.head_need() == 1 and not adm.has_room_for(2, num_free_blocks=3)
+
+
+def test_free_after_and_head_need_count_the_waiting_kv_a_plan_drops() -> None:
+    """The prompt room beside a plan that dropped waiting KV: its blocks come back
+    (``free_after``), and a dropped head needs its whole context to start (``head_need``)."""
+    adm = DecodeAdmission("greedy", block_size=16, num_total_blocks=20, max_batch=1,
+                          watermark=0)
+    adm.add(1, 31, 32, 0, 500)
+    adm.on_done(adm.plan(20), set())  # 33 tokens: a third block next step
+    adm.add(2, 47, 48, 0, 500)  # waiting (max_batch 1), 3 blocks held
+    plan = adm.plan(num_free_blocks=0)
+    assert plan.preempt.req_ids == (2,) and plan.run_ids == (1,)
+    assert adm.free_after(plan, 0) == 3 - 1  # 2's blocks back, 1's third block taken
+    assert adm.head_need(plan) == 3  # 2 starts again from its whole context
+    assert adm.prompt_room(plan, 0) == 0
