@@ -158,10 +158,7 @@ def build_requests(args: argparse.Namespace) -> Built:
     names: list[str] = []
     for item in args.workload or ["Mixed"]:
         names += [*CLASSES, "Mixed"] if item == "all" else item.split(",")
-    max_len = args.max_model_len or (model_max_len(args.model) if args.model else None)
-    if max_len is None:
-        max_len = DEFAULT_MAX_MODEL_LEN
-        print(f"max_model_len not given: using {max_len}", file=sys.stderr)
+    max_len = max_model_len_of(args, note=True)
     rate, per = parse_rate_items(args.rate)
     folder = data.data_dir(args.data_dir)
     vocab = workload_vocab(args)
@@ -208,6 +205,11 @@ def sweep_workloads(args: argparse.Namespace, rates: Sequence[float]) -> Built:
     return built
 
 
-def max_model_len_of(args: argparse.Namespace) -> int:
-    return int(args.max_model_len or (model_max_len(args.model) if args.model else 0)
-               or DEFAULT_MAX_MODEL_LEN)
+def max_model_len_of(args: argparse.Namespace, *, note: bool = False) -> int:
+    """``--max-model-len``, else the model's, else the default (``note``: say so on stderr)."""
+    got = args.max_model_len or (model_max_len(args.model) if args.model else None)
+    if got:
+        return int(got)
+    if note:
+        print(f"max_model_len not given: using {DEFAULT_MAX_MODEL_LEN}", file=sys.stderr)
+    return DEFAULT_MAX_MODEL_LEN

@@ -39,7 +39,7 @@ def coupled_step_plan(
     decode = admission.plan(num_free_blocks,
                             recompute_room=token_budget - len(admission.running_ids))
     slices = coupled_chunked_plan(queue, decode.run_ids,
-                                  token_budget - (decode.num_tokens - len(decode.run_ids)),
+                                  token_budget - decode.num_recompute_tokens,
                                   max_seqs=room + len(decode.run_ids),
                                   num_free_blocks=admission.prompt_room(decode, num_free_blocks),
                                   block_size=block_size).slices

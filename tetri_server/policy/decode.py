@@ -30,7 +30,7 @@ its own soon.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -94,9 +94,20 @@ class DecodeStepPlan:
         return [[r, n] for r, n, _ in self.recompute]
 
     @property
+    def recompute_log(self) -> dict[str, list[list[int]]]:
+        """The decision logs' ``recompute_tokens`` field, or nothing without a recompute."""
+        return {"recompute_tokens": self.recompute_tokens} if self.recompute else {}
+
+    @property
+    def num_recompute_tokens(self) -> int:
+        """Tokens the recomputing rows compute beyond one a row: what they take of a step's
+        prompt budget."""
+        return sum(n - 1 for _, n, _ in self.recompute)
+
+    @property
     def num_tokens(self) -> int:
         """Tokens the batch's rows compute this step."""
-        return len(self.run_ids) + sum(n - 1 for _, n, _ in self.recompute)
+        return len(self.run_ids) + self.num_recompute_tokens
 
     def without(self, req_ids: Collection[int]) -> DecodeStepPlan:
         """The plan with ``req_ids`` neither run nor admitted this step (a running one keeps
@@ -239,7 +250,7 @@ class DecodeAdmission:
         """Decide this step's preemptions and admissions. Pure. ``recompute_room``: at most this
         many recompute tokens this step (at least 1), below ``recompute_chunk``."""
         running = list(self._running.values())
-        step_need = sum(s.num_step_blocks(self.block_size) for s in running)
+        step_need = self._step_need(running)
         free = num_free_blocks
         evicted = self._evict_for_batch(step_need, free)
         free += sum(s.num_held_blocks for s in self._waiting if s.req_id in evicted)
@@ -322,8 +333,12 @@ class DecodeAdmission:
         blocks the running batch's next step needs and those the waiting head needs to start
         (``head_need``) stay free. Otherwise the newcomer would be the first waiting request
         whose KV goes when the batch grows (``_evict_for_batch``), its transfer wasted."""
-        step_need = sum(s.num_step_blocks(self.block_size) for s in self._running.values())
+        step_need = self._step_need(self._running.values())
         return num_free_blocks - num_blocks >= step_need + self.head_need()
+
+    def _step_need(self, running: Iterable[DecodeSeq]) -> int:
+        """New blocks the next step of ``running`` needs."""
+        return sum(s.num_step_blocks(self.block_size) for s in running)
 
     def head_need(self, plan: DecodeStepPlan | None = None) -> int:
         """Blocks the request at the head of the waiting queue after ``plan`` (None: with no

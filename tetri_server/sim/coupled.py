@@ -68,8 +68,7 @@ class CoupledInstance(_Decoding):
                         recompute=[] if d is None else list(d.admit.recompute_ids),
                         preempt=[] if d is None else list(d.preempt.req_ids),
                         slices=slice_list(planned), pad=0, free=free,
-                        **({"recompute_tokens": d.recompute_tokens}
-                           if d is not None and d.recompute else {}))
+                        **({} if d is None else d.recompute_log))
         items = [] if decode is None else self.decode_items(decode)
         num_sampled = 0 if decode is None else self.num_sampled(decode)
         slices = self.reserve_slices(planned, items)

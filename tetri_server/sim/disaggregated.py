@@ -160,15 +160,15 @@ class PrefillInstance(_Decoding):
         decode = self.admission.plan(free, recompute_room=self.kept_step_tokens(
             finishing=True, num_rows=rows) - rows)
         tokens = self.kept_step_tokens(finishing=True, num_rows=len(decode.run_ids))
-        num_recompute = decode.num_tokens - len(decode.run_ids)  # count against the chunk
-        slices = coupled_chunked_plan(self.book.queue, decode.run_ids, tokens - num_recompute,
+        num_left = tokens - decode.num_recompute_tokens  # a recompute's count against the chunk
+        slices = coupled_chunked_plan(self.book.queue, decode.run_ids, num_left,
                                       num_free_blocks=self.admission.free_after(decode, free),
                                       block_size=self.block_size,
                                       overtake_share=self.chunker.overtake_share).slices
         self.num_planned += 1
         self.record("mixed_step", run=list(decode.run_ids), preempt=list(decode.preempt.req_ids),
                     fail=list(decode.fail_ids), slices=slice_list(slices),
-                    **({"recompute_tokens": decode.recompute_tokens} if decode.recompute else {}))
+                    **decode.recompute_log)
         items = self.decode_items(decode)
         num_sampled = self.num_sampled(decode)
         for req_id in decode.fail_ids:
@@ -377,7 +377,7 @@ class DecodeInstance(_Decoding):
         plan = self.admission.plan(free)
         slices: tuple[ChunkSlice, ...] = ()
         if len(self.queue):  # a recompute's tokens count against the prompt tokens
-            num_prompt = max(0, self.prompt_budget - (plan.num_tokens - len(plan.run_ids)))
+            num_prompt = max(0, self.prompt_budget - plan.num_recompute_tokens)
             slices = coupled_chunked_plan(
                 self.queue, plan.run_ids, len(plan.run_ids) + num_prompt,
                 num_free_blocks=self.admission.prompt_room(plan, free),
@@ -387,8 +387,7 @@ class DecodeInstance(_Decoding):
             self.record("decode_step", run=list(plan.run_ids), admit=list(plan.admit.req_ids),
                         preempt=list(plan.preempt.req_ids), fail=list(plan.fail_ids), free=free,
                         **({"slices": slice_list(slices)} if slices else {}),
-                        **({"recompute_tokens": plan.recompute_tokens}
-                           if plan.recompute else {}))
+                        **plan.recompute_log)
         items = self.decode_items(plan)
         num_decode = len(items)
         num_sampled = self.num_sampled(plan)

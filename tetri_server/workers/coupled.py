@@ -169,8 +169,7 @@ class CoupledLoop:
                    preempt=[] if d is None else list(d.preempt.req_ids),
                    slices=[[p.req_id, p.start, p.num_tokens] for p in plan.slices],
                    pad=plan.num_pad, free=self.kv.allocator.num_free,
-                   **({"recompute_tokens": d.recompute_tokens}
-                      if d is not None and d.recompute else {}))
+                   **({} if d is None else d.recompute_log))
 
     def _decode_items(self, decode: DecodeStepPlan | None
                       ) -> tuple[list[ScheduledSeq], DecodeStepPlan | None]:

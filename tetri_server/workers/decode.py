@@ -132,7 +132,7 @@ class DecodeRole(Role):
         plan = self.admission.plan(free)
         slices: tuple[ChunkSlice, ...] = ()
         if len(self.queue):  # a recompute's tokens count against the prompt tokens
-            num_prompt = max(0, self.prompt_budget - (plan.num_tokens - len(plan.run_ids)))
+            num_prompt = max(0, self.prompt_budget - plan.num_recompute_tokens)
             slices = coupled_chunked_plan(
                 self.queue, plan.run_ids, len(plan.run_ids) + num_prompt,
                 num_free_blocks=self.admission.prompt_room(plan, free),
@@ -144,8 +144,7 @@ class DecodeRole(Role):
                        preempt=list(plan.preempt.req_ids), fail=list(plan.fail_ids),
                        free=free, **({"slices": [[p.req_id, p.start, p.num_tokens]
                                                  for p in slices]} if slices else {}),
-                       **({"recompute_tokens": plan.recompute_tokens}
-                          if plan.recompute else {}))
+                       **plan.recompute_log)
         items, dropped, plan = carry_out(plan, self.seqs, self.w.kv)
         for req_id in dropped:
             self.w.send(RequestFailed(req_id, "request no longer fits this worker's KV pool"))

@@ -213,8 +213,8 @@ class PrefillRole(Role):
         decode = self.admission.plan(free, recompute_room=self._kept_step_tokens(
             finishing=True, num_rows=rows) - rows)
         tokens = self._kept_step_tokens(finishing=True, num_rows=len(decode.run_ids))
-        num_recompute = decode.num_tokens - len(decode.run_ids)  # count against the chunk
-        slices = coupled_chunked_plan(book.queue, decode.run_ids, tokens - num_recompute,
+        num_left = tokens - decode.num_recompute_tokens  # a recompute's count against the chunk
+        slices = coupled_chunked_plan(book.queue, decode.run_ids, num_left,
                                       num_free_blocks=self.admission.free_after(decode, free),
                                       block_size=self.w.block_size,
                                       overtake_share=self.chunker.overtake_share).slices
@@ -222,8 +222,7 @@ class PrefillRole(Role):
         self.w.decisions.record("mixed_step", run=list(decode.run_ids),
                                 preempt=list(decode.preempt.req_ids), fail=list(decode.fail_ids),
                                 slices=[[p.req_id, p.start, p.num_tokens] for p in slices],
-                                **({"recompute_tokens": decode.recompute_tokens}
-                                   if decode.recompute else {}))
+                                **decode.recompute_log)
         local = {rid: book.get(rid) for rid in book.ids(Stage.DECODING)}
         planned = decode.run_ids
         items, dropped, decode = carry_out(decode, local, self.w.kv)
