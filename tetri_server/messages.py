@@ -302,6 +302,9 @@ class LoadReport(msgspec.Struct, tag=True, array_like=True):
     # that has been (policy.StepTimes; 0: idle, or no step yet)
     step_s: float = 0.0
     fastest_step_s: float = 0.0
+    # cumulative: requests waiting for admission whose KV was dropped (num_preemptions counts
+    # only running requests)
+    num_kv_drops: int = 0
 
 
 # ------------------------------------------------ prefill <-> decode (forwarded by control)

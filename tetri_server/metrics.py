@@ -98,6 +98,7 @@ class _WorkerTotals:
 
     busy_s: float = 0.0
     preemptions: int = 0
+    kv_drops: int = 0
 
 
 def _increment(last: float, now: float) -> float:
@@ -151,7 +152,12 @@ class Metrics:
         self.workers_up = gauge("tetri_worker_up",
                                 "1 while the worker is ready and serving, else 0.", "worker")
         self.preemptions = counter(
-            "tetri_preemptions", "Requests preempted (KV dropped, recomputed later).").labels(m)
+            "tetri_preemptions",
+            "Running requests preempted (KV dropped, recomputed later).").labels(m)
+        self.kv_drops = counter(
+            "tetri_waiting_kv_drops",
+            "Requests waiting for admission whose KV was dropped to make room for running ones "
+            "(recomputed when admitted; not preempted: they were not running).").labels(m)
         self.worker_busy = counter(
             "tetri_worker_busy_seconds",
             "Seconds each worker spent executing model steps, by the role it had.",
@@ -275,10 +281,12 @@ class Metrics:
         blocks_total: int,
         busy_s: float,
         num_preemptions: int = 0,
+        num_kv_drops: int = 0,
         step_s: float | None = None,
     ) -> None:
-        """One worker's load report: KV usage now, and its *cumulative* busy seconds and
-        preemptions since it started (as in ``LoadReport``); a decode worker's ``step_s``."""
+        """One worker's load report: KV usage now, and its *cumulative* busy seconds,
+        preemptions and waiting requests' KV drops since it started (as in ``LoadReport``); a
+        decode worker's ``step_s``."""
         key, m = str(worker), self.model_name
         if step_s is not None:
             self.decode_step.labels(m, key).set(step_s)
@@ -288,7 +296,8 @@ class Metrics:
         last = self._workers.setdefault(key, _WorkerTotals())
         self.worker_busy.labels(m, key, role).inc(_increment(last.busy_s, busy_s))
         self.preemptions.inc(_increment(last.preemptions, num_preemptions))
-        last.busy_s, last.preemptions = busy_s, num_preemptions
+        self.kv_drops.inc(_increment(last.kv_drops, num_kv_drops))
+        last.busy_s, last.preemptions, last.kv_drops = busy_s, num_preemptions, num_kv_drops
 
     def observe_phase(self, phase: str, seconds: float) -> None:
         """One request's time in ``phase`` (``prefill`` or ``handoff``)."""

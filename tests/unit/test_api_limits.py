@@ -190,6 +190,7 @@ def test_metrics_page_parses_and_has_every_metric(api: ApiHarness) -> None:
         "tetri_e2e_request_latency_seconds_count",
         "tetri_worker_busy_seconds_total",
         "tetri_preemptions_total",
+        "tetri_waiting_kv_drops_total",
         "tetri_requests_total",
     ):
         assert want in names, want

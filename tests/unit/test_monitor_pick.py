@@ -183,3 +183,18 @@ def test_a_request_routed_in_a_decode_outage_waits_bounded_only_while_it_lasts()
     parked = table.add([1] * 10, SamplingParams(max_tokens=4), "", None)
     table.park(parked, late)  # no worker at all could take it: it still waits for one
     assert table.expired(late + 1, decode_serving=True) == [parked]
+
+
+def test_dropped_waiting_kv_is_its_own_counter_not_a_preemption() -> None:
+    """Regression (review of session 49): a decode worker that drops the KV of requests
+    waiting for admission (to keep its running batch going) reported them as preemptions, so
+    ``tetri_preemptions`` said running streams were stalled and recomputed when none was. The
+    report now carries them apart, through the channel's encoding, and /metrics shows them as
+    ``tetri_waiting_kv_drops``."""
+    monitor, workers = pair_monitor()
+    sent = msgspec.structs.replace(report(1, "decode", 0), num_preemptions=1, num_kv_drops=3)
+    got = msgspec.msgpack.decode(msgspec.msgpack.encode(sent), type=LoadReport)
+    monitor.on_report(workers[1], got)
+    text = monitor.metrics.render().decode()
+    assert 'tetri_preemptions_total{model_name="m"} 1.0' in text
+    assert 'tetri_waiting_kv_drops_total{model_name="m"} 3.0' in text

@@ -435,7 +435,8 @@ def test_the_kv_of_waiting_requests_goes_before_a_running_request_is_preempted()
     assert plan.run_ids == (1,) and plan.admit.req_ids == ()
     adm.on_done(plan, set())
     assert adm.running_ids == (1,) and len(adm) == 3
-    assert adm.load().num_preemptions == 1
+    # counted as a waiting request's KV drop, not as a preemption: nothing running stopped
+    assert adm.load().num_preemptions == 0 and adm.load().num_kv_drops == 1
     adm.remove(2)  # (aborted): 3 is the waiting head, and lost its KV
     assert adm.head_need() == 3  # its whole context, 48 tokens
     again = adm.plan(num_free_blocks=20 - 8)  # 1 holds 8

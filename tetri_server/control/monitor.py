@@ -72,7 +72,7 @@ class Monitor:
         self.metrics.set_worker(
             h.worker_id, h.role, blocks_used=msg.num_total_blocks - msg.num_free_blocks,
             blocks_total=msg.num_total_blocks, busy_s=msg.busy_s,
-            num_preemptions=msg.num_preemptions,
+            num_preemptions=msg.num_preemptions, num_kv_drops=msg.num_kv_drops,
             step_s=msg.step_s if msg.role == "decode" else None)
         return emptied
 

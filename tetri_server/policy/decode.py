@@ -130,7 +130,8 @@ class DecodeLoad:
     num_heavy: int
     num_light: int
     predicted_demand_blocks: int  # blocks still to be taken by known requests, by estimate
-    num_preemptions: int  # cumulative
+    num_preemptions: int  # cumulative: running requests whose KV was dropped
+    num_kv_drops: int = 0  # cumulative: waiting requests whose KV was dropped (not running)
 
 
 class DecodeAdmission:
@@ -187,6 +188,7 @@ class DecodeAdmission:
         self._waiting: list[DecodeSeq] = []  # FCFS; preempted requests go back to the head
         self._running: dict[int, DecodeSeq] = {}  # insertion order == admission order
         self._num_preemptions = 0
+        self._num_kv_drops = 0
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -405,7 +407,7 @@ class DecodeAdmission:
         for req_id in plan.preempt.req_ids:
             if req_id in waiting:  # evicted while waiting: keeps its place, loses its KV
                 waiting[req_id].num_held_blocks = waiting[req_id].num_kv_tokens = 0
-                self._num_preemptions += 1
+                self._num_kv_drops += 1
         waiting = {s.req_id: s for s in self._waiting}
         for req_id in plan.admit.req_ids:
             seq = waiting.get(req_id)
@@ -443,6 +445,7 @@ class DecodeAdmission:
             num_light=len(seqs) - num_heavy,
             predicted_demand_blocks=demand,
             num_preemptions=self._num_preemptions,
+            num_kv_drops=self._num_kv_drops,
         )
 
 

@@ -21,6 +21,7 @@ from tetri_server.policy import (
     DECODE_POLICIES,
     ESTIMATES,
     PREFILL_ORDERS,
+    DecodeLoad,
     DecodePolicyName,
     EstimateName,
     FlipPlan,
@@ -133,7 +134,8 @@ class SimConfig:
 @dataclass
 class SimResult:
     requests: list[SimRequest]
-    instances: list[dict[str, object]]  # per instance: id, role, busy_s, steps, preemptions
+    instances: list[dict[str, object]]  # per instance: id, role, busy_s, steps, preemptions,
+    # kv_drops (waiting requests' KV dropped)
     duration_s: float  # virtual: 0 to the last request's end
     num_events: int
     wall_s: float  # real seconds the simulation took
@@ -200,7 +202,8 @@ class Simulation:
             requests=self.requests,
             instances=[dict(id=i.worker_id, role=i.role, busy_s=i.busy_s, steps=i.num_steps,
                             active_s=i.last_end_s - i.first_start_s if i.num_steps else 0.0,
-                            preemptions=_num_preemptions(i)) for i in self.instances],
+                            preemptions=_load(i).num_preemptions,
+                            kv_drops=_load(i).num_kv_drops) for i in self.instances],
             duration_s=max(ends, default=0.0),
             num_events=self.loop.num_handled,
             wall_s=time.perf_counter() - wall0,
@@ -329,9 +332,10 @@ class Simulation:
             self.on_finished(req)
 
 
-def _num_preemptions(inst: Instance) -> int:
+def _load(inst: Instance) -> DecodeLoad:
+    """An instance's decode-side counts (all 0 where it has no admission)."""
     admission = getattr(inst, "admission", None)
-    return 0 if admission is None else admission.load().num_preemptions
+    return DecodeLoad(0, 0, 0, 0, 0, 0) if admission is None else admission.load()
 
 
 def load_tail(kind: str, granularity: int) -> LengthTail:

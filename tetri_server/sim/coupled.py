@@ -95,4 +95,5 @@ class CoupledInstance(_Decoding):
                           num_free_blocks=self.alloc.num_free,
                           num_total_blocks=self.alloc.num_blocks, num_heavy=0, num_light=0,
                           predicted_demand_blocks=0, busy_s=self.busy_s,
-                          num_preemptions=load.num_preemptions)
+                          num_preemptions=load.num_preemptions,
+                          num_kv_drops=load.num_kv_drops)

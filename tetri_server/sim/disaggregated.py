@@ -310,7 +310,8 @@ class PrefillInstance(_Decoding):
         return LoadReport(self.worker_id, "prefill", book.count(Stage.NEW, Stage.QUEUED),
                           book.count(Stage.HELD, Stage.HANDED_OFF, Stage.DECODING),
                           book.num_waiting_prompt_tokens(),
-                          self.alloc.num_free, self.alloc.num_blocks, 0, 0, 0, self.busy_s)
+                          self.alloc.num_free, self.alloc.num_blocks, 0, 0, 0, self.busy_s,
+                          self.admission.load().num_preemptions)  # its kept requests'
 
 
 class DecodeInstance(_Decoding):
@@ -420,4 +421,5 @@ class DecodeInstance(_Decoding):
                           self.alloc.num_free, self.alloc.num_blocks, load.num_heavy,
                           load.num_light, load.predicted_demand_blocks, self.busy_s,
                           load.num_preemptions, step_s=self.step_times.recent_s,
-                          fastest_step_s=self.step_times.fastest_s)
+                          fastest_step_s=self.step_times.fastest_s,
+                          num_kv_drops=load.num_kv_drops)

@@ -88,7 +88,7 @@ def paper_row(name: str, cost: CostModel, *, num_requests: int = 128, load: floa
     base2 = simulate(dataclasses.replace(vllm1, num_instances=2), cost, reqs)
     ttft, jct, res = PAPER_DELTAS[name]
     keep = ("ttft_mean_s", "jct_mean_s", "tpot_mean_s", "active_s", "resource_s", "busy_s",
-            "duration_s", "num_preemptions", "num_failed")
+            "duration_s", "num_preemptions", "num_kv_drops", "num_failed")
     return {
         **_deltas(tetri, base1),
         "equal_hardware": _deltas(tetri, base2),

@@ -38,6 +38,7 @@ def mode_metrics(result: SimResult, cfg: SimConfig, slo: SLO | None = None) -> d
         "active_s": sum(float(i["active_s"]) for i in result.instances),  # type: ignore[arg-type, misc]
         "perf_per_dollar": s.perf_per_dollar,
         "num_preemptions": sum(int(i["preemptions"]) for i in result.instances),  # type: ignore[call-overload]
+        "num_kv_drops": sum(int(i["kv_drops"]) for i in result.instances),  # type: ignore[call-overload]
         "instances": result.instances, "flips": result.flips,
         "sim_events": result.num_events, "sim_wall_s": result.wall_s,
         "summary": s.to_dict(),

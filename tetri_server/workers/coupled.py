@@ -242,4 +242,5 @@ class CoupledRole(Role):
                           num_queued_prompt_tokens=self.loop.queue.num_queued_tokens,
                           num_free_blocks=a.num_free, num_total_blocks=a.num_blocks,
                           num_heavy=0, num_light=0, predicted_demand_blocks=0,
-                          busy_s=self.w.busy_s, num_preemptions=self.loop.num_preemptions)
+                          busy_s=self.w.busy_s, num_preemptions=load.num_preemptions,
+                          num_kv_drops=load.num_kv_drops)

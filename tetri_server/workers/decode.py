@@ -208,5 +208,6 @@ class DecodeRole(Role):
                           num_light=load.num_light,
                           predicted_demand_blocks=load.predicted_demand_blocks,
                           busy_s=self.w.busy_s, num_preemptions=load.num_preemptions,
+                          num_kv_drops=load.num_kv_drops,
                           step_s=self.step_times.recent_s,
                           fastest_step_s=self.step_times.fastest_s)
