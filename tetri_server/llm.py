@@ -68,6 +68,7 @@ class LLMEngine:
                                 token_budget=budget, max_batch=cfg.decode.max_batch,
                                 max_prefill_tokens=max(self.max_model_len, budget),
                                 recompute_tokens=cfg.decode.recompute_tokens,
+                                waiting_kv_first=cfg.decode.waiting_kv_first,
                                 pad_chunks=pad_chunks)
         self.seqs = self.loop.seqs
 

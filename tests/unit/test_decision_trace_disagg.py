@@ -135,3 +135,14 @@ def test_the_disaggregated_roles_decide_as_the_golden_trace_says():
     for i, (g, w) in enumerate(zip(got, want, strict=False)):
         assert g == w, f"decision {i} differs:\n got  {g}\n want {w}"
     assert len(got) == len(want)
+
+
+def test_decode_waiting_kv_first_reaches_the_decode_worker() -> None:
+    """``decode.waiting_kv_first`` (new key): a decode worker's admission takes it from the
+    config; a prefill worker's kept requests never drop a waiting one's KV whatever it says."""
+    for on in (True, False):
+        w = FakeWorker(1, 48, [])
+        w.cfg = load_config(None, ["prefill.chunk_size=128",
+                                   f"decode.waiting_kv_first={str(on).lower()}"])
+        assert DecodeRole(w).admission.waiting_kv_first is on  # type: ignore[arg-type]
+        assert PrefillRole(w).admission.waiting_kv_first is False  # type: ignore[arg-type]

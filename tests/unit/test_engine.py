@@ -89,6 +89,14 @@ def test_preemption_under_memory_pressure_still_matches(model_dir):
     assert eng.allocator.num_free == 20
 
 
+@pytest.mark.parametrize("on", [True, False])
+def test_decode_waiting_kv_first_reaches_the_coupled_engine(model_dir, on):
+    """``decode.waiting_kv_first`` (new key): the coupled loop's admission takes it from the
+    config (the simulator's test shows what it changes)."""
+    eng = make_engine(str(model_dir("llama")), f"decode.waiting_kv_first={str(on).lower()}")
+    assert eng.loop.admission.waiting_kv_first is on
+
+
 @pytest.mark.parametrize(("mode", "sets", "bound"), [
     ("coupled-chunked", ("prefill.token_budget=64",), 64),  # the step's budget bounds it
     ("coupled", ("decode.recompute_tokens=32",), 32),

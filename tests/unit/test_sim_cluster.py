@@ -705,3 +705,29 @@ def test_a_prefill_instance_recomputes_a_kept_request_within_its_step_cap() -> N
     for r in mixed:
         rows = r["recompute_tokens"]
         assert len(r["run"]) - len(rows) + sum(n for _, n in rows) <= 64, r
+
+
+def test_decode_waiting_kv_first_switches_drops_of_waiting_kv_for_preemptions(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``[decode] waiting_kv_first`` (new; the rule of session 49 had no switch): on, the KV
+    of hand-offs waiting for admission goes before a running request is preempted, and counts
+    as ``num_kv_drops``; off (``--no-waiting-kv-first``, or false in the config), a running
+    request is preempted and the waiting keep their KV. Read from the config and the flag."""
+    from tetri_server.sim.cli import build_parser, sim_config
+
+    path = tmp_path / "c.toml"
+    path.write_text("[decode]\nwaiting_kv_first = false\n")
+    for argv, want in (([], True), (["--config", str(path)], False),
+                       (["--config", str(path), "--waiting-kv-first"], True),
+                       (["--no-waiting-kv-first"], False)):
+        args = build_parser().parse_args([*argv, "--json", str(tmp_path / "o")])
+        assert sim_config(args, v100()).waiting_kv_first is want, argv
+    counts = {}
+    for on in (True, False):
+        reqs = [SimRequest(i, 300, 400, 0.0) for i in range(8)]
+        cfg = SimConfig(num_kv_blocks=120, predictor_accuracy=1.0,
+                        decode_policy="reserve-static", waiting_kv_first=on)
+        predict(reqs, cfg)
+        out = simulate(cfg, v100(), reqs)
+        assert out["num_completed"] == 8
+        counts[on] = (out["num_preemptions"], out["num_kv_drops"])
+    assert counts[True] == (0, 2) and counts[False] == (1, 0)

@@ -157,6 +157,15 @@ class DecodeConfig(_Section):
     limit of its own, a whole context in one step on a decode worker and in coupled mode
     (before session 49). Decode, coupled and prefill workers (the requests a prefill worker
     keeps)."""
+    waiting_kv_first: bool = True
+    """When the running batch's next step needs more KV blocks than are free and the KV held
+    by requests waiting for admission (a hand-off's KV is pulled on arrival; a coupled
+    worker's prefilled prompts) covers the shortfall, that KV goes, the newest first, and is
+    recomputed when they are admitted; no running stream stalls (session 49;
+    ``tetri_waiting_kv_drops`` counts them). false: running requests are preempted first (the
+    newest admission, or the one expected to run longest) and waiting requests keep their KV.
+    Decode and coupled workers; a prefill worker's waiting kept requests always keep theirs
+    (they are handed back whole)."""
     local_prefill_tokens: int = 1024
     """Elastic P/D (disaggregated mode): control sends a prompt to a decode worker when it
     would finish there sooner (the prefill worker has over a chunk more queued ahead of it than

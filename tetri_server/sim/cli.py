@@ -54,6 +54,7 @@ CONFIG_KEYS = {
     ("decode", "policy"): "decode_policy", ("decode", "max_batch"): "max_batch",
     ("decode", "estimate"): "decode_estimate",
     ("decode", "recompute_tokens"): "recompute_tokens",
+    ("decode", "waiting_kv_first"): "waiting_kv_first",
     ("predictor", "heavy_decode_tokens"): "heavy_decode_tokens",
     ("dispatch", "policy"): "dispatch", ("dispatch", "seed"): "seed",
     ("monitor", "interval_ms"): "monitor_interval_ms",
@@ -84,7 +85,7 @@ FLAGS = {
     "local_prefill_max_gap_x": "local_prefill_max_gap_x",
     "decode_policy": "decode_policy", "decode_estimate": "decode_estimate",
     "max_batch": "max_batch", "granularity": "granularity",
-    "recompute_tokens": "recompute_tokens",
+    "recompute_tokens": "recompute_tokens", "waiting_kv_first": "waiting_kv_first",
     "predictor_accuracy": "predictor_accuracy", "predictor_model": "predictor_model",
     "predictor_miss": "predictor_miss", "dispatch": "dispatch", "seed": "seed",
     "monitor_interval_ms": "monitor_interval_ms",
@@ -194,6 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most tokens a step recomputes of requests preempted for KV blocks "
                         "(default 256, as the server's; 0: a whole context in one step; "
                         "--paper: 0)")
+    p.add_argument("--waiting-kv-first", action=argparse.BooleanOptionalAction, default=None,
+                   help="drop the KV of requests waiting for admission before a running request "
+                        "is preempted, where it covers the shortfall (default on, as the server)")
     p.add_argument("--granularity", type=int)
     p.add_argument("--predictor-accuracy", type=float, help="1.0 = oracle")
     p.add_argument("--predictor-miss", choices=("neighbour", "uniform"),

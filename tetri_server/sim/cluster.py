@@ -77,6 +77,7 @@ class SimConfig:
     decode_estimate: EstimateName = "bucket"
     max_batch: int = 256
     recompute_tokens: int = 256  # [decode] recompute_tokens (0: a preempted context in one step)
+    waiting_kv_first: bool = True  # [decode] waiting_kv_first (false: preempt running ones first)
     granularity: int = 200
     heavy_decode_tokens: int = 128
     predictor_accuracy: float = 1.0  # 1.0 = oracle

@@ -38,7 +38,7 @@ class CoupledInstance(_Decoding):
         self.admission = DecodeAdmission(
             "greedy", block_size=self.block_size, num_total_blocks=num_blocks,
             max_batch=cfg.max_batch, tail=sim.length_tail("none"),  # predicts nothing
-            recompute_chunk=cfg.recompute_tokens)
+            recompute_chunk=cfg.recompute_tokens, waiting_kv_first=cfg.waiting_kv_first)
         self.seqs = {}
         self._step: tuple[DecodeStepPlan | None, tuple[ChunkSlice, ...]] | None = None
 

@@ -331,7 +331,7 @@ class DecodeInstance(_Decoding):
             granularity=cfg.granularity, max_batch=cfg.max_batch,
             heavy_threshold=cfg.heavy_decode_tokens,
             tail=sim.length_tail("oracle"),  # buckets are true ones, with misses (sim/predictor)
-            recompute_chunk=cfg.recompute_tokens)
+            recompute_chunk=cfg.recompute_tokens, waiting_kv_first=cfg.waiting_kv_first)
         self.seqs = {}
         self.pulling: dict[int, tuple[SimSeq, PrefillInstance]] = {}
         self.link_free_s = 0.0  # the inbound link carries one hand-off at a time

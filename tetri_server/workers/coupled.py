@@ -65,8 +65,8 @@ class CoupledLoop:
     def __init__(self, runner: ModelRunner, kv: KVCacheManager, eos_token_ids: tuple[int, ...],
                  max_model_len: int, device: torch.device, *, chunked: bool, token_budget: int,
                  max_batch: int, max_prefill_tokens: int, recompute_tokens: int = 0,
-                 pad_chunks: bool = False, decisions: DecisionLog | None = None,
-                 tail: LengthTail | None = None) -> None:
+                 waiting_kv_first: bool = True, pad_chunks: bool = False,
+                 decisions: DecisionLog | None = None, tail: LengthTail | None = None) -> None:
         self.runner, self.kv = runner, kv
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
@@ -81,7 +81,7 @@ class CoupledLoop:
         self.admission = DecodeAdmission(
             "greedy", block_size=kv.block_size, num_total_blocks=kv.allocator.num_blocks,
             max_batch=max_batch, tail=tail,
-            recompute_chunk=recompute_tokens)
+            recompute_chunk=recompute_tokens, waiting_kv_first=waiting_kv_first)
         self.seqs: dict[int, Sequence] = {}
         self.failed: list[RequestFailed] = []  # for the caller to report, then clear
         self.decisions = decisions or DecisionLog()
@@ -211,7 +211,8 @@ class CoupledRole(Role):
             chunked=cfg.cluster.mode == "coupled-chunked", token_budget=cfg.prefill.token_budget,
             max_batch=cfg.decode.max_batch,
             max_prefill_tokens=max(w.max_model_len, cfg.prefill.token_budget),
-            recompute_tokens=cfg.decode.recompute_tokens, decisions=w.decisions,
+            recompute_tokens=cfg.decode.recompute_tokens,
+            waiting_kv_first=cfg.decode.waiting_kv_first, decisions=w.decisions,
             tail=length_tail(cfg, "none"))  # predicts nothing: bucket 0
 
     def handle(self, msg: object) -> None:

@@ -55,7 +55,8 @@ class DecodeRole(Role):
             max_batch=self.w.cfg.decode.max_batch,
             heavy_threshold=self.w.cfg.predictor.heavy_decode_tokens,
             tail=length_tail(w.cfg, w.cfg.predictor.kind),
-            recompute_chunk=w.cfg.decode.recompute_tokens)
+            recompute_chunk=w.cfg.decode.recompute_tokens,
+            waiting_kv_first=w.cfg.decode.waiting_kv_first)
         self.seqs: dict[int, Sequence] = {}  # handed off, and prompts routed here
         self.queue = PrefillQueue("fcfs")  # elastic: prompts this worker prefills itself
         self.prompt_budget = self.w.cfg.decode.local_prefill_tokens  # prompt tokens a step
