@@ -180,3 +180,36 @@ def test_split_prompt_parts_fits_each_message_and_joins_back_whole(k):
         if forward:
             got[d.req_id] = d.prompt_logprobs
     assert got == whole
+
+
+@pytest.mark.parametrize("family", ["llama", "opt"])
+def test_a_neighbour_asking_for_prompt_logprobs_changes_no_other_request_by_a_bit(model_dir,
+                                                                                  family):
+    """Regression: with a request asking for prompt logprobs in the step, the last layer ran
+    every row of the batch instead of only the rows read, and the other requests' logits came
+    out of a different computation (their logprobs differed by ~1e-6 from the same request
+    alone; a near-tie could flip a greedy token). Now the last layer runs the sampled rows
+    one by one and each prompt span as a group, whatever the batch: every request's sampled
+    logprobs and prompt logprobs are bit for bit the ones it gets alone."""
+    path = model_dir(family)
+    plain = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=True)
+    asks = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=True,
+                          prompt_logprobs=2)
+    a, b = random_prompts(2, 2000, (30, 60), seed=3)
+
+    def run(items):
+        eng = make_engine(str(path), "cluster.mode=coupled", "kv.num_blocks=400")
+        for i, (p, params) in enumerate(items):
+            eng.add_request(i, p, params)
+        out: dict[int, tuple[list[float], object]] = {}
+        while eng.has_unfinished():
+            for d in eng.step():
+                lps, prompt = out.get(d.req_id, ([], None))
+                out[d.req_id] = ([*lps, *(d.logprobs or [])],
+                                 d.prompt_logprobs if d.prompt_logprobs is not None else prompt)
+        return out
+
+    alone_a, alone_b, both = run([(a, plain)]), run([(b, asks)]), run([(a, plain), (b, asks)])
+    assert len(both[0][0]) == 6 and both[1][1] is not None
+    assert both[0] == alone_a[0]
+    assert both[1] == alone_b[0]

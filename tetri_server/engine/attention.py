@@ -14,6 +14,7 @@ the per-sequence SDPA loop, which is also the op's reference.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -36,9 +37,10 @@ class BatchMetadata:
     kv_starts) on the batch's device, for the attention op; made once per step (at
     construction when not given). Replace the metadata rather than edit its lists.
     ``sampled_only``: the metadata of the rows the step takes logits from, alone (see
-    ``rows_alone``), when those are fewer than the batch's rows and each is the last new row of
-    its sequence; the model's last layer then runs only them once every row's K/V is written.
-    None: the last layer runs every row.
+    ``rows_alone``: the sampled rows one by one, then each prompt span whose logprobs were
+    asked for as a group), when those are fewer than the batch's rows or a span is among them;
+    the model's last layer then runs only them once every row's K/V is written. None: the
+    last layer runs every row (a step of decode rows only).
     """
 
     q_starts: list[int]
@@ -76,17 +78,28 @@ class BatchMetadata:
         return m
 
 
-def rows_alone(meta: BatchMetadata, items: list[int]) -> BatchMetadata:
+def rows_alone(meta: BatchMetadata, items: list[int],
+               runs: Sequence[tuple[int, int, int]] = ()) -> BatchMetadata:
     """The metadata of a batch made of the last new row of each sequence ``items`` of ``meta``
-    (in that order): one query row each, at the same context and pool extent, so attention
-    gives each row what it gives it in the whole batch."""
+    (in that order; one query row each, at the same context and pool extent), then of each
+    run (sequence index n in ``meta``, first row in the batch, number of rows) of consecutive
+    new rows of a sequence (a prompt span whose logprobs were asked for), at the context its
+    last row sees. Attention gives each row what it gives it in the whole batch, and a row's
+    group never depends on what else is in the batch."""
+    q_lens = [1] * len(items) + [k for _, _, k in runs]
     rows = [meta.q_starts[n] + meta.q_lens[n] - 1 for n in items]
+    ctx_lens = [meta.ctx_lens[n] for n in items]
+    for n, row, k in runs:
+        rows.extend(range(row, row + k))
+        # the run's last row sees the context up to itself
+        ctx_lens.append(meta.ctx_lens[n] - (meta.q_starts[n] + meta.q_lens[n] - row - k))
     index = torch.tensor(rows, dtype=torch.long, device=meta.positions.device)
-    return BatchMetadata(q_starts=list(range(len(items))), q_lens=[1] * len(items),
-                         ctx_lens=[meta.ctx_lens[n] for n in items],
-                         kv_starts=[meta.kv_starts[n] for n in items],
+    return BatchMetadata(q_starts=[sum(q_lens[:i]) for i in range(len(q_lens))], q_lens=q_lens,
+                         ctx_lens=ctx_lens,
+                         kv_starts=[meta.kv_starts[n] for n in items]
+                         + [meta.kv_starts[n] for n, _, _ in runs],
                          slot_mapping=meta.slot_mapping[index], positions=meta.positions[index],
-                         num_real=len(items))
+                         num_real=len(rows))
 
 
 def metadata_tensors(q_starts: list[int], q_lens: list[int], ctx_lens: list[int],

@@ -90,10 +90,10 @@ class LlamaLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     """forward(input_ids [T], meta, pool layers, logits_indices [S]) -> logits [S, vocab].
-    With ``meta.sampled_only`` (logits_indices then the last new row of each of its sequences)
-    the last layer runs those rows alone once every row's K/V is written: in a prompt chunk
-    of T tokens it skips T - S rows' attention, o-projection and MLP (a 1,024-token prefill
-    of the 8-layer bench model: 1/8 less of those)."""
+    With ``meta.sampled_only`` (logits_indices then its rows: the sampled rows, then the prompt
+    spans whose logprobs were asked for) the last layer runs those rows alone once every row's
+    K/V is written: in a prompt chunk of T tokens it skips T - S rows' attention, o-projection
+    and MLP (a 1,024-token prefill of the 8-layer bench model: 1/8 less of those)."""
 
     def __init__(self, spec: ModelSpec, hf_config: object, dtype: torch.dtype,
                  device: torch.device) -> None:

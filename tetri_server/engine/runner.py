@@ -71,6 +71,7 @@ class ModelRunner:
         slots: list[int] = []
         q_starts, q_lens, ctx_lens, kv_starts, sample_rows, sample_items = [], [], [], [], [], []
         spans: list[PromptSpan] = []
+        runs: list[tuple[int, int, int]] = []  # (item, first row, rows) of each span
         now_s = time.monotonic()  # the clock control stamps arrivals with
         for n, item in enumerate(plan.items):
             seq, k = item.seq, item.num_tokens
@@ -84,6 +85,7 @@ class ModelRunner:
                 last = min(end, seq.num_prompt - 1)  # the row at num_prompt - 1 samples
                 if last > start:
                     spans.append(PromptSpan(seq, start, len(ids), last - start))
+                    runs.append((n, len(ids), last - start))
             q_starts.append(len(ids))
             q_lens.append(k)
             ctx_lens.append(end)
@@ -103,8 +105,11 @@ class ModelRunner:
             positions=torch.tensor(positions, dtype=torch.long, device=dev),
             num_real=len(slots),
             seq_tensors=metadata_tensors(q_starts, q_lens, ctx_lens, kv_starts, dev))
-        if not spans and len(sample_rows) < len(slots):  # the last layer runs these rows alone
-            meta.sampled_only = rows_alone(meta, sample_items)
+        # the last layer runs the rows it reads alone: the sampled rows one by one, a prompt
+        # span whose logprobs were asked for as a group; with a span always, so that the rows
+        # of a sequence take the same path whatever else is in the batch
+        if spans or len(sample_rows) < len(slots):
+            meta.sampled_only = rows_alone(meta, sample_items, runs)
         return (torch.tensor(ids, dtype=torch.long, device=dev), meta, sample_rows, sample_items,
                 spans)
 
