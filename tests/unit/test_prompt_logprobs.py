@@ -213,3 +213,29 @@ def test_a_neighbour_asking_for_prompt_logprobs_changes_no_other_request_by_a_bi
     assert len(both[0][0]) == 6 and both[1][1] is not None
     assert both[0] == alone_a[0]
     assert both[1] == alone_b[0]
+
+
+def test_whole_prompts_and_decode_rows_give_each_request_the_same_bits_in_any_batch(model_dir):
+    """Batch invariance on the CPU path (whole prompts, coupled): a request's sampled
+    logprobs are bit for bit the same alone and beside requests of other lengths, prompts and
+    decode rows mixed in its steps (the linears compute each row alone, the attention op each
+    sequence alone). Chunking a prompt differently is another computation (not checked)."""
+    path = model_dir("llama")
+    prompts = random_prompts(4, 2000, (5, 300), seed=5)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=True)
+
+    def run(batch: list[list[int]]) -> dict[int, list[float]]:
+        eng = make_engine(str(path), "cluster.mode=coupled", "kv.num_blocks=400")
+        out: dict[int, list[float]] = {i: [] for i in range(len(batch))}
+        for i, p in enumerate(batch):  # one arrival a step: prompts beside decode rows
+            eng.add_request(i, p, params)
+            for d in eng.step():
+                out[d.req_id].extend(d.logprobs or [])
+        while eng.has_unfinished():
+            for d in eng.step():
+                out[d.req_id].extend(d.logprobs or [])
+        return out
+
+    together = run(prompts)
+    assert [len(v) for v in together.values()] == [8] * 4
+    assert [run([p])[0] for p in prompts] == [together[i] for i in range(4)]
