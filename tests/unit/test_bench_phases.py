@@ -129,3 +129,26 @@ def test_the_mixed_step_runs_a_chunk_beside_decode_rows_and_gives_the_blocks_bac
             run()
             run()  # the same step again: its sequences are reset each time
         assert alloc.num_free == free
+
+
+def test_the_phase_bound_adds_the_linears_and_the_attention_bounds() -> None:
+    """``Shape.decode_phase_bound_s``: at batch 32 and a long context the linears are
+    FLOPs-bound and the attention bytes-bound, so the step's bound on one core is their sum,
+    longer than the roofline (the max over the whole step); at batch 1 both phases are
+    bytes-bound and the two bounds agree."""
+    from tetri_server.bench.engine_driver import Shape
+
+    # the bench Llama's shape, roughly: 8 layers of 8 x 64 heads, 3.4 M weights a token
+    sh = Shape(layers=8, heads=8, kv_heads=8, head_dim=64, matmul_params=3_400_000 * 8,
+               head_params=8192 * 512, after_qkv_params=0,
+               weight_bytes=4 * (3_400_000 * 8 + 8192 * 512), dtype_bytes=4)
+    peak, rate = 35.0, 14.0  # GFLOP/s, GB/s: this AVX2 VM
+    linear_s = 32 * 2 * (sh.matmul_params + sh.head_params) / (peak * 1e9)
+    attn_s = sh.kv_bytes(32, 1024) / (rate * 1e9)
+    got = sh.decode_phase_bound_s(32, 1024, peak, rate)
+    assert abs(got - (linear_s + attn_s)) < 1e-3 * got
+    roofline = max(sh.decode_flops(32, 1024) / (peak * 1e9),
+                   (sh.weight_bytes + sh.kv_bytes(32, 1024)) / (rate * 1e9))
+    assert got > 1.5 * roofline
+    one = sh.decode_phase_bound_s(1, 1024, peak, rate)
+    assert abs(one - (sh.weight_bytes + sh.kv_bytes(1, 1024)) / (rate * 1e9)) < 1e-3 * one

@@ -150,6 +150,20 @@ class Shape:
     def kv_bytes(self, batch: int, ctx: int) -> int:
         return batch * ctx * self.layers * 2 * self.kv_heads * self.head_dim * self.dtype_bytes
 
+    def decode_phase_bound_s(self, batch: int, ctx: int, peak_gflops: float,
+                             read_gbps: float) -> float:
+        """A decode step's bound when its two phases run one after the other on one core:
+        the linears (bound by their FLOPs or their weight bytes) plus the attention (bound by
+        its FLOPs or the KV bytes). The roofline, max(all FLOPs / peak, all bytes / rate),
+        assumes the linears' compute overlaps the attention's reads, which no engine that runs
+        them in turn gets; where one phase is FLOPs-bound and the other bytes-bound (batch 32
+        at a long context on a slow core) this bound is the longer one."""
+        peak, rate = peak_gflops * 1e9, read_gbps * 1e9
+        linear_flops = batch * (2 * self.matmul_params + 2 * self.head_params)
+        attn_flops = self.decode_flops(batch, ctx) - linear_flops
+        return (max(linear_flops / peak, self.weight_bytes / rate)
+                + max(attn_flops / peak, self.kv_bytes(batch, ctx) / rate))
+
 
 # ---------------------------------------------------------------------------- our engine
 
