@@ -156,8 +156,9 @@ class Metrics:
             "Running requests preempted (KV dropped, recomputed later).").labels(m)
         self.kv_drops = counter(
             "tetri_waiting_kv_drops",
-            "Requests waiting for admission whose KV was dropped to make room for running ones "
-            "(recomputed when admitted; not preempted: they were not running).").labels(m)
+            "Requests waiting for admission whose KV was dropped (for the running batch's blocks, "
+            "or for the head of the queue when nothing runs; recomputed when admitted; not "
+            "preemptions: they were not running).").labels(m)
         self.worker_busy = counter(
             "tetri_worker_busy_seconds",
             "Seconds each worker spent executing model steps, by the role it had.",

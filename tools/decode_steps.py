@@ -16,23 +16,26 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+from tetri_server.sim.decisions import split_preempt
+
 
 @dataclass(frozen=True)
 class Steps:
     num_steps: int
     p50_s: float
     p99_s: float
-    num_preemptions: int
+    num_preemptions: int  # running requests preempted
+    num_kv_drops: int  # waiting requests whose KV was dropped
     recompute_s: list[float]  # the steps with a recompute beside other rows
     recompute_tokens: list[int]  # their recompute tokens
 
 
 def decode_steps(records: list[dict]) -> Steps:
-    durations, recompute_s, tokens, preempted = [], [], [], 0
+    durations, recompute_s, tokens = [], [], []
+    preempted, dropped = split_preempt([r for r in records if r["kind"] == "decode_step"])
     for rec, nxt in zip(records, records[1:], strict=False):
         if rec["kind"] != "decode_step":
             continue
-        preempted += len(rec.get("preempt", ()))
         if not rec["run"]:
             continue
         step_s = nxt["t"] - rec["t"]
@@ -48,7 +51,7 @@ def decode_steps(records: list[dict]) -> Steps:
     def at(p: float) -> float:
         return durations[min(len(durations) - 1, int(p * len(durations)))]
 
-    return Steps(len(durations), at(0.5), at(0.99), preempted, recompute_s, tokens)
+    return Steps(len(durations), at(0.5), at(0.99), preempted, dropped, recompute_s, tokens)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -62,7 +65,8 @@ def main(argv: list[str] | None = None) -> None:
                f"{statistics.mean(s.recompute_s) * 1e3:.0f} ms mean, "
                f"{max(s.recompute_s) * 1e3:.0f} ms max" if s.recompute_s else "none")
         print(f"{path}: {s.num_steps} steps, p50 {s.p50_s * 1e3:.0f} ms, p99 "
-              f"{s.p99_s * 1e3:.0f} ms; preemptions {s.num_preemptions}; steps with a "
+              f"{s.p99_s * 1e3:.0f} ms; preemptions {s.num_preemptions}; waiting KV dropped "
+              f"{s.num_kv_drops}; steps with a "
               f"recompute beside other rows: {rec}")
 
 

@@ -53,7 +53,7 @@ JSON = dict[str, Any]
 # (panel, refId) that may stay zero or NaN under this load: nothing restarts or is preempted,
 # the waiting queue may stay empty, and without --flip no flip happens
 QUIET = {("Workers up, restarts, preemptions", "B"), ("Workers up, restarts, preemptions", "C"),
-         ("Running / waiting requests", "B")}
+         ("Workers up, restarts, preemptions", "D"), ("Running / waiting requests", "B")}
 QUIET_WITHOUT_FLIP = {("Instance flips", "A"), ("Instance flips", "B")}
 # (panel, refId) where 0 is a real value: the shipped classifier puts these short random-word
 # prompts in buckets >= 1, their outputs (<= 256 tokens) are mostly in bucket 0

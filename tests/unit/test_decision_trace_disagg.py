@@ -146,3 +146,24 @@ def test_decode_waiting_kv_first_reaches_the_decode_worker() -> None:
                                    f"decode.waiting_kv_first={str(on).lower()}"])
         assert DecodeRole(w).admission.waiting_kv_first is on  # type: ignore[arg-type]
         assert PrefillRole(w).admission.waiting_kv_first is False  # type: ignore[arg-type]
+
+
+def test_a_prefill_worker_reports_its_kept_requests_preemptions_and_kv_drops() -> None:
+    """Regression (review of session 50): a prefill worker's load report carried neither the
+    preemptions of the requests it keeps nor the KV it drops from waiting ones (with nothing
+    running, a head of its queue that does not fit takes their blocks), so neither reached
+    /metrics."""
+    w = FakeWorker(0, 48, [])
+    role = PrefillRole(w)  # type: ignore[arg-type]
+    adm = role.admission
+    adm.add(1, 751, 752, 0, 500)  # 47 of the 48 blocks
+    adm.on_done(adm.plan(1), set())  # 753 tokens: the next step needs a 48th block
+    plan = adm.plan(0)
+    assert plan.preempt.req_ids == (1,)
+    adm.on_done(plan, set())
+    adm.add(2, 15, 16, 0, 500)  # 1 block held, waiting behind the preempted head
+    plan = adm.plan(47)  # the head needs all 48: 2's block goes
+    assert plan.preempt.req_ids == (2,)
+    adm.on_done(plan, set())
+    report = role.load_report()
+    assert (report.num_preemptions, report.num_kv_drops) == (1, 1)

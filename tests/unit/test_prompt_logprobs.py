@@ -10,6 +10,7 @@ import torch
 
 from tests.conftest import random_prompts
 from tetri_server.control.protocol import join_prompt_part
+from tetri_server.engine.ops.linear import tetri_linear_supported
 from tetri_server.llm import make_engine
 from tetri_server.messages import PromptLogprobs, SamplingParams
 
@@ -182,16 +183,17 @@ def test_split_prompt_parts_fits_each_message_and_joins_back_whole(k):
     assert got == whole
 
 
-@pytest.mark.parametrize("family", ["llama", "opt"])
-def test_a_neighbour_asking_for_prompt_logprobs_changes_no_other_request_by_a_bit(model_dir,
-                                                                                  family):
+@pytest.mark.skipif(not tetri_linear_supported(), reason="bit-exact across row counts needs "
+                    "the C++ packed linear (F.linear / oneDNN differ by M)")
+def test_a_neighbour_asking_for_prompt_logprobs_changes_no_other_request_by_a_bit(model_dir):
     """Regression: with a request asking for prompt logprobs in the step, the last layer ran
     every row of the batch instead of only the rows read, and the other requests' logits came
     out of a different computation (their logprobs differed by ~1e-6 from the same request
     alone; a near-tie could flip a greedy token). Now the last layer runs the sampled rows
     one by one and each prompt span as a group, whatever the batch: every request's sampled
-    logprobs and prompt logprobs are bit for bit the ones it gets alone."""
-    path = model_dir(family)
+    logprobs and prompt logprobs are bit for bit the ones it gets alone. (Llama: on the parent
+    its first logprob differed; OPT happened to agree, so it is not the regression case.)"""
+    path = model_dir("llama")
     plain = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=True)
     asks = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=True,
                           prompt_logprobs=2)
@@ -215,6 +217,8 @@ def test_a_neighbour_asking_for_prompt_logprobs_changes_no_other_request_by_a_bi
     assert both[1] == alone_b[0]
 
 
+@pytest.mark.skipif(not tetri_linear_supported(), reason="bit-exact across row counts needs "
+                    "the C++ packed linear (F.linear / oneDNN differ by M)")
 def test_whole_prompts_and_decode_rows_give_each_request_the_same_bits_in_any_batch(model_dir):
     """Batch invariance on the CPU path (whole prompts, coupled): a request's sampled
     logprobs are bit for bit the same alone and beside requests of other lengths, prompts and

@@ -98,6 +98,23 @@ def test_decision_summary_counts_each_kind() -> None:
     assert s["num_heavy_dispatches"] == 1
     assert s["num_decode_steps"] == 4 and s["decode_batch_mean"] == pytest.approx(3 / 4)
     assert s["num_admissions"] == 2 and s["num_preemptions"] == 1 and s["num_failed"] == 0
+    assert s["num_kv_drops"] == 0
+
+
+def test_decision_summary_tells_a_preemption_from_a_waiting_requests_kv_drop() -> None:
+    """A ``preempt`` id that ran in the worker's previous step was running (a preemption);
+    any other was waiting for admission (its KV dropped), as ``tetri_preemptions`` and
+    ``tetri_waiting_kv_drops`` count them. Counted per worker."""
+    from tetri_server.sim.decisions import summarize
+
+    log = [(wid, {"step": i, "kind": "decode_step", **r}) for i, (wid, r) in enumerate((
+        (1, {"run": [1, 2], "preempt": []}),
+        (2, {"run": [3], "preempt": []}),  # 3 runs on worker 2, not on worker 1
+        (1, {"run": [1], "preempt": [2, 4]}),  # 2 ran: preempted; 4 waited: dropped
+        (1, {"run": [1], "preempt": [3]}),  # 3 never ran here: dropped
+    ))]
+    s = summarize(log, chunk_size=512)
+    assert (s["num_preemptions"], s["num_kv_drops"]) == (1, 2)
 
 
 def test_decisions_compare_leaves_out_what_timing_changes() -> None:

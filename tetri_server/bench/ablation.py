@@ -99,7 +99,8 @@ ROWS: tuple[Row, ...] = (
     # a preempted request recomputed whole in one step (to session 48), not 256 tokens a step
     Row("pool-recompute-whole", "recompute (small pool)",
         sets=(POOL, "decode.policy=greedy", "decode.recompute_tokens=0"), base="pool-greedy"),
-    # running requests preempted while waiting ones keep their KV (to session 48)
+    # running requests preempted while waiting ones keep their KV (session 48's order; the
+    # session-49 hand-off check stays on)
     Row("pool-waiting-kv-kept", "preemption (small pool)",
         sets=(POOL, "decode.waiting_kv_first=false"), base="pool-reserve-dynamic"),
     Row("refined", "refined estimate", sets=("decode.estimate=refined",)),

@@ -163,9 +163,12 @@ class DecodeConfig(_Section):
     worker's prefilled prompts) covers the shortfall, that KV goes, the newest first, and is
     recomputed when they are admitted; no running stream stalls (session 49;
     ``tetri_waiting_kv_drops`` counts them). false: running requests are preempted first (the
-    newest admission, or the one expected to run longest) and waiting requests keep their KV.
-    Decode and coupled workers; a prefill worker's waiting kept requests always keep theirs
-    (they are handed back whole)."""
+    newest admission, or the one expected to run longest) and waiting requests keep their KV
+    while any request runs (either way, with nothing running, a head of the queue that does
+    not fit takes the blocks of those waiting behind it). Decode and coupled workers; a
+    prefill worker's waiting kept requests keep theirs while others run (they are handed back
+    whole). The hand-off check of session 49 (a decode worker rejects a hand-off that would
+    take the blocks its batch or its waiting head needs) stays on either way."""
     local_prefill_tokens: int = 1024
     """Elastic P/D (disaggregated mode): control sends a prompt to a decode worker when it
     would finish there sooner (the prefill worker has over a chunk more queued ahead of it than

@@ -41,10 +41,31 @@ def read_logs(prefix: Path) -> Log:
     return log
 
 
+STEP_KINDS = ("decode_step", "mixed_step", "coupled_step")
+
+
+def split_preempt(steps: list[dict[str, Any]]) -> tuple[int, int]:
+    """(preemptions, waiting requests' KV drops) among the ``preempt`` ids of one worker's
+    step records in order: an id in the previous step's ``run`` was running (every running
+    request is a row of every step), any other was waiting for admission."""
+    preempted = dropped = 0
+    running: set[int] = set()
+    for r in steps:
+        for rid in r.get("preempt", ()):
+            if rid in running:
+                preempted += 1
+            else:
+                dropped += 1
+        running = set(r.get("run", ()))
+    return preempted, dropped
+
+
 def summarize(log: Log, chunk_size: int) -> dict[str, Any]:
     """Counts per decision kind; ``chunk_fill_mean`` = prompt tokens / ``chunk_size``."""
     chunks = [r for _, r in log if r["kind"] == "chunk"]
-    steps = [r for _, r in log if r["kind"] in ("decode_step", "mixed_step", "coupled_step")]
+    steps = [r for _, r in log if r["kind"] in STEP_KINDS]
+    per_worker = [split_preempt([r for w, r in log if w == wid and r["kind"] in STEP_KINDS])
+                  for wid in sorted({w for w, _ in log})]
     dispatches = [r for _, r in log if r["kind"] == "dispatch"]
     tokens = [sum(s[2] for s in r["slices"]) for r in chunks]
     return {
@@ -59,7 +80,8 @@ def summarize(log: Log, chunk_size: int) -> dict[str, Any]:
         "num_decode_steps": len(steps),
         "decode_batch_mean": (sum(len(r["run"]) for r in steps) / len(steps)) if steps else None,
         "num_admissions": sum(len(r.get("admit", ())) for r in steps),
-        "num_preemptions": sum(len(r.get("preempt", ())) for r in steps),
+        "num_preemptions": sum(p for p, _ in per_worker),
+        "num_kv_drops": sum(d for _, d in per_worker),
         "num_failed": sum(len(r.get("fail", ())) for r in steps),
         "num_kept": sum(r["kind"] == "keep" for _, r in log),
         "num_handed_back": sum(r["kind"] == "hand_back" for _, r in log),
@@ -120,7 +142,7 @@ def compare(sim: Log, real: Log) -> dict[str, dict[str, Any]]:
 SUMMARY_ROWS = ("num_chunks", "chunk_fill_mean", "num_padded_chunks", "num_slices",
                 "num_dispatches", "dispatches_per_decode", "num_heavy_dispatches",
                 "num_decode_steps", "decode_batch_mean", "num_admissions", "num_preemptions",
-                "num_failed", "num_kept", "num_handed_back")
+                "num_kv_drops", "num_failed", "num_kept", "num_handed_back")
 
 
 def table(sim: dict[str, Any], reals: list[dict[str, Any]],

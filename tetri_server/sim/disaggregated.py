@@ -311,7 +311,8 @@ class PrefillInstance(_Decoding):
                           book.count(Stage.HELD, Stage.HANDED_OFF, Stage.DECODING),
                           book.num_waiting_prompt_tokens(),
                           self.alloc.num_free, self.alloc.num_blocks, 0, 0, 0, self.busy_s,
-                          self.admission.load().num_preemptions)  # its kept requests'
+                          self.admission.load().num_preemptions,  # its kept requests'
+                          num_kv_drops=self.admission.load().num_kv_drops)
 
 
 class DecodeInstance(_Decoding):

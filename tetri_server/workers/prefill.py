@@ -386,5 +386,6 @@ class PrefillRole(Role):
                           num_queued_prompt_tokens=book.num_waiting_prompt_tokens(),
                           num_free_blocks=a.num_free, num_total_blocks=a.num_blocks, num_heavy=0,
                           num_light=0, predicted_demand_blocks=0, busy_s=self.w.busy_s,
-                          # its kept requests' (it never drops a waiting one's KV)
-                          num_preemptions=self.admission.load().num_preemptions)
+                          # its kept requests'
+                          num_preemptions=self.admission.load().num_preemptions,
+                          num_kv_drops=self.admission.load().num_kv_drops)
