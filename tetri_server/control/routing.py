@@ -82,12 +82,12 @@ class Router:
             return
         if req.suspect:
             req.suspect_clear_at = len(req.output_ids) + 2
-        if req.suspect and req is not self._trial:
-            if self._on_trial():
-                req.owner, req.state, req.wait_deadline_s = -1, ReqState.PREFILL, None
-                self._suspects.append(req)  # waits for its turn (``next_suspect``)
-                return
-            self._trial = req
+            if req is not self._trial:
+                if self._on_trial():
+                    req.owner, req.state, req.wait_deadline_s = -1, ReqState.PREFILL, None
+                    self._suspects.append(req)  # waits for its turn (``next_suspect``)
+                    return
+                self._trial = req
         self.route(req)
 
     def _on_trial(self) -> bool:
