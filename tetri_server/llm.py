@@ -11,6 +11,7 @@ from tetri_server.config import Config
 from tetri_server.engine.cuda_graphs import decode_graphs, scratch_blocks
 from tetri_server.engine.grammar import Grammars
 from tetri_server.engine.loader import load_model
+from tetri_server.engine.ops import set_batch_invariant
 from tetri_server.engine.runner import ModelRunner
 from tetri_server.kv.blocks import BlockAllocator, check_pool_holds
 from tetri_server.kv.manager import KVCacheManager
@@ -45,6 +46,7 @@ class LLMEngine:
         path = str(resolve_model_path(cfg.model.path))
         self.model, self.spec = load_model(path, cfg.model.dtype, self.device)
         dtype = next(self.model.parameters()).dtype
+        set_batch_invariant(cfg.model.batch_invariant, self.device.type, dtype)
         s, bs = self.spec, cfg.kv.block_size
         self.max_model_len = s.max_model_len(cfg.model.max_model_len)
         num_blocks = cfg.kv.num_blocks or s.blocks_in_budget(

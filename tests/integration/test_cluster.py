@@ -284,3 +284,48 @@ async def test_prompt_logprobs_bigger_than_the_ring_arrive_whole(tiny_llama, mod
     finally:
         await cluster.stop()
     assert_prompt_logprobs_equal_transformers(tiny_llama, prompts, got, 20)
+
+
+async def test_batch_invariant_mode_gives_each_request_its_own_bits_in_a_busy_cluster(
+        tiny_llama):
+    """``model.batch_invariant``: 12 requests at once through a disaggregated cluster (chunks
+    of 64 tokens packing several prompts, elastic P/D: kept rows beside chunks, hand-offs,
+    decode batches) stream, per request, the tokens and logprobs the in-process engine gives
+    that request alone with its prompt whole, bit for bit."""
+    import torch
+
+    from tetri_server.engine.ops import set_batch_invariant
+    from tetri_server.llm import make_engine
+
+    prompts = random_prompts(12, 8000, (1, 300), seed=12)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=True)
+    on = "model.batch_invariant=true"
+    try:
+        ref = []
+        for p in prompts:
+            eng = make_engine(str(tiny_llama), "cluster.mode=coupled", on, "kv.num_blocks=200")
+            eng.add_request(0, p, params)
+            got: tuple[list[int], list[float]] = ([], [])
+            while eng.has_unfinished():
+                for d in eng.step():
+                    got[0].extend(d.token_ids)
+                    got[1].extend(d.logprobs or [])
+            ref.append(got)
+    finally:
+        set_batch_invariant(False, "cpu", torch.float32)
+
+    async def stream(p: list[int]) -> tuple[list[int], list[float]]:
+        out: tuple[list[int], list[float]] = ([], [])
+        async for d in cluster.submit(p, params):
+            out[0].extend(d.token_ids)
+            out[1].extend(d.logprobs or [])
+        return out
+
+    cluster = make_cluster(tiny_llama, "disaggregated", on)
+    await cluster.start()
+    try:
+        got_all = await asyncio.wait_for(asyncio.gather(*(stream(p) for p in prompts)), 180)
+    finally:
+        await cluster.stop()
+    assert all(len(t) == 12 for t, _ in got_all)
+    assert got_all == ref

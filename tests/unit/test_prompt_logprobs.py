@@ -243,3 +243,60 @@ def test_whole_prompts_and_decode_rows_give_each_request_the_same_bits_in_any_ba
     together = run(prompts)
     assert [len(v) for v in together.values()] == [8] * 4
     assert [run([p])[0] for p in prompts] == [together[i] for i in range(4)]
+
+
+@pytest.mark.skipif(not tetri_linear_supported(), reason="batch invariance needs the C++ "
+                    "packed linear")
+def test_batch_invariant_mode_gives_the_same_bits_in_any_chunking_and_batch(model_dir):
+    """``model.batch_invariant`` (new): chunking a prompt differently (coupled-chunked at a
+    budget of 7 or 64 tokens, shared by six prompts) changed a request's logprobs by up to
+    ~3e-6 against the same request alone and whole. In batch-invariant mode every attention
+    row runs the one-row kernel: each request's logprobs are bit for bit the ones it gets
+    alone, and its tokens still equal transformers'."""
+    from tests.conftest import hf_greedy
+    from tetri_server.engine.ops import set_batch_invariant
+
+    path = model_dir("llama")
+    prompts = random_prompts(6, 2000, (5, 300), seed=5)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=True)
+
+    def run(batch: list[list[int]], *sets: str) -> dict[int, tuple[list[int], list[float]]]:
+        eng = make_engine(str(path), "kv.num_blocks=600", *sets)
+        for i, p in enumerate(batch):
+            eng.add_request(i, p, params)
+        out: dict[int, tuple[list[int], list[float]]] = {i: ([], []) for i in range(len(batch))}
+        while eng.has_unfinished():
+            for d in eng.step():
+                out[d.req_id][0].extend(d.token_ids)
+                out[d.req_id][1].extend(d.logprobs or [])
+        return out
+
+    on = "model.batch_invariant=true"
+    try:
+        alone = [run([p], "cluster.mode=coupled", on)[0] for p in prompts]
+        for budget in (7, 64):
+            got = run(prompts, "cluster.mode=coupled-chunked", f"prefill.token_budget={budget}",
+                      on)
+            assert [got[i] for i in range(len(prompts))] == alone, budget
+    finally:
+        set_batch_invariant(False, "cpu", torch.float32)  # the default, for later tests
+    assert [a[0] for a in alone] == hf_greedy(path, prompts, 8)
+    # the default: whole prompts (SDPA or the tiled kernel) and chunks of 64 give other bits
+    default_alone = [run([p], "cluster.mode=coupled")[0][1] for p in prompts]
+    off = run(prompts, "cluster.mode=coupled-chunked", "prefill.token_budget=64")
+    assert [off[i][1] for i in range(len(prompts))] != default_alone
+
+
+def test_batch_invariant_mode_refuses_what_it_cannot_give() -> None:
+    """A clear error, not a silently variable output: on cuda, or in bfloat16, at config time;
+    where the kernels are missing, at the worker's start."""
+    from tetri_server.config import ConfigError, load_config
+    from tetri_server.engine.ops import set_batch_invariant
+
+    for sets in (["cluster.device=cuda"], ["model.dtype=bfloat16"]):
+        with pytest.raises(ConfigError, match="batch_invariant"):
+            load_config(None, ["model.batch_invariant=true", *sets])
+    with pytest.raises(ValueError, match="no batch-invariant kernels on cuda"):
+        set_batch_invariant(True, "cuda", torch.float32)
+    with pytest.raises(ValueError, match="float32 only"):
+        set_batch_invariant(True, "cpu", torch.bfloat16)

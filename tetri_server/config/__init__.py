@@ -99,6 +99,10 @@ class Config:
                     "flip.enabled = true needs at least 3 workers (prefill_workers + "
                     "decode_workers), since one prefill and one decode worker always remain"
                 )
+        if self.model.batch_invariant and (c.device != "cpu"
+                                           or self.model.dtype not in ("auto", "float32")):
+            raise ConfigError("model.batch_invariant = true needs cluster.device = cpu and "
+                              f"model.dtype = float32 (got {c.device} and {self.model.dtype})")
         if self.decode.policy != "greedy" and self.predictor.kind == "none":
             raise ConfigError(
                 f"decode.policy = {self.decode.policy} needs a length prediction; set "

@@ -165,6 +165,16 @@ class ModelConfig(_Section):
     bucket up to decode.max_batch; the time is logged) and replay them for decode steps;
     false = every step eager. No effect on cpu."""
 
+    batch_invariant: bool = False
+    """Every request's output (tokens and logprobs) bit for bit the same whatever else is in
+    its batch, whatever the chunk its prompt is cut into, in every mode: every attention row
+    runs the one-row kernel (a row's result depends only on its query, its position and the
+    keys), beside the packed linears, which compute each row alone. Costs 6-24% of prefill
+    time on the bench model (256-1024-token prompts, AVX2; docs/benchmarks.md, session 50);
+    decode unchanged. cpu and float32 only, with the C++ ops built (a worker that cannot
+    give it refuses to start); vLLM's VLLM_BATCH_INVARIANT, SGLang's
+    --enable-deterministic-inference."""
+
     tool_call_parser: ToolCallParser = "none"
     """How replies are parsed for tool calls under tool_choice=auto (vLLM's --tool-call-parser):
     hermes (Hermes, Qwen2.5, Qwen3: <tool_call>{json}</tool_call>), llama3_json (Llama 3.1-3.3:

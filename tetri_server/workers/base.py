@@ -18,6 +18,7 @@ from tetri_server.config import Config
 from tetri_server.engine.cuda_graphs import decode_graphs, scratch_blocks
 from tetri_server.engine.grammar import Grammars
 from tetri_server.engine.loader import load_model
+from tetri_server.engine.ops import set_batch_invariant
 from tetri_server.engine.runner import ModelRunner
 from tetri_server.engine.stops import split_prompt_parts
 from tetri_server.kv.blocks import BlockAllocator, blocks_for, check_pool_holds
@@ -100,6 +101,7 @@ class Worker:
         s = self.model_spec
         self.max_model_len = s.max_model_len(mcfg.max_model_len)
         dtype = next(self.model.parameters()).dtype
+        set_batch_invariant(mcfg.batch_invariant, self.device.type, dtype)
         bs = self.cfg.kv.block_size
         num_blocks = self.cfg.kv.num_blocks or self._blocks_from_memory(dtype)
         check_pool_holds(num_blocks, scratch_blocks(self.device, mcfg.cuda_graphs),

@@ -164,6 +164,31 @@ def triton_layer_ops() -> ModuleType | None:
 
 
 @functools.cache
+def set_batch_invariant(on: bool, device_type: str, dtype: torch.dtype) -> None:
+    """``model.batch_invariant``: every attention row through the one-row kernel, so a row's
+    result depends on nothing else in its step (the packed linears already compute each row
+    alone). Set in every process that loads a model, on or off (one engine after another in
+    a process); ValueError where it cannot hold."""
+    if not on:
+        if _registered():
+            torch.ops.tetri.set_attention_rows_only(False)
+        return
+    from tetri_server.engine.ops.linear import tetri_linear_supported
+
+    why = ""
+    if device_type != "cpu":
+        why = f"no batch-invariant kernels on {device_type}"
+    elif dtype != torch.float32:
+        why = f"{dtype} linears are not computed row by row (float32 only)"
+    elif not load_cpu_ops():
+        why = "the C++ ops could not be built here (see the warning above)"
+    elif not tetri_linear_supported():
+        why = "no packed-linear kernel for this CPU (AVX2 or AVX-512 needed)"
+    if why:
+        raise ValueError(f"model.batch_invariant = true: {why}")
+    torch.ops.tetri.set_attention_rows_only(True)
+
+
 def ragged_attention_op(device_type: str) -> Callable[..., None] | None:
     """The ragged attention op for ``device_type`` (``torch.ops.tetri.ragged_attention`` on
     CPU, the Triton kernel with the same arguments on CUDA), or None, logged once per device

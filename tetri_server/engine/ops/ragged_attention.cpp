@@ -12,7 +12,9 @@
 // the other sequences of the batch or on how items are spread over threads.
 // Longer prompt chunks run the tiled kernel of prefill_attention.cpp (fp32, AVX-512, head_dim
 // 64 or 128, no sliding window), else ATen's SDPA on views of their extent, with the same
-// masks as the reference loop.
+// masks as the reference loop. With tetri::set_attention_rows_only(true) (model.batch_invariant)
+// every row runs the kernel below: a row's result then depends only on its query, its position
+// and the keys, not on the chunk it came in or the batch (prefill 6-24% slower, session 50).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -22,6 +24,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -41,6 +44,8 @@ namespace {
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kKeyBlock = 64;   // keys per online-softmax step
 constexpr int64_t kSdpaMinQ = 16;   // prompt chunks at least this long go to ATen's SDPA
+
+std::atomic<bool> g_rows_only{false};  // every row through the row kernel (batch invariance)
 
 struct SeqInfo {
   int64_t q_start, q_len, ctx_len, kv_start;
@@ -378,6 +383,7 @@ void ragged_attention_cpu(const at::Tensor& q, const at::Tensor& pool_k, const a
   const int64_t *cl = ctx_len.data_ptr<int64_t>(), *ks = kv_start.data_ptr<int64_t>();
   int64_t end = 0;
   std::vector<int64_t> short_seqs;
+  const bool rows_only = g_rows_only.load(std::memory_order_relaxed);
   for (int64_t i = 0; i < n; ++i) {
     seqs[i] = {qs[i], ql[i], cl[i], ks[i]};
     TORCH_CHECK(ql[i] > 0 && ql[i] <= cl[i] && qs[i] >= 0 && qs[i] + ql[i] <= tokens &&
@@ -385,12 +391,12 @@ void ragged_attention_cpu(const at::Tensor& q, const at::Tensor& pool_k, const a
                 "ragged_attention: sequence ", i, " out of range (q_start ", qs[i], ", q_len ",
                 ql[i], ", ctx_len ", cl[i], ", kv_start ", ks[i], ")");
     end = std::max(end, qs[i] + ql[i]);
-    if (ql[i] < kSdpaMinQ) short_seqs.push_back(i);
+    if (rows_only || ql[i] < kSdpaMinQ) short_seqs.push_back(i);
   }
   if (end < tokens) out.narrow(0, end, tokens - end).zero_();  // padding rows
   for (int64_t i = 0; i < n; ++i) {
     const SeqInfo& s = seqs[i];
-    if (s.q_len < kSdpaMinQ) continue;
+    if (rows_only || s.q_len < kSdpaMinQ) continue;
     const bool tiled = q.scalar_type() == at::kFloat && tetri_ops::tiled_prefill_attention(
         q.data_ptr<float>(), q.stride(0), q.stride(1), pool_k.data_ptr<float>(),
         pool_v.data_ptr<float>(), pool_k.stride(0), pool_k.stride(1), out.data_ptr<float>(),
@@ -447,6 +453,9 @@ void write_kv_cpu(const at::Tensor& pool_k, const at::Tensor& pool_v, const at::
   }
 }
 
+void set_rows_only(bool on) { g_rows_only.store(on); }
+bool rows_only() { return g_rows_only.load(); }
+
 void ragged_attention_meta(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                            const at::Tensor&, const at::Tensor&, const at::Tensor&,
                            const at::Tensor&, const at::Tensor&, double, int64_t) {}
@@ -458,6 +467,13 @@ TORCH_LIBRARY(tetri, m) {
       "ragged_attention(Tensor q, Tensor pool_k, Tensor pool_v, Tensor(a!) out, Tensor q_start, "
       "Tensor q_len, Tensor ctx_len, Tensor kv_start, float scale, int window) -> ()");
   m.def("write_kv(Tensor(a!) pool_k, Tensor(b!) pool_v, Tensor k, Tensor v, Tensor slots) -> ()");
+  m.def("set_attention_rows_only(bool on) -> ()");
+  m.def("attention_rows_only() -> bool");
+}
+
+TORCH_LIBRARY_IMPL(tetri, CatchAll, m) {
+  m.impl("set_attention_rows_only", &set_rows_only);
+  m.impl("attention_rows_only", &rows_only);
 }
 
 TORCH_LIBRARY_IMPL(tetri, CPU, m) {
