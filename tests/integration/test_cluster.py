@@ -12,6 +12,7 @@ import pytest
 from tests.conftest import hf_greedy, random_prompts
 from tests.integration.conftest import collect, make_cluster, segments
 from tetri_server.control.protocol import GenerationError
+from tetri_server.engine.ops.linear import tetri_linear_supported
 from tetri_server.messages import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -286,6 +287,8 @@ async def test_prompt_logprobs_bigger_than_the_ring_arrive_whole(tiny_llama, mod
     assert_prompt_logprobs_equal_transformers(tiny_llama, prompts, got, 20)
 
 
+@pytest.mark.skipif(not tetri_linear_supported(), reason="batch invariance needs the C++ "
+                    "packed linear")
 async def test_batch_invariant_mode_gives_each_request_its_own_bits_in_a_busy_cluster(
         tiny_llama):
     """``model.batch_invariant``: 12 requests at once through a disaggregated cluster (chunks
@@ -311,8 +314,10 @@ async def test_batch_invariant_mode_gives_each_request_its_own_bits_in_a_busy_cl
                     got[0].extend(d.token_ids)
                     got[1].extend(d.logprobs or [])
             ref.append(got)
+        assert torch.ops.tetri.attention_rows_only()
     finally:
         set_batch_invariant(False, "cpu", torch.float32)
+    assert not torch.ops.tetri.attention_rows_only()
 
     async def stream(p: list[int]) -> tuple[list[int], list[float]]:
         out: tuple[list[int], list[float]] = ([], [])

@@ -17,7 +17,8 @@ from tetri_server.workers import calibrate
 
 def fake_worker(model: Path) -> SimpleNamespace:
     (model / "config.json").write_text('{"hidden_size": 8}')
-    return SimpleNamespace(cfg=SimpleNamespace(model=SimpleNamespace(path=str(model))),
+    return SimpleNamespace(cfg=SimpleNamespace(model=SimpleNamespace(path=str(model),
+                                                                     batch_invariant=False)),
                            model=torch.nn.Linear(2, 2), device=torch.device("cpu"))
 
 
@@ -50,9 +51,12 @@ def test_a_cached_knee_of_another_engine_build_is_measured_again(tmp_path, monke
     monkeypatch.setattr(calibrate, "calibration_rule", lambda: "rule-new")
     calibrate.resolve_chunk_size(worker, 0)
     assert len(measured) == 4  # a pick of the old rule (best of 2, measured sizes only) is stale
+    worker.cfg.model.batch_invariant = True  # every row through the one-row kernel: slower
+    calibrate.resolve_chunk_size(worker, 0)
+    assert len(measured) == 5
     cached = json.loads(calibrate.cache_file().read_text())
-    assert len(cached) == 4 and all("ops-" in k and "|rule-" in k for k in cached)
-    assert calibrate.resolve_chunk_size(worker, 384) == 384 and len(measured) == 4  # configured
+    assert len(cached) == 5 and all("ops-" in k and "|rule-" in k for k in cached)
+    assert calibrate.resolve_chunk_size(worker, 384) == 384 and len(measured) == 5  # configured
 
 
 def test_the_first_starts_each_calibrate_and_serve_the_median_pick(tmp_path, monkeypatch):

@@ -166,11 +166,13 @@ class ModelConfig(_Section):
     false = every step eager. No effect on cpu."""
 
     batch_invariant: bool = False
-    """Every request's output (tokens and logprobs) bit for bit the same whatever else is in
-    its batch, whatever the chunk its prompt is cut into, in every mode: every attention row
-    runs the one-row kernel (a row's result depends only on its query, its position and the
-    keys), beside the packed linears, which compute each row alone. Costs 6-24% of prefill
-    time on the bench model (256-1024-token prompts, AVX2; docs/benchmarks.md, session 50);
+    """A greedy (or seeded) request's tokens and logprobs bit for bit the same whatever else
+    is in its batch, whatever the chunks its prompt is cut into, in every mode: every attention
+    row runs the one-row kernel (a row's result depends only on its query, its position and
+    the keys), beside the packed linears, which compute each row alone (an unseeded sampled
+    request draws from the process's generator, which its neighbours share). Costs 6-25% of
+    prefill time on the bench model (256-1024-token prompts, one thread, AVX2;
+    docs/benchmarks.md, session 50);
     decode unchanged. cpu and float32 only, with the C++ ops built (a worker that cannot
     give it refuses to start); vLLM's VLLM_BATCH_INVARIANT, SGLang's
     --enable-deterministic-inference."""

@@ -83,7 +83,9 @@ def cache_key(worker: Worker, rows: int = 0) -> str:
     dtype = next(worker.model.parameters()).dtype
     return (f"{model}|{stamp}|{worker.device}|{dtype}|threads={torch.get_num_threads()}"
             f"|{processor()}|{engine_build()}|{calibration_rule()}"
-            + (f"|rows={rows}" if rows else ""))
+            + (f"|rows={rows}" if rows else "")
+            # every attention row through the one-row kernel: another prefill rate
+            + ("|batch_invariant" if worker.cfg.model.batch_invariant else ""))
 
 
 def pass_clock(device: str) -> Callable[[], float]:

@@ -163,7 +163,6 @@ def triton_layer_ops() -> ModuleType | None:
     return None
 
 
-@functools.cache
 def set_batch_invariant(on: bool, device_type: str, dtype: torch.dtype) -> None:
     """``model.batch_invariant``: every attention row through the one-row kernel, so a row's
     result depends on nothing else in its step (the packed linears already compute each row
@@ -189,6 +188,7 @@ def set_batch_invariant(on: bool, device_type: str, dtype: torch.dtype) -> None:
     torch.ops.tetri.set_attention_rows_only(True)
 
 
+@functools.cache
 def ragged_attention_op(device_type: str) -> Callable[..., None] | None:
     """The ragged attention op for ``device_type`` (``torch.ops.tetri.ragged_attention`` on
     CPU, the Triton kernel with the same arguments on CUDA), or None, logged once per device
