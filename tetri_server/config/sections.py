@@ -172,10 +172,9 @@ class ModelConfig(_Section):
     the keys), beside the packed linears, which compute each row alone (an unseeded sampled
     request draws from the process's generator, which its neighbours share). Costs 6-25% of
     prefill time on the bench model (256-1024-token prompts, one thread, AVX2;
-    docs/benchmarks.md, session 50);
-    decode unchanged. cpu and float32 only, with the C++ ops built (a worker that cannot
-    give it refuses to start); vLLM's VLLM_BATCH_INVARIANT, SGLang's
-    --enable-deterministic-inference."""
+    docs/benchmarks.md, session 50), decode unchanged. cpu and float32 only, with the C++ ops
+    built (a worker that cannot give it refuses to start); vLLM's VLLM_BATCH_INVARIANT,
+    SGLang's --enable-deterministic-inference."""
 
     tool_call_parser: ToolCallParser = "none"
     """How replies are parsed for tool calls under tool_choice=auto (vLLM's --tool-call-parser):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
@@ -94,7 +95,7 @@ def rows_alone(meta: BatchMetadata, items: list[int],
         # the run's last row sees the context up to itself
         ctx_lens.append(meta.ctx_lens[n] - (meta.q_starts[n] + meta.q_lens[n] - row - k))
     index = torch.tensor(rows, dtype=torch.long, device=meta.positions.device)
-    return BatchMetadata(q_starts=[sum(q_lens[:i]) for i in range(len(q_lens))], q_lens=q_lens,
+    return BatchMetadata(q_starts=list(accumulate(q_lens, initial=0))[:-1], q_lens=q_lens,
                          ctx_lens=ctx_lens,
                          kv_starts=[meta.kv_starts[n] for n in items]
                          + [meta.kv_starts[n] for n, _, _ in runs],

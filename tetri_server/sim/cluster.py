@@ -203,8 +203,9 @@ class Simulation:
             requests=self.requests,
             instances=[dict(id=i.worker_id, role=i.role, busy_s=i.busy_s, steps=i.num_steps,
                             active_s=i.last_end_s - i.first_start_s if i.num_steps else 0.0,
-                            preemptions=_load(i).num_preemptions,
-                            kv_drops=_load(i).num_kv_drops) for i in self.instances],
+                            preemptions=load.num_preemptions, kv_drops=load.num_kv_drops)
+                       for i, load in zip(self.instances, map(_load, self.instances),
+                                          strict=True)],
             duration_s=max(ends, default=0.0),
             num_events=self.loop.num_handled,
             wall_s=time.perf_counter() - wall0,

@@ -306,13 +306,12 @@ class PrefillInstance(_Decoding):
                     self._keep(req_id)
 
     def load_report(self) -> LoadReport:
-        book = self.book
+        book, kept = self.book, self.admission.load()  # its kept requests'
         return LoadReport(self.worker_id, "prefill", book.count(Stage.NEW, Stage.QUEUED),
                           book.count(Stage.HELD, Stage.HANDED_OFF, Stage.DECODING),
                           book.num_waiting_prompt_tokens(),
                           self.alloc.num_free, self.alloc.num_blocks, 0, 0, 0, self.busy_s,
-                          self.admission.load().num_preemptions,  # its kept requests'
-                          num_kv_drops=self.admission.load().num_kv_drops)
+                          kept.num_preemptions, num_kv_drops=kept.num_kv_drops)
 
 
 class DecodeInstance(_Decoding):

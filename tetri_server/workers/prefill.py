@@ -380,12 +380,11 @@ class PrefillRole(Role):
 
     def load_report(self) -> LoadReport:
         a, book = self.w.allocator, self.book
+        kept = self.admission.load()  # its kept requests'
         return LoadReport(worker_id=self.w.worker_id, role="prefill",
                           num_waiting=book.count(Stage.NEW, Stage.QUEUED),
                           num_running=book.count(Stage.HELD, Stage.HANDED_OFF, Stage.DECODING),
                           num_queued_prompt_tokens=book.num_waiting_prompt_tokens(),
                           num_free_blocks=a.num_free, num_total_blocks=a.num_blocks, num_heavy=0,
                           num_light=0, predicted_demand_blocks=0, busy_s=self.w.busy_s,
-                          # its kept requests'
-                          num_preemptions=self.admission.load().num_preemptions,
-                          num_kv_drops=self.admission.load().num_kv_drops)
+                          num_preemptions=kept.num_preemptions, num_kv_drops=kept.num_kv_drops)

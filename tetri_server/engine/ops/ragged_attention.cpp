@@ -14,7 +14,7 @@
 // 64 or 128, no sliding window), else ATen's SDPA on views of their extent, with the same
 // masks as the reference loop. With tetri::set_attention_rows_only(true) (model.batch_invariant)
 // every row runs the kernel below: a row's result then depends only on its query, its position
-// and the keys, not on the chunk it came in or the batch (prefill 6-24% slower, session 50).
+// and the keys, not on the chunk it came in or the batch (prefill 6-25% slower, session 50).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
