@@ -165,6 +165,46 @@ def test_a_sequence_gets_the_same_bits_alone_or_in_any_batch(heads, kv_heads, di
             assert torch.equal(got[q_starts[pos]:q_starts[pos] + ql], ref), (spec, trial, specs)
 
 
+def rows_alone(q: torch.Tensor, ql: int, ctx: int, ks: int) -> BatchMetadata:
+    """The ql rows of one prompt chunk over ctx keys from ks, each sent as its own one-row
+    sequence at its own position (the same keys, ctx - ql + r + 1 of them)."""
+    return BatchMetadata(list(range(ql)), [1] * ql, [ctx - ql + r + 1 for r in range(ql)],
+                         [ks] * ql, torch.zeros(0, dtype=torch.long),
+                         torch.zeros(ql, dtype=torch.long), ql)
+
+
+@pytest.mark.parametrize("rows_only", [True, False])
+@pytest.mark.parametrize("window", [0, 20])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), SHAPES)
+def test_a_prompt_row_gets_the_bits_of_the_row_alone(heads, kv_heads, dim, window, rows_only):
+    """The row kernel takes a prompt chunk's rows in tiles that share each whole key block
+    (session 51); every row must still get exactly the bits it gets as a one-row sequence,
+    whatever the chunk's length, its offset in the context and the block edges. With
+    rows_only (model.batch_invariant) every chunk takes that kernel, else chunks under 16
+    rows."""
+    rng = random.Random(heads * 100 + dim + window)
+    pool_tokens = 1024
+    q_all, pk, pv = tensors(rng, 300, heads, kv_heads, dim, pool_tokens, torch.float32)
+    specs = [(2, 2), (3, 129), (5, 70), (15, 200), (64, 64), (65, 65), (37, 300), (130, 130),
+             (131, 260)]
+    torch.ops.tetri.set_attention_rows_only(rows_only)
+    try:
+        for ql, ctx in specs:
+            if not rows_only and ql >= 16:
+                continue
+            ks = 16 * rng.randint(0, 40)
+            chunk = BatchMetadata([0], [ql], [ctx], [ks], torch.zeros(0, dtype=torch.long),
+                                  torch.zeros(ql, dtype=torch.long), ql)
+            got = ragged_attention(q_all[:ql], pk, pv, chunk, window=window)
+            alone = ragged_attention(q_all[:ql], pk, pv, rows_alone(q_all, ql, ctx, ks),
+                                     window=window)
+            assert torch.equal(got, alone), (ql, ctx, (got - alone).abs().max().item())
+            ref = paged_attention(q_all[:ql], pk, pv, chunk, window=window)
+            torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    finally:
+        torch.ops.tetri.set_attention_rows_only(False)
+
+
 def test_bad_metadata_is_a_clear_error():
     q, pool = torch.randn(3, 4, 16), torch.randn(2, 2, 64, 16)
     meta = BatchMetadata([0], [3], [3], [62], torch.zeros(0, dtype=torch.long),

@@ -170,9 +170,10 @@ class ModelConfig(_Section):
     is in its batch, whatever the chunks its prompt is cut into, in every mode: every attention
     row runs the one-row kernel (a row's result depends only on its query, its position and
     the keys), beside the packed linears, which compute each row alone (an unseeded sampled
-    request draws from the process's generator, which its neighbours share). Costs 6-25% of
-    prefill time on the bench model (256-1024-token prompts, one thread, AVX2;
-    docs/benchmarks.md, session 50), decode unchanged. cpu and float32 only, with the C++ ops
+    request draws from the process's generator, which its neighbours share). Costs 1-7% of
+    prefill time on the bench model (256-1024-token prompts, one thread, AVX2; 6-25% before
+    the row kernel took prompt rows in tiles, session 51; docs/benchmarks.md), decode
+    unchanged. cpu and float32 only, with the C++ ops
     built (a worker that cannot give it refuses to start); vLLM's VLLM_BATCH_INVARIANT,
     SGLang's --enable-deterministic-inference."""
 

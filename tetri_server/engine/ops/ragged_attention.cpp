@@ -7,14 +7,17 @@
 //
 // Rows of sequences with q_len < kSdpaMinQ (decode tokens, short chunks) run the kernel below:
 // one work item per (sequence, kv head) covers every query row and every query head of that
-// kv head's group, so each key and value row is read once per item. Per row the keys are
-// walked in order in blocks of kKeyBlock with an online softmax in fp32; nothing depends on
-// the other sequences of the batch or on how items are spread over threads.
+// kv head's group. Per row the keys are walked in order in blocks of kKeyBlock with an online
+// softmax in fp32; nothing depends on the other sequences of the batch or on how items are
+// spread over threads. Prompt rows (fp32, no sliding window) go in tiles of a few rows that
+// share each whole key block they all see (each key and value row read once a tile, not once a
+// row), with the same float operations per row as a row alone: a row's bits do not depend on
+// the tile it lands in.
 // Longer prompt chunks run the tiled kernel of prefill_attention.cpp (fp32, AVX-512, head_dim
 // 64 or 128, no sliding window), else ATen's SDPA on views of their extent, with the same
 // masks as the reference loop. With tetri::set_attention_rows_only(true) (model.batch_invariant)
 // every row runs the kernel below: a row's result then depends only on its query, its position
-// and the keys, not on the chunk it came in or the batch (prefill 6-25% slower, session 50).
+// and the keys, not on the chunk it came in or the batch.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -129,6 +132,31 @@ inline void prefetch_spread(const float*& pf_k, const float*& pf_v, int64_t& cre
   }
 }
 
+// out[0..3] = vec_reduce_all(sum, a_j) * scale for four accumulators at once: the same adds on
+// the same operands as ATen's reduction ((x0+x4)+(x2+x6)) + ((x1+x5)+(x3+x7)), so bit for bit
+// its results, with 128-bit shuffles (no lane-crossing permute per key).
+inline void reduce4(const Vec& a0, const Vec& a1, const Vec& a2, const Vec& a3, float scale,
+                    float* out) {
+#if defined(CPU_CAPABILITY_AVX2) && !defined(CPU_CAPABILITY_AVX512)
+  const __m256 v0 = a0, v1 = a1, v2 = a2, v3 = a3;
+  const __m128 b0 = _mm_add_ps(_mm256_castps256_ps128(v0), _mm256_extractf128_ps(v0, 1));
+  const __m128 b1 = _mm_add_ps(_mm256_castps256_ps128(v1), _mm256_extractf128_ps(v1, 1));
+  const __m128 b2 = _mm_add_ps(_mm256_castps256_ps128(v2), _mm256_extractf128_ps(v2, 1));
+  const __m128 b3 = _mm_add_ps(_mm256_castps256_ps128(v3), _mm256_extractf128_ps(v3, 1));
+  // [k.b0 + k.b2, k.b1 + k.b3] for keys (0, 1) and (2, 3)
+  const __m128 c01 = _mm_add_ps(_mm_shuffle_ps(b0, b1, 0x44), _mm_shuffle_ps(b0, b1, 0xEE));
+  const __m128 c23 = _mm_add_ps(_mm_shuffle_ps(b2, b3, 0x44), _mm_shuffle_ps(b2, b3, 0xEE));
+  const __m128 d = _mm_add_ps(_mm_shuffle_ps(c01, c23, 0x88), _mm_shuffle_ps(c01, c23, 0xDD));
+  _mm_storeu_ps(out, _mm_mul_ps(d, _mm_set1_ps(scale)));
+#else
+  const auto sum = [](Vec& x, Vec& y) { return x + y; };
+  out[0] = at::vec::vec_reduce_all<float>(sum, a0) * scale;
+  out[1] = at::vec::vec_reduce_all<float>(sum, a1) * scale;
+  out[2] = at::vec::vec_reduce_all<float>(sum, a2) * scale;
+  out[3] = at::vec::vec_reduce_all<float>(sum, a3) * scale;
+#endif
+}
+
 template <int ND>
 void block_scores(const float* q, const float* k, int64_t ks, int64_t n, float scale, float* out,
                   const float* pf, int64_t pf_rows) {
@@ -150,10 +178,7 @@ void block_scores(const float* q, const float* k, int64_t ks, int64_t n, float s
       a2 = at::vec::fmadd(qv[i], Vec::loadu(k0 + 2 * ks + i * VS), a2);
       a3 = at::vec::fmadd(qv[i], Vec::loadu(k0 + 3 * ks + i * VS), a3);
     }
-    out[j] = at::vec::vec_reduce_all<float>(sum, a0) * scale;
-    out[j + 1] = at::vec::vec_reduce_all<float>(sum, a1) * scale;
-    out[j + 2] = at::vec::vec_reduce_all<float>(sum, a2) * scale;
-    out[j + 3] = at::vec::vec_reduce_all<float>(sum, a3) * scale;
+    reduce4(a0, a1, a2, a3, scale, out + j);
   }
   for (; j < n; ++j) {
     prefetch_spread(pf, none, credit, pf_rows, n, ks, ND * VS * 4);
@@ -180,10 +205,117 @@ void block_values(float* acc, float c, const float* p, const float* v, int64_t v
   for (int i = 0; i < ND; ++i) a[i].store(acc + i * VS);
 }
 
+// The largest of p[0..n) (a max is exact: the order it is taken in does not matter).
+inline float block_max(const float* p, int64_t n) {
+  int64_t j = 0;
+  float mx = -std::numeric_limits<float>::infinity();
+  if (n >= Vec::size()) {
+    Vec acc = Vec::loadu(p);
+    for (j = Vec::size(); j + Vec::size() <= n; j += Vec::size()) {
+      acc = at::vec::maximum(acc, Vec::loadu(p + j));
+    }
+    mx = at::vec::vec_reduce_all<float>(
+        [](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, acc);
+  }
+  for (; j < n; ++j) mx = std::max(mx, p[j]);
+  return mx;
+}
+
+// The online-softmax step of one query vector over a block of n scores (turned into exp(s - m) in
+// place): one function for every path, so the float operations are the same wherever it runs.
+inline void softmax_step(float* p, int64_t n, float& m, float& l, float& c) {
+  const float m_new = std::max(m, block_max(p, n));
+  c = std::exp(m - m_new);  // rescale of the running sums; 0 on the first block
+  const float block_sum = exp_shift_sum(p, m_new, n);
+  // the product rounded, never fused into the add: whether the compiler contracts
+  // l * c + block_sum into an FMA depends on the code around it, and every path must round alike
+  volatile float scaled = l * c;
+  l = scaled + block_sum;
+  m = m_new;
+}
+
+// Several query vectors of one kv head over one whole block of kKeyBlock keys (prompt rows: each
+// key and value row is read once for the tile, not once a row). Per vector the same float
+// operations in the same order as block_scores / block_values, so a vector's result is bit for
+// bit what it gets alone (model.batch_invariant relies on it).
+//   tile_scores: out[t][j] = dot(q[t], k_j) * scale; two vectors x four keys at a time.
+//   tile_values: acc[t] = acc[t] * c[t] + sum_j p[t][j] * v_j; four vectors x two of the head
+//     dim's Vecs at a time, keys in order.
+template <int ND>
+void tile_scores(const float* const* q, int64_t nv, const float* k, int64_t ks, float scale,
+                 float* const* out) {
+  constexpr int64_t VS = Vec::size();
+  int64_t t = 0;
+  for (; t + 2 <= nv; t += 2) {
+    const float* q0 = q[t];
+    const float* q1 = q[t + 1];
+    for (int64_t j = 0; j < kKeyBlock; j += 4) {
+      const float* k0 = k + j * ks;
+      Vec a0(0.f), a1(0.f), a2(0.f), a3(0.f), b0(0.f), b1(0.f), b2(0.f), b3(0.f);
+#pragma GCC unroll 8
+      for (int i = 0; i < ND; ++i) {
+        const Vec x0 = Vec::loadu(k0 + i * VS), x1 = Vec::loadu(k0 + ks + i * VS);
+        const Vec x2 = Vec::loadu(k0 + 2 * ks + i * VS), x3 = Vec::loadu(k0 + 3 * ks + i * VS);
+        const Vec u = Vec::loadu(q0 + i * VS);
+        a0 = at::vec::fmadd(u, x0, a0);
+        a1 = at::vec::fmadd(u, x1, a1);
+        a2 = at::vec::fmadd(u, x2, a2);
+        a3 = at::vec::fmadd(u, x3, a3);
+        const Vec w = Vec::loadu(q1 + i * VS);
+        b0 = at::vec::fmadd(w, x0, b0);
+        b1 = at::vec::fmadd(w, x1, b1);
+        b2 = at::vec::fmadd(w, x2, b2);
+        b3 = at::vec::fmadd(w, x3, b3);
+      }
+      reduce4(a0, a1, a2, a3, scale, out[t] + j);
+      reduce4(b0, b1, b2, b3, scale, out[t + 1] + j);
+    }
+  }
+  for (; t < nv; ++t) block_scores<ND>(q[t], k, ks, kKeyBlock, scale, out[t], nullptr, 0);
+}
+
+template <int ND>
+void tile_values(float* const* acc, const float* c, const float* const* p, int64_t nv,
+                 const float* v, int64_t vs) {
+  constexpr int64_t VS = Vec::size();
+  int64_t t = 0;
+  for (; t + 4 <= nv; t += 4) {
+    for (int i0 = 0; i0 < ND; i0 += 2) {
+      const int w = std::min(2, ND - i0);  // Vecs of the head dim in this pass
+      Vec a[4][2];
+      for (int u = 0; u < 4; ++u) {
+        const Vec vc(c[t + u]);
+        for (int i = 0; i < w; ++i) a[u][i] = Vec::loadu(acc[t + u] + (i0 + i) * VS) * vc;
+      }
+      for (int64_t j = 0; j < kKeyBlock; ++j) {
+        const float* vj = v + j * vs + i0 * VS;
+        const Vec x0 = Vec::loadu(vj);
+        const Vec x1 = w == 2 ? Vec::loadu(vj + VS) : x0;
+#pragma GCC unroll 4
+        for (int u = 0; u < 4; ++u) {
+          const Vec pj(p[t + u][j]);
+          a[u][0] = at::vec::fmadd(x0, pj, a[u][0]);
+          if (w == 2) a[u][1] = at::vec::fmadd(x1, pj, a[u][1]);
+        }
+      }
+      for (int u = 0; u < 4; ++u) {
+        for (int i = 0; i < w; ++i) a[u][i].store(acc[t + u] + (i0 + i) * VS);
+      }
+    }
+  }
+  for (; t < nv; ++t) {
+    block_values<ND>(acc[t], c[t], p[t], v, vs, kKeyBlock, nullptr, nullptr, 0);
+  }
+}
+
 using ScoresFn = void (*)(const float*, const float*, int64_t, int64_t, float, float*, const float*,
                           int64_t);
 using ValuesFn = void (*)(float*, float, const float*, const float*, int64_t, int64_t, const float*,
                           const float*, int64_t);
+using TileScoresFn = void (*)(const float* const*, int64_t, const float*, int64_t, float,
+                              float* const*);
+using TileValuesFn = void (*)(float* const*, const float*, const float* const*, int64_t,
+                              const float*, int64_t);
 constexpr int kMaxND = 8;
 constexpr ScoresFn kScores[kMaxND + 1] = {nullptr, block_scores<1>, block_scores<2>,
                                           block_scores<3>, block_scores<4>, block_scores<5>,
@@ -191,15 +323,40 @@ constexpr ScoresFn kScores[kMaxND + 1] = {nullptr, block_scores<1>, block_scores
 constexpr ValuesFn kValues[kMaxND + 1] = {nullptr, block_values<1>, block_values<2>,
                                           block_values<3>, block_values<4>, block_values<5>,
                                           block_values<6>, block_values<7>, block_values<8>};
+constexpr TileScoresFn kTileScores[kMaxND + 1] = {
+    nullptr, tile_scores<1>, tile_scores<2>, tile_scores<3>, tile_scores<4>,
+    tile_scores<5>, tile_scores<6>, tile_scores<7>, tile_scores<8>};
+constexpr TileValuesFn kTileValues[kMaxND + 1] = {
+    nullptr, tile_values<1>, tile_values<2>, tile_values<3>, tile_values<4>,
+    tile_values<5>, tile_values<6>, tile_values<7>, tile_values<8>};
 
+// Query rows a tile holds: at least two, and at least four query vectors.
+inline int64_t tile_rows(int64_t groups) { return std::max<int64_t>(2, (8 + groups - 1) / groups); }
+
+// Per query vector (a row's query head): its query, running output, block scores and softmax
+// state; `rows` rows of `groups` vectors.
 struct Scratch {
   std::vector<float> q, acc, scores, kbuf, vbuf, m, l, c;
-  Scratch(int64_t groups, int64_t d)
-      : q(groups * d), acc(groups * d), scores(groups * kKeyBlock), kbuf(d), vbuf(d),
-        m(groups), l(groups), c(groups) {}
+  std::vector<const float*> q_at, p_at;
+  std::vector<float*> acc_at, scores_at;
+  Scratch(int64_t rows, int64_t groups, int64_t d)
+      : q(rows * groups * d), acc(rows * groups * d), scores(rows * groups * kKeyBlock),
+        kbuf(d), vbuf(d), m(rows * groups), l(rows * groups), c(rows * groups),
+        q_at(rows * groups), p_at(rows * groups), acc_at(rows * groups),
+        scores_at(rows * groups) {
+    for (int64_t v = 0; v < rows * groups; ++v) {
+      q_at[v] = q.data() + v * d;
+      acc_at[v] = acc.data() + v * d;
+      scores_at[v] = scores.data() + v * kKeyBlock;
+      p_at[v] = scores_at[v];
+    }
+  }
 };
 
-// All query rows of one sequence for the `groups` query heads that share kv head `h`.
+// All query rows of one sequence for the `groups` query heads that share kv head `h`. Without a
+// sliding window, fp32 prompt rows go in tiles of tile_rows(groups): the key blocks every row of
+// a tile sees whole run for the tile together (tile_scores / tile_values), then each row goes on
+// alone from there (decode rows: alone from the start).
 template <typename T>
 void attend(const SeqInfo& s, int64_t h, int64_t groups, int64_t d, float scale, int64_t window,
             const T* q, int64_t q_s0, int64_t q_s1, const T* pk, const T* pv, int64_t kv_s0,
@@ -212,77 +369,97 @@ void attend(const SeqInfo& s, int64_t h, int64_t groups, int64_t d, float scale,
   const bool fast = std::is_same_v<T, float> && nd >= 1 && nd <= kMaxND;
   const ScoresFn scores_fn = fast ? kScores[nd] : nullptr;
   const ValuesFn values_fn = fast ? kValues[nd] : nullptr;
-  for (int64_t r = 0; r < s.q_len; ++r) {
-    const int64_t pos = s.ctx_len - s.q_len + r;  // context position of this query
-    const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
-    const int64_t hi = pos + 1;  // keys [lo, hi)
-    const int64_t row = s.q_start + r;
-    for (int64_t g = 0; g < groups; ++g) {
-      const T* src = q + row * q_s0 + (h * groups + g) * q_s1;
-      for (int64_t i = 0; i < d; ++i) w.q[g * d + i] = static_cast<float>(src[i]);
-      std::fill_n(w.acc.data() + g * d, d, 0.f);
-      w.m[g] = -std::numeric_limits<float>::infinity();
-      w.l[g] = 0.f;
+  const int64_t rt = fast && window == 0 ? tile_rows(groups) : 1;
+  for (int64_t r0 = 0; r0 < s.q_len; r0 += rt) {
+    const int64_t rows = std::min(rt, s.q_len - r0);
+    for (int64_t v = 0; v < rows * groups; ++v) {
+      const int64_t row = s.q_start + r0 + v / groups;
+      const T* src = q + row * q_s0 + (h * groups + v % groups) * q_s1;
+      for (int64_t i = 0; i < d; ++i) w.q[v * d + i] = static_cast<float>(src[i]);
+      std::fill_n(w.acc.data() + v * d, d, 0.f);
+      w.m[v] = -std::numeric_limits<float>::infinity();
+      w.l[v] = 0.f;
     }
-    for (int64_t kb = lo; kb < hi; kb += kKeyBlock) {
-      const int64_t n = std::min(kKeyBlock, hi - kb);
-      if constexpr (std::is_same_v<T, float>) {
-        if (fast) {
-          for (int64_t g = 0; g < groups; ++g) {  // the first block prefetches its values
-            const bool pf = g == 0 && kb == lo;
-            scores_fn(w.q.data() + g * d, kh + kb * kv_s1, kv_s1, n, scale,
-                      w.scores.data() + g * kKeyBlock, pf ? vh + kb * kv_s1 : nullptr,
-                      pf ? n : 0);
+    int64_t joint_end = 0;  // keys [0, joint_end): whole blocks every row of the tile sees
+    if constexpr (std::is_same_v<T, float>) {
+      if (rows > 1) {
+        const int64_t nv = rows * groups;
+        joint_end = (s.ctx_len - s.q_len + r0 + 1) / kKeyBlock * kKeyBlock;
+        for (int64_t kb = 0; kb < joint_end; kb += kKeyBlock) {
+          kTileScores[nd](w.q_at.data(), nv, kh + kb * kv_s1, kv_s1, scale, w.scores_at.data());
+          for (int64_t v = 0; v < nv; ++v) {
+            softmax_step(w.scores_at[v], kKeyBlock, w.m[v], w.l[v], w.c[v]);
           }
+          kTileValues[nd](w.acc_at.data(), w.c.data(), w.p_at.data(), nv, vh + kb * kv_s1,
+                          kv_s1);
         }
       }
-      for (int64_t j = 0; j < n && !fast; ++j) {
-        if (kb == lo) prefetch_row(vh + (kb + j) * kv_s1, d * sizeof(T));  // later blocks: below
-        const float* k = as_float(kh + (kb + j) * kv_s1, w.kbuf.data(), d);
+    }
+    for (int64_t r = r0; r < r0 + rows; ++r) {
+      const int64_t pos = s.ctx_len - s.q_len + r;  // context position of this query
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+      const int64_t hi = pos + 1;  // keys [lo, hi)
+      const int64_t row = s.q_start + r;
+      const int64_t v0 = (r - r0) * groups;  // this row's first query vector
+      const int64_t first = std::max(lo, joint_end);
+      for (int64_t kb = first; kb < hi; kb += kKeyBlock) {
+        const int64_t n = std::min(kKeyBlock, hi - kb);
+        if constexpr (std::is_same_v<T, float>) {
+          if (fast) {
+            for (int64_t g = 0; g < groups; ++g) {  // the first block prefetches its values
+              const bool pf = g == 0 && kb == first;
+              scores_fn(w.q.data() + (v0 + g) * d, kh + kb * kv_s1, kv_s1, n, scale,
+                        w.scores.data() + (v0 + g) * kKeyBlock, pf ? vh + kb * kv_s1 : nullptr,
+                        pf ? n : 0);
+            }
+          }
+        }
+        for (int64_t j = 0; j < n && !fast; ++j) {
+          if (kb == first) prefetch_row(vh + (kb + j) * kv_s1, d * sizeof(T));  // later: below
+          const float* k = as_float(kh + (kb + j) * kv_s1, w.kbuf.data(), d);
+          for (int64_t g = 0; g < groups; ++g) {
+            w.scores[(v0 + g) * kKeyBlock + j] = dot(w.q.data() + (v0 + g) * d, k, d) * scale;
+          }
+        }
         for (int64_t g = 0; g < groups; ++g) {
-          w.scores[g * kKeyBlock + j] = dot(w.q.data() + g * d, k, d) * scale;
+          const int64_t v = v0 + g;
+          softmax_step(w.scores.data() + v * kKeyBlock, n, w.m[v], w.l[v], w.c[v]);
+        }
+        const int64_t n_next = std::min(kKeyBlock, hi - kb - n);  // keys of the next block
+        // the last block of the last row prefetches the next item's first block instead
+        const bool item_end = n_next == 0 && r + 1 == s.q_len && next_k != nullptr;
+        const T* pf_k = item_end ? next_k : kh + (kb + n) * kv_s1;
+        const T* pf_v = item_end ? next_v : vh + (kb + n) * kv_s1;
+        const int64_t pf_rows = item_end ? next_rows : n_next;
+        if constexpr (std::is_same_v<T, float>) {
+          if (fast) {
+            for (int64_t g = 0; g < groups; ++g) {  // the rescale is applied before the first key
+              const int64_t v = v0 + g;
+              values_fn(w.acc.data() + v * d, w.c[v], w.scores.data() + v * kKeyBlock,
+                        vh + kb * kv_s1, kv_s1, n, g == 0 ? pf_k : nullptr,
+                        g == 0 ? pf_v : nullptr, g == 0 ? pf_rows : 0);
+            }
+            continue;
+          }
+        }
+        int64_t credit = 0;
+        for (int64_t j = 0; j < n; ++j) {
+          for (credit += pf_rows; credit >= n; credit -= n, pf_k += kv_s1, pf_v += kv_s1) {
+            prefetch_row(pf_k, d * sizeof(T));
+            prefetch_row(pf_v, d * sizeof(T));
+          }
+          const float* v = as_float(vh + (kb + j) * kv_s1, w.vbuf.data(), d);
+          for (int64_t g = 0; g < groups; ++g) {  // the rescale is folded into the first key
+            scale_add(w.acc.data() + (v0 + g) * d, j == 0 ? w.c[v0 + g] : 1.f,
+                      w.scores[(v0 + g) * kKeyBlock + j], v, d);
+          }
         }
       }
       for (int64_t g = 0; g < groups; ++g) {
-        float* p = w.scores.data() + g * kKeyBlock;
-        const float m_new = std::max(w.m[g], *std::max_element(p, p + n));
-        w.c[g] = std::exp(w.m[g] - m_new);  // rescale of the running sums; 0 on the first block
-        w.l[g] = w.l[g] * w.c[g] + exp_shift_sum(p, m_new, n);
-        w.m[g] = m_new;
+        T* dst = out + row * o_s0 + (h * groups + g) * o_s1;
+        const float inv = 1.f / w.l[v0 + g];
+        for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<T>(w.acc[(v0 + g) * d + i] * inv);
       }
-      const int64_t n_next = std::min(kKeyBlock, hi - kb - n);  // keys of the next block
-      // the last block of the last row prefetches the next item's first block instead
-      const bool item_end = n_next == 0 && r + 1 == s.q_len && next_k != nullptr;
-      const T* pf_k = item_end ? next_k : kh + (kb + n) * kv_s1;
-      const T* pf_v = item_end ? next_v : vh + (kb + n) * kv_s1;
-      const int64_t pf_rows = item_end ? next_rows : n_next;
-      if constexpr (std::is_same_v<T, float>) {
-        if (fast) {
-          for (int64_t g = 0; g < groups; ++g) {  // the rescale is applied before the first key
-            values_fn(w.acc.data() + g * d, w.c[g], w.scores.data() + g * kKeyBlock,
-                      vh + kb * kv_s1, kv_s1, n, g == 0 ? pf_k : nullptr,
-                      g == 0 ? pf_v : nullptr, g == 0 ? pf_rows : 0);
-          }
-          continue;
-        }
-      }
-      int64_t credit = 0;
-      for (int64_t j = 0; j < n; ++j) {
-        for (credit += pf_rows; credit >= n; credit -= n, pf_k += kv_s1, pf_v += kv_s1) {
-          prefetch_row(pf_k, d * sizeof(T));
-          prefetch_row(pf_v, d * sizeof(T));
-        }
-        const float* v = as_float(vh + (kb + j) * kv_s1, w.vbuf.data(), d);
-        for (int64_t g = 0; g < groups; ++g) {  // the rescale is folded into the first key
-          scale_add(w.acc.data() + g * d, j == 0 ? w.c[g] : 1.f, w.scores[g * kKeyBlock + j], v,
-                    d);
-        }
-      }
-    }
-    for (int64_t g = 0; g < groups; ++g) {
-      T* dst = out + row * o_s0 + (h * groups + g) * o_s1;
-      const float inv = 1.f / w.l[g];
-      for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<T>(w.acc[g * d + i] * inv);
     }
   }
 }
@@ -299,7 +476,7 @@ void run_items(const std::vector<SeqInfo>& seqs, const std::vector<int64_t>& sho
   const T* vp = pool_v.data_ptr<T>();
   T* op = out.data_ptr<T>();
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t stop) {
-    Scratch w(groups, d);
+    Scratch w(tile_rows(groups), groups, d);
     for (int64_t it = begin; it < stop; ++it) {
       const SeqInfo& s = seqs[short_seqs[it / kv_heads]];
       const T *next_k = nullptr, *next_v = nullptr;
