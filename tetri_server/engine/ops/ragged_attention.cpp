@@ -27,11 +27,13 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace tetri_ops {  // prefill_attention.cpp: false when it does not cover the case
@@ -162,8 +164,14 @@ void block_scores(const float* q, const float* k, int64_t ks, int64_t n, float s
                   const float* pf, int64_t pf_rows) {
   constexpr int64_t VS = Vec::size();
   const auto sum = [](Vec& x, Vec& y) { return x + y; };
-  Vec qv[ND];
-  for (int i = 0; i < ND; ++i) qv[i] = Vec::loadu(q + i * VS);
+  // the query in registers up to 8 Vecs; past that each Vec is read again (from L1) per use
+  constexpr int kHeld = ND <= 8 ? ND : 1;
+  Vec held[kHeld];
+  for (int i = 0; i < kHeld; ++i) held[i] = Vec::loadu(q + i * VS);
+  const auto qv = [&](int i) -> Vec {
+    if constexpr (ND <= 8) return held[i];
+    else return Vec::loadu(q + i * VS);
+  };
   const float* none = nullptr;
   int64_t credit = 0;
   int64_t j = 0;
@@ -173,17 +181,17 @@ void block_scores(const float* q, const float* k, int64_t ks, int64_t n, float s
     Vec a0(0.f), a1(0.f), a2(0.f), a3(0.f);
 #pragma GCC unroll 8
     for (int i = 0; i < ND; ++i) {
-      a0 = at::vec::fmadd(qv[i], Vec::loadu(k0 + i * VS), a0);
-      a1 = at::vec::fmadd(qv[i], Vec::loadu(k0 + ks + i * VS), a1);
-      a2 = at::vec::fmadd(qv[i], Vec::loadu(k0 + 2 * ks + i * VS), a2);
-      a3 = at::vec::fmadd(qv[i], Vec::loadu(k0 + 3 * ks + i * VS), a3);
+      a0 = at::vec::fmadd(qv(i), Vec::loadu(k0 + i * VS), a0);
+      a1 = at::vec::fmadd(qv(i), Vec::loadu(k0 + ks + i * VS), a1);
+      a2 = at::vec::fmadd(qv(i), Vec::loadu(k0 + 2 * ks + i * VS), a2);
+      a3 = at::vec::fmadd(qv(i), Vec::loadu(k0 + 3 * ks + i * VS), a3);
     }
     reduce4(a0, a1, a2, a3, scale, out + j);
   }
   for (; j < n; ++j) {
     prefetch_spread(pf, none, credit, pf_rows, n, ks, ND * VS * 4);
     Vec a(0.f);
-    for (int i = 0; i < ND; ++i) a = at::vec::fmadd(qv[i], Vec::loadu(k + j * ks + i * VS), a);
+    for (int i = 0; i < ND; ++i) a = at::vec::fmadd(qv(i), Vec::loadu(k + j * ks + i * VS), a);
     out[j] = at::vec::vec_reduce_all<float>(sum, a) * scale;
   }
 }
@@ -192,17 +200,21 @@ template <int ND>
 void block_values(float* acc, float c, const float* p, const float* v, int64_t vs, int64_t n,
                   const float* pf_k, const float* pf_v, int64_t pf_rows) {
   constexpr int64_t VS = Vec::size();
-  Vec a[ND];
+  constexpr int kPass = ND < 8 ? ND : 8;  // Vecs of the head dim held in registers a pass
   const Vec vc(c);
-  for (int i = 0; i < ND; ++i) a[i] = Vec::loadu(acc + i * VS) * vc;
-  int64_t credit = 0;
-  for (int64_t j = 0; j < n; ++j) {
-    prefetch_spread(pf_k, pf_v, credit, pf_rows, n, vs, ND * VS * 4);
-    const Vec pj(p[j]);
+  for (int i0 = 0; i0 < ND; i0 += kPass) {  // each element's adds in key order either way
+    Vec a[kPass];
+    for (int i = 0; i < kPass; ++i) a[i] = Vec::loadu(acc + (i0 + i) * VS) * vc;
+    int64_t credit = 0;
+    for (int64_t j = 0; j < n; ++j) {
+      if (i0 == 0) prefetch_spread(pf_k, pf_v, credit, pf_rows, n, vs, ND * VS * 4);
+      const Vec pj(p[j]);
+      const float* vj = v + j * vs + i0 * VS;
 #pragma GCC unroll 8
-    for (int i = 0; i < ND; ++i) a[i] = at::vec::fmadd(Vec::loadu(v + j * vs + i * VS), pj, a[i]);
+      for (int i = 0; i < kPass; ++i) a[i] = at::vec::fmadd(Vec::loadu(vj + i * VS), pj, a[i]);
+    }
+    for (int i = 0; i < kPass; ++i) a[i].store(acc + (i0 + i) * VS);
   }
-  for (int i = 0; i < ND; ++i) a[i].store(acc + i * VS);
 }
 
 // The largest of p[0..n) (a max is exact: the order it is taken in does not matter).
@@ -316,21 +328,31 @@ using TileScoresFn = void (*)(const float* const*, int64_t, const float*, int64_
                               float* const*);
 using TileValuesFn = void (*)(float* const*, const float*, const float* const*, int64_t,
                               const float*, int64_t);
-constexpr int kMaxND = 8;
-constexpr ScoresFn kScores[kMaxND + 1] = {nullptr, block_scores<1>, block_scores<2>,
-                                          block_scores<3>, block_scores<4>, block_scores<5>,
-                                          block_scores<6>, block_scores<7>, block_scores<8>};
-constexpr ValuesFn kValues[kMaxND + 1] = {nullptr, block_values<1>, block_values<2>,
-                                          block_values<3>, block_values<4>, block_values<5>,
-                                          block_values<6>, block_values<7>, block_values<8>};
-constexpr TileScoresFn kTileScores[kMaxND + 1] = {
-    nullptr, tile_scores<1>, tile_scores<2>, tile_scores<3>, tile_scores<4>,
-    tile_scores<5>, tile_scores<6>, tile_scores<7>, tile_scores<8>};
-constexpr TileValuesFn kTileValues[kMaxND + 1] = {
-    nullptr, tile_values<1>, tile_values<2>, tile_values<3>, tile_values<4>,
-    tile_values<5>, tile_values<6>, tile_values<7>, tile_values<8>};
+constexpr int kMaxND = 16;  // head_dim up to 128 on AVX2, 256 on AVX-512
+template <int... N>
+constexpr std::array<ScoresFn, sizeof...(N) + 1> scores_table(std::integer_sequence<int, N...>) {
+  return {nullptr, block_scores<N + 1>...};
+}
+template <int... N>
+constexpr std::array<ValuesFn, sizeof...(N) + 1> values_table(std::integer_sequence<int, N...>) {
+  return {nullptr, block_values<N + 1>...};
+}
+template <int... N>
+constexpr std::array<TileScoresFn, sizeof...(N) + 1> tile_scores_table(
+    std::integer_sequence<int, N...>) {
+  return {nullptr, tile_scores<N + 1>...};
+}
+template <int... N>
+constexpr std::array<TileValuesFn, sizeof...(N) + 1> tile_values_table(
+    std::integer_sequence<int, N...>) {
+  return {nullptr, tile_values<N + 1>...};
+}
+constexpr auto kScores = scores_table(std::make_integer_sequence<int, kMaxND>{});
+constexpr auto kValues = values_table(std::make_integer_sequence<int, kMaxND>{});
+constexpr auto kTileScores = tile_scores_table(std::make_integer_sequence<int, kMaxND>{});
+constexpr auto kTileValues = tile_values_table(std::make_integer_sequence<int, kMaxND>{});
 
-// Query rows a tile holds: at least two, and at least four query vectors.
+// Query rows a tile holds: at least two, and at least eight query vectors.
 inline int64_t tile_rows(int64_t groups) { return std::max<int64_t>(2, (8 + groups - 1) / groups); }
 
 // Per query vector (a row's query head): its query, running output, block scores and softmax
