@@ -9,7 +9,8 @@
 // one work item per (sequence, kv head) covers every query row and every query head of that
 // kv head's group. Per row the keys are walked in order in blocks of kKeyBlock with an online
 // softmax in fp32; nothing depends on the other sequences of the batch or on how items are
-// spread over threads. Prompt rows (fp32, no sliding window) go in tiles of a few rows that
+// spread over threads. Prompt rows (fp32, head_dim a multiple of the vector width up to
+// kMaxND Vecs, no sliding window) go in tiles of a few rows that
 // share each whole key block they all see (each key and value row read once a tile, not once a
 // row), with the same float operations per row as a row alone: a row's bits do not depend on
 // the tile it lands in.
@@ -120,7 +121,8 @@ inline float exp_shift_sum(float* p, float m, int64_t n) {
 }
 
 // fp32 rows of ND vectors (head_dim = ND * Vec::size()): the two passes over a block of keys
-// with the query / the running output in registers. Same float operations in the same order as
+// with the query / the running output in registers (up to 8 Vecs; past that the query is read
+// from L1 and the output goes in two passes of at most 8). Same float operations in the same order as
 // dot() / scale_add() above, so the results are bit for bit those of the generic path.
 //   block_scores: out[j] = dot(q, k_j) * scale for n keys, four keys at a time; prefetches
 //     `pf_rows` rows from `pf` (stride ks) spread over the keys (nullptr: none).
@@ -196,24 +198,35 @@ void block_scores(const float* q, const float* k, int64_t ks, int64_t n, float s
   }
 }
 
+// One pass of block_values over NP Vecs of the head dim from Vec i0 (held in registers).
+template <int NP>
+inline void values_pass(float* acc, const Vec& vc, const float* p, const float* v, int64_t vs,
+                        int64_t n, const float* pf_k, const float* pf_v, int64_t pf_rows,
+                        int64_t row_bytes) {
+  constexpr int64_t VS = Vec::size();
+  Vec a[NP];
+  for (int i = 0; i < NP; ++i) a[i] = Vec::loadu(acc + i * VS) * vc;
+  int64_t credit = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    prefetch_spread(pf_k, pf_v, credit, pf_rows, n, vs, row_bytes);
+    const Vec pj(p[j]);
+    const float* vj = v + j * vs;
+#pragma GCC unroll 8
+    for (int i = 0; i < NP; ++i) a[i] = at::vec::fmadd(Vec::loadu(vj + i * VS), pj, a[i]);
+  }
+  for (int i = 0; i < NP; ++i) a[i].store(acc + i * VS);
+}
+
 template <int ND>
 void block_values(float* acc, float c, const float* p, const float* v, int64_t vs, int64_t n,
                   const float* pf_k, const float* pf_v, int64_t pf_rows) {
   constexpr int64_t VS = Vec::size();
-  constexpr int kPass = ND < 8 ? ND : 8;  // Vecs of the head dim held in registers a pass
   const Vec vc(c);
-  for (int i0 = 0; i0 < ND; i0 += kPass) {  // each element's adds in key order either way
-    Vec a[kPass];
-    for (int i = 0; i < kPass; ++i) a[i] = Vec::loadu(acc + (i0 + i) * VS) * vc;
-    int64_t credit = 0;
-    for (int64_t j = 0; j < n; ++j) {
-      if (i0 == 0) prefetch_spread(pf_k, pf_v, credit, pf_rows, n, vs, ND * VS * 4);
-      const Vec pj(p[j]);
-      const float* vj = v + j * vs + i0 * VS;
-#pragma GCC unroll 8
-      for (int i = 0; i < kPass; ++i) a[i] = at::vec::fmadd(Vec::loadu(vj + i * VS), pj, a[i]);
-    }
-    for (int i = 0; i < kPass; ++i) a[i].store(acc + (i0 + i) * VS);
+  if constexpr (ND <= 8) {
+    values_pass<ND>(acc, vc, p, v, vs, n, pf_k, pf_v, pf_rows, ND * VS * 4);
+  } else {  // two passes (each element's adds still in key order); the first one prefetches
+    values_pass<8>(acc, vc, p, v, vs, n, pf_k, pf_v, pf_rows, ND * VS * 4);
+    values_pass<ND - 8>(acc + 8 * VS, vc, p, v + 8 * VS, vs, n, nullptr, nullptr, 0, 0);
   }
 }
 
@@ -376,7 +389,8 @@ struct Scratch {
 };
 
 // All query rows of one sequence for the `groups` query heads that share kv head `h`. Without a
-// sliding window, fp32 prompt rows go in tiles of tile_rows(groups): the key blocks every row of
+// sliding window, on the register paths (fp32, head_dim a multiple of the vector width up to
+// kMaxND Vecs), prompt rows go in tiles of tile_rows(groups): the key blocks every row of
 // a tile sees whole run for the tile together (tile_scores / tile_values), then each row goes on
 // alone from there (decode rows: alone from the start).
 template <typename T>
