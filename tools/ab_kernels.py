@@ -16,8 +16,9 @@ this CPU), so both versions run in the same process, one thread, pinned, CPU tim
   of C tokens as a prefill worker chunks it (a comma list), A and B alternating round by round,
   best-of-3 per round; the medians and B/A;
 - ``--attention BxC``: with a ragged_attention copy, the op alone on one layer's decode batch
-  (B rows, each over C keys of its own; bench-model heads), hot (the same KV again) and cold
-  (after reading a 256 MB buffer), A/B interleaved; outputs checked equal;
+  (B rows, each over C keys of its own; bench-model heads, or ``BxC:H/KxD``: H query heads over
+  K KV heads of D, e.g. ``32x1024:8/2x128``), hot (the same KV again) and cold (after reading a
+  256 MB buffer), A/B interleaved; outputs checked equal;
 - ``--linear-rows``: with a linear_ops copy, each linear of one bench-model layer (qkv, o,
   gate|up GLU, down) at those row counts, hot (the same weight again) and cold (one of 8
   copies, after reading a 256 MB buffer), A/B interleaved; outputs checked equal.
@@ -240,16 +241,45 @@ def ab_linears(rows: list[int]) -> None:
             print(f"| {m} | {name} | {n * k * 4 / 1e6:.1f} | {hot_cold_cells(med)} |")
 
 
-def ab_attention(configs: list[tuple[int, int]]) -> None:
+@dataclasses.dataclass(frozen=True)
+class AttentionShape:
+    """One ``--attention`` entry: ``BxC`` (the bench model's 8 heads of 64) or ``BxC:H/KxD``."""
+
+    batch: int
+    ctx: int
+    heads: int = 8
+    kv_heads: int = 8
+    head_dim: int = 64
+
+    @classmethod
+    def parse(cls, spec: str) -> AttentionShape:
+        m = re.fullmatch(r"(\d+)x(\d+)(?::(\d+)/(\d+)x(\d+))?", spec.strip())
+        if m is None:
+            raise SystemExit(f"--attention: {spec!r} is not BxC or BxC:H/KxD")
+        b, c, h, k, d = (int(v) if v else None for v in m.groups())
+        assert b is not None and c is not None
+        if h is None or k is None or d is None:
+            return cls(b, c)
+        if k < 1 or h % k:
+            raise SystemExit(f"--attention: {spec!r}: {h} query heads over {k} KV heads")
+        return cls(b, c, h, k, d)
+
+    def __str__(self) -> str:
+        heads = ("" if (self.heads, self.kv_heads, self.head_dim) == (8, 8, 64)
+                 else f" {self.heads}/{self.kv_heads}x{self.head_dim}")
+        return f"B={self.batch} ctx={self.ctx}{heads}"
+
+
+def ab_attention(configs: list[AttentionShape]) -> None:
     t, x = torch.ops.tetri, torch.ops.tetrix
     gen = torch.Generator().manual_seed(0)
-    heads, d = 8, 64
     print("| decode attention | KV MB | hot A / B ms | B/A | cold A / B ms | B/A | cold A GB/s |\n"
           "|---|---:|---|---:|---|---:|---:|")
-    for batch, ctx in configs:
-        pool_k = torch.randn(heads, batch * ctx, d, generator=gen)
-        pool_v = torch.randn(heads, batch * ctx, d, generator=gen)
-        q = torch.randn(batch, heads, d, generator=gen)
+    for shape in configs:
+        batch, ctx, d = shape.batch, shape.ctx, shape.head_dim
+        pool_k = torch.randn(shape.kv_heads, batch * ctx, d, generator=gen)
+        pool_v = torch.randn(shape.kv_heads, batch * ctx, d, generator=gen)
+        q = torch.randn(batch, shape.heads, d, generator=gen)
         meta = (torch.arange(batch), torch.ones(batch, dtype=torch.long),
                 torch.full((batch,), ctx), torch.arange(batch) * ctx)
         outs = {"A": torch.empty_like(q), "B": torch.empty_like(q)}
@@ -259,10 +289,10 @@ def ab_attention(configs: list[tuple[int, int]]) -> None:
         fns["A"]()
         fns["B"]()
         if not torch.equal(outs["A"], outs["B"]):
-            print(f"  note: B={batch} ctx={ctx}: the copy's output differs from the built op's")
+            print(f"  note: {shape}: the copy's output differs from the built op's")
         med = hot_cold_ms({key: lambda r, f=f: f() for key, f in fns.items()}, 20)
         mb = 2 * pool_k.numel() * 4 / 1e6
-        print(f"| B={batch} ctx={ctx} | {mb:.1f} | {hot_cold_cells(med)} | "
+        print(f"| {shape} | {mb:.1f} | {hot_cold_cells(med)} | "
               f"{mb / med[('A', 'cold')]:.1f} |")
 
 
@@ -280,7 +310,7 @@ def main() -> int:
                     help="prompt lengths, N or N/CHUNK, e.g. 512,1024/256; empty: none")
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--attention", default="1x512,32x128,32x1024",
-                    help="BxC list for a ragged_attention copy; empty: none")
+                    help="BxC or BxC:H/KxD list for a ragged_attention copy; empty: none")
     ap.add_argument("--linear-rows", default="1,16,32,256", help="empty: none")
     ap.add_argument("--cpu", type=int, default=0)
     args = ap.parse_args()
@@ -299,7 +329,7 @@ def main() -> int:
         ab_prefill(args.prefill.split(","), args.rounds, replaced)
         print()
     if args.attention and "ragged_attention.cpp" in replaced:
-        ab_attention(shapes(args.attention))
+        ab_attention([AttentionShape.parse(v) for v in args.attention.split(",")])
         print()
     if args.linear_rows and "linear_ops.cpp" in replaced:
         ab_linears([int(v) for v in args.linear_rows.split(",")])
