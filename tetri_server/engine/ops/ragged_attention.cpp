@@ -442,11 +442,15 @@ void attend(const SeqInfo& s, int64_t h, int64_t groups, int64_t d, float scale,
         const int64_t n = std::min(kKeyBlock, hi - kb);
         if constexpr (std::is_same_v<T, float>) {
           if (fast) {
-            for (int64_t g = 0; g < groups; ++g) {  // the first block prefetches its values
-              const bool pf = g == 0 && kb == first;
+            // The first block prefetches its values, and every block the next one's keys and
+            // values (below), a share over each query head of the group: a burst of every
+            // prefetch in the first head's pass made GQA decode 5-18% slower on Zen 1.
+            for (int64_t g = 0; g < groups; ++g) {
+              const bool pf = kb == first;
+              const int64_t plo = g * n / groups, phi = (g + 1) * n / groups;
               scores_fn(w.q.data() + (v0 + g) * d, kh + kb * kv_s1, kv_s1, n, scale,
-                        w.scores.data() + (v0 + g) * kKeyBlock, pf ? vh + kb * kv_s1 : nullptr,
-                        pf ? n : 0);
+                        w.scores.data() + (v0 + g) * kKeyBlock,
+                        pf ? vh + (kb + plo) * kv_s1 : nullptr, pf ? phi - plo : 0);
             }
           }
         }
@@ -471,9 +475,10 @@ void attend(const SeqInfo& s, int64_t h, int64_t groups, int64_t d, float scale,
           if (fast) {
             for (int64_t g = 0; g < groups; ++g) {  // the rescale is applied before the first key
               const int64_t v = v0 + g;
+              const int64_t plo = g * pf_rows / groups, phi = (g + 1) * pf_rows / groups;
               values_fn(w.acc.data() + v * d, w.c[v], w.scores.data() + v * kKeyBlock,
-                        vh + kb * kv_s1, kv_s1, n, g == 0 ? pf_k : nullptr,
-                        g == 0 ? pf_v : nullptr, g == 0 ? pf_rows : 0);
+                        vh + kb * kv_s1, kv_s1, n, pf_k + plo * kv_s1,
+                        pf_v + plo * kv_s1, phi - plo);
             }
             continue;
           }
