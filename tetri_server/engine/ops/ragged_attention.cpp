@@ -440,17 +440,26 @@ void attend(const SeqInfo& s, int64_t h, int64_t groups, int64_t d, float scale,
       const int64_t first = std::max(lo, joint_end);
       for (int64_t kb = first; kb < hi; kb += kKeyBlock) {
         const int64_t n = std::min(kKeyBlock, hi - kb);
+        const int64_t n_next = std::min(kKeyBlock, hi - kb - n);  // keys of the next block
+        // the last block of the last row prefetches the next item's first block instead
+        const bool item_end = n_next == 0 && r + 1 == s.q_len && next_k != nullptr;
+        const T* pf_k = item_end ? next_k : kh + (kb + n) * kv_s1;
+        const T* pf_v = item_end ? next_v : vh + (kb + n) * kv_s1;
+        const int64_t pf_rows = item_end ? next_rows : n_next;
+        // Register paths: the scores pass prefetches the next block's keys (the first block: its
+        // own values), the values pass the next block's values (the first block: its keys too),
+        // each a share over the query heads of the group. On Zen 1 all of it in the first head's
+        // values pass (to session 51) made GQA decode 7-17% slower, MHA level.
+        const auto share = [groups](int64_t rows, int64_t g) {
+          return std::pair<int64_t, int64_t>{g * rows / groups, (g + 1) * rows / groups};
+        };
         if constexpr (std::is_same_v<T, float>) {
           if (fast) {
-            // The first block prefetches its values, and every block the next one's keys and
-            // values (below), a share over each query head of the group: a burst of every
-            // prefetch in the first head's pass made GQA decode 5-18% slower on Zen 1.
             for (int64_t g = 0; g < groups; ++g) {
-              const bool pf = kb == first;
-              const int64_t plo = g * n / groups, phi = (g + 1) * n / groups;
+              const T* pf = kb == first ? vh + kb * kv_s1 : pf_k;
+              const auto [lo_g, hi_g] = share(kb == first ? n : pf_rows, g);
               scores_fn(w.q.data() + (v0 + g) * d, kh + kb * kv_s1, kv_s1, n, scale,
-                        w.scores.data() + (v0 + g) * kKeyBlock,
-                        pf ? vh + (kb + plo) * kv_s1 : nullptr, pf ? phi - plo : 0);
+                        w.scores.data() + (v0 + g) * kKeyBlock, pf + lo_g * kv_s1, hi_g - lo_g);
             }
           }
         }
@@ -465,20 +474,14 @@ void attend(const SeqInfo& s, int64_t h, int64_t groups, int64_t d, float scale,
           const int64_t v = v0 + g;
           softmax_step(w.scores.data() + v * kKeyBlock, n, w.m[v], w.l[v], w.c[v]);
         }
-        const int64_t n_next = std::min(kKeyBlock, hi - kb - n);  // keys of the next block
-        // the last block of the last row prefetches the next item's first block instead
-        const bool item_end = n_next == 0 && r + 1 == s.q_len && next_k != nullptr;
-        const T* pf_k = item_end ? next_k : kh + (kb + n) * kv_s1;
-        const T* pf_v = item_end ? next_v : vh + (kb + n) * kv_s1;
-        const int64_t pf_rows = item_end ? next_rows : n_next;
         if constexpr (std::is_same_v<T, float>) {
           if (fast) {
             for (int64_t g = 0; g < groups; ++g) {  // the rescale is applied before the first key
               const int64_t v = v0 + g;
-              const int64_t plo = g * pf_rows / groups, phi = (g + 1) * pf_rows / groups;
+              const auto [lo_g, hi_g] = share(pf_rows, g);
               values_fn(w.acc.data() + v * d, w.c[v], w.scores.data() + v * kKeyBlock,
-                        vh + kb * kv_s1, kv_s1, n, pf_k + plo * kv_s1,
-                        pf_v + plo * kv_s1, phi - plo);
+                        vh + kb * kv_s1, kv_s1, n, kb == first ? pf_k + lo_g * kv_s1 : nullptr,
+                        pf_v + lo_g * kv_s1, hi_g - lo_g);
             }
             continue;
           }
