@@ -217,6 +217,30 @@ def test_bad_metadata_is_a_clear_error():
         ragged_attention(q, pool[0], pool[1], meta)
 
 
+ZERO_HEADS_SCRIPT = """
+import torch
+from tetri_server.engine.ops import load_cpu_ops
+assert load_cpu_ops()
+q = torch.randn(3, 0, 16)
+meta = (torch.tensor([0]), torch.tensor([3]), torch.tensor([3]), torch.tensor([0]))
+try:
+    torch.ops.tetri.ragged_attention(q, torch.randn(2, 64, 16), torch.randn(2, 64, 16),
+                                     torch.empty_like(q), *meta, 0.25, 0)
+except RuntimeError as e:
+    print(str(e).splitlines()[0])
+"""
+
+
+def test_zero_query_heads_are_a_clear_error():
+    """0 query heads passed the heads % kv_heads check and the row kernel divided by the group
+    size (0): the process died of SIGFPE. Run in a fresh process so that a crash is a failure,
+    not the end of the test session."""
+    proc = subprocess.run([sys.executable, "-c", ZERO_HEADS_SCRIPT], cwd=ROOT,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, f"rc {proc.returncode}: {proc.stderr[-2000:]}"
+    assert "positive multiple of kv_heads" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+
+
 def test_fake_implementation_for_tracing():
     from torch._subclasses.fake_tensor import FakeTensorMode
 

@@ -446,12 +446,13 @@ void attend(const SeqInfo& s, int64_t h, int64_t groups, int64_t d, float scale,
         const T* pf_k = item_end ? next_k : kh + (kb + n) * kv_s1;
         const T* pf_v = item_end ? next_v : vh + (kb + n) * kv_s1;
         const int64_t pf_rows = item_end ? next_rows : n_next;
-        // Register paths: the scores pass prefetches the next block's keys (the first block: its
-        // own values), the values pass the next block's values (the first block: its keys too),
-        // each a share over the query heads of the group. On Zen 1 all of it in the first head's
-        // values pass (to session 51) made GQA decode 7-17% slower, MHA level.
-        const auto share = [groups](int64_t rows, int64_t g) {
-          return std::pair<int64_t, int64_t>{g * rows / groups, (g + 1) * rows / groups};
+        // Register paths: the scores pass prefetches the next block's keys (a row's first block:
+        // its own values instead), the values pass the next block's values (a row's first block:
+        // the next block's keys too), each query head of the group a share. To session 51 every
+        // next-block prefetch went in the first head's values pass: on Zen 1 GQA decode took
+        // 1.09-1.31x as long, MHA level (docs/benchmarks.md, session 52).
+        const auto share = [groups](int64_t n_rows, int64_t g) {
+          return std::pair<int64_t, int64_t>{g * n_rows / groups, (g + 1) * n_rows / groups};
         };
         if constexpr (std::is_same_v<T, float>) {
           if (fast) {
@@ -591,8 +592,8 @@ void ragged_attention_cpu(const at::Tensor& q, const at::Tensor& pool_k, const a
   const int64_t tokens = q.size(0), heads = q.size(1), d = q.size(2);
   const int64_t kv_heads = pool_k.size(0), pool_tokens = pool_k.size(1);
   TORCH_CHECK(pool_k.size(2) == d, "ragged_attention: head_dim of q and the pool differ");
-  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0,
-              "ragged_attention: heads must be a multiple of kv_heads");
+  TORCH_CHECK(kv_heads > 0 && heads > 0 && heads % kv_heads == 0,
+              "ragged_attention: heads must be a positive multiple of kv_heads");
   for (const auto* t : {&q_start, &q_len, &ctx_len, &kv_start}) {
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kLong && t->dim() == 1 &&
                     t->is_contiguous() && t->numel() == q_start.numel(),
