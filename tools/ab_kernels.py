@@ -258,11 +258,12 @@ class AttentionShape:
             raise SystemExit(f"--attention: {spec!r} is not BxC or BxC:H/KxD")
         b, c, h, k, d = (int(v) if v else None for v in m.groups())
         assert b is not None and c is not None
-        if h is None or k is None or d is None:
-            return cls(b, c)
-        if k < 1 or h % k:
-            raise SystemExit(f"--attention: {spec!r}: {h} query heads over {k} KV heads")
-        return cls(b, c, h, k, d)
+        shape = cls(b, c) if h is None or k is None or d is None else cls(b, c, h, k, d)
+        if min(shape.batch, shape.ctx, shape.kv_heads, shape.head_dim) < 1:
+            raise SystemExit(f"--attention: {spec!r}: B, C, K and D must be at least 1")
+        if shape.heads < 1 or shape.heads % shape.kv_heads:
+            raise SystemExit(f"--attention: {spec!r}: H must be a positive multiple of K")
+        return shape
 
     def __str__(self) -> str:
         heads = ("" if (self.heads, self.kv_heads, self.head_dim) == (8, 8, 64)
@@ -314,6 +315,8 @@ def main() -> int:
     ap.add_argument("--linear-rows", default="1,16,32,256", help="empty: none")
     ap.add_argument("--cpu", type=int, default=0)
     args = ap.parse_args()
+    attention = ([AttentionShape.parse(v) for v in args.attention.split(",")]
+                 if args.attention else [])  # a bad spec stops here, before the build
     torch.set_num_threads(1)
     pin(args.cpu)
     if not load_cpu_ops():
@@ -329,7 +332,7 @@ def main() -> int:
         ab_prefill(args.prefill.split(","), args.rounds, replaced)
         print()
     if args.attention and "ragged_attention.cpp" in replaced:
-        ab_attention([AttentionShape.parse(v) for v in args.attention.split(",")])
+        ab_attention(attention)
         print()
     if args.linear_rows and "linear_ops.cpp" in replaced:
         ab_linears([int(v) for v in args.linear_rows.split(",")])
