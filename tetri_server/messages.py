@@ -218,6 +218,14 @@ class Ready(msgspec.Struct, tag=True, array_like=True):
     switch_s: float = 0.0  # after a SetRole: seconds from drained to serving in the new role
 
 
+class StartFailed(msgspec.Struct, tag=True, array_like=True):
+    """The worker could not start (its model, its KV pool, its device); it exits non-zero
+    right after. The control process names ``error`` when it reports the failed start."""
+
+    worker_id: int
+    error: str
+
+
 class PromptLogprobs(msgspec.Struct, array_like=True, gc=False):
     """Logprobs of prompt tokens (token 0 has none), one entry per token: from the logits of
     the position before it, raw (no sampling parameters applied). Sent in parts, so no message
@@ -345,4 +353,4 @@ class HandoffRejected(msgspec.Struct, tag=True, array_like=True):
 ToWorker = (AddRequest | Abort | Shutdown | PeerPools | DecodeView | SetRole | Handoff | KVPulled
             | HandoffRejected)
 FromWorker = (Ready | StepOutput | RequestFailed | LoadReport | Handoff | KVPulled | HandoffRejected
-              | StepFailed)
+              | StepFailed | StartFailed)

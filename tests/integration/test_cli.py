@@ -86,6 +86,22 @@ def test_unknown_hub_id_is_a_clear_error(tmp_path):
     assert "org/absent" in out.stderr and "Hugging Face cache" in out.stderr
 
 
+def test_a_worker_that_cannot_start_is_named_with_its_error_in_the_last_line(tmp_path,
+                                                                           model_dir):
+    """Regression: the server's last line was "worker 0 (prefill) exited with code 1 before it
+    was ready"; the cause (here a KV pool too small for one sequence) was only in a worker's
+    traceback further up, where a systemd status or a wrapper's last line does not show it."""
+    out = subprocess.run([sys.executable, "-m", "tetri_server", "serve", str(model_dir()),
+                          "--port", "0", "--set", "kv.num_blocks=2"],
+                         capture_output=True, text=True, timeout=180,
+                         env=dict(os.environ, TETRI_CACHE_DIR=str(tmp_path / "cache")))
+    assert out.returncode == 1, out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("tetri-server: the workers did not start"), out.stderr
+    assert "before it was ready: ValueError: KV pool of 2 blocks" in last, last
+    assert "raise kv.num_blocks" in last, last
+
+
 def test_a_busy_port_is_a_clear_error_before_the_workers_load(tmp_path):
     """Regression: the port was bound only after every worker had loaded its model, and a busy
     one ended in an OSError traceback (systemd then reloaded the model every few seconds)."""

@@ -59,6 +59,7 @@ SAMPLES: dict[Any, list[Any]] = {
         m.StepOutput(1, [m.TokenDelta(7, [5, 6], [-0.5, -1.0], "stop"), m.TokenDelta(8, [9])]),
         m.RequestFailed(7, "boom"),
         m.StepFailed(1, [3, 4], "RuntimeError: boom"),
+        m.StartFailed(0, "ValueError: KV pool too small"),
         m.LoadReport(0, "decode", 1, 2, 30, 40, 64, 1, 1, 12, 0.25, num_preemptions=2),
         HANDOFF,
         m.KVPulled(7),

@@ -47,6 +47,7 @@ from tetri_server.messages import (
     Ready,
     RequestFailed,
     SamplingParams,
+    StartFailed,
     StepFailed,
     StepOutput,
 )
@@ -90,6 +91,7 @@ class Cluster:
             KVPulled: self.router.on_kv_pulled, HandoffRejected: self.router.on_handoff_rejected,
             StepFailed: self._on_step_failed, LoadReport: self._on_report,
             RequestFailed: self._on_request_failed, Ready: self._on_ready,
+            StartFailed: self._on_start_failed,
         }
 
     @property
@@ -207,6 +209,9 @@ class Cluster:
             req.queue.put_nowait(d)
             if d.finish_reason is not None:
                 self.table.finish(req)
+
+    def _on_start_failed(self, h: WorkerHandle, msg: StartFailed) -> None:
+        h.start_error = msg.error  # reap() names it when the worker's exit fails h.ready
 
     def _on_request_failed(self, h: WorkerHandle, msg: RequestFailed) -> None:
         req = self.table.get(msg.req_id)

@@ -52,6 +52,7 @@ class WorkerHandle:
     alive: bool = True
     last_heard_s: float = field(default_factory=time.monotonic)  # any message (load reports)
     stalled: bool = False  # silent past monitor.stall_timeout_s: killed, not to be used
+    start_error: str | None = None  # its StartFailed: why it exits before it is ready
     # called with a message that can never fit the worker's ring (the rest keep flowing)
     on_undeliverable: Callable[[ToWorker, str], None] | None = None
     _outgoing: asyncio.Queue[ToWorker] = field(default_factory=asyncio.Queue)
@@ -125,8 +126,8 @@ def spawn_worker(worker_id: int, role: str, generation: int, run_id: str,
 
 def reap(handle: WorkerHandle) -> int | None:
     """After the worker exited (or to clean up): deliver what it sent before it died (a
-    StepFailed naming the requests that crashed it, tokens, hand-offs), stop watching, unlink
-    its segments."""
+    StepFailed naming the requests that crashed it, a StartFailed naming why it did not start,
+    tokens, hand-offs), stop watching, unlink its segments."""
     loop = asyncio.get_running_loop()
     if handle.receiver is not None and handle.alive:
         try:
@@ -145,9 +146,10 @@ def reap(handle: WorkerHandle) -> int | None:
         ch.unlink()
     unlink_segment(handle.kv_segment)  # a worker that exits cleanly has unlinked it already
     if not handle.ready.done():
+        why = f": {handle.start_error}" if handle.start_error else ""
         handle.ready.set_exception(RuntimeError(
             f"worker {handle.worker_id} ({handle.role}) exited with code "
-            f"{handle.proc.poll()} before it was ready"))
+            f"{handle.proc.poll()} before it was ready{why}"))
     return handle.proc.wait()
 
 

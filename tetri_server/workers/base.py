@@ -38,6 +38,7 @@ from tetri_server.messages import (
     RequestFailed,
     SetRole,
     Shutdown,
+    StartFailed,
     StepFailed,
     StepOutput,
     TokenDelta,
@@ -50,6 +51,7 @@ from tetri_server.workers.trace import DecisionLog
 
 log = logging.getLogger("tetri.worker")
 SEND_TIMEOUT_S = 30.0
+START_ERROR_CHARS = 2000  # of a start failure's message sent to the control process
 
 
 def length_tail(cfg: Config, kind: str) -> LengthTail | None:
@@ -89,10 +91,21 @@ class Worker:
         self.outbox = Channel.attach(spec.outbox, FromWorker)
         try:
             self._start(spec)
-        except BaseException:
+        except BaseException as e:
+            self._report_start_failure(e)
             self.inbox.close()  # so the real error is the last thing printed
             self.outbox.close()
             raise
+
+    def _report_start_failure(self, error: BaseException) -> None:
+        """Tell the control process why this worker will not start, so the server's own last
+        line names the cause (the traceback goes to stderr as well)."""
+        text = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+        try:
+            self.outbox.send(StartFailed(self.worker_id, text[:START_ERROR_CHARS]),
+                             timeout_s=1.0)
+        except Exception:  # the control process may be gone; the traceback still says it
+            log.exception("worker %d: could not report its start failure", self.worker_id)
 
     def _start(self, spec: WorkerSpec) -> None:
         self.device = torch.device(spec.device)
