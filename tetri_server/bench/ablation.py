@@ -118,11 +118,9 @@ ROWS: tuple[Row, ...] = (
     Row("elastic", "elastic P/D", mode="elastic"),
     Row("elastic-prefill", "elastic P/D", mode="elastic-prefill"),
     Row("elastic-decode", "elastic P/D", mode="elastic-decode"),
-    # keep only while prompt steps took at most 30% of the last 10 s (the default to session 23)
+    # keep only while prompt steps took at most 30% of the last 10 s (the default to session 23
+    # and in sessions 41-52; the default keeps whatever the load)
     Row("prompt-share-0.3", "elastic P/D", sets=("prefill.local_decode_max_prompt_share=0.3",)),
-    # ... or whatever the load (the default of sessions 24-40; session 52: LPHD without the
-    # oracle 82% within the SLOs at 0.7 req/s against 57%, Mixed level, one run each)
-    Row("prompt-share-1", "elastic P/D", sets=("prefill.local_decode_max_prompt_share=1.0",)),
     # hand kept requests back when prompts queue (prefill.local_decode_hand_back)
     Row("hand-back", "elastic P/D", sets=("prefill.local_decode_hand_back=true",)),
     # keep a request at any load, not only where it decodes faster (the default to session 29)

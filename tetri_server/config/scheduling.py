@@ -64,12 +64,14 @@ class PrefillConfig(_Section):
     local_decode_min_tokens: int = 128
     """Elastic P/D: a prefill worker keeps only requests that can decode more than this many
     tokens (their max_tokens and predicted bucket's upper end); 0 = any request."""
-    local_decode_max_prompt_share: float = 0.3
+    local_decode_max_prompt_share: float = 1.0
     """Elastic P/D: ... and only while steps with prompt tokens took at most this share of the
-    worker's last 10 s (a kept request gets one token per step); 1 = whatever the load (the
-    default of sessions 24-40, docs/benchmarks.md, "The prompt-share rule off": on Mixed the
-    kept requests' tokens waited behind prompt steps, and they were most of the TPOT misses).
-    0.3 keeps nothing under Mixed's prompt load and keeps on LPHD, where prompts are light."""
+    worker's last 10 s (a kept request gets one token per step); 1 = whatever the load. 0.3 in
+    sessions 41-52 (on Mixed the kept requests' tokens had waited behind prompt steps); 1 again
+    since session 53, where ``local_decode_balance`` already weighs the prompt steps into the
+    gap a kept request would get: on the AVX2 VM without the oracle, LPHD's JCT 0.84-0.88x the
+    0.3 rule's over two repeats, the other four workloads level (docs/benchmarks.md, "The
+    prompt-share rule off, five workloads")."""
     local_decode_hand_back: bool = False
     """Elastic P/D: when more than a chunk of prompt tokens waits, a prefill worker hands the
     requests it kept to a decode worker (with the KV of what it decoded) instead of decoding
