@@ -70,8 +70,8 @@ class PrefillConfig(_Section):
     sessions 41-52 (on Mixed the kept requests' tokens had waited behind prompt steps); 1 again
     since session 53, where ``local_decode_balance`` already weighs the prompt steps into the
     gap a kept request would get: on the AVX2 VM without the oracle, LPHD's JCT 0.84-0.88x the
-    0.3 rule's over two repeats, the other four workloads level (docs/benchmarks.md, "The
-    prompt-share rule off, five workloads")."""
+    0.3 rule's over two repeats; LPLD, HPLD, Mixed level, HPHD 1.11x and 0.99x
+    (docs/benchmarks.md, "The prompt-share rule off, five workloads")."""
     local_decode_hand_back: bool = False
     """Elastic P/D: when more than a chunk of prompt tokens waits, a prefill worker hands the
     requests it kept to a decode worker (with the KV of what it decoded) instead of decoding
