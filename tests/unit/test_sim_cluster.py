@@ -303,6 +303,30 @@ def test_the_default_keeps_requests_while_the_decode_instance_is_saturated() -> 
     assert jct(dataclasses.replace(shipped, local_decode_max_prompt_share=0.3)) > 1.1 * coupled
 
 
+def test_the_shipped_config_keeps_requests_while_the_decode_instance_is_saturated(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """config.toml as shipped, Mixed at 2.5 req/s on this-cpu: the one decode instance is
+    saturated while prompts keep the prefill instance over 30% busy. Sessions 41-52 shipped a
+    prompt-share rule of 0.3, which then keeps nothing (1.29x coupled's JCT here); since session
+    53 the rule is off (1.0) and the balance rule alone decides (1.08x)."""
+    from pathlib import Path
+
+    from tetri_server.sim.cli import build_parser, sim_config
+
+    cost = CostModel(load_hardware("this-cpu"), load_model("bench"))
+    config = Path(__file__).resolve().parents[2] / "config.toml"
+    args = build_parser().parse_args(["--config", str(config), "--max-model-len", "1024",
+                                      "--json", str(tmp_path / "out.json")])
+    shipped = sim_config(args, cost)
+    reqs = from_workload(WorkloadSpec("Mixed", 120, 1, 1024, rate_rps=2.5))
+
+    def jct(cfg: SimConfig) -> float:
+        return float(simulate(cfg, cost, [dataclasses.replace(r) for r in reqs])["jct_mean_s"])
+
+    coupled = jct(SimConfig(mode="coupled", num_instances=2, max_model_len=1024))
+    assert jct(shipped) <= 1.15 * coupled
+    assert jct(dataclasses.replace(shipped, local_decode_max_prompt_share=0.3)) > 1.2 * coupled
+
+
 def test_the_shipped_config_spreads_heavy_prompts_over_both_instances(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """HPLD at 2.5 req/s on this-cpu, with the chunk of 64 the server calibrates on the AMD VM,
     is more prompt work than one prefill instance does. The shipped config.toml (elastic; a
