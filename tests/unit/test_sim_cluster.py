@@ -303,20 +303,25 @@ def test_the_default_keeps_requests_while_the_decode_instance_is_saturated() -> 
     assert jct(dataclasses.replace(shipped, local_decode_max_prompt_share=0.3)) > 1.1 * coupled
 
 
+def _shipped_sim_config(cost: CostModel, tmp_path: Any) -> SimConfig:
+    """The simulator's config read from the repository's config.toml, as shipped."""
+    from pathlib import Path
+
+    from tetri_server.sim.cli import build_parser, sim_config
+
+    config = Path(__file__).resolve().parents[2] / "config.toml"
+    args = build_parser().parse_args(["--config", str(config), "--max-model-len", "1024",
+                                      "--json", str(tmp_path / "out.json")])
+    return sim_config(args, cost)
+
+
 def test_the_shipped_config_keeps_requests_while_the_decode_instance_is_saturated(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """config.toml as shipped, Mixed at 2.5 req/s on this-cpu: the one decode instance is
     saturated while prompts keep the prefill instance over 30% busy. Sessions 41-52 shipped a
     prompt-share rule of 0.3, which then keeps nothing (1.29x coupled's JCT here); since session
     53 the rule is off (1.0) and the balance rule alone decides (1.08x)."""
-    from pathlib import Path
-
-    from tetri_server.sim.cli import build_parser, sim_config
-
     cost = CostModel(load_hardware("this-cpu"), load_model("bench"))
-    config = Path(__file__).resolve().parents[2] / "config.toml"
-    args = build_parser().parse_args(["--config", str(config), "--max-model-len", "1024",
-                                      "--json", str(tmp_path / "out.json")])
-    shipped = sim_config(args, cost)
+    shipped = _shipped_sim_config(cost, tmp_path)
     reqs = from_workload(WorkloadSpec("Mixed", 120, 1, 1024, rate_rps=2.5))
 
     def jct(cfg: SimConfig) -> float:
@@ -334,15 +339,8 @@ def test_the_shipped_config_spreads_heavy_prompts_over_both_instances(tmp_path) 
     its fastest) keeps mean JCT near coupled's (1.23x here); with session 41's margin of -1 (no
     prompt to the decode instance while the prefill one serves) the prompts queue on the one
     prefill instance (2.4x here; the server measured 3.75x at 2 req/s)."""
-    from pathlib import Path
-
-    from tetri_server.sim.cli import build_parser, sim_config
-
     cost = CostModel(load_hardware("this-cpu"), load_model("bench"))
-    config = Path(__file__).resolve().parents[2] / "config.toml"
-    args = build_parser().parse_args(["--config", str(config), "--max-model-len", "1024",
-                                      "--json", str(tmp_path / "out.json")])
-    shipped = dataclasses.replace(sim_config(args, cost), chunk_size=64)
+    shipped = dataclasses.replace(_shipped_sim_config(cost, tmp_path), chunk_size=64)
     assert (shipped.local_prefill_margin, shipped.local_prefill_max_gap_x) == (8, 2)
     reqs = from_workload(WorkloadSpec("HPLD", 96, 1, 1024, rate_rps=2.5))
 
