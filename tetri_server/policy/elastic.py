@@ -21,11 +21,11 @@ keeping every request raised mean TPOT 8% and JCT 9% over the strict split). Wit
 ``max_prompt_share`` below 1, none is kept while the worker spent more than that share of the
 last ``PromptShare.window_s`` seconds in steps with prompt tokens (``PromptShare``): a kept
 request's tokens come one per step, and a step with a prompt chunk is several decode steps long.
-The server's default is 0.3 (since session 41; ``config.toml`` has the history: off, 1.0, from
-session 24, when at 0.3 on Mixed at 1 req/s on an AVX2 machine the prefill worker kept nothing
-while the decode worker was saturated; 0.3 again once the kept requests' tokens, waiting behind
-prompt steps, were most of Mixed's TPOT misses; docs/benchmarks.md, "SLO goodput on Mixed and
-LPHD").
+The server's default is 1.0, the rule off (since session 53; 0.3 in sessions 41-52, and
+``config.toml`` has the history): ``balance`` already weighs this worker's prompt steps into
+the gap a kept request would get, and on LPHD, where the decode worker saturates, JCT with the
+rule off was 0.84-0.88x its JCT with 0.3 (docs/benchmarks.md, "The prompt-share rule off, five
+workloads").
 
 With ``balance`` (``prefill.local_decode_balance``) a request is kept only where its tokens
 would come faster than on every decode worker: its expected gap here (``kept_gap_s``: this
