@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-from decode_steps import decode_steps, main  # noqa: E402
+from decode_steps import by_rows, decode_steps, main, split  # noqa: E402
 
 
 def step(t: float, run: list[int], **extra: object) -> dict:
@@ -35,3 +35,51 @@ def test_steps_with_a_recompute_beside_other_rows_are_timed_to_the_next_record(t
     assert "at most 256 tokens, 400 ms mean, 400 ms max" in out
     with pytest.raises(ValueError, match="no decode step"):
         decode_steps([step(0.0, [1])])
+
+
+def test_by_rows_times_decode_only_steps_and_the_context_of_their_rows() -> None:
+    records = [
+        {"kind": "decode_step", "step": 1, "t": 0.00, "run": [1], "admit": [1]},  # pulls KV
+        {"kind": "decode_step", "step": 2, "t": 0.05, "run": [1]},  # 10 ms, ctx 100 + 1
+        {"kind": "decode_step", "step": 3, "t": 0.06, "run": [1, 2]},  # 20 ms, ctx (102 + 50) / 2
+        {"kind": "keep", "step": 3, "t": 0.07, "req": 9},  # not a step: skipped when timing
+        {"kind": "mixed_step", "step": 4, "t": 0.08, "run": [1, 2], "slices": [[3, 0, 64]]},
+        {"kind": "coupled_step", "step": 5, "t": 0.20, "run": [1], "recompute": [2]},
+        {"kind": "decode_step", "step": 6, "t": 0.30, "run": [1, 2]},  # idle after: step 8 next
+        {"kind": "decode_step", "step": 8, "t": 9.00, "run": [1]},  # the last: no next step
+    ]
+    rows = by_rows(records, {1: 100, 2: 50})
+    assert [(r.rows, r.num_steps) for r in rows] == [(1, 1), (2, 1)]
+    assert rows[0].p50_s == pytest.approx(0.01) and rows[0].mean_ctx == pytest.approx(101)
+    assert rows[1].p50_s == pytest.approx(0.02) and rows[1].mean_ctx == pytest.approx(76)
+    assert by_rows(records)[0].mean_ctx == 0.0  # no prompt lengths: no context
+
+
+def run_record(req: int, prompt_len: int, tokens: int, span_s: float, met: bool) -> dict:
+    return {"request_id": req, "prompt_len": prompt_len, "num_output_tokens": tokens,
+            "first_token_s": 1.0, "end_s": 1.0 + span_s, "met_slo": met}
+
+
+def test_split_groups_requests_by_where_they_decoded_and_checks_the_ids(tmp_path, capsys):
+    prefill = [{"kind": "chunk", "slices": [[0, 0, 64], [1, 0, 10]]},
+               {"kind": "chunk", "slices": [[0, 64, 9]]},
+               {"kind": "keep", "req": 1}, {"kind": "dispatch", "req": 0, "to": 1}]
+    runs = [run_record(0, 73, 11, 0.2, True), run_record(1, 10, 5, 0.4, False)]
+    assert split(prefill, runs) == {"kept": (1, pytest.approx(0.1), 1),
+                                    "handed off": (1, pytest.approx(0.02), 0)}
+    runs_other_ids = [run_record(0, 10, 11, 0.2, True), run_record(1, 73, 5, 0.4, False)]
+    with pytest.raises(ValueError, match="request ids differ"):
+        split(prefill, runs_other_ids)
+    log = tmp_path / "dl.w0.jsonl"
+    log.write_text("".join(json.dumps(r) + "\n" for r in prefill))
+    sweep = tmp_path / "sweep.json"
+    point = {"workload": {"rate_rps": 1.0}, "records": runs}
+    sweep.write_text(json.dumps({"modes": [{"mode": "disaggregated", "points": [point]},
+                                           {"mode": "coupled", "points": [point]}]}))
+    with pytest.raises(SystemExit, match="2 points match"):
+        main([str(log), "--records", str(sweep), "--split", str(log), "--by-rows"])
+    main([str(log), "--records", str(sweep), "--point", "disaggregated@1", "--split", str(log),
+          "--by-rows"])
+    out = capsys.readouterr().out
+    assert "kept: 1 requests, mean TPOT 100.0 ms, 1 missed the SLOs" in out
+    assert "handed off: 1 requests, mean TPOT 20.0 ms, 0 missed the SLOs" in out
