@@ -3,22 +3,27 @@ steps took, and those that carried a recompute after a preemption beside other r
 gap those rows waited through).
 
     .venv/bin/python tools/decode_steps.py RUN/decisions.w1.jsonl [...]
-        [--by-rows] [--records SWEEP.json [--point MODE@RATE]] [--split PREFILL_LOG]
+        [--by-rows [--idle-s S]] [--records SWEEP.json [--point MODE@RATE]]
+        [--split PREFILL_LOG]
 
 A step's time runs from its record's stamp (``t``) to the next record's, so a step the worker
 idled after reads long: read the percentiles, not the maximum of all steps.
 
 ``--by-rows``: for any worker's log (decode, coupled or prefill), the steps that carried
-decode rows only (no prompt slice, no recompute, on a decode worker no admission), by their
-number of rows: the median time (to the next step, one step number on) and, with
-``--records`` (the benchmark's JSON of that run), the mean context of those rows (prompt plus
-the tokens this log decoded for it before the step). Two modes' logs of the same load compare
-their steps at the same work.
+decode rows only (no prompt slice, no recompute; on a decode worker not the step before an
+admission either, during which it pulled that hand-off's KV if it admitted it at once), by
+their number of rows: the median time (to the next step's stamp; an interval over
+``--idle-s``, 1 s, is an idle spell and skipped) and, with ``--records`` (the ``bench sweep``
+JSON of that run), the mean context of those rows (prompt plus the tokens this log decoded
+for it before the step). Two modes' logs of the same load compare their steps at the same
+work.
 
 ``--split PREFILL_LOG`` (with ``--records``): the run's requests by where they decoded, kept
-on the prefill worker (``keep``) or handed off (``dispatch``): their number, mean TPOT and
-how many missed the SLOs. The benchmark's request ids are the server's (each request is sent
-in arrival order); the prompt lengths the prefill log chunked are checked against the
+on the prefill worker (``keep``), handed off (``dispatch``) or neither (finished, failed or
+cancelled in their prefill): their number, mean TPOT and how many missed the SLOs.
+
+The benchmark's request ids are taken for the server's (each request is sent in arrival
+order); wherever a log prefilled whole prompts, their lengths are checked against the
 records' first.
 """
 
@@ -80,22 +85,26 @@ class RowSteps:
     mean_ctx: float  # 0.0 without prompt lengths
 
 
-def decode_only(rec: dict) -> bool:
-    """A step whose only work was its decode rows: no prompt slice, no recompute, and on a
-    decode worker no admission (it pulls the hand-off's KV in the step)."""
+def decode_only(rec: dict, nxt: dict) -> bool:
+    """Whether step ``rec`` did only its decode rows, ``nxt`` being the worker's next step: no
+    prompt slice, no recompute, and on a decode worker no hand-off's KV pulled before ``nxt``
+    (it drains its inbox, copying the KV, between two steps: with ``nxt`` admitting a
+    request the pull is in ``rec``'s interval)."""
     return (bool(rec.get("run")) and not rec.get("slices") and not rec.get("recompute")
             and not rec.get("recompute_tokens")
-            and not (rec["kind"] == "decode_step" and rec.get("admit")))
+            and not (nxt["kind"] == "decode_step" and nxt.get("admit")))
 
 
-def by_rows(records: list[dict], prompt_lens: dict[int, int] | None = None) -> list[RowSteps]:
-    """The ``decode_only`` steps of one worker's log by rows, ascending (``--by-rows``)."""
+def by_rows(records: list[dict], prompt_lens: dict[int, int] | None = None,
+            idle_s: float = 1.0) -> list[RowSteps]:
+    """The ``decode_only`` steps of one worker's log by rows, ascending (``--by-rows``); an
+    interval to the next step over ``idle_s`` is an idle spell, not a step."""
     steps = [r for r in records if r.get("kind") in STEP_KINDS]
     decoded: Counter[int] = Counter()
     per: dict[int, list[tuple[float, float]]] = defaultdict(list)
     for rec, nxt in zip(steps, steps[1:], strict=False):
         run = rec.get("run", [])
-        if decode_only(rec) and nxt.get("step") == rec.get("step", -2) + 1:
+        if decode_only(rec, nxt) and nxt["t"] - rec["t"] <= idle_s:
             ctx = (statistics.mean(prompt_lens.get(r, 0) + decoded[r] for r in run)
                    if prompt_lens else 0.0)
             per[len(run)].append((nxt["t"] - rec["t"], ctx))
@@ -123,33 +132,50 @@ def chunked_prompt_lens(prefill_records: list[dict]) -> dict[int, int]:
     return lens
 
 
-def split(prefill_records: list[dict], runs: list[dict]) -> dict[str, tuple[int, float, int]]:
-    """(requests, mean TPOT in s, SLO misses) of the kept and the handed-off requests
-    (``--split``); ``runs``: the benchmark's request records of the same run. Raises when the
-    prompt lengths the log chunked are not the records' (the ids would not be the server's)."""
-    lens = {r["request_id"]: r["prompt_len"] for r in runs}
-    if wrong := [q for q, n in chunked_prompt_lens(prefill_records).items() if lens.get(q) != n]:
+def tpot_s(run: dict) -> float | None:
+    """``bench.metrics.tpot_s`` on a request record as the benchmark JSON stores it."""
+    n = run.get("num_output_tokens") or len(run.get("token_times_s") or ())
+    if n <= 1 or run.get("end_s") is None or run.get("first_token_s") is None:
+        return None
+    return (run["end_s"] - run["first_token_s"]) / (n - 1)
+
+
+def check_ids(records: list[dict], prompt_lens: dict[int, int]) -> None:
+    """Raise unless every prompt the log prefilled from its start has the records' length
+    for that id (the ids would not be the server's)."""
+    starts = {req for rec in records for req, start, _ in rec.get("slices") or [] if start == 0}
+    lens = chunked_prompt_lens(records)
+    if wrong := [q for q in starts if prompt_lens.get(q) != lens[q]]:
         raise ValueError(f"request ids differ: {len(wrong)} prompts (first id {wrong[0]}) have "
                          "another length in the records")
+
+
+def split(prefill_records: list[dict], runs: list[dict]) -> dict[str, tuple[int, float, int]]:
+    """(requests, mean TPOT in s, SLO misses) of the requests kept, handed off, and neither
+    (finished, failed or cancelled in their prefill) (``--split``); ``runs``: the
+    benchmark's request records of the same run. Raises when the prompt lengths the log
+    chunked are not the records' (the ids would not be the server's)."""
+    check_ids(prefill_records, {r["request_id"]: r["prompt_len"] for r in runs})
     where = where_decoded(prefill_records)
     out: dict[str, tuple[int, float, int]] = {}
-    for group in ("kept", "handed off"):
-        rs = [r for r in runs if where.get(r["request_id"]) == group]
-        tpots = [(r["end_s"] - r["first_token_s"]) / (r["num_output_tokens"] - 1)
-                 for r in rs if r.get("num_output_tokens", 0) > 1 and r.get("end_s") is not None]
+    for group in ("kept", "handed off", "neither"):
+        rs = [r for r in runs if where.get(r["request_id"], "neither") == group]
+        tpots = [t for r in rs if (t := tpot_s(r)) is not None]
         out[group] = (len(rs), statistics.mean(tpots) if tpots else 0.0,
                       sum(1 for r in rs if r.get("met_slo") is False))
     return out
 
 
 def load_runs(path: Path, point: str | None) -> list[dict]:
-    """The request records of one point of a benchmark JSON (``bench sweep`` / ``compare``):
-    the only one, or ``MODE@RATE``."""
+    """The request records of one point of a ``bench sweep`` JSON: the only one, or
+    ``MODE@RATE`` (rates compared as numbers: ``@1`` and ``@1.0`` are one point)."""
     data = json.loads(path.read_text())
     points = [(m["mode"], p) for m in data["modes"] for p in m["points"]]
     if point is not None:
-        points = [(m, p) for m, p in points
-                  if f"{m}@{p['workload'].get('rate_rps'):g}" == point]
+        mode, _, rate = point.rpartition("@")
+        points = [(m, p) for m, p in points if m == mode
+                  and p["workload"].get("rate_rps") is not None
+                  and float(p["workload"]["rate_rps"]) == float(rate)]
     if len(points) != 1:
         raise SystemExit(f"{path}: {len(points)} points match; name one with --point MODE@RATE")
     return points[0][1]["records"]
@@ -157,25 +183,34 @@ def load_runs(path: Path, point: str | None) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("logs", nargs="+", type=Path)
+    p.add_argument("logs", nargs="*", type=Path)
     p.add_argument("--by-rows", action="store_true", help="decode-only steps by rows")
-    p.add_argument("--records", type=Path, help="the benchmark JSON of the same run")
+    p.add_argument("--idle-s", type=float, default=1.0,
+                   help="with --by-rows: a longer interval between steps is an idle spell")
+    p.add_argument("--records", type=Path, help="the bench sweep JSON of the same run")
     p.add_argument("--point", help="MODE@RATE: the point of --records (when it has several)")
     p.add_argument("--split", type=Path, help="the prefill worker's log (needs --records)")
     args = p.parse_args(argv)
+    if args.records is None and (args.split or args.point):
+        p.error("--split and --point need --records")
+    if args.records is not None and not (args.split or args.by_rows):
+        p.error("--records is read by --by-rows and --split only")
+    if not (args.logs or args.split):
+        p.error("nothing to read: give logs, or --split")
     runs = load_runs(args.records, args.point) if args.records else None
     if args.split is not None:
-        if runs is None:
-            raise SystemExit("--split needs --records")
+        assert runs is not None
         for group, (n, tpot, missed) in split(read_log(args.split), runs).items():
             print(f"{group}: {n} requests, mean TPOT {tpot * 1e3:.1f} ms, {missed} missed the SLOs")
     for path in args.logs:
         records = read_log(path)
         if args.by_rows:
             lens = {r["request_id"]: r["prompt_len"] for r in runs} if runs else None
+            if lens is not None:
+                check_ids(records, lens)
             print(f"{path}: decode-only steps by rows (rows: median ms, steps"
                   + (", mean context" if lens else "") + ")")
-            for r in by_rows(records, lens):
+            for r in by_rows(records, lens, args.idle_s):
                 ctx = f", ctx {r.mean_ctx:.0f}" if lens else ""
                 print(f"  {r.rows}: {r.p50_s * 1e3:.1f} ms, {r.num_steps} steps{ctx}")
             continue

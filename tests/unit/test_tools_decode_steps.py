@@ -39,20 +39,23 @@ def test_steps_with_a_recompute_beside_other_rows_are_timed_to_the_next_record(t
 
 def test_by_rows_times_decode_only_steps_and_the_context_of_their_rows() -> None:
     records = [
-        {"kind": "decode_step", "step": 1, "t": 0.00, "run": [1], "admit": [1]},  # pulls KV
-        {"kind": "decode_step", "step": 2, "t": 0.05, "run": [1]},  # 10 ms, ctx 100 + 1
-        {"kind": "decode_step", "step": 3, "t": 0.06, "run": [1, 2]},  # 20 ms, ctx (102 + 50) / 2
-        {"kind": "keep", "step": 3, "t": 0.07, "req": 9},  # not a step: skipped when timing
+        {"kind": "decode_step", "step": 1, "t": 0.00, "run": [1]},  # the next step admits 2:
+        # its KV was pulled in this interval
+        {"kind": "decode_step", "step": 2, "t": 0.05, "run": [1, 2], "admit": [2]},  # 10 ms
+        {"kind": "decode_step", "step": 3, "t": 0.06, "run": [1]},  # 20 ms to step 4
+        {"kind": "keep", "step": 3, "t": 0.07, "req": 9},  # not a step: not a step's end
         {"kind": "mixed_step", "step": 4, "t": 0.08, "run": [1, 2], "slices": [[3, 0, 64]]},
         {"kind": "coupled_step", "step": 5, "t": 0.20, "run": [1], "recompute": [2]},
-        {"kind": "decode_step", "step": 6, "t": 0.30, "run": [1, 2]},  # idle after: step 8 next
-        {"kind": "decode_step", "step": 8, "t": 9.00, "run": [1]},  # the last: no next step
+        {"kind": "decode_step", "step": 6, "t": 0.30, "run": [1, 2]},  # then idle 8.7 s
+        {"kind": "decode_step", "step": 7, "t": 9.00, "run": [1]},  # the last: no end
     ]
     rows = by_rows(records, {1: 100, 2: 50})
     assert [(r.rows, r.num_steps) for r in rows] == [(1, 1), (2, 1)]
-    assert rows[0].p50_s == pytest.approx(0.01) and rows[0].mean_ctx == pytest.approx(101)
-    assert rows[1].p50_s == pytest.approx(0.02) and rows[1].mean_ctx == pytest.approx(76)
+    # step 3: request 1 decoded twice before it; step 2: once, request 2 not yet
+    assert rows[0].p50_s == pytest.approx(0.02) and rows[0].mean_ctx == pytest.approx(102)
+    assert rows[1].p50_s == pytest.approx(0.01) and rows[1].mean_ctx == pytest.approx(75.5)
     assert by_rows(records)[0].mean_ctx == 0.0  # no prompt lengths: no context
+    assert [r.num_steps for r in by_rows(records, idle_s=10.0)] == [1, 2]  # 8.7 s counted
 
 
 def run_record(req: int, prompt_len: int, tokens: int, span_s: float, met: bool) -> dict:
@@ -61,12 +64,16 @@ def run_record(req: int, prompt_len: int, tokens: int, span_s: float, met: bool)
 
 
 def test_split_groups_requests_by_where_they_decoded_and_checks_the_ids(tmp_path, capsys):
-    prefill = [{"kind": "chunk", "slices": [[0, 0, 64], [1, 0, 10]]},
-               {"kind": "chunk", "slices": [[0, 64, 9]]},
-               {"kind": "keep", "req": 1}, {"kind": "dispatch", "req": 0, "to": 1}]
-    runs = [run_record(0, 73, 11, 0.2, True), run_record(1, 10, 5, 0.4, False)]
+    prefill = [{"kind": "chunk", "step": 1, "t": 0.0, "slices": [[0, 0, 64], [1, 0, 10]]},
+               {"kind": "chunk", "step": 2, "t": 0.1, "slices": [[0, 64, 9]]},
+               {"kind": "keep", "req": 1}, {"kind": "dispatch", "req": 0, "to": 1},
+               {"kind": "mixed_step", "step": 3, "t": 0.2, "run": [1], "slices": []},
+               {"kind": "mixed_step", "step": 4, "t": 0.25, "run": [1], "slices": []}]
+    runs = [run_record(0, 73, 11, 0.2, True), run_record(1, 10, 5, 0.4, False),
+            run_record(2, 7, 1, 0.0, True)]  # finished in its prefill: neither
     assert split(prefill, runs) == {"kept": (1, pytest.approx(0.1), 1),
-                                    "handed off": (1, pytest.approx(0.02), 0)}
+                                    "handed off": (1, pytest.approx(0.02), 0),
+                                    "neither": (1, 0.0, 0)}
     runs_other_ids = [run_record(0, 10, 11, 0.2, True), run_record(1, 73, 5, 0.4, False)]
     with pytest.raises(ValueError, match="request ids differ"):
         split(prefill, runs_other_ids)
@@ -77,9 +84,19 @@ def test_split_groups_requests_by_where_they_decoded_and_checks_the_ids(tmp_path
     sweep.write_text(json.dumps({"modes": [{"mode": "disaggregated", "points": [point]},
                                            {"mode": "coupled", "points": [point]}]}))
     with pytest.raises(SystemExit, match="2 points match"):
-        main([str(log), "--records", str(sweep), "--split", str(log), "--by-rows"])
-    main([str(log), "--records", str(sweep), "--point", "disaggregated@1", "--split", str(log),
-          "--by-rows"])
-    out = capsys.readouterr().out
-    assert "kept: 1 requests, mean TPOT 100.0 ms, 1 missed the SLOs" in out
-    assert "handed off: 1 requests, mean TPOT 20.0 ms, 0 missed the SLOs" in out
+        main(["--records", str(sweep), "--split", str(log)])
+    for name in ("disaggregated@1.0", "disaggregated@1"):  # the rate as a number
+        main([str(log), "--records", str(sweep), "--point", name, "--split", str(log),
+              "--by-rows"])
+        out = capsys.readouterr().out
+        assert "kept: 1 requests, mean TPOT 100.0 ms, 1 missed the SLOs" in out
+        assert "handed off: 1 requests, mean TPOT 20.0 ms, 0 missed the SLOs" in out
+        assert "  1: 50.0 ms, 1 steps, ctx 10" in out  # step 3, to step 4: request 1's prompt
+    bad = tmp_path / "other.json"
+    bad.write_text(json.dumps({"modes": [{"mode": "disaggregated", "points": [
+        {"workload": {"rate_rps": 1.0}, "records": runs_other_ids}]}]}))
+    with pytest.raises(ValueError, match="request ids differ"):
+        main([str(log), "--records", str(bad), "--by-rows"])
+    for argv in (["--split", str(log)], [str(log), "--records", str(sweep)], []):
+        with pytest.raises(SystemExit):  # --split without records; records unread; nothing
+            main(argv)
