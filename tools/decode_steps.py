@@ -141,18 +141,23 @@ def tpot_s(run: dict) -> float | None:
 
 
 def check_ids(records: list[dict], prompt_lens: dict[int, int]) -> None:
-    """Raise unless every prompt the log prefilled from its start has the records' length
-    for that id (the ids would not be the server's)."""
+    """Raise unless every prompt the log prefilled from its start has the records' length for
+    that id, or no more where the log never finished it (cancelled or failed in its prefill):
+    else the ids are not the server's. A request re-run after a worker restart (its prompt then
+    holds the tokens already streamed) reads as a mismatch too."""
     starts = {req for rec in records for req, start, _ in rec.get("slices") or [] if start == 0}
     lens = chunked_prompt_lens(records)
-    if wrong := [q for q in starts if prompt_lens.get(q) != lens[q]]:
+    done = set(where_decoded(records)) | {req for rec in records for req in rec.get("run") or []}
+    if wrong := [q for q in starts if prompt_lens.get(q) is None or lens[q] > prompt_lens[q]
+                 or (q in done and lens[q] != prompt_lens[q])]:
         raise ValueError(f"request ids differ: {len(wrong)} prompts (first id {wrong[0]}) have "
                          "another length in the records")
 
 
 def split(prefill_records: list[dict], runs: list[dict]) -> dict[str, tuple[int, float, int]]:
     """(requests, mean TPOT in s, SLO misses) of the requests kept, handed off, and neither
-    (finished, failed or cancelled in their prefill) (``--split``); ``runs``: the
+    (finished, failed or cancelled in their prefill, or prefilled on a decode worker)
+    (``--split``); ``runs``: the
     benchmark's request records of the same run. Raises when the prompt lengths the log
     chunked are not the records' (the ids would not be the server's)."""
     check_ids(prefill_records, {r["request_id"]: r["prompt_len"] for r in runs})
@@ -172,10 +177,14 @@ def load_runs(path: Path, point: str | None) -> list[dict]:
     data = json.loads(path.read_text())
     points = [(m["mode"], p) for m in data["modes"] for p in m["points"]]
     if point is not None:
-        mode, _, rate = point.rpartition("@")
+        mode, _, rate_text = point.rpartition("@")
+        try:
+            rate = float(rate_text)
+        except ValueError:
+            raise SystemExit(f"--point {point!r}: not MODE@RATE") from None
         points = [(m, p) for m, p in points if m == mode
                   and p["workload"].get("rate_rps") is not None
-                  and float(p["workload"]["rate_rps"]) == float(rate)]
+                  and float(p["workload"]["rate_rps"]) == rate]
     if len(points) != 1:
         raise SystemExit(f"{path}: {len(points)} points match; name one with --point MODE@RATE")
     return points[0][1]["records"]
@@ -195,6 +204,8 @@ def main(argv: list[str] | None = None) -> None:
         p.error("--split and --point need --records")
     if args.records is not None and not (args.split or args.by_rows):
         p.error("--records is read by --by-rows and --split only")
+    if args.idle_s != 1.0 and not args.by_rows:
+        p.error("--idle-s is read by --by-rows only")
     if not (args.logs or args.split):
         p.error("nothing to read: give logs, or --split")
     runs = load_runs(args.records, args.point) if args.records else None

@@ -64,16 +64,18 @@ def run_record(req: int, prompt_len: int, tokens: int, span_s: float, met: bool)
 
 
 def test_split_groups_requests_by_where_they_decoded_and_checks_the_ids(tmp_path, capsys):
-    prefill = [{"kind": "chunk", "step": 1, "t": 0.0, "slices": [[0, 0, 64], [1, 0, 10]]},
+    prefill = [{"kind": "chunk", "step": 1, "t": 0.0,
+                "slices": [[0, 0, 64], [1, 0, 10], [3, 0, 32]]},  # 3: cancelled in its prefill
                {"kind": "chunk", "step": 2, "t": 0.1, "slices": [[0, 64, 9]]},
                {"kind": "keep", "req": 1}, {"kind": "dispatch", "req": 0, "to": 1},
                {"kind": "mixed_step", "step": 3, "t": 0.2, "run": [1], "slices": []},
                {"kind": "mixed_step", "step": 4, "t": 0.25, "run": [1], "slices": []}]
     runs = [run_record(0, 73, 11, 0.2, True), run_record(1, 10, 5, 0.4, False),
-            run_record(2, 7, 1, 0.0, True)]  # finished in its prefill: neither
+            run_record(2, 7, 1, 0.0, True),  # finished in its prefill: neither
+            run_record(3, 100, 0, 0.0, False)]  # 32 of its 100 prompt tokens prefilled
     assert split(prefill, runs) == {"kept": (1, pytest.approx(0.1), 1),
                                     "handed off": (1, pytest.approx(0.02), 0),
-                                    "neither": (1, 0.0, 0)}
+                                    "neither": (2, 0.0, 1)}
     runs_other_ids = [run_record(0, 10, 11, 0.2, True), run_record(1, 73, 5, 0.4, False)]
     with pytest.raises(ValueError, match="request ids differ"):
         split(prefill, runs_other_ids)
@@ -97,6 +99,9 @@ def test_split_groups_requests_by_where_they_decoded_and_checks_the_ids(tmp_path
         {"workload": {"rate_rps": 1.0}, "records": runs_other_ids}]}]}))
     with pytest.raises(ValueError, match="request ids differ"):
         main([str(log), "--records", str(bad), "--by-rows"])
-    for argv in (["--split", str(log)], [str(log), "--records", str(sweep)], []):
-        with pytest.raises(SystemExit):  # --split without records; records unread; nothing
-            main(argv)
+    with pytest.raises(SystemExit, match="not MODE@RATE"):
+        main(["--records", str(sweep), "--point", "disaggregated@fast", "--split", str(log)])
+    for argv in (["--split", str(log)], [str(log), "--records", str(sweep)], [],
+                 [str(log), "--idle-s", "2"]):
+        with pytest.raises(SystemExit):  # --split without records; records unread; nothing;
+            main(argv)  # --idle-s unread
