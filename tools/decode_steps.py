@@ -36,6 +36,8 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
+from tetri_server.bench.client import RequestRecord
+from tetri_server.bench.metrics import tpot_s
 from tetri_server.sim.decisions import split_preempt
 
 
@@ -132,14 +134,6 @@ def chunked_prompt_lens(prefill_records: list[dict]) -> dict[int, int]:
     return lens
 
 
-def tpot_s(run: dict) -> float | None:
-    """``bench.metrics.tpot_s`` on a request record as the benchmark JSON stores it."""
-    n = run.get("num_output_tokens") or len(run.get("token_times_s") or ())
-    if n <= 1 or run.get("end_s") is None or run.get("first_token_s") is None:
-        return None
-    return (run["end_s"] - run["first_token_s"]) / (n - 1)
-
-
 def check_ids(records: list[dict], prompt_lens: dict[int, int]) -> None:
     """Raise unless every prompt the log prefilled from its start has the records' length for
     that id, or no more where the log never finished it (cancelled or failed in its prefill):
@@ -165,7 +159,8 @@ def split(prefill_records: list[dict], runs: list[dict]) -> dict[str, tuple[int,
     out: dict[str, tuple[int, float, int]] = {}
     for group in ("kept", "handed off", "neither"):
         rs = [r for r in runs if where.get(r["request_id"], "neither") == group]
-        tpots = [t for r in rs if (t := tpot_s(r)) is not None]
+        recs = [RequestRecord.from_json(r) for r in rs]
+        tpots = [t for rec in recs if rec.ok and (t := tpot_s(rec)) is not None]
         out[group] = (len(rs), statistics.mean(tpots) if tpots else 0.0,
                       sum(1 for r in rs if r.get("met_slo") is False))
     return out

@@ -59,7 +59,8 @@ def test_by_rows_times_decode_only_steps_and_the_context_of_their_rows() -> None
 
 
 def run_record(req: int, prompt_len: int, tokens: int, span_s: float, met: bool) -> dict:
-    return {"request_id": req, "prompt_len": prompt_len, "num_output_tokens": tokens,
+    return {"request_id": req, "kind": "LPHD", "prompt_len": prompt_len, "output_len": tokens,
+            "arrival_s": 0.0, "send_s": 0.0, "num_output_tokens": tokens,
             "first_token_s": 1.0, "end_s": 1.0 + span_s, "met_slo": met}
 
 

@@ -12,7 +12,6 @@ import argparse
 import json
 import re
 from collections.abc import Sequence
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +25,7 @@ PROMPT_BANDS = (128, 512)  # prompt tokens: < 128, 128-511, >= 512
 
 
 def _records(point: dict[str, Any]) -> list[RequestRecord]:
-    names = {f.name for f in fields(RequestRecord)}
-    recs = [RequestRecord(**{k: v for k, v in r.items() if k in names}) for r in point["records"]]
+    recs = [RequestRecord.from_json(r) for r in point["records"]]
     return [r for r in recs if r.ok]
 
 

@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import aiohttp
@@ -72,6 +72,13 @@ class RequestRecord:
     @property
     def ok(self) -> bool:
         return self.error is None and self.end_s is not None and self.first_token_s is not None
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> RequestRecord:
+        """A record as a benchmark's JSON stores it; the keys added beside the fields (such as
+        ``met_slo``) are left out."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
 
 
 @dataclass
