@@ -151,9 +151,8 @@ def check_ids(records: list[dict], prompt_lens: dict[int, int]) -> None:
 def split(prefill_records: list[dict], runs: list[dict]) -> dict[str, tuple[int, float, int]]:
     """(requests, mean TPOT in s, SLO misses) of the requests kept, handed off, and neither
     (finished, failed or cancelled in their prefill, or prefilled on a decode worker)
-    (``--split``); ``runs``: the
-    benchmark's request records of the same run. Raises when the prompt lengths the log
-    chunked are not the records' (the ids would not be the server's)."""
+    (``--split``); ``runs``: the benchmark's request records of the same run. Raises when the
+    prompt lengths the log chunked are not the records' (the ids would not be the server's)."""
     check_ids(prefill_records, {r["request_id"]: r["prompt_len"] for r in runs})
     where = where_decoded(prefill_records)
     out: dict[str, tuple[int, float, int]] = {}
@@ -189,8 +188,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("logs", nargs="*", type=Path)
     p.add_argument("--by-rows", action="store_true", help="decode-only steps by rows")
-    p.add_argument("--idle-s", type=float, default=1.0,
-                   help="with --by-rows: a longer interval between steps is an idle spell")
+    p.add_argument("--idle-s", type=float,
+                   help="with --by-rows: a longer interval between steps is an idle spell (1)")
     p.add_argument("--records", type=Path, help="the bench sweep JSON of the same run")
     p.add_argument("--point", help="MODE@RATE: the point of --records (when it has several)")
     p.add_argument("--split", type=Path, help="the prefill worker's log (needs --records)")
@@ -199,11 +198,12 @@ def main(argv: list[str] | None = None) -> None:
         p.error("--split and --point need --records")
     if args.records is not None and not (args.split or args.by_rows):
         p.error("--records is read by --by-rows and --split only")
-    if args.idle_s != 1.0 and not args.by_rows:
+    if args.idle_s is not None and not args.by_rows:
         p.error("--idle-s is read by --by-rows only")
     if not (args.logs or args.split):
         p.error("nothing to read: give logs, or --split")
     runs = load_runs(args.records, args.point) if args.records else None
+    lens = {r["request_id"]: r["prompt_len"] for r in runs} if runs else None
     if args.split is not None:
         assert runs is not None
         for group, (n, tpot, missed) in split(read_log(args.split), runs).items():
@@ -211,12 +211,11 @@ def main(argv: list[str] | None = None) -> None:
     for path in args.logs:
         records = read_log(path)
         if args.by_rows:
-            lens = {r["request_id"]: r["prompt_len"] for r in runs} if runs else None
             if lens is not None:
                 check_ids(records, lens)
             print(f"{path}: decode-only steps by rows (rows: median ms, steps"
                   + (", mean context" if lens else "") + ")")
-            for r in by_rows(records, lens, args.idle_s):
+            for r in by_rows(records, lens, 1.0 if args.idle_s is None else args.idle_s):
                 ctx = f", ctx {r.mean_ctx:.0f}" if lens else ""
                 print(f"  {r.rows}: {r.p50_s * 1e3:.1f} ms, {r.num_steps} steps{ctx}")
             continue
