@@ -194,13 +194,21 @@ def layer_call(lib: object, glu: bool, a: torch.Tensor, packs: list[torch.Tensor
     return lambda i: lib.packed_linear(a, packs[i], None, n)  # type: ignore[attr-defined]
 
 
+def eviction_buffer(nbytes: int = 256 << 20) -> torch.Tensor:
+    """A buffer to read between a hot call and a cold one, so the cold one finds its data in
+    DRAM. Written, not ``torch.empty``: the pages of an untouched buffer all map the kernel's
+    one zero page, so reading it reads 4 KB over and over and evicts nothing (before
+    session 55 "cold" here meant "still in L3" for anything under about 32 MB)."""
+    return torch.ones(nbytes // 4)
+
+
 def hot_cold_ms(fns: dict[str, Callable[[int | None], object]],
                 rounds: int) -> dict[tuple[str, str], float]:
     """Median ms of A's and B's calls, hot (right after the same call) and cold (after reading
     a 256 MB buffer), A and B interleaved, the order flipped every other round. ``fns[key](r)``
     runs one call: r is None for a hot one, else the round (a cold call may use other data,
     e.g. another copy of the weight)."""
-    big = torch.empty(64 * 1024 * 1024)
+    big = eviction_buffer()
     times: dict[tuple[str, str], list[float]] = {}
     for rep in range(rounds):
         for key in ("A", "B") if rep % 2 else ("B", "A"):
