@@ -1,0 +1,155 @@
+"""How fast one core reads the decode attention's KV in the pool's layout, with no attention
+math: the bound any kernel over that layout can reach.
+
+    .venv/bin/python tools/kv_read_pattern.py [--batch 32] [--ctx 128,1024] [--heads 8]
+        [--head-dim 64] [--cpu N]
+
+One layer's K and V of ``batch`` sequences, each extent somewhere in a pool of 44,000 tokens a
+head, summed row by row (a small C++ loop built at first use, one build per CPU capability),
+each call after reading a written 256 MB buffer (so from DRAM), CPU time, median of 10:
+
+- head-major, the engine's layout (``[kv_heads, pool_tokens, head_dim]``): one item per
+  (sequence, kv head), its K rows then its V rows in blocks of 64 alternating (as the decode
+  attention walks them), with and without a software prefetch of the next block; and all K
+  rows then all V rows;
+- token-major (``[pool_tokens, kv_heads, head_dim]``): one item per sequence, every head's
+  rows of a token next to each other;
+- ``torch.sum`` over the same number of bytes in one contiguous tensor.
+
+Session 55 wrote it: at context 128 the decode attention read the KV at the rate of this loop
+over the head-major layout, well under ``torch.sum``'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tools"))
+
+from ab_kernels import eviction_buffer  # noqa: E402
+
+from tetri_server.bench.engine_driver import pin  # noqa: E402
+
+SOURCE = r"""
+#include <torch/extension.h>
+#include <algorithm>
+typedef float v16 __attribute__((vector_size(64)));  // the compiler splits it on AVX2
+
+// items: K and V offsets (floats) into `pool`; each item n rows of d floats, rows s apart.
+// interleave: blocks of 64 rows, K then V, as the decode attention; else all K, then all V.
+// prefetch: each row also asks for the row 64 ahead (a block ahead).
+double read_items(torch::Tensor pool, torch::Tensor k_off, torch::Tensor v_off, int64_t n,
+                  int64_t d, int64_t s, bool prefetch, bool interleave) {
+  const float* p = pool.data_ptr<float>();
+  const int64_t* ko = k_off.data_ptr<int64_t>();
+  const int64_t* vo = v_off.data_ptr<int64_t>();
+  v16 a0 = {}, a1 = {}, a2 = {}, a3 = {};
+  auto rows = [&](const float* base, int64_t lo, int64_t hi) {
+    for (int64_t j = lo; j < hi; ++j) {
+      const float* r = base + j * s;
+      if (prefetch && j + 64 < n) {
+        for (int64_t o = 0; o < d; o += 16) __builtin_prefetch(r + 64 * s + o, 0, 2);
+      }
+      for (int64_t i = 0; i + 64 <= d; i += 64) {
+        v16 x0, x1, x2, x3;
+        __builtin_memcpy(&x0, r + i, 64);
+        __builtin_memcpy(&x1, r + i + 16, 64);
+        __builtin_memcpy(&x2, r + i + 32, 64);
+        __builtin_memcpy(&x3, r + i + 48, 64);
+        a0 += x0; a1 += x1; a2 += x2; a3 += x3;
+      }
+    }
+  };
+  for (int64_t it = 0; it < k_off.numel(); ++it) {
+    const float* k = p + ko[it];
+    const float* v = p + vo[it];
+    if (interleave) {
+      for (int64_t b = 0; b < n; b += 64) {
+        rows(k, b, std::min(n, b + 64));
+        rows(v, b, std::min(n, b + 64));
+      }
+    } else {
+      rows(k, 0, n);
+      rows(v, 0, n);
+    }
+  }
+  v16 t = a0 + a1 + a2 + a3;
+  return t[0];
+}
+"""
+
+
+def build() -> Callable[..., float]:
+    from torch.utils.cpp_extension import load_inline
+
+    cap = torch.backends.cpu.get_cpu_capability().lower()
+    mod = load_inline(f"tetri_kv_read_pattern_{cap}", cpp_sources=SOURCE,
+                      functions=["read_items"], extra_cflags=["-O3", "-march=native"])
+    return mod.read_items  # type: ignore[no-any-return]
+
+
+def cold_ms(fn: Callable[[], object], evict: torch.Tensor, reps: int = 10) -> float:
+    times = []
+    for _ in range(reps):
+        evict.sum()
+        t0 = time.process_time()
+        fn()
+        times.append(time.process_time() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--ctx", default="128,1024", help="context lengths, a comma list")
+    ap.add_argument("--heads", type=int, default=8, help="KV heads")
+    ap.add_argument("--head-dim", type=int, default=64, help="a multiple of 64")
+    ap.add_argument("--cpu", type=int, default=None, help="core to pin (default: least busy)")
+    args = ap.parse_args()
+    if args.head_dim % 64:
+        ap.error("--head-dim must be a multiple of 64")
+    cpu = pin(args.cpu)
+    read = build()
+    evict = eviction_buffer()
+    b, h, d, tokens = args.batch, args.heads, args.head_dim, 44_000
+    print(f"core {cpu}, {torch.backends.cpu.get_cpu_capability()}, batch {b}, {h} KV heads of "
+          f"{d}; one layer's K and V from DRAM, ms and GB/s")
+    print("| context | MB | layout and walk | ms | GB/s |\n|---:|---:|---|---:|---:|")
+    for ctx in (int(c) for c in args.ctx.split(",")):
+        starts = [i * 1380 % (tokens - ctx - 1) for i in range(b)]  # extents spread over the pool
+        nbytes = 2 * b * h * ctx * d * 4
+        head_major = torch.randn(2, h, tokens, d)
+        ko = torch.tensor([hh * tokens * d + st * d for st in starts for hh in range(h)])
+        vo = ko + h * tokens * d
+        walks = (("K/V blocks of 64 alternating", False, True),
+                 ("K/V blocks of 64 alternating, prefetch a block ahead", True, True),
+                 ("all K, then all V", False, False))
+        cases: list[tuple[str, Callable[[], object]]] = [
+            (f"head-major, {name}", functools.partial(read, head_major, ko, vo, ctx, d, d, pf, il))
+            for name, pf, il in walks]
+        token_major = torch.randn(2, tokens, h, d)
+        tko = torch.tensor([st * h * d for st in starts])
+        tvo = tko + tokens * h * d
+        cases.append(("token-major, a sequence's rows of every head in one stream",
+                      functools.partial(read, token_major, tko, tvo, ctx * h, d, d, False, True)))
+        flat = torch.ones(nbytes // 4)
+        cases.append(("torch.sum, one contiguous tensor", flat.sum))
+        for name, fn in cases:
+            fn()
+            ms = cold_ms(fn, evict)
+            print(f"| {ctx} | {nbytes / 1e6:.1f} | {name} | {ms:.3f} | {nbytes / ms / 1e6:.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
