@@ -4,14 +4,16 @@ math: the bound any kernel over that layout can reach.
     .venv/bin/python tools/kv_read_pattern.py [--batch 32] [--ctx 128,1024] [--heads 8]
         [--head-dim 64] [--cpu N]
 
-One layer's K and V of ``batch`` sequences, each extent somewhere in a pool of 44,000 tokens a
-head, summed row by row (a small C++ loop built at first use, one build per CPU capability),
-each call after reading a written 256 MB buffer (so from DRAM), CPU time, median of 10:
+One layer's K and V of ``batch`` sequences, their extents spread over a pool of at least 44,000
+tokens a head (none overlapping), summed row by row (a small C++ loop built at first use for
+this CPU), each call after reading a written 256 MB buffer (so from DRAM), CPU time, median of
+10:
 
 - head-major, the engine's layout (``[kv_heads, pool_tokens, head_dim]``): one item per
   (sequence, kv head), its K rows then its V rows in blocks of 64 alternating (as the decode
-  attention walks them), with and without a software prefetch of the next block; and all K
-  rows then all V rows;
+  attention walks them), with and without a software prefetch of the next block; all K rows
+  then all V rows; and one item per sequence, a block of 64 rows of every head's K, then of
+  every head's V;
 - token-major (``[pool_tokens, kv_heads, head_dim]``): one item per sequence, every head's
   rows of a token next to each other;
 - ``torch.sum`` over the same number of bytes in one contiguous tensor.
@@ -24,6 +26,9 @@ from __future__ import annotations
 
 import argparse
 import functools
+import hashlib
+import platform
+import random
 import statistics
 import sys
 import time
@@ -84,18 +89,61 @@ double read_items(torch::Tensor pool, torch::Tensor k_off, torch::Tensor v_off, 
     }
   }
   v16 t = a0 + a1 + a2 + a3;
-  return t[0];
+  double sum = 0;
+  for (int i = 0; i < 16; ++i) sum += t[i];
+  return sum;
+}
+
+// head-major, one item per sequence: its `heads` (sequence, head) offsets in a row of k_off /
+// v_off; per block of 64 rows, that block of every head's K, then of every head's V.
+double read_sequences(torch::Tensor pool, torch::Tensor k_off, torch::Tensor v_off,
+                      int64_t heads, int64_t n, int64_t d, int64_t s) {
+  const float* p = pool.data_ptr<float>();
+  const int64_t* ko = k_off.data_ptr<int64_t>();
+  const int64_t* vo = v_off.data_ptr<int64_t>();
+  v16 a0 = {}, a1 = {}, a2 = {}, a3 = {};
+  auto rows = [&](const float* base, int64_t lo, int64_t hi) {
+    for (int64_t j = lo; j < hi; ++j) {
+      const float* r = base + j * s;
+      for (int64_t i = 0; i + 64 <= d; i += 64) {
+        v16 x0, x1, x2, x3;
+        __builtin_memcpy(&x0, r + i, 64);
+        __builtin_memcpy(&x1, r + i + 16, 64);
+        __builtin_memcpy(&x2, r + i + 32, 64);
+        __builtin_memcpy(&x3, r + i + 48, 64);
+        a0 += x0; a1 += x1; a2 += x2; a3 += x3;
+      }
+    }
+  };
+  for (int64_t it = 0; it < k_off.numel(); it += heads) {
+    for (int64_t b = 0; b < n; b += 64) {
+      for (int64_t h = 0; h < heads; ++h) rows(p + ko[it + h], b, std::min(n, b + 64));
+      for (int64_t h = 0; h < heads; ++h) rows(p + vo[it + h], b, std::min(n, b + 64));
+    }
+  }
+  v16 t = a0 + a1 + a2 + a3;
+  double sum = 0;
+  for (int i = 0; i < 16; ++i) sum += t[i];
+  return sum;
 }
 """
 
 
-def build() -> Callable[..., float]:
+def build() -> object:
+    """The loops, built for this CPU (``-march=native``: the cache name carries the CPU model
+    and the source's hash, so another machine's build is never loaded)."""
     from torch.utils.cpp_extension import load_inline
 
-    cap = torch.backends.cpu.get_cpu_capability().lower()
-    mod = load_inline(f"tetri_kv_read_pattern_{cap}", cpp_sources=SOURCE,
-                      functions=["read_items"], extra_cflags=["-O3", "-march=native"])
-    return mod.read_items  # type: ignore[no-any-return]
+    model = platform.processor() or "cpu"
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((ln.split(":", 1)[1] for ln in f if ln.startswith("model name")), model)
+    except OSError:
+        pass
+    tag = hashlib.sha1(f"{model}|{SOURCE}".encode()).hexdigest()[:12]
+    return load_inline(f"tetri_kv_read_pattern_{tag}", cpp_sources=SOURCE,
+                       functions=["read_items", "read_sequences"],
+                       extra_cflags=["-O3", "-march=native"])
 
 
 def cold_ms(fn: Callable[[], object], evict: torch.Tensor, reps: int = 10) -> float:
@@ -119,14 +167,19 @@ def main() -> int:
     if args.head_dim % 64:
         ap.error("--head-dim must be a multiple of 64")
     cpu = pin(args.cpu)
-    read = build()
+    lib = build()
+    read = lib.read_items  # type: ignore[attr-defined]
     evict = eviction_buffer()
-    b, h, d, tokens = args.batch, args.heads, args.head_dim, 44_000
+    b, h, d = args.batch, args.heads, args.head_dim
     print(f"core {cpu}, {torch.backends.cpu.get_cpu_capability()}, batch {b}, {h} KV heads of "
           f"{d}; one layer's K and V from DRAM, ms and GB/s")
     print("| context | MB | layout and walk | ms | GB/s |\n|---:|---:|---|---:|---:|")
     for ctx in (int(c) for c in args.ctx.split(",")):
-        starts = [i * 1380 % (tokens - ctx - 1) for i in range(b)]  # extents spread over the pool
+        # extents spread over the pool as the engine's (its 44,000 tokens a head at batch 32),
+        # never overlapping: each sequence's slot is at least its context long
+        slot = max(1380, ctx)
+        tokens = max(44_000, b * slot)
+        starts = [k * slot for k in random.Random(0).sample(range(b), b)]
         nbytes = 2 * b * h * ctx * d * 4
         head_major = torch.randn(2, h, tokens, d)
         ko = torch.tensor([hh * tokens * d + st * d for st in starts for hh in range(h)])
@@ -137,6 +190,9 @@ def main() -> int:
         cases: list[tuple[str, Callable[[], object]]] = [
             (f"head-major, {name}", functools.partial(read, head_major, ko, vo, ctx, d, d, pf, il))
             for name, pf, il in walks]
+        cases.append(("head-major, a sequence's heads block by block (all K, then all V)",
+                      functools.partial(lib.read_sequences, head_major,  # type: ignore[attr-defined]
+                                        ko, vo, h, ctx, d, d)))
         token_major = torch.randn(2, tokens, h, d)
         tko = torch.tensor([st * h * d for st in starts])
         tvo = tko + tokens * h * d
