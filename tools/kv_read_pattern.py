@@ -50,16 +50,21 @@ SOURCE = r"""
 #include <algorithm>
 typedef float v16 __attribute__((vector_size(64)));  // the compiler splits it on AVX2
 
-// items: K and V offsets (floats) into `pool`; each item n rows of d floats, rows s apart.
-// interleave: blocks of 64 rows, K then V, as the decode attention; else all K, then all V.
-// prefetch: each row also asks for the row 64 ahead (a block ahead).
-double read_items(torch::Tensor pool, torch::Tensor k_off, torch::Tensor v_off, int64_t n,
-                  int64_t d, int64_t s, bool prefetch, bool interleave) {
-  const float* p = pool.data_ptr<float>();
-  const int64_t* ko = k_off.data_ptr<int64_t>();
-  const int64_t* vo = v_off.data_ptr<int64_t>();
+// Sums of the rows read; the total is returned so that no read is optimized away.
+struct Reader {
   v16 a0 = {}, a1 = {}, a2 = {}, a3 = {};
-  auto rows = [&](const float* base, int64_t lo, int64_t hi) {
+  const float* p;         // the pool
+  const int64_t *ko, *vo;  // items' K and V offsets (floats) into it
+  int64_t d, s;  // floats a row, floats between rows
+  Reader(const torch::Tensor& pool, const torch::Tensor& k_off, const torch::Tensor& v_off,
+         int64_t d_, int64_t s_)
+      : p(pool.data_ptr<float>()), ko(k_off.data_ptr<int64_t>()), vo(v_off.data_ptr<int64_t>()),
+        d(d_), s(s_) {}
+  const float* k(int64_t item) const { return p + ko[item]; }
+  const float* v(int64_t item) const { return p + vo[item]; }
+  // rows [lo, hi) of an item of n rows at `base`; with `prefetch`, each row also asks for the
+  // row 64 ahead (a block ahead), inside the item
+  void rows(const float* base, int64_t lo, int64_t hi, int64_t n, bool prefetch) {
     for (int64_t j = lo; j < hi; ++j) {
       const float* r = base + j * s;
       if (prefetch && j + 64 < n) {
@@ -74,57 +79,42 @@ double read_items(torch::Tensor pool, torch::Tensor k_off, torch::Tensor v_off, 
         a0 += x0; a1 += x1; a2 += x2; a3 += x3;
       }
     }
-  };
+  }
+  double total() const {
+    v16 t = a0 + a1 + a2 + a3;
+    double sum = 0;
+    for (int i = 0; i < 16; ++i) sum += t[i];
+    return sum;
+  }
+};
+
+// items: K and V offsets (floats) into `pool`; each item n rows of d floats, rows s apart.
+// interleave: blocks of 64 rows, K then V, as the decode attention; else all K, then all V.
+double read_items(torch::Tensor pool, torch::Tensor k_off, torch::Tensor v_off, int64_t n,
+                  int64_t d, int64_t s, bool prefetch, bool interleave) {
+  Reader rd(pool, k_off, v_off, d, s);
   for (int64_t it = 0; it < k_off.numel(); ++it) {
-    const float* k = p + ko[it];
-    const float* v = p + vo[it];
-    if (interleave) {
-      for (int64_t b = 0; b < n; b += 64) {
-        rows(k, b, std::min(n, b + 64));
-        rows(v, b, std::min(n, b + 64));
-      }
-    } else {
-      rows(k, 0, n);
-      rows(v, 0, n);
+    const int64_t block = interleave ? 64 : n;
+    for (int64_t b = 0; b < n; b += block) {
+      rd.rows(rd.k(it), b, std::min(n, b + block), n, prefetch);
+      rd.rows(rd.v(it), b, std::min(n, b + block), n, prefetch);
     }
   }
-  v16 t = a0 + a1 + a2 + a3;
-  double sum = 0;
-  for (int i = 0; i < 16; ++i) sum += t[i];
-  return sum;
+  return rd.total();
 }
 
 // head-major, one item per sequence: its `heads` (sequence, head) offsets in a row of k_off /
 // v_off; per block of 64 rows, that block of every head's K, then of every head's V.
 double read_sequences(torch::Tensor pool, torch::Tensor k_off, torch::Tensor v_off,
                       int64_t heads, int64_t n, int64_t d, int64_t s) {
-  const float* p = pool.data_ptr<float>();
-  const int64_t* ko = k_off.data_ptr<int64_t>();
-  const int64_t* vo = v_off.data_ptr<int64_t>();
-  v16 a0 = {}, a1 = {}, a2 = {}, a3 = {};
-  auto rows = [&](const float* base, int64_t lo, int64_t hi) {
-    for (int64_t j = lo; j < hi; ++j) {
-      const float* r = base + j * s;
-      for (int64_t i = 0; i + 64 <= d; i += 64) {
-        v16 x0, x1, x2, x3;
-        __builtin_memcpy(&x0, r + i, 64);
-        __builtin_memcpy(&x1, r + i + 16, 64);
-        __builtin_memcpy(&x2, r + i + 32, 64);
-        __builtin_memcpy(&x3, r + i + 48, 64);
-        a0 += x0; a1 += x1; a2 += x2; a3 += x3;
-      }
-    }
-  };
+  Reader rd(pool, k_off, v_off, d, s);
   for (int64_t it = 0; it < k_off.numel(); it += heads) {
     for (int64_t b = 0; b < n; b += 64) {
-      for (int64_t h = 0; h < heads; ++h) rows(p + ko[it + h], b, std::min(n, b + 64));
-      for (int64_t h = 0; h < heads; ++h) rows(p + vo[it + h], b, std::min(n, b + 64));
+      for (int64_t h = 0; h < heads; ++h) rd.rows(rd.k(it + h), b, std::min(n, b + 64), n, false);
+      for (int64_t h = 0; h < heads; ++h) rd.rows(rd.v(it + h), b, std::min(n, b + 64), n, false);
     }
   }
-  v16 t = a0 + a1 + a2 + a3;
-  double sum = 0;
-  for (int i = 0; i < 16; ++i) sum += t[i];
-  return sum;
+  return rd.total();
 }
 """
 
