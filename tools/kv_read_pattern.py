@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import functools
 import hashlib
-import platform
 import random
 import statistics
 import sys
@@ -44,6 +43,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 from ab_kernels import eviction_buffer  # noqa: E402
 
 from tetri_server.bench.engine_driver import pin  # noqa: E402
+from tetri_server.hostinfo import cpuinfo  # noqa: E402
 
 SOURCE = r"""
 #include <torch/extension.h>
@@ -120,18 +120,14 @@ double read_sequences(torch::Tensor pool, torch::Tensor k_off, torch::Tensor v_o
 
 
 def build() -> object:
-    """The loops, built for this CPU (``-march=native``: the cache name carries the CPU model
-    and the source's hash, so another machine's build is never loaded)."""
+    """The loops, built for this CPU (``-march=native``). The cache name hashes the source and
+    the CPU's model and ISA flags from ``/proc/cpuinfo``: these VMs all call themselves "AMD
+    EPYC", so the model name alone would load an AVX-512 build on an AVX2 machine."""
     from torch.utils.cpp_extension import load_inline
 
-    model = platform.processor() or "cpu"
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((ln.split(":", 1)[1] for ln in f if ln.startswith("model name")), model)
-    except OSError:
-        pass
-    tag = hashlib.sha1(f"{model}|{SOURCE}".encode()).hexdigest()[:12]
-    return load_inline(f"tetri_kv_read_pattern_{tag}", cpp_sources=SOURCE,
+    cpu = "|".join(cpuinfo(f) for f in ("model name", "cpu family", "model", "flags"))
+    tag = hashlib.sha1(f"{cpu}|{torch.backends.cpu.get_cpu_capability()}|{SOURCE}".encode())
+    return load_inline(f"tetri_kv_read_pattern_{tag.hexdigest()[:12]}", cpp_sources=SOURCE,
                        functions=["read_items", "read_sequences"],
                        extra_cflags=["-O3", "-march=native"])
 
