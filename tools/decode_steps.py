@@ -38,6 +38,7 @@ from pathlib import Path
 
 from tetri_server.bench.client import RequestRecord
 from tetri_server.bench.metrics import tpot_s
+from tetri_server.sim import decisions
 from tetri_server.sim.decisions import split_preempt
 
 
@@ -76,7 +77,7 @@ def decode_steps(records: list[dict]) -> Steps:
     return Steps(len(durations), at(0.5), at(0.99), preempted, dropped, recompute_s, tokens)
 
 
-STEP_KINDS = ("decode_step", "coupled_step", "mixed_step", "chunk")
+STEP_KINDS = (*decisions.STEP_KINDS, "chunk")  # a prefill worker's steps too
 
 
 @dataclass(frozen=True)
