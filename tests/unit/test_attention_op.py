@@ -78,10 +78,15 @@ def random_specs(rng: random.Random, n: int) -> list[tuple[int, int]]:
 
 
 def tensors(rng: random.Random, tokens: int, heads: int, kv_heads: int, dim: int,
-            pool_tokens: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+            pool_tokens: int, dtype: torch.dtype,
+            layout: str = "head-major") -> tuple[torch.Tensor, ...]:
+    """q and the pools [kv_heads, pool_tokens, dim]; token-major: views of a buffer with a
+    token's kv heads side by side (as ``PoolGeometry.view``), the same values."""
     gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
     q = torch.randn(tokens, heads, dim, generator=gen).to(dtype)
     kv = torch.randn(2, kv_heads, pool_tokens, dim, generator=gen).to(dtype)
+    if layout == "token-major":
+        kv = kv.transpose(1, 2).contiguous().transpose(1, 2)
     return q, kv[0], kv[1]
 
 
@@ -92,9 +97,10 @@ SHAPES = [(4, 2, 16), (8, 8, 64), (8, 2, 64), (6, 3, 40), (4, 2, 72), (4, 2, 80)
           (4, 2, 160)]
 
 
+@pytest.mark.parametrize("layout", ["head-major", "token-major"])
 @pytest.mark.parametrize("window", [0, 1, 5, 16, 64])
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), SHAPES)
-def test_op_equals_the_sdpa_loop_on_random_ragged_batches(heads, kv_heads, dim, window):
+def test_op_equals_the_sdpa_loop_on_random_ragged_batches(heads, kv_heads, dim, window, layout):
     for seed in range(3):
         rng = random.Random(seed * 1000 + heads + dim + window)
         specs = random_specs(rng, rng.randint(1, 12))
@@ -102,7 +108,7 @@ def test_op_equals_the_sdpa_loop_on_random_ragged_batches(heads, kv_heads, dim, 
         num_pad = rng.choice([0, 0, 3])
         meta = make_batch(rng, specs, pool_tokens, num_pad)
         q, pk, pv = tensors(rng, meta.num_real + num_pad, heads, kv_heads, dim, pool_tokens,
-                            torch.float32)
+                            torch.float32, layout)
         got = ragged_attention(q, pk, pv, meta, window=window)
         ref = paged_attention(q, pk, pv, meta, window=window)
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5,
@@ -207,6 +213,32 @@ def test_a_prompt_row_gets_the_bits_of_the_row_alone(heads, kv_heads, dim, windo
             torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
     finally:
         torch.ops.tetri.set_attention_rows_only(False)
+
+
+@pytest.mark.parametrize("window", [0, 3, 70])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), SHAPES)
+def test_a_token_major_pool_gives_the_bits_of_a_head_major_one(heads, kv_heads, dim, window):
+    """Decode rows over a token-major pool walk each key's rows of every head in address order
+    (session 56) with the float operations of the head-by-head walk: the same values in either
+    layout give the same bits, whatever the batch, the block edges and the thread count (which
+    splits a sequence's heads over items)."""
+    rng = random.Random(heads * 7 + dim + window)
+    specs = random_specs(rng, 10) + [(1, 1), (1, 4), (1, 63), (1, 64), (1, 65), (1, 130)]
+    rng.shuffle(specs)
+    pool_tokens = BLOCK * sum(-(-ctx // BLOCK) + 2 for _, ctx in specs)
+    meta = make_batch(rng, specs, pool_tokens, num_pad=2)
+    q, pk, pv = tensors(rng, meta.num_real + 2, heads, kv_heads, dim, pool_tokens, torch.float32)
+    tk, tv = (x.transpose(0, 1).contiguous().transpose(0, 1) for x in (pk, pv))
+    assert tk.stride(1) == kv_heads * dim and torch.equal(tk, pk)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            head_major = ragged_attention(q, pk, pv, meta, window=window)
+            token_major = ragged_attention(q, tk, tv, meta, window=window)
+            assert torch.equal(head_major, token_major), (n, (head_major - token_major).abs().max())
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_bad_metadata_is_a_clear_error():
@@ -327,15 +359,19 @@ from tetri_server.engine.attention import paged_attention
 from tetri_server.engine.ops.triton_attention import ragged_attention_triton
 n = 0
 # GQA groups of 2, 3 (a tile with a spare row) and 4, MHA; False: one program per query head
-for heads, kv_heads, dim, pack in [(4, 2, 16, True), (6, 3, 40, True), (6, 2, 16, True),
-                                   (8, 2, 16, True), (4, 4, 16, True), (4, 2, 16, False)]:
+# (a token-major pool for two of them)
+for heads, kv_heads, dim, pack, layout in [
+        (4, 2, 16, True, "head-major"), (6, 3, 40, True, "head-major"),
+        (6, 2, 16, True, "head-major"), (8, 2, 16, True, "head-major"),
+        (4, 4, 16, True, "head-major"), (4, 2, 16, False, "head-major"),
+        (4, 2, 16, True, "token-major"), (4, 4, 16, False, "token-major")]:
     for window in (0, 5, 16):
         rng = random.Random(heads + window)
         specs = random_specs(rng, 5) + [(1, 1), (1, BLOCK)]
         pool_tokens = BLOCK * sum(-(-ctx // BLOCK) + 2 for _, ctx in specs)
         meta = make_batch(rng, specs, pool_tokens, num_pad=2)
         q, pk, pv = tensors(rng, meta.num_real + 2, heads, kv_heads, dim, pool_tokens,
-                            torch.float32)
+                            torch.float32, layout)
         out = torch.full_like(q, float("nan"))
         ragged_attention_triton(q, pk, pv, out, *meta.seq_tensors, dim ** -0.5, window,
                                 pack_groups=pack)
@@ -349,4 +385,4 @@ print("TRITON OK", n)
 def test_triton_kernel_logic_in_the_interpreter():
     """The CUDA kernel's indexing, masks and online softmax, run by Triton's CPU interpreter."""
     proc = run_interpreted(TRITON_SCRIPT)
-    assert proc.returncode == 0 and "TRITON OK 18" in proc.stdout, proc.stderr[-3000:]
+    assert proc.returncode == 0 and "TRITON OK 24" in proc.stdout, proc.stderr[-3000:]

@@ -9,8 +9,10 @@
 // one work item per (sequence, kv head) covers every query row and every query head of that
 // kv head's group. Per row the keys are walked in order in blocks of kKeyBlock with an online
 // softmax in fp32; nothing depends on the other sequences of the batch or on how items are
-// spread over threads. Prompt rows (fp32, head_dim a multiple of the vector width up to
-// kMaxND Vecs, no sliding window) go in tiles of a few rows that
+// spread over threads. On a token-major pool (a token's kv heads side by side) fp32 decode rows
+// read the keys in address order instead (attend_token_major), with the same float operations.
+// Prompt rows (fp32, head_dim a multiple of the vector width up to kMaxND Vecs, no sliding
+// window) go in tiles of a few rows that
 // share each whole key block they all see (each key and value row read once a tile, not once a
 // row), with the same float operations per row as a row alone: a row's bits do not depend on
 // the tile it lands in.
@@ -33,6 +35,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -509,25 +512,188 @@ void attend(const SeqInfo& s, int64_t h, int64_t groups, int64_t d, float scale,
   }
 }
 
-// The kernel's items, (short sequence, kv head), spread over torch's intra-op threads.
+// A token-major pool (a token's kv heads side by side: stride(0) == head_dim, stride(1) ==
+// kv_heads * head_dim) holds a sequence's context of a layer as one run of memory. Decode rows
+// read it in address order: per block of keys, one key at a time (its rows of every kv head in
+// [h0, h1), each row held in registers for the query vectors of its group), scores then values.
+// Per query vector the float operations are those of block_scores / block_values (a four-key
+// group's sums kept and reduced together, the values added in key order, the rescale before the
+// first key), so a row's bits are those of attend whatever the layout or the heads an item
+// covers. Four keys at a time for each head in turn (attend's order over the interleaved rows)
+// made decode steps 1.06-1.48x slower here: the hardware prefetcher lost the stream.
+constexpr int64_t kAheadKeys = 4;  // keys whose rows are asked for ahead of use
+
+struct TokenMajorScratch {
+  std::vector<float> q, acc, scores, sums, m, l, c;
+  TokenMajorScratch(int64_t nv, int64_t d)
+      : q(nv * d), acc(nv * d), scores(nv * kKeyBlock), sums(nv * 4 * Vec::size()), m(nv),
+        l(nv), c(nv) {}
+};
+
+template <int ND>
+void attend_token_major(const SeqInfo& s, int64_t h0, int64_t h1, int64_t groups, float scale,
+                        int64_t window, const float* q, int64_t q_s0, int64_t q_s1,
+                        const float* pk, const float* pv, int64_t kv_s0, int64_t kv_s1,
+                        float* out, int64_t o_s0, int64_t o_s1, TokenMajorScratch& w) {
+  constexpr int64_t VS = Vec::size();
+  constexpr int64_t d = ND * VS;
+  constexpr int kHeld = ND <= 8 ? ND : 8;  // Vecs of a K or V row held in registers
+  const int64_t nh = h1 - h0, nv = nh * groups;
+  const int64_t record_bytes = nh * kv_s0 * 4;  // one key's rows of heads [h0, h1)
+  const auto sum = [](Vec& x, Vec& y) { return x + y; };
+  // sums[v][t] = the vector sum of q_v * k for key t of a four-key group (t = 0 when alone)
+  const auto key_sums = [&](const float* rec, int64_t t) {
+    for (int64_t hh = 0; hh < nh; ++hh) {
+      const float* k = rec + hh * kv_s0;
+      Vec kr[kHeld];
+      for (int i = 0; i < kHeld; ++i) kr[i] = Vec::loadu(k + i * VS);
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t v = hh * groups + g;
+        const float* qv = w.q.data() + v * d;
+        Vec a(0.f);
+#pragma GCC unroll 8
+        for (int i = 0; i < ND; ++i) {
+          const Vec kv = i < kHeld ? kr[i < kHeld ? i : 0] : Vec::loadu(k + i * VS);
+          a = at::vec::fmadd(Vec::loadu(qv + i * VS), kv, a);
+        }
+        a.store(w.sums.data() + (v * 4 + t) * VS);
+      }
+    }
+  };
+  for (int64_t r = 0; r < s.q_len; ++r) {
+    const int64_t row = s.q_start + r;
+    const int64_t pos = s.ctx_len - s.q_len + r;  // context position of this query
+    const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+    const int64_t hi = pos + 1;  // keys [lo, hi)
+    for (int64_t v = 0; v < nv; ++v) {
+      std::copy_n(q + row * q_s0 + (h0 * groups + v) * q_s1, d, w.q.data() + v * d);
+      std::fill_n(w.acc.data() + v * d, d, 0.f);
+      w.m[v] = -std::numeric_limits<float>::infinity();
+      w.l[v] = 0.f;
+    }
+    for (int64_t kb = lo; kb < hi; kb += kKeyBlock) {
+      const int64_t n = std::min(kKeyBlock, hi - kb);
+      const float* kblock = pk + (s.kv_start + kb) * kv_s1 + h0 * kv_s0;
+      const float* vblock = pv + (s.kv_start + kb) * kv_s1 + h0 * kv_s0;
+      int64_t j = 0;
+      for (; j + 4 <= n; j += 4) {
+        for (int64_t t = 0; t < 4; ++t) {
+          if (kb + j + t + kAheadKeys < hi) {
+            prefetch_row(kblock + (j + t + kAheadKeys) * kv_s1, record_bytes);
+          }
+          key_sums(kblock + (j + t) * kv_s1, t);
+        }
+        for (int64_t v = 0; v < nv; ++v) {
+          const float* a = w.sums.data() + v * 4 * VS;
+          reduce4(Vec::loadu(a), Vec::loadu(a + VS), Vec::loadu(a + 2 * VS),
+                  Vec::loadu(a + 3 * VS), scale, w.scores.data() + v * kKeyBlock + j);
+        }
+      }
+      for (; j < n; ++j) {
+        if (kb + j + kAheadKeys < hi) {
+          prefetch_row(kblock + (j + kAheadKeys) * kv_s1, record_bytes);
+        }
+        key_sums(kblock + j * kv_s1, 0);
+        for (int64_t v = 0; v < nv; ++v) {
+          Vec a = Vec::loadu(w.sums.data() + v * 4 * VS);
+          w.scores[v * kKeyBlock + j] = at::vec::vec_reduce_all<float>(sum, a) * scale;
+        }
+      }
+      for (int64_t v = 0; v < nv; ++v) {
+        softmax_step(w.scores.data() + v * kKeyBlock, n, w.m[v], w.l[v], w.c[v]);
+      }
+      // acc = acc * c + sum_j p[j] * v_j, one key (its rows of every head) at a time
+      for (j = 0; j < n; ++j) {
+        if (kb + j + kAheadKeys < hi) {
+          prefetch_row(vblock + (j + kAheadKeys) * kv_s1, record_bytes);
+        }
+        for (int64_t hh = 0; hh < nh; ++hh) {
+          const float* vrow = vblock + j * kv_s1 + hh * kv_s0;
+          Vec vr[kHeld];
+          for (int i = 0; i < kHeld; ++i) vr[i] = Vec::loadu(vrow + i * VS);
+          for (int64_t g = 0; g < groups; ++g) {
+            const int64_t v = hh * groups + g;
+            float* a = w.acc.data() + v * d;
+            const Vec p(w.scores[v * kKeyBlock + j]), vc(w.c[v]);
+#pragma GCC unroll 8
+            for (int i = 0; i < ND; ++i) {
+              Vec x = Vec::loadu(a + i * VS);
+              if (j == 0) x = x * vc;
+              const Vec vv = i < kHeld ? vr[i < kHeld ? i : 0] : Vec::loadu(vrow + i * VS);
+              at::vec::fmadd(vv, p, x).store(a + i * VS);
+            }
+          }
+        }
+      }
+    }
+    for (int64_t v = 0; v < nv; ++v) {
+      float* dst = out + row * o_s0 + (h0 * groups + v) * o_s1;
+      const float inv = 1.f / w.l[v];
+      for (int64_t i = 0; i < d; ++i) dst[i] = w.acc[v * d + i] * inv;
+    }
+  }
+}
+
+using TokenMajorFn = void (*)(const SeqInfo&, int64_t, int64_t, int64_t, float, int64_t,
+                              const float*, int64_t, int64_t, const float*, const float*, int64_t,
+                              int64_t, float*, int64_t, int64_t, TokenMajorScratch&);
+template <int... N>
+constexpr std::array<TokenMajorFn, sizeof...(N) + 1> token_major_table(
+    std::integer_sequence<int, N...>) {
+  return {nullptr, attend_token_major<N + 1>...};
+}
+constexpr auto kTokenMajor = token_major_table(std::make_integer_sequence<int, kMaxND>{});
+
+// The kernel's items spread over torch's intra-op threads: (short sequence, kv head), and on a
+// token-major pool with the fp32 register paths, (decode sequence, run of kv heads).
 template <typename T>
 void run_items(const std::vector<SeqInfo>& seqs, const std::vector<int64_t>& short_seqs,
                const at::Tensor& q, const at::Tensor& pool_k, const at::Tensor& pool_v,
                at::Tensor& out, float scale, int64_t window) {
   const int64_t kv_heads = pool_k.size(0), groups = q.size(1) / kv_heads, d = q.size(2);
-  const int64_t items = static_cast<int64_t>(short_seqs.size()) * kv_heads;
+  const int64_t nd = d % Vec::size() == 0 ? d / Vec::size() : 0;
+  const bool token_major = std::is_same_v<T, float> && nd >= 1 && nd <= kMaxND &&
+                           pool_k.stride(0) == d && pool_k.stride(1) == kv_heads * d;
+  std::vector<int64_t> head_seqs, alone_seqs;  // head by head; decode rows, token-major
+  for (int64_t i : short_seqs) {
+    (token_major && seqs[i].q_len == 1 ? alone_seqs : head_seqs).push_back(i);
+  }
+  // kv heads per token-major item: all of them, or fewer while the items would not give every
+  // thread a few (the results do not depend on it)
+  const int64_t want = 4 * at::get_num_threads();
+  const int64_t n_alone = static_cast<int64_t>(alone_seqs.size());
+  const int64_t chunks =
+      n_alone == 0 ? 1 : std::min(kv_heads, std::max<int64_t>(1, (want + n_alone - 1) / n_alone));
+  const int64_t per_item = (kv_heads + chunks - 1) / chunks;
+  const int64_t head_items = static_cast<int64_t>(head_seqs.size()) * kv_heads;
+  const int64_t items = head_items + n_alone * chunks;
   const T* qp = q.data_ptr<T>();
   const T* kp = pool_k.data_ptr<T>();
   const T* vp = pool_v.data_ptr<T>();
   T* op = out.data_ptr<T>();
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t stop) {
     Scratch w(tile_rows(groups), groups, d);
+    std::unique_ptr<TokenMajorScratch> tm;
     for (int64_t it = begin; it < stop; ++it) {
-      const SeqInfo& s = seqs[short_seqs[it / kv_heads]];
+      if (it >= head_items) {
+        if constexpr (std::is_same_v<T, float>) {
+          if (!tm) tm = std::make_unique<TokenMajorScratch>(per_item * groups, d);
+          const int64_t k = it - head_items;
+          const int64_t h0 = k % chunks * per_item, h1 = std::min(kv_heads, h0 + per_item);
+          if (h0 < h1) {
+            kTokenMajor[nd](seqs[alone_seqs[k / chunks]], h0, h1, groups, scale, window, qp,
+                            q.stride(0), q.stride(1), kp, vp, pool_k.stride(0), pool_k.stride(1),
+                            op, out.stride(0), out.stride(1), *tm);
+          }
+        }
+        continue;
+      }
+      const SeqInfo& s = seqs[head_seqs[it / kv_heads]];
       const T *next_k = nullptr, *next_v = nullptr;
       int64_t next_rows = 0;
-      if (it + 1 < stop) {  // the next item's first key block, fetched during this one's end
-        const SeqInfo& ns = seqs[short_seqs[(it + 1) / kv_heads]];
+      // the next item's first key block, fetched during this one's end
+      if (it + 1 < std::min(stop, head_items)) {
+        const SeqInfo& ns = seqs[head_seqs[(it + 1) / kv_heads]];
         const int64_t h = (it + 1) % kv_heads;
         const int64_t pos = ns.ctx_len - ns.q_len;
         const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
