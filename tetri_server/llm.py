@@ -15,6 +15,7 @@ from tetri_server.engine.ops import set_batch_invariant
 from tetri_server.engine.runner import ModelRunner
 from tetri_server.kv.blocks import BlockAllocator, check_pool_holds
 from tetri_server.kv.manager import KVCacheManager
+from tetri_server.kv.transport import PoolGeometry, pool_layout
 from tetri_server.messages import SamplingParams, TokenDelta
 from tetri_server.modelinfo import resolve_model_path
 
@@ -53,8 +54,9 @@ class LLMEngine:
             (cfg.kv.memory_gb or DEFAULT_KV_GB) * 2**30, dtype.itemsize, bs)
         check_pool_holds(num_blocks, scratch_blocks(self.device, cfg.model.cuda_graphs),
                          self.max_model_len, bs)
-        self.kv = torch.zeros(s.num_layers, 2, s.num_kv_heads, num_blocks * bs, s.head_dim,
-                              dtype=dtype, device=self.device)
+        layout = pool_layout(cfg.kv.layout, self.device, dtype, s.num_kv_heads, s.head_dim)
+        self.kv = PoolGeometry(s.num_layers, num_blocks, bs, s.num_kv_heads, s.head_dim, dtype,
+                               layout).zeros(self.device)
         self.allocator = BlockAllocator(num_blocks)
         self.kv_manager = KVCacheManager(self.allocator, self.kv, bs)
         self.grammars = Grammars(path, s.vocab_size, s.eos_token_ids)

@@ -110,7 +110,9 @@ class PoolHandle(msgspec.Struct, frozen=True):
 
     ``transport`` is ``shm`` (``name`` is a shared-memory segment) or ``cuda_ipc`` (``ipc_handle``
     is a cudaIpcMemHandle as bytes, ``device`` the CUDA ordinal). Layout: one contiguous buffer of
-    ``[num_layers, 2, num_kv_heads, num_blocks * block_size, head_dim]`` elements of ``dtype``.
+    ``[num_layers, 2, num_blocks * block_size, num_kv_heads, head_dim]`` elements of ``dtype``
+    (``layout`` token-major), or ``[num_layers, 2, num_kv_heads, num_blocks * block_size,
+    head_dim]`` (head-major).
     """
 
     worker_id: int
@@ -124,6 +126,7 @@ class PoolHandle(msgspec.Struct, frozen=True):
     dtype: str
     ipc_handle: bytes = b""
     device: int = -1
+    layout: str = "token-major"
 
 
 # ---------------------------------------------------------------- control -> worker

@@ -49,11 +49,15 @@ async def serve_all_right_and_free(cluster, model, prompts: list[list[int]],
     return run_id
 
 
-@pytest.mark.parametrize("mode", ["disaggregated", "coupled", "coupled-chunked"])
-async def test_every_mode_equals_transformers_and_frees_everything(tiny_llama, mode):
+@pytest.mark.parametrize(("mode", "layout"), [
+    ("disaggregated", "auto"), ("disaggregated", "token-major"), ("coupled", "auto"),
+    ("coupled-chunked", "auto")])
+async def test_every_mode_equals_transformers_and_frees_everything(tiny_llama, mode, layout):
+    """(auto: head-major pools for the tiny model; token-major: the KV hand-off between two
+    token-major pools)"""
     prompts = random_prompts(24, 8000, (1, 300), seed=11)
-    run_id = await serve_all_right_and_free(make_cluster(tiny_llama, mode), tiny_llama, prompts,
-                                            GREEDY, 120)
+    run_id = await serve_all_right_and_free(
+        make_cluster(tiny_llama, mode, f"kv.layout={layout}"), tiny_llama, prompts, GREEDY, 120)
     assert segments(run_id) == []
 
 
@@ -70,7 +74,8 @@ async def test_a_decode_worker_recomputes_a_preempted_request_in_slices(tiny_lla
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     cluster = make_cluster(tiny_llama, "disaggregated", "kv.num_blocks=30",
                            "model.max_model_len=256", "decode.recompute_tokens=32",
-                           f"monitor.decision_log={tmp_path / 'decisions'}", *STRICT_SPLIT)
+                           f"monitor.decision_log={tmp_path / 'decisions'}",
+                           "kv.layout=token-major", *STRICT_SPLIT)
     await serve_all_right_and_free(cluster, tiny_llama, prompts, params, 180)
     steps = [json.loads(line) for line in (tmp_path / "decisions.w1.jsonl").open()]
     steps = [s for s in steps if s["kind"] == "decode_step"]

@@ -17,8 +17,10 @@ from tetri_server.llm import make_engine
 from tetri_server.messages import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-MODES = [("coupled", 2048), ("coupled-chunked", 512), ("coupled-chunked", 97),
-         ("coupled-chunked", 16), ("coupled-chunked", 7)]
+# (mode, chunk, KV pool layout): both layouts in turn (auto is head-major for the tiny models)
+MODES = [("coupled", 2048, "token-major"), ("coupled-chunked", 512, "head-major"),
+         ("coupled-chunked", 97, "token-major"), ("coupled-chunked", 16, "head-major"),
+         ("coupled-chunked", 7, "token-major")]
 
 
 @pytest.fixture(scope="module", params=["llama", "opt", "qwen2", "mistral"])
@@ -29,12 +31,15 @@ def family_case(request, model_dir):
     return path, prompts, hf_greedy(path, prompts, GREEDY.max_tokens)
 
 
-@pytest.mark.parametrize(("mode", "chunk"), MODES)
-def test_greedy_equals_transformers(family_case, mode, chunk):
+@pytest.mark.parametrize(("mode", "chunk", "layout"), MODES)
+def test_greedy_equals_transformers(family_case, mode, chunk, layout):
     path, prompts, ref = family_case
     # A small pool forces relocations (extents that cannot grow in place) during decode.
     eng = make_engine(str(path), f"cluster.mode={mode}", f"prefill.token_budget={chunk}",
-                      "kv.block_size=16", "kv.num_blocks=700", "decode.max_batch=24")
+                      "kv.block_size=16", "kv.num_blocks=700", "decode.max_batch=24",
+                      f"kv.layout={layout}")
+    assert (eng.kv.stride(3) == eng.spec.num_kv_heads * eng.spec.head_dim) == (
+        layout == "token-major")
     got = eng.generate(prompts, GREEDY)
     mismatches = [i for i, (g, r) in enumerate(zip(got, ref, strict=True)) if g != r]
     assert not mismatches, f"{len(mismatches)} prompts differ, first {mismatches[0]}"
@@ -82,7 +87,8 @@ def test_preemption_under_memory_pressure_still_matches(model_dir):
     prompts = random_prompts(6, 8000, (40, 60), seed=4)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     eng = make_engine(str(path), "cluster.mode=coupled-chunked", "prefill.token_budget=64",
-                      "kv.block_size=16", "kv.num_blocks=20", "model.max_model_len=256")
+                      "kv.block_size=16", "kv.num_blocks=20", "model.max_model_len=256",
+                      "kv.layout=token-major")
     got = eng.generate(prompts, params)
     assert eng.loop.num_preemptions > 0
     assert got == hf_greedy(path, prompts, 40)
@@ -193,10 +199,11 @@ def test_bad_requests_are_clear_errors(model_dir):
     ("mistral", {"sliding_window": 64}),
     ("qwen2", {"use_sliding_window": True, "sliding_window": 48, "max_window_layers": 1}),
 ])
-@pytest.mark.parametrize(("mode", "chunk"), [("coupled", 2048), ("coupled-chunked", 97),
-                                             ("coupled-chunked", 7)])
+@pytest.mark.parametrize(("mode", "chunk", "layout"), [
+    ("coupled", 2048, "token-major"), ("coupled-chunked", 97, "head-major"),
+    ("coupled-chunked", 7, "token-major")])
 def test_sliding_window_models_equal_transformers_past_the_window(model_dir, family, overrides,
-                                                                  mode, chunk):
+                                                                  mode, chunk, layout):
     """Regression: a checkpoint whose sliding_window is shorter than the prompt was served with
     full attention (different greedy text from transformers). Prompts up to 5x the window,
     outputs that cross it too."""
@@ -204,7 +211,7 @@ def test_sliding_window_models_equal_transformers_past_the_window(model_dir, fam
     prompts = random_prompts(8, 8000, (30, 300), seed=9)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     eng = make_engine(str(path), f"cluster.mode={mode}", f"prefill.token_budget={chunk}",
-                      "kv.num_blocks=400")
+                      "kv.num_blocks=400", f"kv.layout={layout}")
     assert eng.spec.sliding_window == overrides["sliding_window"]
     assert eng.generate(prompts, params) == hf_greedy(path, prompts, params.max_tokens)
 
@@ -257,13 +264,16 @@ def test_configs_the_engine_would_serve_wrong_are_refused_by_name(family, overri
 @pytest.mark.parametrize(("mode", "chunk"), [("coupled", 2048), ("coupled-chunked", 97)])
 def test_head_dim_64_equals_transformers(model_dir, kv_heads, mode, chunk):
     """Head dim 64 (the tiny models have 16): prompt chunks of 16+ rows take the tiled prefill
-    attention kernel (engine/ops/prefill_attention.cpp) on AVX-512 builds, MHA and GQA."""
+    attention kernel (engine/ops/prefill_attention.cpp) on AVX-512 builds, MHA and GQA; the
+    KV pool is token-major with 4 kv heads (1 KiB a token, kv.layout = auto), head-major with
+    2."""
     path = model_dir("llama", hidden_size=256, num_attention_heads=4,
                      num_key_value_heads=kv_heads, intermediate_size=512)
     prompts = random_prompts(8, 8000, (20, 300), seed=9)
     ref = hf_greedy(path, prompts, GREEDY.max_tokens)
     eng = make_engine(str(path), f"cluster.mode={mode}", f"prefill.token_budget={chunk}",
                       "kv.num_blocks=400")
+    assert (eng.kv.stride(3) == kv_heads * 64) == (kv_heads == 4)
     assert eng.generate(prompts, GREEDY) == ref
 
 

@@ -3,6 +3,7 @@ mapped once and a request's blocks are copied into ours, exactly. (cuda_ipc: mar
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 import textwrap
@@ -17,8 +18,8 @@ from tetri_server.messages import PoolHandle
 PRODUCER = textwrap.dedent("""
     import sys, msgspec, torch
     from tetri_server.kv.transport import PoolGeometry, make_transport
-    kind, device, name = sys.argv[1:4]
-    g = PoolGeometry(2, 32, 4, 2, 8, torch.float32)
+    kind, device, name, layout = sys.argv[1:5]
+    g = PoolGeometry(2, 32, 4, 2, 8, torch.float32, layout)
     t = make_transport(kind, 7, g, torch.device(device), name)
     t.kv.copy_(torch.arange(t.kv.numel(), dtype=torch.float32).view(g.shape))
     if device != "cpu":
@@ -34,18 +35,27 @@ CASES = [
 ]
 
 
+# (the peer's pool layout, ours): a pool is indexed alike in either, so a copy between two
+# layouts is exact too
+LAYOUTS = [("token-major", "token-major"), ("head-major", "head-major"),
+           ("head-major", "token-major"), ("token-major", "head-major")]
+
+
+@pytest.mark.parametrize(("theirs", "ours"), LAYOUTS)
 @pytest.mark.parametrize(("kind", "device"), CASES)
-def test_blocks_cross_processes_exactly(kind, device, tmp_path):
+def test_blocks_cross_processes_exactly(kind, device, theirs, ours, tmp_path):
     if device != "cpu" and not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     name = f"tetri-test-{tmp_path.name}-kv"
-    child = subprocess.Popen([sys.executable, "-c", PRODUCER, kind, device, name],
+    child = subprocess.Popen([sys.executable, "-c", PRODUCER, kind, device, name, theirs],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         handle = msgspec.json.decode(child.stdout.readline(), type=PoolHandle)
-        assert handle.transport == kind and handle.worker_id == 7
+        assert handle.transport == kind and handle.worker_id == 7 and handle.layout == theirs
         g = PoolGeometry.of(handle)
-        mine = make_transport(kind, 8, g, torch.device(device), name + "-mine")
+        assert g.layout == theirs
+        mine = make_transport(kind, 8, dataclasses.replace(g, layout=ours), torch.device(device),
+                              name + "-mine")
         mine.open(handle)
         mine.open(handle)  # idempotent
         src, dst, num_tokens = [5, 6, 7], [20, 21, 22], 10  # 3 blocks of 4, last one partial
@@ -108,3 +118,35 @@ def test_a_peer_pool_already_unlinked_is_skipped_not_fatal(tmp_path):
     finally:
         for t in (alive, me):
             t.close()
+
+
+def test_a_token_major_pool_keeps_a_sequences_layer_in_one_run_of_memory():
+    """Indexed alike in both layouts; token-major: a token's kv heads side by side, so the K of
+    tokens [s, s + n) of a layer is one run of n * kv_heads * head_dim elements."""
+    g = PoolGeometry(3, 8, 4, 2, 8, torch.float32, "token-major")
+    kv = g.zeros(torch.device("cpu"))
+    assert kv.shape == g.shape == (3, 2, 2, 32, 8) and g.storage_shape == (3, 2, 32, 2, 8)
+    assert kv.stride()[2:] == (8, 16, 1)
+    kv[1, 0, :, 5:9] = 1.0
+    flat = kv.untyped_storage()
+    ones = torch.tensor([], dtype=torch.float32).set_(flat).nonzero().flatten()
+    assert ones.numel() == 4 * 2 * 8 and int(ones[-1] - ones[0]) + 1 == ones.numel()
+    head = PoolGeometry(3, 8, 4, 2, 8, torch.float32, "head-major").zeros(torch.device("cpu"))
+    assert head.is_contiguous() and head.shape == kv.shape
+    with pytest.raises(ValueError, match="layout"):
+        PoolGeometry(1, 1, 1, 1, 1, torch.float32, "auto")
+
+
+@pytest.mark.parametrize(("device", "dtype", "kv_heads", "head_dim", "expected"), [
+    ("cpu", torch.float32, 8, 64, "token-major"),  # the bench Llama: 2 KiB a token
+    ("cpu", torch.float32, 4, 64, "token-major"),  # 1 KiB
+    ("cpu", torch.float32, 2, 64, "head-major"),  # 512 bytes: slower token-major (session 56)
+    ("cpu", torch.bfloat16, 8, 128, "head-major"),  # half types walk it head by head
+    ("cuda", torch.float32, 8, 128, "head-major"),  # not measured on a GPU
+])
+def test_auto_layout(device, dtype, kv_heads, head_dim, expected):
+    from tetri_server.kv.transport import pool_layout
+
+    assert pool_layout("auto", torch.device(device), dtype, kv_heads, head_dim) == expected
+    for fixed in ("token-major", "head-major"):
+        assert pool_layout(fixed, torch.device(device), dtype, kv_heads, head_dim) == fixed

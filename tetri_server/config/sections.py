@@ -13,6 +13,7 @@ Device = Literal["cpu", "cuda"]
 Elastic = Literal["auto", "on", "off"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 Transport = Literal["auto", "shm", "cuda_ipc"]
+KVLayout = Literal["auto", "token-major", "head-major"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 PredictorKind = Literal["classifier", "oracle", "none"]
 DispatchPolicyName = Literal["power-of-two", "round-robin"]
@@ -268,6 +269,12 @@ class KVConfig(_Section):
     """KV hand-off: shm (cpu), cuda_ipc (cuda), auto = the one matching cluster.device."""
     block_size: int = 16
     """Tokens per KV block."""
+    layout: KVLayout = "auto"
+    """How a layer's K and V sit in the pool: token-major (a token's kv heads side by side, so a
+    sequence's context is one run of memory, as vLLM's blocks), head-major (each kv head's
+    tokens side by side: the layout before session 56), or auto: token-major on cpu for float32
+    models whose token holds at least 1 KiB of K (kv_heads x head_dim x 4 bytes), where the decode
+    attention reads it faster, else head-major (kv/transport.py, ``pool_layout``)."""
     num_blocks: int = 0
     """Blocks per worker; 0 = sized at start-up from memory_gb or memory_fraction."""
     memory_gb: float = 0.0

@@ -30,7 +30,7 @@ def _as_tensor(cp: Any, ptr: int, geometry: PoolGeometry, device: torch.device,
     mem = cp.cuda.UnownedMemory(ptr, geometry.num_bytes, owner, device.index or 0)
     arr = cp.ndarray((geometry.num_bytes,), dtype=cp.uint8, memptr=cp.cuda.MemoryPointer(mem, 0))
     flat = torch.as_tensor(arr, device=device)
-    return flat.view(geometry.dtype).view(geometry.shape)
+    return geometry.view(flat)
 
 
 class CudaIpcTransport:
@@ -51,7 +51,8 @@ class CudaIpcTransport:
         handle = bytes(self.cp.cuda.runtime.ipcGetMemHandle(self._ptr))
         return PoolHandle(self.worker_id, "cuda_ipc", f"cuda:{self.device.index or 0}",
                           g.num_layers, g.num_blocks, g.block_size, g.num_kv_heads, g.head_dim,
-                          DTYPE_NAMES[g.dtype], ipc_handle=handle, device=self.device.index or 0)
+                          DTYPE_NAMES[g.dtype], ipc_handle=handle, device=self.device.index or 0,
+                          layout=g.layout)
 
     def open(self, handle: PoolHandle) -> None:
         old = self._peers.get(handle.worker_id)

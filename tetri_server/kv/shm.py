@@ -34,7 +34,7 @@ def _map(name: str, num_bytes: int, create: bool) -> torch.Tensor:
 
 
 def _view(flat: torch.Tensor, geometry: PoolGeometry) -> torch.Tensor:
-    return flat.view(geometry.dtype).view(geometry.shape)
+    return geometry.view(flat)
 
 
 class ShmTransport:
@@ -49,7 +49,8 @@ class ShmTransport:
     def export(self) -> PoolHandle:
         g = self.geometry
         return PoolHandle(self.worker_id, "shm", self.name, g.num_layers, g.num_blocks,
-                          g.block_size, g.num_kv_heads, g.head_dim, DTYPE_NAMES[g.dtype])
+                          g.block_size, g.num_kv_heads, g.head_dim, DTYPE_NAMES[g.dtype],
+                          layout=g.layout)
 
     def open(self, handle: PoolHandle) -> None:
         old = self._peers.get(handle.worker_id)

@@ -23,7 +23,7 @@ from tetri_server.engine.runner import ModelRunner
 from tetri_server.engine.stops import split_prompt_parts
 from tetri_server.kv.blocks import BlockAllocator, blocks_for, check_pool_holds
 from tetri_server.kv.manager import KVCacheManager
-from tetri_server.kv.transport import PoolGeometry, make_transport, open_peers
+from tetri_server.kv.transport import PoolGeometry, make_transport, open_peers, pool_layout
 from tetri_server.messages import (
     Abort,
     AddRequest,
@@ -119,7 +119,9 @@ class Worker:
         num_blocks = self.cfg.kv.num_blocks or self._blocks_from_memory(dtype)
         check_pool_holds(num_blocks, scratch_blocks(self.device, mcfg.cuda_graphs),
                          self.max_model_len, bs)
-        geometry = PoolGeometry(s.num_layers, num_blocks, bs, s.num_kv_heads, s.head_dim, dtype)
+        layout = pool_layout(self.cfg.kv.layout, self.device, dtype, s.num_kv_heads, s.head_dim)
+        geometry = PoolGeometry(s.num_layers, num_blocks, bs, s.num_kv_heads, s.head_dim, dtype,
+                                layout)
         self.transport = make_transport(self.cfg.kv.transport, self.worker_id, geometry,
                                         self.device, spec.kv_segment)
         self.allocator = BlockAllocator(num_blocks)
