@@ -2,6 +2,8 @@
 
     .venv/bin/python tools/ab_kernels.py --source OTHER.cpp [--source ...] [--decode 32x128,...]
         [--rounds 8] [--linear-rows 1,16,32,256] [--cpu 0]
+    .venv/bin/python tools/ab_kernels.py --pool-layouts head-major,token-major [--model DIR]
+        [--decode ...] [--prefill ...]
 
 Each ``--source`` is a copy of one file of ``tetri_server/engine/ops/`` (matched by its name:
 ``linear_ops.cpp``, ``ragged_attention.cpp``, ``prefill_attention.cpp``; ragged_attention needs
@@ -22,6 +24,10 @@ this CPU), so both versions run in the same process, one thread, pinned, CPU tim
 - ``--linear-rows``: with a linear_ops copy, each linear of one bench-model layer (qkv, o,
   gate|up GLU, down) at those row counts, hot (the same weight again) and cold (one of 8
   copies, after reading a 256 MB buffer), A/B interleaved; outputs checked equal.
+
+``--pool-layouts A,B`` runs the decode and prefill A/Bs on two engines whose KV pools have those
+layouts (``kv.layout``), B with the copy's ops if a ``--source`` is given, else the built ones;
+``--model`` picks the checkpoint (e.g. a GQA one made with tools/make_model.py --config).
 
 To compare a past version: ``git show REV:tetri_server/engine/ops/linear_ops.cpp > /tmp/old.cpp``
 then ``--source /tmp/old.cpp`` (B is then the old one). For kernel work, not a test.
@@ -121,67 +127,102 @@ def variant_kernels(kern: object, replaced: set[str]) -> object:
     return dataclasses.replace(kern, **changes)  # type: ignore[type-var]
 
 
-def interleaved_ms(model: object, a: object, b: object, rounds: int,
-                   measure: Callable[[], list[float]]) -> tuple[float, float, float]:
-    """``measure`` with the engine's kernels (A) and the copy's (B), alternating round by round
-    (the order flipped every other round); the median ms of each, and the median over rounds of
-    B's median / A's in that round (paired: the machine's speed drifts over minutes here, and a
-    round's A and B ran seconds apart)."""
+@dataclasses.dataclass
+class Arm:
+    """One side of an A/B: an engine and the kernel set its model runs."""
+
+    drv: EngineDriver
+    kernels: object
+
+    def use(self) -> EngineDriver:
+        self.drv.eng.model.kernels = self.kernels  # type: ignore[attr-defined]
+        return self.drv
+
+
+# (max batch, max context) -> the two arms, each an engine with a pool that large
+MakeArms = Callable[[int, int], tuple[Arm, Arm]]
+
+
+def make_arms(model: Path, replaced: set[str], layouts: tuple[str, str] | None) -> MakeArms:
+    """A: the built ops; B: the copy's (``replaced``), or the built ones when there is no copy.
+    With ``layouts``, A's engine has a KV pool of the first layout and B's another of the
+    second (two engines); else one engine (``kv.layout`` auto) runs both."""
+    def arms(max_batch: int, max_ctx: int) -> tuple[Arm, Arm]:
+        def engine(*sets: str) -> EngineDriver:
+            return EngineDriver(Timer(kind="cpu"), model, max_batch, max_ctx, 40, sets=sets)
+
+        a_drv = engine(f"kv.layout={layouts[0]}") if layouts else engine()
+        b_drv = engine(f"kv.layout={layouts[1]}") if layouts else a_drv
+        built = a_drv.eng.model.kernels  # type: ignore[attr-defined]
+        return Arm(a_drv, built), Arm(b_drv, variant_kernels(built, replaced) if replaced
+                                      else built)
+    return arms
+
+
+def interleaved_ms(a: Arm, b: Arm, rounds: int,
+                   measure: Callable[[EngineDriver], list[float]]) -> tuple[float, float, float]:
+    """``measure`` on arm A and arm B, alternating round by round (the order flipped every other
+    round); the median ms of each, and the median over rounds of B's median / A's in that round
+    (paired: the machine's speed drifts over minutes here, and a round's A and B ran seconds
+    apart)."""
     times: dict[str, list[float]] = {"A": [], "B": []}
     ratios = []
-    for r in range(rounds):
-        got = {}
-        for key, kern in (("A", a), ("B", b)) if r % 2 == 0 else (("B", b), ("A", a)):
-            model.kernels = kern  # type: ignore[attr-defined]
-            got[key] = measure()
-            times[key] += got[key]
-        ratios.append(statistics.median(got["B"]) / statistics.median(got["A"]))
-    model.kernels = a  # type: ignore[attr-defined]
+    try:
+        for r in range(rounds):
+            got = {}
+            for key, arm in (("A", a), ("B", b)) if r % 2 == 0 else (("B", b), ("A", a)):
+                got[key] = measure(arm.use())
+                times[key] += got[key]
+            ratios.append(statistics.median(got["B"]) / statistics.median(got["A"]))
+    finally:
+        b.use()
+        a.use()
     return (1e3 * statistics.median(times["A"]), 1e3 * statistics.median(times["B"]),
             statistics.median(ratios))
 
 
-def ab_decode(configs: list[tuple[int, int]], rounds: int, replaced: set[str]) -> None:
-    batch, ctx = max(b for b, _ in configs), max(c for _, c in configs)
-    drv = EngineDriver(Timer(kind="cpu"), ROOT / "models" / "llama-bench", batch, ctx, 40)
-    model = drv.eng.model
-    a = model.kernels
-    b = variant_kernels(a, replaced)
-    print("| decode step | A ms (built) | B ms (copy) | B/A | B/A paired |\n"
+def ab_decode(configs: list[tuple[int, int]], rounds: int, arms: MakeArms) -> None:
+    a, b = arms(max(b for b, _ in configs), max(c for _, c in configs))
+    print("| decode step | A ms | B ms | B/A | B/A paired |\n"
           "|---|---:|---:|---:|---:|")
     for batch, ctx in configs:
-        steps = functools.partial(drv.decode_step_times, batch, ctx, 12, 2, "ab")
-        ma, mb, paired = interleaved_ms(model, a, b, rounds, steps)
+        def steps(drv: EngineDriver, batch: int = batch, ctx: int = ctx) -> list[float]:
+            return drv.decode_step_times(batch, ctx, 12, 2, "ab")
+
+        ma, mb, paired = interleaved_ms(a, b, rounds, steps)
         print(f"| B={batch} ctx={ctx} | {ma:.2f} | {mb:.2f} | {mb / ma:.3f} | **{paired:.3f}** |")
 
 
-def ab_prefill(specs: list[str], rounds: int, replaced: set[str]) -> None:
+def ab_prefill(specs: list[str], rounds: int, arms: MakeArms) -> None:
     """``N`` (one step of a prompt of N tokens) or ``N/C`` (that prompt in steps of C tokens,
     each chunk after the first attending to the KV of those before it, as a prefill worker runs
     it)."""
     lens = [(int(n), int(c or n)) for n, _, c in (spec.partition("/") for spec in specs)]
-    drv = EngineDriver(Timer(kind="cpu"), ROOT / "models" / "llama-bench", 1,
-                       max(n for n, _ in lens), 40)
-    model = drv.eng.model
-    a = model.kernels
-    b = variant_kernels(a, replaced)
-    print("| prefill | A ms (built) | B ms (copy) | B/A | B/A paired |\n|---|---:|---:|---:|---:|")
+    a, b = arms(1, max(n for n, _ in lens))
+    print("| prefill | A ms | B ms | B/A | B/A paired |\n|---|---:|---:|---:|---:|")
+    drivers = list({id(arm.drv): arm.drv for arm in (a, b)}.values())
     for n, chunk in lens:
-        seq = drv.new_seq(n)
-        if not drv.eng.kv_manager.reserve(seq, n):
-            raise RuntimeError("KV pool too small for the prefill A/B")
+        seqs: dict[int, Seq] = {}  # id(driver) -> the prompt in its pool
+        for drv in drivers:
+            seqs[id(drv)] = drv.new_seq(n)
+            if not drv.eng.kv_manager.reserve(seqs[id(drv)], n):
+                raise RuntimeError("KV pool too small for the prefill A/B")
 
-        def run(seq: Seq = seq, n: int = n, chunk: int = chunk) -> None:
-            seq.num_computed = 0
-            for start in range(0, n, chunk):
-                drv.eng.runner.execute(StepPlan([ScheduledSeq(seq, min(chunk, n - start))]))
+        def best_of_3(drv: EngineDriver, n: int = n, chunk: int = chunk,
+                      seqs: dict[int, Seq] = seqs) -> list[float]:
+            seq = seqs[id(drv)]
 
-        def best_of_3(run: Callable[[], None] = run) -> list[float]:
+            def run() -> None:
+                seq.num_computed = 0
+                for start in range(0, n, chunk):
+                    drv.eng.runner.execute(StepPlan([ScheduledSeq(seq, min(chunk, n - start))]))
+
             run()  # warm-up
             return [min(drv.timer.timed(run, "ab") for _ in range(3))]
 
-        ma, mb, paired = interleaved_ms(model, a, b, rounds, best_of_3)
-        drv.eng.kv_manager.free(seq)
+        ma, mb, paired = interleaved_ms(a, b, rounds, best_of_3)
+        for drv in drivers:
+            drv.eng.kv_manager.free(seqs[id(drv)])
         label = f"{n} tokens" + (f" in chunks of {chunk}" if chunk < n else "")
         print(f"| {label} | {ma:.1f} | {mb:.1f} | {mb / ma:.3f} | **{paired:.3f}** |")
 
@@ -313,7 +354,12 @@ def shapes(spec: str) -> list[tuple[int, int]]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--source", type=Path, action="append", required=True)
+    ap.add_argument("--source", type=Path, action="append", default=[])
+    ap.add_argument("--pool-layouts", default="",
+                    help="A,B: A's engine with a KV pool of layout A, B's of layout B (e.g. "
+                         "head-major,token-major); the decode and prefill A/Bs only")
+    ap.add_argument("--model", type=Path, default=ROOT / "models" / "llama-bench",
+                    help="the checkpoint of the decode and prefill A/Bs")
     ap.add_argument("--decode", default="32x128,32x1024", help="BxC list; empty: none")
     ap.add_argument("--prefill", default="",
                     help="prompt lengths, N or N/CHUNK, e.g. 512,1024/256; empty: none")
@@ -323,21 +369,31 @@ def main() -> int:
     ap.add_argument("--linear-rows", default="1,16,32,256", help="empty: none")
     ap.add_argument("--cpu", type=int, default=0)
     args = ap.parse_args()
+    layouts = tuple(args.pool_layouts.split(",")) if args.pool_layouts else None
+    if layouts is not None and len(layouts) != 2:
+        ap.error("--pool-layouts takes two layouts, A,B")
+    if not args.source and layouts is None:
+        ap.error("give a --source to A/B, or --pool-layouts")
     attention = ([AttentionShape.parse(v) for v in args.attention.split(",")]
                  if args.attention else [])  # a bad spec stops here, before the build
     torch.set_num_threads(1)
     pin(args.cpu)
     if not load_cpu_ops():
         raise SystemExit("the engine's C++ ops do not build here (see the WARNING above)")
-    replaced = build_variant(args.source)
+    replaced = build_variant(args.source) if args.source else set()
+    b_ops = (f"{sorted(replaced)} from {', '.join(map(str, args.source))}" if replaced
+             else "the built ops")
+    pools = (f"; A's KV pool {layouts[0]}, B's {layouts[1]}" if layouts
+             else "; one engine, kv.layout auto")
     print(f"ISA {torch.backends.cpu.get_cpu_capability()}, torch {torch.__version__}, cpu "
-          f"{args.cpu}, 1 thread, CPU time; A = the built ops, B = {sorted(replaced)} from "
-          f"{', '.join(map(str, args.source))}\n")
+          f"{args.cpu}, 1 thread, CPU time; {args.model.name}; A = the built ops, B = {b_ops}"
+          f"{pools}\n")
+    arms = make_arms(args.model, replaced, layouts)  # type: ignore[arg-type]
     if args.decode:
-        ab_decode(shapes(args.decode), args.rounds, replaced)
+        ab_decode(shapes(args.decode), args.rounds, arms)
         print()
     if args.prefill:
-        ab_prefill(args.prefill.split(","), args.rounds, replaced)
+        ab_prefill(args.prefill.split(","), args.rounds, arms)
         print()
     if args.attention and "ragged_attention.cpp" in replaced:
         ab_attention(attention)

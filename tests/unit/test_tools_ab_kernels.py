@@ -47,3 +47,28 @@ def test_every_cold_call_comes_after_reading_the_eviction_buffer(monkeypatch):
     hot_cold_ms({"A": call("A"), "B": call("B")}, 2)
     colds = [i for i, e in enumerate(events) if e.endswith("cold")]
     assert len(colds) == 4 and all(events[i - 1] == "evict" for i in colds)
+
+
+def test_pool_layouts_run_each_arm_on_its_own_pool(model_dir, capsys):
+    """``--pool-layouts A,B``: A's engine has a pool of layout A and B's of layout B, both on the
+    built ops; every step of the A/B runs on its arm's engine."""
+    from tetri_server.engine.ops import load_cpu_ops
+
+    if not load_cpu_ops():
+        pytest.skip("the C++ ops do not build here")
+    path = model_dir("llama", hidden_size=256, num_attention_heads=4, num_key_value_heads=4,
+                     intermediate_size=512)
+    a, b = ab_kernels.make_arms(path, set(), ("head-major", "token-major"))(2, 40)
+    assert a.drv is not b.drv and a.kernels is b.kernels
+    assert a.drv.eng.kv.is_contiguous()
+    assert b.drv.eng.kv.stride(3) == 4 * 64  # a token's 4 kv heads of 64 side by side
+    ran: list[object] = []
+
+    def steps(drv):
+        ran.append(drv)
+        return drv.decode_step_times(2, 16, 2, 1, "ab")
+
+    ma, mb, paired = ab_kernels.interleaved_ms(a, b, 2, steps)
+    assert ran == [a.drv, b.drv, b.drv, a.drv] and min(ma, mb, paired) > 0
+    ab_kernels.ab_prefill(["24/8"], 1, lambda batch, ctx: (a, b))
+    assert "24 tokens in chunks of 8" in capsys.readouterr().out
