@@ -230,13 +230,18 @@ def test_a_token_major_pool_gives_the_bits_of_a_head_major_one(heads, kv_heads, 
     q, pk, pv = tensors(rng, meta.num_real + 2, heads, kv_heads, dim, pool_tokens, torch.float32)
     tk, tv = (x.transpose(0, 1).contiguous().transpose(0, 1) for x in (pk, pv))
     assert tk.stride(1) == kv_heads * dim and torch.equal(tk, pk)
+    # one decode row alone: with 2 or 3 threads its heads are split over items
+    one = BatchMetadata([0], [1], [150], [meta.kv_starts[0]], torch.zeros(0, dtype=torch.long),
+                        torch.zeros(1, dtype=torch.long), 1)
     threads = torch.get_num_threads()
     try:
         for n in (1, 2, 3):
             torch.set_num_threads(n)
-            head_major = ragged_attention(q, pk, pv, meta, window=window)
-            token_major = ragged_attention(q, tk, tv, meta, window=window)
-            assert torch.equal(head_major, token_major), (n, (head_major - token_major).abs().max())
+            for m, rows in ((meta, q), (one, q[:1])):
+                head_major = ragged_attention(rows, pk, pv, m, window=window)
+                token_major = ragged_attention(rows, tk, tv, m, window=window)
+                assert torch.equal(head_major, token_major), (
+                    n, m.q_lens, (head_major - token_major).abs().max())
     finally:
         torch.set_num_threads(threads)
 

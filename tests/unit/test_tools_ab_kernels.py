@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -10,23 +10,32 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 import ab_kernels  # noqa: E402
-from ab_kernels import eviction_buffer, hot_cold_ms  # noqa: E402
+from ab_kernels import hot_cold_ms  # noqa: E402
 
-
-def resident_bytes() -> int:
+MEASURE_RESIDENT = """
+import os, sys
+sys.path.insert(0, sys.argv[1])
+from ab_kernels import eviction_buffer
+def resident():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+before = resident()
+buf = eviction_buffer(64 << 20)
+buf.sum()
+print(resident() - before)
+"""
 
 
 @pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="needs Linux /proc")
 def test_the_buffer_read_before_a_cold_call_is_real_memory():
     """An untouched buffer's pages all map the one zero page: reading it evicts nothing, and
-    the "cold" call ran from L3 (session 55). Its whole size must be resident."""
-    nbytes = 64 << 20
-    before = resident_bytes()
-    buf = eviction_buffer(nbytes)
-    buf.sum()
-    assert resident_bytes() - before >= 0.9 * nbytes
+    the "cold" call ran from L3 (session 55). Its whole size must be resident. Measured in a
+    fresh process: in this one the allocator may hand back pages that earlier tests freed,
+    already resident (session 56: the CI run failed so, growth 0)."""
+    tools = str(Path(__file__).resolve().parents[2] / "tools")
+    out = subprocess.run([sys.executable, "-c", MEASURE_RESIDENT, tools], capture_output=True,
+                         text=True, timeout=120, check=True).stdout
+    assert int(out.split()[-1]) >= 0.9 * (64 << 20)
 
 
 def test_every_cold_call_comes_after_reading_the_eviction_buffer(monkeypatch):
