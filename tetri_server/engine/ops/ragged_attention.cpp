@@ -520,7 +520,7 @@ void attend(const SeqInfo& s, int64_t h, int64_t groups, int64_t d, float scale,
 // group's sums kept and reduced together, the values added in key order, the rescale before the
 // first key), so a row's bits are those of attend whatever the layout or the heads an item
 // covers. Four keys at a time for each head in turn (attend's order over the interleaved rows)
-// made decode steps 1.06-1.48x slower here: the hardware prefetcher lost the stream.
+// made decode steps 1.01-1.65x as long here (session 56): the hardware prefetcher lost the stream.
 constexpr int64_t kAheadKeys = 4;  // keys whose rows are asked for ahead of use
 
 struct TokenMajorScratch {
