@@ -126,7 +126,7 @@ class PoolHandle(msgspec.Struct, frozen=True):
     dtype: str
     ipc_handle: bytes = b""
     device: int = -1
-    layout: str = "token-major"
+    layout: str = "head-major"
 
 
 # ---------------------------------------------------------------- control -> worker

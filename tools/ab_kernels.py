@@ -20,7 +20,8 @@ this CPU), so both versions run in the same process, one thread, pinned, CPU tim
 - ``--attention BxC``: with a ragged_attention copy, the op alone on one layer's decode batch
   (B rows, each over C keys of its own; bench-model heads, or ``BxC:H/KxD``: H query heads over
   K KV heads of D, e.g. ``32x1024:8/2x128``), hot (the same KV again) and cold (after reading a
-  256 MB buffer), A/B interleaved; outputs checked equal;
+  256 MB buffer), A/B interleaved; outputs checked equal. Its pools are head-major, so a copy's
+  token-major walk (``attend_token_major``) runs only in ``--decode``;
 - ``--linear-rows``: with a linear_ops copy, each linear of one bench-model layer (qkv, o,
   gate|up GLU, down) at those row counts, hot (the same weight again) and cold (one of 8
   copies, after reading a 256 MB buffer), A/B interleaved; outputs checked equal.

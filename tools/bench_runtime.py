@@ -154,7 +154,10 @@ def bench_geometry(model: Path, num_blocks: int) -> PoolGeometry:
     from tetri_server.engine.spec import spec_from_hf_config
 
     s = spec_from_hf_config(load_hf_config(model))
-    return PoolGeometry(s.num_layers, num_blocks, 16, s.num_kv_heads, s.head_dim, torch.float32)
+    # head-major, which the per-head copy variants below assume; a server's pool for the bench
+    # model is token-major since session 56 (kv.layout auto), where an extent of a layer is one run
+    return PoolGeometry(s.num_layers, num_blocks, 16, s.num_kv_heads, s.head_dim, torch.float32,
+                        "head-major")
 
 
 def map_populated(name: str, num_bytes: int) -> torch.Tensor:

@@ -9,13 +9,14 @@ tokens a head (none overlapping), summed row by row (a small C++ loop built at f
 this CPU), each call after reading a written 256 MB buffer (so from DRAM), CPU time, median of
 10:
 
-- head-major, the engine's layout (``[kv_heads, pool_tokens, head_dim]``): one item per
-  (sequence, kv head), its K rows then its V rows in blocks of 64 alternating (as the decode
-  attention walks them), with and without a software prefetch of the next block; all K rows
-  then all V rows; and one item per sequence, a block of 64 rows of every head's K, then of
-  every head's V;
-- token-major (``[pool_tokens, kv_heads, head_dim]``): one item per sequence, every head's
-  rows of a token next to each other;
+- head-major, the engine's layout to session 55 (``[kv_heads, pool_tokens, head_dim]``): one
+  item per (sequence, kv head), its K rows then its V rows in blocks of 64 alternating (as the
+  decode attention walks them), with and without a software prefetch of the next block; all K
+  rows then all V rows; and one item per sequence, a block of 64 rows of every head's K, then
+  of every head's V;
+- token-major (``[pool_tokens, kv_heads, head_dim]``, the engine's for such models since
+  session 56, ``kv.layout``): one item per sequence, every head's rows of a token next to each
+  other;
 - ``torch.sum`` over the same number of bytes in one contiguous tensor.
 
 Session 55 wrote it: at context 128 the decode attention read the KV at the rate of this loop

@@ -230,14 +230,17 @@ def test_a_token_major_pool_gives_the_bits_of_a_head_major_one(heads, kv_heads, 
     q, pk, pv = tensors(rng, meta.num_real + 2, heads, kv_heads, dim, pool_tokens, torch.float32)
     tk, tv = (x.transpose(0, 1).contiguous().transpose(0, 1) for x in (pk, pv))
     assert tk.stride(1) == kv_heads * dim and torch.equal(tk, pk)
-    # one decode row alone: with 2 or 3 threads its heads are split over items
+    # one decode row alone: with 2 or 3 threads its heads are split over items; two rows with 3
+    # threads: 6 items of ceil(kv_heads / 6) heads each, the last ones empty with 8 kv heads
     one = BatchMetadata([0], [1], [150], [meta.kv_starts[0]], torch.zeros(0, dtype=torch.long),
                         torch.zeros(1, dtype=torch.long), 1)
+    two = BatchMetadata([0, 1], [1, 1], [150, 70], meta.kv_starts[:2],
+                        torch.zeros(0, dtype=torch.long), torch.zeros(2, dtype=torch.long), 2)
     threads = torch.get_num_threads()
     try:
         for n in (1, 2, 3):
             torch.set_num_threads(n)
-            for m, rows in ((meta, q), (one, q[:1])):
+            for m, rows in ((meta, q), (one, q[:1]), (two, q[:2])):
                 head_major = ragged_attention(rows, pk, pv, m, window=window)
                 token_major = ragged_attention(rows, tk, tv, m, window=window)
                 assert torch.equal(head_major, token_major), (

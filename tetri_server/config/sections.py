@@ -271,7 +271,7 @@ class KVConfig(_Section):
     """Tokens per KV block."""
     layout: KVLayout = "auto"
     """How a layer's K and V sit in the pool: token-major (a token's kv heads side by side, so a
-    sequence's context is one run of memory, as vLLM's blocks), head-major (each kv head's
+    sequence's context is one run of memory), head-major (each kv head's
     tokens side by side: the layout before session 56), or auto: token-major on cpu for float32
     models whose token holds at least 1 KiB of K (kv_heads x head_dim x 4 bytes), where the decode
     attention reads it faster, else head-major (kv/transport.py, ``pool_layout``)."""

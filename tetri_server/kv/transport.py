@@ -1,9 +1,9 @@
 """KV hand-off between workers: one small interface, two implementations.
 
 Every worker owns one pool tensor ``[layers, 2, kv_heads, num_blocks * block_size, head_dim]``
-(``PoolGeometry.view``: a view of one buffer, token-major by default, so that a sequence's KV of
-a layer is one run of memory), made and pre-touched once at start-up and exported as a
-``PoolHandle``. A decode worker maps the
+(``PoolGeometry.view``: a view of one buffer, token-major where ``pool_layout`` picks it, so that
+a sequence's KV of a layer is one run of memory), made and pre-touched once at start-up and
+exported as a ``PoolHandle``. A decode worker maps the
 pools of its prefill peers once (``open``) and pulls a request's blocks with ``copy_blocks``:
 one strided copy per run of consecutive blocks (a request's blocks are one extent, so one copy).
 
@@ -39,10 +39,11 @@ def pool_layout(layout: str, device: torch.device, dtype: torch.dtype, num_kv_he
                 head_dim: int) -> str:
     """``kv.layout`` resolved for one pool. ``auto``: token-major where the CPU decode attention
     walks it in address order (float32) and reads it faster: on a Zen 4 VM, session 56, decode
-    steps at batch 32 took 0.88-0.92x (context 128) and 0.84-0.90x (1024) as long on the bench
-    Llama (8 kv heads of 64: 2 KiB a token), 0.94-1.01x and 0.95-0.99x with 1 KiB tokens, but
-    1.01x and 1.23-1.31x as long with 512-byte ones (2 kv heads of 64, 4 query heads each).
-    Elsewhere head-major: CUDA (not measured) and CPU half types, which walk it head by head."""
+    steps at batch 32 took 0.874x (context 128) and 0.905x (1024) as long as on a head-major
+    pool with the bench Llama (8 kv heads of 64: 2 KiB a token), 0.957-0.983x with 1 KiB tokens,
+    but 1.019x and 1.274x with 512-byte ones (2 kv heads of 64, 4 query heads each;
+    docs/benchmarks.md). Elsewhere head-major: CUDA (not measured) and CPU half types, which
+    the kernel walks head by head."""
     if layout != "auto":
         return layout
     if device.type == "cpu" and dtype == torch.float32 \
@@ -64,7 +65,7 @@ class PoolGeometry:
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
-    layout: str = "token-major"
+    layout: str = "head-major"  # serving passes pool_layout's choice
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:

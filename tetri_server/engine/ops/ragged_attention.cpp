@@ -658,9 +658,11 @@ void run_items(const std::vector<SeqInfo>& seqs, const std::vector<int64_t>& sho
   for (int64_t i : short_seqs) {
     (token_major && seqs[i].q_len == 1 ? alone_seqs : head_seqs).push_back(i);
   }
-  // kv heads per token-major item: all of them, or fewer while the items would not give every
-  // thread a few (the results do not depend on it)
-  const int64_t want = 4 * at::get_num_threads();
+  // kv heads per token-major item: all of them, or with several threads fewer while the items
+  // would not give every thread a few (the results do not depend on it; a split item reads
+  // only its heads' share of each key's rows)
+  const int64_t threads = at::get_num_threads();
+  const int64_t want = threads > 1 ? 4 * threads : 1;
   const int64_t n_alone = static_cast<int64_t>(alone_seqs.size());
   const int64_t chunks =
       n_alone == 0 ? 1 : std::min(kv_heads, std::max<int64_t>(1, (want + n_alone - 1) / n_alone));
