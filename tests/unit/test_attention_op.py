@@ -116,14 +116,17 @@ def test_op_equals_the_sdpa_loop_on_random_ragged_batches(heads, kv_heads, dim, 
         assert not got[meta.num_real:].any(), "padding rows must stay zero"
 
 
+@pytest.mark.parametrize("layout", ["head-major", "token-major"])
 @pytest.mark.parametrize("window", [0, 24])
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(4, 2, 16), (8, 8, 64)])
-def test_bf16_within_tolerance_of_fp32(heads, kv_heads, dim, window):
+def test_bf16_within_tolerance_of_fp32(heads, kv_heads, dim, window, layout):
+    """(kv.layout = token-major set by hand with a bf16 model: the head-by-head walk over it)"""
     rng = random.Random(7)
     specs = random_specs(rng, 10) + [(1, 1), (1, BLOCK), (3, 3)]
     pool_tokens = BLOCK * sum(-(-ctx // BLOCK) + 2 for _, ctx in specs)
     meta = make_batch(rng, specs, pool_tokens)
-    q, pk, pv = tensors(rng, meta.num_real, heads, kv_heads, dim, pool_tokens, torch.bfloat16)
+    q, pk, pv = tensors(rng, meta.num_real, heads, kv_heads, dim, pool_tokens, torch.bfloat16,
+                        layout)
     got = ragged_attention(q, pk, pv, meta, window=window)
     assert got.dtype == torch.bfloat16
     ref = paged_attention(q.float(), pk.float(), pv.float(), meta, window=window)
