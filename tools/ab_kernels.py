@@ -176,8 +176,7 @@ def interleaved_ms(a: Arm, b: Arm, rounds: int,
                 times[key] += got[key]
             ratios.append(statistics.median(got["B"]) / statistics.median(got["A"]))
     finally:
-        b.use()
-        a.use()
+        a.use()  # the built ops again on A's engine (B's, when it has its own, is left as is)
     return (1e3 * statistics.median(times["A"]), 1e3 * statistics.median(times["B"]),
             statistics.median(ratios))
 
@@ -201,17 +200,16 @@ def ab_prefill(specs: list[str], rounds: int, arms: MakeArms) -> None:
     lens = [(int(n), int(c or n)) for n, _, c in (spec.partition("/") for spec in specs)]
     a, b = arms(1, max(n for n, _ in lens))
     print("| prefill | A ms | B ms | B/A | B/A paired |\n|---|---:|---:|---:|---:|")
-    drivers = list({id(arm.drv): arm.drv for arm in (a, b)}.values())
+    drivers = list(dict.fromkeys((a.drv, b.drv)))  # one or two engines
     for n, chunk in lens:
-        seqs: dict[int, Seq] = {}  # id(driver) -> the prompt in its pool
-        for drv in drivers:
-            seqs[id(drv)] = drv.new_seq(n)
-            if not drv.eng.kv_manager.reserve(seqs[id(drv)], n):
+        seqs = {drv: drv.new_seq(n) for drv in drivers}  # the prompt in each engine's pool
+        for drv, seq in seqs.items():
+            if not drv.eng.kv_manager.reserve(seq, n):
                 raise RuntimeError("KV pool too small for the prefill A/B")
 
         def best_of_3(drv: EngineDriver, n: int = n, chunk: int = chunk,
-                      seqs: dict[int, Seq] = seqs) -> list[float]:
-            seq = seqs[id(drv)]
+                      seqs: dict[EngineDriver, Seq] = seqs) -> list[float]:
+            seq = seqs[drv]
 
             def run() -> None:
                 seq.num_computed = 0
@@ -222,8 +220,8 @@ def ab_prefill(specs: list[str], rounds: int, arms: MakeArms) -> None:
             return [min(drv.timer.timed(run, "ab") for _ in range(3))]
 
         ma, mb, paired = interleaved_ms(a, b, rounds, best_of_3)
-        for drv in drivers:
-            drv.eng.kv_manager.free(seqs[id(drv)])
+        for drv, seq in seqs.items():
+            drv.eng.kv_manager.free(seq)
         label = f"{n} tokens" + (f" in chunks of {chunk}" if chunk < n else "")
         print(f"| {label} | {ma:.1f} | {mb:.1f} | {mb / ma:.3f} | **{paired:.3f}** |")
 

@@ -107,13 +107,10 @@ def main() -> int:
             rows.setdefault("  its read rate, GB/s", []).append(
                 kv_bytes / rows["alone, cold, engine pool"][-1] / 1e6)
             ext = list(zip(meta.kv_starts, meta.ctx_lens, strict=True))
-            # in the pool's layout (token-major since session 56 for this model: kv.layout auto)
-            if pool_k.stride(0) < pool_k.stride(1):
-                ck = torch.cat([pool_k[:, s:s + c].transpose(0, 1) for s, c in ext]).transpose(0, 1)
-                cv = torch.cat([pool_v[:, s:s + c].transpose(0, 1) for s, c in ext]).transpose(0, 1)
-            else:
-                ck = torch.cat([pool_k[:, s:s + c] for s, c in ext], 1)
-                cv = torch.cat([pool_v[:, s:s + c] for s, c in ext], 1)
+            ck = torch.cat([pool_k[:, s:s + c] for s, c in ext], 1)
+            cv = torch.cat([pool_v[:, s:s + c] for s, c in ext], 1)
+            if pool_k.stride(0) < pool_k.stride(1):  # stored like the pool: token-major (auto)
+                ck, cv = (x.transpose(0, 1).contiguous().transpose(0, 1) for x in (ck, cv))
             starts = torch.tensor([0, *meta.ctx_lens[:-1]]).cumsum(0)
             compact = functools.partial(torch.ops.tetri.ragged_attention, q, ck, cv, out,
                                         *meta.seq_tensors[:3], starts, scale_, window)

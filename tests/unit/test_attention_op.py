@@ -86,8 +86,13 @@ def tensors(rng: random.Random, tokens: int, heads: int, kv_heads: int, dim: int
     q = torch.randn(tokens, heads, dim, generator=gen).to(dtype)
     kv = torch.randn(2, kv_heads, pool_tokens, dim, generator=gen).to(dtype)
     if layout == "token-major":
-        kv = kv.transpose(1, 2).contiguous().transpose(1, 2)
+        return q, as_token_major(kv[0]), as_token_major(kv[1])
     return q, kv[0], kv[1]
+
+
+def as_token_major(pool: torch.Tensor) -> torch.Tensor:
+    """The same values stored with a token's kv heads side by side (as ``PoolGeometry.view``)."""
+    return pool.transpose(0, 1).contiguous().transpose(0, 1)
 
 
 # (heads, kv_heads, D); on AVX2 D is 2, 8, 8, 5, 9, 10, 16 and 20 Vecs (72 and 80: a register
@@ -231,7 +236,7 @@ def test_a_token_major_pool_gives_the_bits_of_a_head_major_one(heads, kv_heads, 
     pool_tokens = BLOCK * sum(-(-ctx // BLOCK) + 2 for _, ctx in specs)
     meta = make_batch(rng, specs, pool_tokens, num_pad=2)
     q, pk, pv = tensors(rng, meta.num_real + 2, heads, kv_heads, dim, pool_tokens, torch.float32)
-    tk, tv = (x.transpose(0, 1).contiguous().transpose(0, 1) for x in (pk, pv))
+    tk, tv = as_token_major(pk), as_token_major(pv)
     assert tk.stride(1) == kv_heads * dim and torch.equal(tk, pk)
     # one decode row alone: with 2 or 3 threads its heads are split over items; two rows with 3
     # threads: 6 items of ceil(kv_heads / 6) heads each, the last ones empty with 8 kv heads

@@ -33,16 +33,12 @@ def _map(name: str, num_bytes: int, create: bool) -> torch.Tensor:
     return torch.frombuffer(mm, dtype=torch.uint8, count=num_bytes)
 
 
-def _view(flat: torch.Tensor, geometry: PoolGeometry) -> torch.Tensor:
-    return geometry.view(flat)
-
-
 class ShmTransport:
     def __init__(self, worker_id: int, geometry: PoolGeometry, segment_name: str) -> None:
         self.worker_id = worker_id
         self.geometry = geometry
         self.name = segment_name
-        self.kv = _view(_map(segment_name, geometry.num_bytes, create=True), geometry)
+        self.kv = geometry.view(_map(segment_name, geometry.num_bytes, create=True))
         self.kv.zero_()  # pre-touch: first-touch page faults cost ~6 us per 4 KiB page here
         self._peers: dict[int, tuple[PoolHandle, torch.Tensor]] = {}
 
@@ -60,7 +56,7 @@ class ShmTransport:
             raise ValueError(f"peer {handle.worker_id} exports {handle.transport}, not shm")
         self.drop(handle.worker_id)
         g = PoolGeometry.of(handle)
-        self._peers[handle.worker_id] = (handle, _view(_map(handle.name, g.num_bytes, False), g))
+        self._peers[handle.worker_id] = (handle, g.view(_map(handle.name, g.num_bytes, False)))
 
     def retain(self, worker_ids: set[int]) -> None:
         for wid in [w for w in self._peers if w not in worker_ids]:

@@ -539,7 +539,7 @@ void attend_token_major(const SeqInfo& s, int64_t h0, int64_t h1, int64_t groups
   constexpr int64_t d = ND * VS;
   constexpr int kHeld = ND <= 8 ? ND : 8;  // Vecs of a K or V row held in registers
   const int64_t nh = h1 - h0, nv = nh * groups;
-  const int64_t record_bytes = nh * kv_s0 * 4;  // one key's rows of heads [h0, h1)
+  const int64_t record_bytes = nh * kv_s0 * sizeof(float);  // one key's rows of heads [h0, h1)
   const auto sum = [](Vec& x, Vec& y) { return x + y; };
   // sums[v][t] = the vector sum of q_v * k for key t of a four-key group (t = 0 when alone)
   const auto key_sums = [&](const float* rec, int64_t t) {
