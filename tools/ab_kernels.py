@@ -1,7 +1,7 @@
 """A/B a changed copy of the engine's C++ ops against the built ones, in one process.
 
     .venv/bin/python tools/ab_kernels.py --source OTHER.cpp [--source ...] [--decode 32x128,...]
-        [--rounds 8] [--linear-rows 1,16,32,256] [--cpu 0]
+        [--rounds 8] [--attention-layout token-major] [--linear-rows 1,16,32,256] [--cpu 0]
     .venv/bin/python tools/ab_kernels.py --pool-layouts head-major,token-major [--model DIR]
         [--decode ...] [--prefill ...]
 
@@ -20,8 +20,9 @@ this CPU), so both versions run in the same process, one thread, pinned, CPU tim
 - ``--attention BxC``: with a ragged_attention copy, the op alone on one layer's decode batch
   (B rows, each over C keys of its own; bench-model heads, or ``BxC:H/KxD``: H query heads over
   K KV heads of D, e.g. ``32x1024:8/2x128``), hot (the same KV again) and cold (after reading a
-  256 MB buffer), A/B interleaved; outputs checked equal. Its pools are head-major, so a copy's
-  token-major walk (``attend_token_major``) runs only in ``--decode``;
+  256 MB buffer), A/B interleaved; outputs checked equal. Its pools have the layout
+  ``--attention-layout`` names (head-major by default; token-major runs a copy's
+  ``attend_token_major``);
 - ``--linear-rows``: with a linear_ops copy, each linear of one bench-model layer (qkv, o,
   gate|up GLU, down) at those row counts, hot (the same weight again) and cold (one of 8
   copies, after reading a 256 MB buffer), A/B interleaved; outputs checked equal.
@@ -319,15 +320,26 @@ class AttentionShape:
         return f"B={self.batch} ctx={self.ctx}{heads}"
 
 
-def ab_attention(configs: list[AttentionShape]) -> None:
+def attention_pools(shape: AttentionShape, layout: str,
+                    gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's K and V pools ``[kv_heads, batch * ctx, head_dim]`` of ``layout``: head-major
+    (each head's rows one run) or token-major (a token's heads side by side), as the engine's."""
+    tokens = shape.batch * shape.ctx
+    if layout == "token-major":
+        kv = torch.randn(2, tokens, shape.kv_heads, shape.head_dim, generator=gen).transpose(1, 2)
+    else:
+        kv = torch.randn(2, shape.kv_heads, tokens, shape.head_dim, generator=gen)
+    return kv[0], kv[1]
+
+
+def ab_attention(configs: list[AttentionShape], layout: str = "head-major") -> None:
     t, x = torch.ops.tetri, torch.ops.tetrix
     gen = torch.Generator().manual_seed(0)
-    print("| decode attention | KV MB | hot A / B ms | B/A | cold A / B ms | B/A | cold A GB/s |\n"
-          "|---|---:|---|---:|---|---:|---:|")
+    print(f"| decode attention ({layout} pool) | KV MB | hot A / B ms | B/A | cold A / B ms | B/A "
+          "| cold A GB/s |\n|---|---:|---|---:|---|---:|---:|")
     for shape in configs:
         batch, ctx, d = shape.batch, shape.ctx, shape.head_dim
-        pool_k = torch.randn(shape.kv_heads, batch * ctx, d, generator=gen)
-        pool_v = torch.randn(shape.kv_heads, batch * ctx, d, generator=gen)
+        pool_k, pool_v = attention_pools(shape, layout, gen)
         q = torch.randn(batch, shape.heads, d, generator=gen)
         meta = (torch.arange(batch), torch.ones(batch, dtype=torch.long),
                 torch.full((batch,), ctx), torch.arange(batch) * ctx)
@@ -365,6 +377,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--attention", default="1x512,32x128,32x1024",
                     help="BxC or BxC:H/KxD list for a ragged_attention copy; empty: none")
+    ap.add_argument("--attention-layout", choices=("head-major", "token-major"),
+                    default="head-major", help="the KV pools' layout in --attention")
     ap.add_argument("--linear-rows", default="1,16,32,256", help="empty: none")
     ap.add_argument("--cpu", type=int, default=0)
     args = ap.parse_args()
@@ -395,7 +409,7 @@ def main() -> int:
         ab_prefill(args.prefill.split(","), args.rounds, arms)
         print()
     if args.attention and "ragged_attention.cpp" in replaced:
-        ab_attention(attention)
+        ab_attention(attention, args.attention_layout)
         print()
     if args.linear_rows and "linear_ops.cpp" in replaced:
         ab_linears([int(v) for v in args.linear_rows.split(",")])

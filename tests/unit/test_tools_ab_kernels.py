@@ -81,3 +81,34 @@ def test_pool_layouts_run_each_arm_on_its_own_pool(model_dir, capsys):
     assert ran == [a.drv, b.drv, b.drv, a.drv] and min(ma, mb, paired) > 0
     ab_kernels.ab_prefill(["24/8"], 1, lambda batch, ctx: (a, b))
     assert "24 tokens in chunks of 8" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("layout", ["head-major", "token-major"])
+def test_attention_pools_have_the_engine_layout_and_the_same_result(layout):
+    """``--attention-layout``: the op alone over a pool of that layout. A token's kv heads sit
+    side by side in a token-major pool (the engine's strides), each head's rows in one run in a
+    head-major one; the built op gives SDPA's result over either."""
+    import math
+
+    import torch
+    import torch.nn.functional as F
+
+    from tetri_server.engine.ops import load_cpu_ops
+
+    if not load_cpu_ops():
+        pytest.skip("the C++ ops do not build here")
+    shape = ab_kernels.AttentionShape(3, 40, heads=4, kv_heads=2, head_dim=32)
+    pool_k, pool_v = ab_kernels.attention_pools(shape, layout, torch.Generator().manual_seed(0))
+    assert pool_k.shape == pool_v.shape == (2, 120, 32)
+    row, head = (2 * 32, 32) if layout == "token-major" else (32, 120 * 32)
+    assert (pool_k.stride(1), pool_k.stride(0)) == (row, head)
+    q = torch.randn(3, 4, 32, generator=torch.Generator().manual_seed(1))
+    out = torch.empty_like(q)
+    torch.ops.tetri.ragged_attention(q, pool_k, pool_v, out, torch.arange(3),
+                                     torch.ones(3, dtype=torch.long), torch.full((3,), 40),
+                                     torch.arange(3) * 40, 1 / math.sqrt(32), 0)
+    for b in range(3):
+        keys = slice(40 * b, 40 * b + 40)
+        ref = F.scaled_dot_product_attention(q[b].unsqueeze(1), pool_k[:, keys], pool_v[:, keys],
+                                             enable_gqa=True)
+        torch.testing.assert_close(out[b], ref.squeeze(1))
