@@ -28,6 +28,10 @@ from tetri_server.messages import SamplingParams
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 LONG = 1500  # tokens: some 50 prefill steps of 32; the short ones are queued behind its first
 # FCFS order, so the long prompt starts first (srpt, the default, would start the short ones)
+# the kept request decodes this many tokens, a step each (some 0.5 ms on the tiny model): the
+# long prompt's 50 steps must come before it ends, though the control process that sends it
+# may be late on a busy machine
+KEPT_TOKENS = 1600
 SETS = ("prefill.chunk_size=32", "prefill.overtake_share=0.5", "kv.num_blocks=800",
         "prefill.policy=fcfs", "prefill.finish_alone=false")
 
@@ -103,27 +107,36 @@ async def test_short_prompts_overtake_a_started_long_one_in_its_chunks(tiny_llam
 async def test_short_prompts_overtake_it_in_steps_beside_a_kept_request(tiny_llama, tmp_path):
     """Elastic P/D: while the prefill worker decodes a request it kept, its steps (at most 32
     tokens) carry that row and prompt slices; the shorts still ride beside the long prompt."""
-    decode_long = SamplingParams(max_tokens=800, temperature=0.0, ignore_eos=True)
+    decode_long = SamplingParams(max_tokens=KEPT_TOKENS, temperature=0.0, ignore_eos=True)
     pair = random_prompts(2, 8000, (10, 30), seed=24)
     ref_pair = hf_greedy(tiny_llama, pair, decode_long.max_tokens)
     prompts, ref = long_and_shorts(tiny_llama)
-    cluster = make_cluster(tiny_llama, "disaggregated", *SETS, "prefill.local_decode_batch=3",
-                           "prefill.local_decode_min_tokens=0",
-                           "prefill.local_decode_balance=false", "prefill.local_decode_chunk=32",
-                           "decode.local_prefill_tokens=0", "monitor.interval_ms=20",
-                           f"monitor.decision_log={tmp_path / 'decisions'}")
-    async with running(cluster):
-        first = await first_on_the_decode_worker(cluster, pair[0], decode_long)
-        # the second is kept
-        second = asyncio.ensure_future(collect(cluster, pair[1], decode_long))
-        await until(lambda: any(r.role == "prefill" and r.num_running
-                                for r in cluster.reports.values()), 60, "a request kept")
-        await long_then_shorts(cluster, prompts, ref)  # the kept one decodes 800 tokens
-        assert [await asyncio.wait_for(first, 180), await asyncio.wait_for(second, 180)] \
-            == ref_pair
-    records = steps(tmp_path / "decisions.w0.jsonl")
-    assert_overtaken([r for r in records if r["kind"] == "mixed_step" and r["run"]],
-                     long_id(records), min_kept=15)
+    for attempt in range(3):
+        log = tmp_path / f"decisions{attempt}"
+        cluster = make_cluster(tiny_llama, "disaggregated", *SETS, "prefill.local_decode_batch=3",
+                               "prefill.local_decode_min_tokens=0",
+                               "prefill.local_decode_balance=false",
+                               "prefill.local_decode_chunk=32", "decode.local_prefill_tokens=0",
+                               "monitor.interval_ms=20", f"monitor.decision_log={log}")
+        async with running(cluster):
+            first = await first_on_the_decode_worker(cluster, pair[0], decode_long)
+            # the second is kept
+            second = asyncio.ensure_future(collect(cluster, pair[1], decode_long))
+            await until(lambda c=cluster: any(r.role == "prefill" and r.num_running
+                                              for r in c.reports.values()), 60, "a request kept")
+            await long_then_shorts(cluster, prompts, ref)
+            assert [await asyncio.wait_for(first, 180), await asyncio.wait_for(second, 180)] \
+                == ref_pair
+        records = steps(log.with_name(log.name + ".w0.jsonl"))
+        long_req = long_id(records)
+        if all(r["kind"] == "mixed_step" and r["run"] for r in records
+               if any(q == long_req for q, _, _ in r["slices"])):
+            break
+        # the control process sent the long prompt too late (a busy machine): the kept request
+        # ended before it, so its steps had no row beside them; nothing to check in this run
+    else:
+        raise AssertionError("in 3 runs the kept request ended before the long prompt's steps")
+    assert_overtaken(records, long_req, min_kept=15)
 
 
 async def test_srpt_pauses_a_started_long_prompt_and_resumes_it(tiny_llama, tmp_path):
