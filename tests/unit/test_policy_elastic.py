@@ -119,6 +119,30 @@ def test_with_balance_keeps_only_where_the_tokens_come_faster():
     assert local.keep(0, 0, 256, blocked, gap_s=0.020)
 
 
+def test_with_balance_backlog_the_gap_decides_past_a_chunk_of_waiting_prompts():
+    """``prefill.local_decode_balance_backlog``: more than a chunk of prompt tokens waiting
+    refuses every request unless the key is on and the balance rule finds the gap here below
+    every decode worker's step; a short request, a decode side that is as fast, or one where
+    every worker is prefilling still hands off; without ``balance`` the key does nothing."""
+    on = LocalDecode(max_batch=8, balance=True, balance_backlog=True)
+    assert not LocalDecode(max_batch=8, balance=True).keep(0, 300, 256, stepping(0.030),
+                                                          gap_s=0.020)
+    assert on.keep(0, 300, 256, stepping(0.030), gap_s=0.020)
+    assert not on.keep(0, 300, 256, stepping(0.030, 0.015), gap_s=0.020)  # one is faster
+    assert not on.keep(0, 300, 256, stepping(0.030), short=True, gap_s=0.020)
+    assert not on.keep(8, 300, 256, stepping(0.030), gap_s=0.020)  # no room here
+    assert not on.keep(0, 300, 256, None, gap_s=0.020)  # no decode worker known
+    blocked = DecodeView(1, [DecodeInstanceView(0, 500, 1000, 0, 9, 0, 300, 0.030, 0.005)])
+    assert not on.keep(0, 300, 256, blocked, gap_s=0.020)
+    assert not LocalDecode(max_batch=8, balance_backlog=True).keep(0, 300, 256, stepping(0.030),
+                                                                   gap_s=0.020)
+    # choose: the first long one refused still ends the choice
+    assert on.choose([(1, 500, None), (2, 500, None)], 0, 300, 256, stepping(0.030),
+                     gap_s=0.020) == [1, 2]
+    assert on.choose([(1, 500, None), (2, 500, None)], 0, 300, 256, stepping(0.015),
+                     gap_s=0.020) == []
+
+
 def test_a_kept_requests_gap_weighs_prompt_and_decode_steps_by_their_share_of_time():
     assert kept_gap_s(0.0, 0.080, 0.010) == pytest.approx(0.010)
     # half the time in 80 ms prompt steps, half in 10 ms decode steps: 1/(0.5/80 + 0.5/10) ms

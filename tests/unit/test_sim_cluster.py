@@ -284,6 +284,23 @@ def test_elastic_prefill_with_balance_keeps_only_where_tokens_come_faster() -> N
     assert 0 < num_kept("HPHD", 1.0, local_decode_balance=True) < everything
 
 
+def test_elastic_prefill_runs_the_servers_balance_backlog_rule() -> None:
+    """``local_decode_balance_backlog`` reaches the prefill instance's ``LocalDecode`` (the
+    server's rule, unit-tested on hand-made views), and Mixed at 2 req/s, where more than a
+    chunk of prompts often waits, then keeps other requests than with the backlog rule
+    alone."""
+    cost = CostModel(load_hardware("this-cpu"), load_model("bench"))
+    for on in (False, True):
+        sim = Simulation(SimConfig(local_decode_batch=4, local_decode_balance=True,
+                                   local_decode_balance_backlog=on), cost, [])
+        prefill = sim.instances[0]
+        assert isinstance(prefill, PrefillInstance) and prefill.local is not None
+        assert prefill.local.balance_backlog is on
+    assert (num_kept("Mixed", 2.0, local_decode_balance=True)
+            != num_kept("Mixed", 2.0, local_decode_balance=True,
+                        local_decode_balance_backlog=True))
+
+
 def test_the_default_keeps_requests_while_the_decode_instance_is_saturated() -> None:
     """Mixed at 2.5 req/s on this-cpu saturates the one decode instance while prompts keep the
     prefill instance over 30% busy: a prompt-share rule of 0.3 (the default to session 23)

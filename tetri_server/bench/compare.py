@@ -52,6 +52,10 @@ MODE_PRESETS = {
     "keep-balanced": ("disaggregated", ("cluster.elastic=on",
                                         "prefill.local_decode_balance=true")),
     "keep-any": ("disaggregated", ("cluster.elastic=on", "prefill.local_decode_balance=false")),
+    # ... and the balance rule decides past a chunk of prompt backlog too
+    "keep-past-backlog": ("disaggregated", ("cluster.elastic=on",
+                                            "prefill.local_decode_balance=true",
+                                            "prefill.local_decode_balance_backlog=true")),
     # steps that carry decode rows fill the whole chunk on both sides
     # (prefill.local_decode_chunk = 0; the default to session 30)
     "mixed-full-chunk": ("disaggregated", ("cluster.elastic=on", "prefill.local_decode_chunk=0")),

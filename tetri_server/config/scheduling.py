@@ -82,6 +82,11 @@ class PrefillConfig(_Section):
     the share of time each took, ``policy.kept_gap_s``) below each decode worker's recent
     decode step (docs/benchmarks.md, "Keeping a request only where it decodes faster"). False:
     the other rules alone."""
+    local_decode_balance_backlog: bool = False
+    """Elastic P/D, with ``local_decode_balance``: a prefill worker keeps a long request whose
+    gap here is below every decode worker's recent step though more than a chunk of prompt
+    tokens waits (without it, that backlog alone refuses every request); not while every
+    decode worker prefills prompts (``LocalDecode.faster_here``)."""
     local_decode_chunk: int = 128
     """Elastic P/D: the most tokens (the kept requests' decode rows and prompt slices) in a
     step of a prefill worker that decodes requests it kept, and (``decode.local_prefill_slice

@@ -31,9 +31,12 @@ With ``balance`` (``prefill.local_decode_balance``) a request is kept only where
 would come faster than on every decode worker: its expected gap here (``kept_gap_s``: this
 worker's steps with prompt tokens and its decode-only steps, each by the share of the last
 10 s it took, ``LocalSteps``) below each decode worker's recent decode step (``StepTimes``,
-reported). Without it, the rules above keep requests at any load, and a kept request gets one
-token per chunk step while prompts arrive: on Mixed, most requests that missed a 20 ms TPOT
-were kept ones (a median gap of 12-14 ms, but 3-32 chunk steps of ~80 ms).
+reported). With ``balance_backlog`` too (``prefill.local_decode_balance_backlog``), that
+comparison also decides for a long request while more than a chunk of prompt tokens waits,
+which rule (2) alone refuses. Without ``balance``, the rules above keep requests at any load,
+and a kept request gets one token per chunk step while prompts arrive: on Mixed, most requests
+that missed a 20 ms TPOT were kept ones (a median gap of 12-14 ms, but 3-32 chunk steps of
+~80 ms).
 
 With ``hand_back`` (``prefill.local_decode_hand_back``) a kept request does not stay to the
 end: when more than a chunk of prompt tokens is waiting (``hands_back``), every kept request
@@ -76,6 +79,7 @@ class LocalDecode:
     full_chunk_backlog: int = 0  # beyond this many queued prompt tokens, mixed steps: the chunk
     full_chunk_share: float = 0.0  # below this prompt share, mixed steps: the chunk
     finish_tokens: int = 0  # a request of at most this many tokens finishes here (0: none)
+    balance_backlog: bool = False  # with balance: the gap decides past a chunk of backlog too
 
     def finishes_here(self, max_tokens: int) -> bool:
         """Whether a request with this output cap is short enough to finish on the prefill
@@ -171,10 +175,13 @@ class LocalDecode:
         share of 0 for one whose ``max_tokens`` caps it at ``min_tokens``: here it decodes that
         few however slowly; a prediction alone may be wrong). ``gap_s``: with ``balance``, the
         request stays only if this is below every decode worker's recent step
-        (``DecodeInstanceLoad.step_s``; 0, an idle one, never)."""
+        (``DecodeInstanceLoad.step_s``; 0, an idle one, never). With ``balance_backlog``
+        (``prefill.local_decode_balance_backlog``) a long request whose gap here is below every
+        decode worker's step stays though more than a chunk of prompt tokens waits
+        (``faster_here``)."""
         if num_local >= self.max_batch:
             return False
-        if num_queued_prompt_tokens > chunk_size:
+        if num_queued_prompt_tokens > chunk_size and not self.faster_here(view, short, gap_s):
             return False  # prompts are waiting: the chunks are theirs
         if prompt_share > self.max_prompt_share:
             return False  # prefill keeps this worker busy: a kept request would crawl
@@ -188,6 +195,13 @@ class LocalDecode:
         if self.balance and any(gap_s >= d.step_s for d in view.decodes):
             return False  # it decodes at least as fast there
         return num_local < min(d.num_heavy + d.num_light for d in view.decodes)
+
+    def faster_here(self, view: DecodeSnapshot | None, short: bool, gap_s: float) -> bool:
+        """``balance_backlog``: a long request's gap here (``gap_s``) is below every decode
+        worker's recent step, none of them prefilling (``keep``'s backlog rule then yields)."""
+        return (self.balance_backlog and self.balance and not short and view is not None
+                and bool(view.decodes) and not all_prefilling(view)
+                and all(gap_s < d.step_s for d in view.decodes))
 
 
 def all_prefilling(view: DecodeSnapshot | None) -> bool:

@@ -42,6 +42,7 @@ CONFIG_KEYS = {
     ("prefill", "local_decode_max_prompt_share"): "local_decode_max_prompt_share",
     ("prefill", "local_decode_hand_back"): "local_decode_hand_back",
     ("prefill", "local_decode_balance"): "local_decode_balance",
+    ("prefill", "local_decode_balance_backlog"): "local_decode_balance_backlog",
     ("prefill", "local_decode_chunk"): "local_decode_chunk",
     ("prefill", "local_decode_prompt_first"): "local_decode_prompt_first",
     ("prefill", "local_decode_full_chunk_backlog"): "local_decode_full_chunk_backlog",
@@ -75,6 +76,7 @@ FLAGS = {
     "local_decode_max_prompt_share": "local_decode_max_prompt_share",
     "local_decode_hand_back": "local_decode_hand_back",
     "local_decode_balance": "local_decode_balance",
+    "local_decode_balance_backlog": "local_decode_balance_backlog",
     "local_decode_chunk": "local_decode_chunk",
     "local_decode_prompt_first": "local_decode_prompt_first",
     "local_decode_full_chunk_backlog": "local_decode_full_chunk_backlog",
@@ -157,6 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
                    default=None,
                    help="elastic: keep a request only where its tokens would come faster than "
                         "on every decode instance")
+    p.add_argument("--local-decode-balance-backlog", action=argparse.BooleanOptionalAction,
+                   default=None,
+                   help="elastic, with --local-decode-balance: that rule decides past a chunk "
+                        "of prompt backlog too")
     p.add_argument("--local-decode-chunk", type=int,
                    help="elastic: most tokens of a prefill instance's step that carries its "
                         "kept requests' rows (0 = the chunk size)")
