@@ -86,7 +86,9 @@ class PrefillConfig(_Section):
     """Elastic P/D, with ``local_decode_balance``: a prefill worker keeps a long request whose
     gap here is below every decode worker's recent step though more than a chunk of prompt
     tokens waits (without it, that backlog alone refuses every request); not while every
-    decode worker prefills prompts (``LocalDecode.faster_here``)."""
+    decode worker prefills prompts (``LocalDecode.faster_here``). Off: level attainment on
+    LPHD at 1.3 req/s, a loss on Mixed at 1.25-1.4 req/s (session 58, docs/benchmarks.md,
+    "LPHD at 1.3 req/s: keeping past a prompt backlog")."""
     local_decode_chunk: int = 128
     """Elastic P/D: the most tokens (the kept requests' decode rows and prompt slices) in a
     step of a prefill worker that decodes requests it kept, and (``decode.local_prefill_slice
