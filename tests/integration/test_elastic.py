@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import pytest
 
@@ -290,21 +291,52 @@ async def test_a_kept_request_handed_back_mid_decode_equals_transformers(tiny_ll
     burst = random_prompts(3, 8000, (150, 250), seed=24)
     ref = hf_greedy(tiny_llama, [first, second], long_one.max_tokens)
     ref_burst = hf_greedy(tiny_llama, burst, GREEDY.max_tokens)
-    log = tmp_path / "decisions"
-    cluster = make_cluster(tiny_llama, "disaggregated", "prefill.local_decode_batch=3",
+    for attempt in range(3):
+        run_dir = tmp_path / f"run{attempt}"
+        run_dir.mkdir()
+        records = await kept_then_burst(tiny_llama, run_dir, long_one, [first, second], ref,
+                                        burst, ref_burst)
+        # the second was kept, then handed back once the burst queued, then dispatched
+        # (burst requests may be kept too, once the backlog is gone)
+        kept_id = 1 + min(r["req"] for r in records if r["kind"] == "dispatch")
+        kinds = [r["kind"] for r in records if r.get("req") == kept_id]
+        if kinds != ["keep"]:
+            break
+        # kept to its end: either it ended before the burst queued (the control process sent
+        # the burst late on a busy machine: nothing to hand back in this run) or the hand-back
+        # failed; a late burst three times in a row is unlikely
+    else:
+        raise AssertionError("in 3 runs the kept request was never handed back (it ended "
+                             "before the burst queued, or the hand-back did not happen)")
+    assert kinds == ["keep", "hand_back", "dispatch"], kinds
+    back = next(i for i, r in enumerate(records) if r["kind"] == "hand_back")
+    decoded_here = [r for r in records[:back] if r["kind"] == "mixed_step"
+                    and kept_id in r["run"]]
+    assert len(decoded_here) >= 2, "the request decoded no tokens before it was handed back"
+
+
+async def kept_then_burst(model: Path, run_dir: Path, long_one: SamplingParams,
+                          pair: list[list[int]], ref: list[list[int]], burst: list[list[int]],
+                          ref_burst: list[list[int]]) -> list[dict]:
+    """On a cluster of its own that hands kept requests back: the first of ``pair`` decoding on
+    the decode worker, the second kept by the prefill worker and a few tokens into its decode
+    when ``burst`` is sent; every output equals its reference, no block or segment is left;
+    returns the prefill worker's decisions."""
+    cluster = make_cluster(model, "disaggregated", "prefill.local_decode_batch=3",
                            "prefill.local_decode_min_tokens=0",
                            "prefill.local_decode_max_prompt_share=1",
                            "prefill.local_decode_hand_back=true",
                            "prefill.local_decode_balance=false",
-                           "monitor.interval_ms=20", f"monitor.decision_log={log}")
+                           "monitor.interval_ms=20",
+                           f"monitor.decision_log={run_dir / 'decisions'}")
     await cluster.start()
     try:
-        run_first = await first_on_the_decode_worker(cluster, first, long_one)
+        run_first = await first_on_the_decode_worker(cluster, pair[0], long_one)
         # the prefill worker keeps the second
         second_out: list[int] = []
 
         async def stream_second() -> list[int]:
-            async for d in cluster.submit(second, long_one):
+            async for d in cluster.submit(pair[1], long_one):
                 second_out.extend(d.token_ids)
             return second_out
 
@@ -324,16 +356,7 @@ async def test_a_kept_request_handed_back_mid_decode_equals_transformers(tiny_ll
         run_id = cluster.run_id
         await cluster.stop()
     assert segments(run_id) == []
-    records = decisions(tmp_path)
-    # the second was kept, then handed back once the burst queued, then dispatched (burst
-    # requests may be kept too, once the backlog is gone)
-    kept_id = 1 + min(r["req"] for r in records if r["kind"] == "dispatch")
-    kinds = [r["kind"] for r in records if r.get("req") == kept_id]
-    assert kinds == ["keep", "hand_back", "dispatch"], kinds
-    back = next(i for i, r in enumerate(records) if r["kind"] == "hand_back")
-    decoded_here = [r for r in records[:back] if r["kind"] == "mixed_step"
-                    and kept_id in r["run"]]
-    assert len(decoded_here) >= 2, "the request decoded no tokens before it was handed back"
+    return decisions(run_dir)
 
 
 async def test_a_flip_of_a_prefill_worker_hands_its_kept_requests_back(tiny_llama, tmp_path):
