@@ -71,7 +71,7 @@ class PrefillInstance(_Decoding):
                                   cfg.local_decode_full_chunk_backlog,
                                   cfg.local_decode_full_chunk_share,
                                   cfg.local_finish_tokens,
-                                  cfg.local_decode_balance_backlog)
+                                  balance_backlog=cfg.local_decode_balance_backlog)
                       if cfg.local_decode_batch else None)
         # tokens of a step with kept requests' rows (prefill.local_decode_chunk)
         self.mixed_chunk = mixed_chunk(cfg.chunk_size, cfg.local_decode_chunk)

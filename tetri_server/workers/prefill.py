@@ -89,7 +89,7 @@ class PrefillRole(Role):
                                   cfg.prefill.local_decode_full_chunk_backlog,
                                   cfg.prefill.local_decode_full_chunk_share,
                                   cfg.prefill.local_finish_tokens,
-                                  cfg.prefill.local_decode_balance_backlog)
+                                  balance_backlog=cfg.prefill.local_decode_balance_backlog)
                       if num_local else None)
         # tokens of a step with kept requests' rows
         self._mixed_chunk = mixed_chunk(self._chunk_size, cfg.prefill.local_decode_chunk)
