@@ -9,8 +9,9 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterable, Callable
+from collections.abc import AsyncIterable, Awaitable, Callable
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
@@ -99,6 +100,23 @@ async def until(check: Callable[[], object], timeout_s: float, what: str) -> Non
         if loop.time() > deadline:
             raise AssertionError(f"not within {timeout_s} s: {what}")
         await asyncio.sleep(0.01)
+
+
+T = TypeVar("T")
+
+
+async def conclusive(run: Callable[[int], Awaitable[T]], happened: Callable[[T], bool],
+                     why: str, runs: int = 3) -> T:
+    """What ``run(attempt)`` (a scenario on a cluster of its own) returned once ``happened``
+    holds of it. A scenario that needs a kept request still decoding when the control process
+    sends the next requests is inconclusive when that process, late on a busy machine, sends
+    them after it ended; it runs again, at most ``runs`` times, then AssertionError
+    ``in {runs} runs {why}``."""
+    for attempt in range(runs):
+        result = await run(attempt)
+        if happened(result):
+            return result
+    raise AssertionError(f"in {runs} runs {why}")
 
 
 async def next_view(cluster: Cluster, timeout_s: float = 30) -> None:

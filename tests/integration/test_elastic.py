@@ -13,6 +13,7 @@ import pytest
 from tests.conftest import hf_greedy, random_prompts
 from tests.integration.conftest import (
     collect,
+    conclusive,
     first_on_the_decode_worker,
     make_cluster,
     segments,
@@ -291,23 +292,23 @@ async def test_a_kept_request_handed_back_mid_decode_equals_transformers(tiny_ll
     burst = random_prompts(3, 8000, (150, 250), seed=24)
     ref = hf_greedy(tiny_llama, [first, second], long_one.max_tokens)
     ref_burst = hf_greedy(tiny_llama, burst, GREEDY.max_tokens)
-    for attempt in range(3):
-        run_dir = tmp_path / f"run{attempt}"
-        run_dir.mkdir()
-        records = await kept_then_burst(tiny_llama, run_dir, long_one, [first, second], ref,
-                                        burst, ref_burst)
-        # the second was kept, then handed back once the burst queued, then dispatched
-        # (burst requests may be kept too, once the backlog is gone)
+    def kept_kinds(records: list[dict]) -> tuple[int, list[str]]:
+        """The kept request (the second: the first went to the decode worker) and the kinds of
+        the decisions on it."""
         kept_id = 1 + min(r["req"] for r in records if r["kind"] == "dispatch")
-        kinds = [r["kind"] for r in records if r.get("req") == kept_id]
-        if kinds != ["keep"]:
-            break
-        # kept to its end: either it ended before the burst queued (the control process sent
-        # the burst late on a busy machine: nothing to hand back in this run) or the hand-back
-        # failed; a late burst three times in a row is unlikely
-    else:
-        raise AssertionError("in 3 runs the kept request was never handed back (it ended "
-                             "before the burst queued, or the hand-back did not happen)")
+        return kept_id, [r["kind"] for r in records if r.get("req") == kept_id]
+
+    # kept to its end: either it ended before the burst queued (the control process sent the
+    # burst late on a busy machine: nothing to hand back in that run) or the hand-back failed
+    records = await conclusive(
+        lambda attempt: kept_then_burst(tiny_llama, tmp_path / f"run{attempt}", long_one,
+                                        [first, second], ref, burst, ref_burst),
+        lambda records: kept_kinds(records)[1] != ["keep"],
+        "the kept request was never handed back (it ended before the burst queued, or the "
+        "hand-back did not happen)")
+    # the second was kept, then handed back once the burst queued, then dispatched (burst
+    # requests may be kept too, once the backlog is gone)
+    kept_id, kinds = kept_kinds(records)
     assert kinds == ["keep", "hand_back", "dispatch"], kinds
     back = next(i for i, r in enumerate(records) if r["kind"] == "hand_back")
     decoded_here = [r for r in records[:back] if r["kind"] == "mixed_step"
@@ -322,6 +323,7 @@ async def kept_then_burst(model: Path, run_dir: Path, long_one: SamplingParams,
     the decode worker, the second kept by the prefill worker and a few tokens into its decode
     when ``burst`` is sent; every output equals its reference, no block or segment is left;
     returns the prefill worker's decisions."""
+    run_dir.mkdir()
     cluster = make_cluster(model, "disaggregated", "prefill.local_decode_batch=3",
                            "prefill.local_decode_min_tokens=0",
                            "prefill.local_decode_max_prompt_share=1",

@@ -16,6 +16,7 @@ from tests.conftest import hf_greedy, random_prompts
 from tests.integration.conftest import (
     STRICT_SPLIT,
     collect,
+    conclusive,
     first_on_the_decode_worker,
     make_cluster,
     segments,
@@ -111,7 +112,11 @@ async def test_short_prompts_overtake_it_in_steps_beside_a_kept_request(tiny_lla
     pair = random_prompts(2, 8000, (10, 30), seed=24)
     ref_pair = hf_greedy(tiny_llama, pair, decode_long.max_tokens)
     prompts, ref = long_and_shorts(tiny_llama)
-    for attempt in range(3):
+
+    async def kept_then_long(attempt: int) -> list[dict]:
+        """On a cluster of its own: the first of ``pair`` decoding on the decode worker, the
+        second kept, then the long prompt and the shorts; every output equals transformers;
+        the prefill worker's steps."""
         log = tmp_path / f"decisions{attempt}"
         cluster = make_cluster(tiny_llama, "disaggregated", *SETS, "prefill.local_decode_batch=3",
                                "prefill.local_decode_min_tokens=0",
@@ -122,21 +127,22 @@ async def test_short_prompts_overtake_it_in_steps_beside_a_kept_request(tiny_lla
             first = await first_on_the_decode_worker(cluster, pair[0], decode_long)
             # the second is kept
             second = asyncio.ensure_future(collect(cluster, pair[1], decode_long))
-            await until(lambda c=cluster: any(r.role == "prefill" and r.num_running
-                                              for r in c.reports.values()), 60, "a request kept")
+            await until(lambda: any(r.role == "prefill" and r.num_running
+                                    for r in cluster.reports.values()), 60, "a request kept")
             await long_then_shorts(cluster, prompts, ref)
             assert [await asyncio.wait_for(first, 180), await asyncio.wait_for(second, 180)] \
                 == ref_pair
-        records = steps(log.with_name(log.name + ".w0.jsonl"))
+        return steps(log.with_name(log.name + ".w0.jsonl"))
+
+    def beside_the_kept_row(records: list[dict]) -> bool:
+        """Every step of the long prompt carried the kept request's row."""
         long_req = long_id(records)
-        if all(r["kind"] == "mixed_step" and r["run"] for r in records
-               if any(q == long_req for q, _, _ in r["slices"])):
-            break
-        # the control process sent the long prompt too late (a busy machine): the kept request
-        # ended before it, so its steps had no row beside them; nothing to check in this run
-    else:
-        raise AssertionError("in 3 runs the kept request ended before the long prompt's steps")
-    assert_overtaken(records, long_req, min_kept=15)
+        return all(r["kind"] == "mixed_step" and r["run"] for r in records
+                   if any(q == long_req for q, _, _ in r["slices"]))
+
+    records = await conclusive(kept_then_long, beside_the_kept_row,
+                               "the kept request ended before the long prompt's steps")
+    assert_overtaken(records, long_id(records), min_kept=15)
 
 
 async def test_srpt_pauses_a_started_long_prompt_and_resumes_it(tiny_llama, tmp_path):
