@@ -215,6 +215,34 @@ async def test_with_balance_a_request_is_kept_only_where_it_decodes_faster(tiny_
     for r in records:  # (no decode worker in the view yet: kept, as without balance)
         if r["kind"] == "keep" and r["decode_step_s"]:
             assert r["gap_s"] < min(r["decode_step_s"]), r
+    # past a chunk of queued prompt tokens the chunks are the prompts' (balance_backlog off)
+    assert not [r for r in records if r["kind"] == "keep" and r["queued"] > r["chunk"]]
+
+
+async def test_with_balance_backlog_a_request_is_kept_past_the_backlog_where_it_is_faster(
+        tiny_llama, tmp_path):
+    """``prefill.local_decode_balance_backlog``: while more than a chunk of the crowd's prompt
+    tokens waits, the prefill worker still keeps a request whose expected gap here is below the
+    decode worker's reported step (the test above keeps none there), and only such a one;
+    every output equals transformers (``run_long_then_crowd``). A run in which nothing was kept
+    past the backlog is inconclusive (the crowd's prompts were all prefilled before a keep was
+    decided, or the decode worker was faster) and runs again."""
+
+    async def run(attempt: int) -> list[dict]:
+        run_dir = tmp_path / f"run{attempt}"
+        run_dir.mkdir()
+        return (await run_long_then_crowd(
+            tiny_llama, run_dir, "prefill.local_decode_min_tokens=0",
+            "prefill.local_decode_balance=true",
+            "prefill.local_decode_balance_backlog=true"))[3]
+
+    def past(records: list[dict]) -> list[dict]:
+        return [r for r in records if r["kind"] == "keep" and r["queued"] > r["chunk"]]
+
+    records = await conclusive(run, lambda rs: bool(past(rs)),
+                               "no request was kept past a chunk of backlog")
+    for r in past(records):
+        assert r["decode_step_s"] and r["gap_s"] < min(r["decode_step_s"]), r
 
 
 async def test_short_requests_are_handed_off_by_default(tiny_llama, tmp_path):

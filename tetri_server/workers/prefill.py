@@ -346,7 +346,8 @@ class PrefillRole(Role):
         self.admission.add(req_id, seq.num_prompt, seq.num_tokens, seq.predicted_bucket,
                            seq.params.max_tokens)
         self.w.decisions.record("keep", req=req_id, gap_s=gap_s, decode_step_s=[
-            d.step_s for d in (book.view.decodes if book.view else ())])
+            d.step_s for d in (book.view.decodes if book.view else ())],
+            queued=book.queue.num_queued_tokens, chunk=self._chunk_size)
 
     def _hand_back(self, local: LocalDecode, *, draining: bool = False) -> None:
         """Elastic: prompts wait beyond the next chunk, so the kept requests whose KV is whole
