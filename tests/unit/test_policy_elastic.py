@@ -363,36 +363,37 @@ def test_a_decode_worker_prefills_at_most_the_prefill_chunk_a_step():
 
 
 def test_prompt_first_runs_a_backlog_within_a_mixed_step_alone() -> None:
-    local = LocalDecode(4, prompt_first=True)
+    local = LocalDecode(max_batch=4, prompt_first=True)
     assert local.prompt_alone(100, 128)  # the whole backlog in one pure step
     assert local.prompt_alone(128, 128)
     assert not local.prompt_alone(129, 128)  # more: mixed steps, the kept rows in each
     assert not local.prompt_alone(0, 128)  # nothing queued: the kept requests decode
     assert not local.prompt_alone(100, 128, last_alone=True)  # never twice in a row
-    assert not LocalDecode(4).prompt_alone(100, 128)  # off by default
+    assert not LocalDecode(max_batch=4).prompt_alone(100, 128)  # off by default
 
 
 def test_a_backlog_beyond_the_bound_gets_steps_of_the_whole_chunk() -> None:
     """``prefill.local_decode_full_chunk_backlog``: past it, a step with kept rows takes the
     chunk (prompts at the chunk's rate); at or below it, ``local_decode_chunk``."""
-    local = LocalDecode(4, full_chunk_backlog=1024)
+    local = LocalDecode(max_batch=4, full_chunk_backlog=1024)
     assert local.step_tokens(1025, 128, 432) == 432
     assert local.step_tokens(1024, 128, 432) == 128
     assert local.step_tokens(0, 128, 432) == 128
     assert local.step_tokens(5000, 432, 256) == 432  # never below the mixed chunk
-    assert LocalDecode(4).step_tokens(5000, 128, 432) == 128  # off by default
+    assert LocalDecode(max_batch=4).step_tokens(5000, 128, 432) == 128  # off by default
 
 
 def test_while_prompts_are_rare_a_step_with_kept_rows_takes_the_whole_chunk() -> None:
     """``prefill.local_decode_full_chunk_share``: while steps with prompt tokens took less than
     that share of the last 10 s, a step with kept rows takes the chunk; from it on,
     ``local_decode_chunk``."""
-    local = LocalDecode(4, full_chunk_share=0.25)
+    local = LocalDecode(max_batch=4, full_chunk_share=0.25)
     assert local.step_tokens(300, 128, 432, prompt_share=0.0) == 432
     assert local.step_tokens(300, 128, 432, prompt_share=0.24) == 432
     assert local.step_tokens(300, 128, 432, prompt_share=0.25) == 128
     assert local.step_tokens(300, 128, 432, prompt_share=0.9) == 128
-    assert LocalDecode(4).step_tokens(300, 128, 432, prompt_share=0.0) == 128  # off by default
+    off = LocalDecode(max_batch=4)  # off by default
+    assert off.step_tokens(300, 128, 432, prompt_share=0.0) == 128
 
 
 def test_a_request_of_at_most_finish_tokens_is_kept_whatever_the_load() -> None:
@@ -402,7 +403,8 @@ def test_a_request_of_at_most_finish_tokens_is_kept_whatever_the_load() -> None:
     local = LocalDecode(max_batch=2, min_tokens=128, max_prompt_share=0.3, balance=True,
                         finish_tokens=16)
     assert local.finishes_here(16) and local.finishes_here(2)
-    assert not local.finishes_here(17) and not LocalDecode(2).finishes_here(2)  # off by default
+    assert not local.finishes_here(17)
+    assert not LocalDecode(max_batch=2).finishes_here(2)  # off by default
     held = [(1, 16, 32), (2, 500, None), (3, 2, None), (4, 8, None)]
     # a backlog of 5000 prompt tokens, prompt steps 90% of the time, an idle decode worker
     assert local.choose(held, 0, 5000, 256, view(0), prompt_share=0.9) == [1, 3]
@@ -412,11 +414,12 @@ def test_a_request_of_at_most_finish_tokens_is_kept_whatever_the_load() -> None:
 
 
 def test_while_a_finishing_request_decodes_the_steps_take_at_most_finish_tokens() -> None:
-    local = LocalDecode(4, full_chunk_share=0.25, finish_tokens=16)
+    local = LocalDecode(max_batch=4, full_chunk_share=0.25, finish_tokens=16)
     assert local.step_tokens(300, 128, 432, finishing=True) == 16
     # 16 prompt tokens beside the rows: 16 finishing rows left a prompt none (session 43)
     assert local.step_tokens(300, 128, 432, finishing=True, num_rows=16) == 32
     assert local.step_tokens(300, 8, 432, finishing=True) == 8  # never above the mixed chunk
     assert local.step_tokens(300, 128, 432, 0.5, num_rows=16) == 128  # other caps: rows in
     assert local.step_tokens(300, 128, 432, prompt_share=0.5) == 128  # none finishing here
-    assert LocalDecode(4).step_tokens(300, 128, 432, finishing=True) == 128  # off by default
+    off = LocalDecode(max_batch=4)  # off by default
+    assert off.step_tokens(300, 128, 432, finishing=True) == 128

@@ -68,8 +68,11 @@ from typing import NamedTuple
 from tetri_server.policy.views import DecodeSnapshot
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LocalDecode:
+    """The prefill side's rules (the module's docstring); built by keyword from the
+    ``prefill.local_decode_*`` keys (``local_finish_tokens`` as ``finish_tokens``)."""
+
     max_batch: int  # most requests a prefill worker decodes itself
     min_tokens: int = 0  # a kept request can decode more than this many tokens
     max_prompt_share: float = 1.0  # keep only while prompt steps took at most this share
