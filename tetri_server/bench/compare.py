@@ -56,6 +56,9 @@ MODE_PRESETS = {
     "keep-past-backlog": ("disaggregated", ("cluster.elastic=on",
                                             "prefill.local_decode_balance=true",
                                             "prefill.local_decode_balance_backlog=true")),
+    # kept requests go to a decode worker once more than a chunk of prompt tokens waits
+    # (prefill.local_decode_hand_back; off by default since session 21)
+    "hand-back": ("disaggregated", ("cluster.elastic=on", "prefill.local_decode_hand_back=true")),
     # steps that carry decode rows fill the whole chunk on both sides
     # (prefill.local_decode_chunk = 0; the default to session 30)
     "mixed-full-chunk": ("disaggregated", ("cluster.elastic=on", "prefill.local_decode_chunk=0")),
