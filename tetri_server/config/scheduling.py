@@ -75,7 +75,9 @@ class PrefillConfig(_Section):
     local_decode_hand_back: bool = False
     """Elastic P/D: when more than a chunk of prompt tokens waits, a prefill worker hands the
     requests it kept to a decode worker (with the KV of what it decoded) instead of decoding
-    them to the end."""
+    them to the end. Off: in session 59 it lowered Mixed's JCT (0.87-1.04x) but crowded the
+    decode worker on LPHD (80-82% within the SLOs against 98%; docs/benchmarks.md, "Kept
+    requests handed back when prompts queue, on today's defaults")."""
     local_decode_balance: bool = True
     """Elastic P/D: ... and only where the request's tokens would come faster than on every
     decode worker: the mean gap here (this worker's steps with and without prompt tokens, by
