@@ -3,8 +3,11 @@ DECODING stage."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
+from tetri_server.config.scheduling import PrefillConfig
 from tetri_server.messages import DecodeInstanceView, DecodeView
 from tetri_server.policy import (
     DecodeRoom,
@@ -18,6 +21,7 @@ from tetri_server.policy import (
     Stage,
     StepTimes,
     kept_gap_s,
+    local_decode_of,
 )
 
 
@@ -423,3 +427,19 @@ def test_while_a_finishing_request_decodes_the_steps_take_at_most_finish_tokens(
     assert local.step_tokens(300, 128, 432, prompt_share=0.5) == 128  # none finishing here
     off = LocalDecode(max_batch=4)  # off by default
     assert off.step_tokens(300, 128, 432, finishing=True) == 128
+
+
+def test_local_decode_of_maps_every_prefill_key_and_none_without_a_batch():
+    """``local_decode_of`` builds the prefill side's rules from the ``[prefill]`` keys (the
+    simulator's config names them the same way), each into its own setting; a batch of 0 is
+    the strict split: no rules."""
+    keys = PrefillConfig(local_decode_batch=5, local_decode_min_tokens=7,
+                         local_decode_max_prompt_share=0.5, local_decode_hand_back=True,
+                         local_decode_balance=False, local_decode_prompt_first=True,
+                         local_decode_full_chunk_backlog=300, local_decode_full_chunk_share=0.25,
+                         local_finish_tokens=11, local_decode_balance_backlog=True)
+    assert local_decode_of(keys) == LocalDecode(
+        max_batch=5, min_tokens=7, max_prompt_share=0.5, hand_back=True, balance=False,
+        prompt_first=True, full_chunk_backlog=300, full_chunk_share=0.25, finish_tokens=11,
+        balance_backlog=True)
+    assert local_decode_of(dataclasses.replace(keys, local_decode_batch=0)) is None

@@ -36,12 +36,14 @@ from tetri_server.policy.dispatch import (
 from tetri_server.policy.elastic import (
     DecodeRoom,
     LocalDecode,
+    LocalDecodeKeys,
     LocalPrefill,
     LocalSteps,
     PromptShare,
     StepTimes,
     calibration_rows,
     kept_gap_s,
+    local_decode_of,
     mixed_chunk,
 )
 from tetri_server.policy.flip import FlipPlan, FlipPolicy
@@ -84,6 +86,7 @@ __all__ = [
     "LeastLoadedPicker",
     "LengthTail",
     "LocalDecode",
+    "LocalDecodeKeys",
     "PromptShare",
     "StepTimes",
     "LocalPrefill",
@@ -101,6 +104,7 @@ __all__ = [
     "coupled_chunked_plan",
     "coupled_step_plan",
     "kept_gap_s",
+    "local_decode_of",
     "mixed_chunk",
     "num_blocks_for",
     "pick_chunk_size",

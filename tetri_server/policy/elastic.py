@@ -63,7 +63,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 from tetri_server.policy.views import DecodeSnapshot
 
@@ -205,6 +205,49 @@ class LocalDecode:
         return (self.balance_backlog and self.balance and not short and view is not None
                 and bool(view.decodes) and not all_prefilling(view)
                 and all(gap_s < d.step_s for d in view.decodes))
+
+
+class LocalDecodeKeys(Protocol):
+    """The ``prefill.local_decode_*`` keys and ``prefill.local_finish_tokens``, as the
+    ``[prefill]`` section and the simulator's config both name them."""
+
+    @property
+    def local_decode_batch(self) -> int: ...
+    @property
+    def local_decode_min_tokens(self) -> int: ...
+    @property
+    def local_decode_max_prompt_share(self) -> float: ...
+    @property
+    def local_decode_hand_back(self) -> bool: ...
+    @property
+    def local_decode_balance(self) -> bool: ...
+    @property
+    def local_decode_prompt_first(self) -> bool: ...
+    @property
+    def local_decode_full_chunk_backlog(self) -> int: ...
+    @property
+    def local_decode_full_chunk_share(self) -> float: ...
+    @property
+    def local_finish_tokens(self) -> int: ...
+    @property
+    def local_decode_balance_backlog(self) -> bool: ...
+
+
+def local_decode_of(keys: LocalDecodeKeys) -> LocalDecode | None:
+    """The prefill side's rules from its keys; None where ``local_decode_batch`` is 0 (the
+    prefill worker keeps nothing: the strict split)."""
+    if not keys.local_decode_batch:
+        return None
+    return LocalDecode(max_batch=keys.local_decode_batch,
+                       min_tokens=keys.local_decode_min_tokens,
+                       max_prompt_share=keys.local_decode_max_prompt_share,
+                       hand_back=keys.local_decode_hand_back,
+                       balance=keys.local_decode_balance,
+                       prompt_first=keys.local_decode_prompt_first,
+                       full_chunk_backlog=keys.local_decode_full_chunk_backlog,
+                       full_chunk_share=keys.local_decode_full_chunk_share,
+                       finish_tokens=keys.local_finish_tokens,
+                       balance_backlog=keys.local_decode_balance_backlog)
 
 
 def all_prefilling(view: DecodeSnapshot | None) -> bool:

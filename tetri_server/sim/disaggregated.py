@@ -21,6 +21,7 @@ from tetri_server.policy import (
     StepTimes,
     TetriDispatcher,
     coupled_chunked_plan,
+    local_decode_of,
     mixed_chunk,
 )
 from tetri_server.policy.chunker import num_blocks_for
@@ -65,17 +66,7 @@ class PrefillInstance(_Decoding):
             dispatcher)
         self.num_rejected = 0  # hand-offs refused by a decode instance
         self._chunk: ChunkPlan | None = None
-        self.local = (LocalDecode(max_batch=cfg.local_decode_batch,
-                                  min_tokens=cfg.local_decode_min_tokens,
-                                  max_prompt_share=cfg.local_decode_max_prompt_share,
-                                  hand_back=cfg.local_decode_hand_back,
-                                  balance=cfg.local_decode_balance,
-                                  prompt_first=cfg.local_decode_prompt_first,
-                                  full_chunk_backlog=cfg.local_decode_full_chunk_backlog,
-                                  full_chunk_share=cfg.local_decode_full_chunk_share,
-                                  finish_tokens=cfg.local_finish_tokens,
-                                  balance_backlog=cfg.local_decode_balance_backlog)
-                      if cfg.local_decode_batch else None)
+        self.local = local_decode_of(cfg)
         # tokens of a step with kept requests' rows (prefill.local_decode_chunk)
         self.mixed_chunk = mixed_chunk(cfg.chunk_size, cfg.local_decode_chunk)
         self.steps = LocalSteps()  # for self.local

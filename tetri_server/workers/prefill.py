@@ -39,6 +39,7 @@ from tetri_server.policy import (
     TetriDispatcher,
     calibration_rows,
     coupled_chunked_plan,
+    local_decode_of,
     mixed_chunk,
 )
 from tetri_server.policy.dispatch import Dispatcher
@@ -81,17 +82,7 @@ class PrefillRole(Role):
                          starve_tokens=cfg.prefill.starve_tokens), dispatcher)
         # elastic P/D: the requests this worker keeps and decodes itself (greedy admission)
         num_local = cfg.prefill.local_decode_batch
-        pc = cfg.prefill
-        self.local = (LocalDecode(max_batch=num_local, min_tokens=pc.local_decode_min_tokens,
-                                  max_prompt_share=pc.local_decode_max_prompt_share,
-                                  hand_back=pc.local_decode_hand_back,
-                                  balance=pc.local_decode_balance,
-                                  prompt_first=pc.local_decode_prompt_first,
-                                  full_chunk_backlog=pc.local_decode_full_chunk_backlog,
-                                  full_chunk_share=pc.local_decode_full_chunk_share,
-                                  finish_tokens=pc.local_finish_tokens,
-                                  balance_backlog=pc.local_decode_balance_backlog)
-                      if num_local else None)
+        self.local = local_decode_of(cfg.prefill)
         # tokens of a step with kept requests' rows
         self._mixed_chunk = mixed_chunk(self._chunk_size, cfg.prefill.local_decode_chunk)
         self.steps = LocalSteps()  # for self.local (monotonic clock)
