@@ -195,7 +195,7 @@ class LocalDecode:
             return True  # no decode worker known (none up yet, or all restarting)
         if blocked:
             return True
-        if self.balance and any(gap_s >= d.step_s for d in view.decodes):
+        if self.balance and not faster_than_decodes(view, gap_s):
             return False  # it decodes at least as fast there
         return num_local < min(d.num_heavy + d.num_light for d in view.decodes)
 
@@ -204,7 +204,13 @@ class LocalDecode:
         worker's recent step, none of them prefilling (``keep``'s backlog rule then yields)."""
         return (self.balance_backlog and self.balance and not short and view is not None
                 and bool(view.decodes) and not all_prefilling(view)
-                and all(gap_s < d.step_s for d in view.decodes))
+                and faster_than_decodes(view, gap_s))
+
+
+def faster_than_decodes(view: DecodeSnapshot, gap_s: float) -> bool:
+    """``balance``: a kept request's gap here (``gap_s``) is below every decode worker's
+    recent step (0, an idle one, never)."""
+    return all(gap_s < d.step_s for d in view.decodes)
 
 
 class LocalDecodeKeys(Protocol):
