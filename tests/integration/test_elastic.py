@@ -320,6 +320,7 @@ async def test_a_kept_request_handed_back_mid_decode_equals_transformers(tiny_ll
     burst = random_prompts(3, 8000, (150, 250), seed=24)
     ref = hf_greedy(tiny_llama, [first, second], long_one.max_tokens)
     ref_burst = hf_greedy(tiny_llama, burst, GREEDY.max_tokens)
+
     def kept_kinds(records: list[dict]) -> tuple[int, list[str]]:
         """The kept request (the second: the first went to the decode worker) and the kinds of
         the decisions on it."""
@@ -402,13 +403,15 @@ async def test_a_flip_of_a_prefill_worker_hands_its_kept_requests_back(tiny_llam
 
     async def run(attempt: int) -> list[str]:
         """The kinds of the keeper's decisions on the kept request."""
-        log = tmp_path / f"run{attempt}"
+        run_dir = tmp_path / f"run{attempt}"
+        run_dir.mkdir()
         cluster = make_cluster(tiny_llama, "disaggregated", "cluster.prefill_workers=2",
                                "cluster.threads_per_worker=1", "prefill.local_decode_batch=3",
                                "prefill.local_decode_min_tokens=0",
                                "prefill.local_decode_max_prompt_share=1",
                                "prefill.local_decode_balance=false", "flip.min_interval_s=0",
-                               "monitor.interval_ms=20", f"monitor.decision_log={log}")
+                               "monitor.interval_ms=20",
+                               f"monitor.decision_log={run_dir / 'decisions'}")
         await cluster.start()
         try:
             run_first = await first_on_the_decode_worker(cluster, first, long_one)
@@ -426,7 +429,7 @@ async def test_a_flip_of_a_prefill_worker_hands_its_kept_requests_back(tiny_llam
             await assert_all_freed(cluster)
         finally:
             await cluster.stop()
-        records = [json.loads(line) for line in Path(f"{log}.w{keeper}.jsonl").open()]
+        records = decisions(run_dir, keeper)
         kept_id = next(r["req"] for r in records if r["kind"] == "keep")
         return [r["kind"] for r in records if r.get("req") == kept_id]
 
