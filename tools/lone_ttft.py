@@ -20,15 +20,9 @@ import statistics
 from pathlib import Path
 
 from tetri_server.bench.client import ClientConfig, fetch_model_name, run_benchmark
-from tetri_server.bench.compare import free_port, running_server, tetri_spec
+from tetri_server.bench.compare import free_port, running_server, split_mode, tetri_spec
 from tetri_server.bench.metrics import ttft_s
 from tetri_server.bench.workload import BenchRequest
-
-
-def parse_server(text: str) -> tuple[str, tuple[str, ...]]:
-    """'disaggregated:a=1,b=2' -> ('disaggregated', ('a=1', 'b=2'))."""
-    mode, _, sets = text.partition(":")
-    return mode, tuple(s for s in sets.split(",") if s)
 
 
 def probes(lens: list[int], repeat: int, vocab: int, seed: int) -> list[BenchRequest]:
@@ -55,7 +49,7 @@ def main() -> None:
     lens = [int(x) for x in args.lens.split(",")]
     reqs = probes(lens, args.repeat, args.vocab_size, args.seed)
     for text in args.server:
-        mode, sets = parse_server(text)
+        mode, sets = split_mode(text, sep=",")
         port = free_port()
         spec = tetri_spec(mode, args.model, port, args.max_model_len, sets)
         log = Path(args.log_dir) / f"{mode}-{len(sets)}.log"

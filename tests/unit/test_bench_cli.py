@@ -251,6 +251,32 @@ def test_the_elastic_preset_is_disaggregated_with_local_decodes():
     assert sets[-1] == "cluster.workers=2"  # the caller's sets come last: they win
 
 
+def test_a_mode_may_carry_settings_of_its_own_that_win_over_every_servers():
+    from tetri_server.bench.compare import tetri_spec
+
+    text = "hand-back:decode.local_prefill_margin=2+cluster.workers=3"
+    spec = tetri_spec(text, "builtin:tiny", 8123, 2048, ["cluster.workers=2"])
+    sets = [spec.argv[i + 1] for i, a in enumerate(spec.argv) if a == "--set"]
+    assert spec.label == text  # two variants of one mode keep apart in the tables
+    assert "cluster.mode=disaggregated" in sets and "prefill.local_decode_hand_back=true" in sets
+    assert sets[-3:] == ["cluster.workers=2", "decode.local_prefill_margin=2", "cluster.workers=3"]
+    plain = tetri_spec("coupled", "builtin:tiny", 8123, 2048)
+    assert "cluster.mode=coupled" in plain.argv and plain.label == "coupled"
+
+
+@pytest.mark.parametrize("mode", ["disaggregated:prefill.chunk_size", ":a=1", "coupled:a=1+b"])
+def test_a_mode_with_a_setting_that_is_not_key_value_stops_the_command(
+    tmp_path: Path, model_dir: Path, mode: str
+) -> None:
+    argv = ["compare", "--modes", f"coupled,{mode}", "--no-vllm", "--model", str(model_dir)]
+    argv += ["--workload", "LPLD", "--num-requests", "2", "--out", str(tmp_path / "o")]
+    with pytest.raises(SystemExit, match="MODE:key=value"):
+        cli.main(argv)
+    sweep = ["sweep", "--modes", mode, "--model", str(model_dir), "--workload", "LPLD"]
+    with pytest.raises(SystemExit, match="MODE:key=value"):
+        cli.main([*sweep, "--num-requests", "2", "--rates", "1", "--out", str(tmp_path / "s")])
+
+
 def test_warm_up_sends_the_longest_and_shortest_prompts_reversed_and_short() -> None:
     from tetri_server.bench.compare import warmup_requests
     from tetri_server.bench.workload import BenchRequest

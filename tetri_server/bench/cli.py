@@ -155,11 +155,14 @@ def cmd_compare(args: argparse.Namespace) -> int:
         _hidden_len_context(args),
     )
     max_len = built[0][0].max_model_len
-    specs = [
-        tetri_spec(mode, args.model, free_port(), max_len, args.set)
-        for mode in args.modes.split(",")
-        if mode  # --modes "" runs vLLM alone
-    ]
+    try:
+        specs = [
+            tetri_spec(mode, args.model, free_port(), max_len, args.set)
+            for mode in args.modes.split(",")
+            if mode  # --modes "" runs vLLM alone
+        ]
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from exc
     vllm_cmd = None if args.no_vllm else find_vllm(args.vllm_bin)
     if vllm_cmd is not None:
         specs.append(vllm_spec(vllm_cmd, args.model, free_port(), max_len, args.vllm_workers))
@@ -215,9 +218,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         raise SystemExit("sweep sends token-id prompts: give --model (or --vocab-size)")
     built = sweep_workloads(args, rates)
     loaded = _load_calibration(args.calibration) if args.calibration else None
-    specs = [] if args.url else _sweep_specs(args, built[0][0].max_model_len)
-    labels = [args.label] if args.url else [s.label for s in specs]
     try:
+        specs = [] if args.url else _sweep_specs(args, built[0][0].max_model_len)
+        labels = [args.label] if args.url else [s.label for s in specs]
         ref = reference_mode(labels, args.slo_reference)
     except ValueError as exc:
         raise SystemExit(str(exc)) from exc
@@ -272,7 +275,12 @@ def parser() -> argparse.ArgumentParser:
     add_server_arguments(run)
     add_workload_args(run)
     cmp = sub.add_parser("compare", help="start each server mode in turn and compare")
-    cmp.add_argument("--modes", default=",".join(TETRI_MODES))
+    cmp.add_argument(
+        "--modes",
+        default=",".join(TETRI_MODES),
+        help="comma-separated modes or presets, each optionally MODE:key=value+key=value "
+        "(settings of that server alone, e.g. disaggregated:prefill.chunk_size=256)",
+    )
     cmp.add_argument(
         "--set",
         action="append",

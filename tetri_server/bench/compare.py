@@ -104,14 +104,28 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def split_mode(text: str, sep: str = "+") -> tuple[str, tuple[str, ...]]:
+    """A mode as ``--modes`` lists it: a cluster mode or ``MODE_PRESETS`` name, optionally
+    followed by ``:`` and key=value settings of that server alone, ``sep`` between them:
+    'disaggregated:decode.local_prefill_margin=2+prefill.chunk_size=256' ->
+    ('disaggregated', ('decode.local_prefill_margin=2', 'prefill.chunk_size=256'))."""
+    name, _, settings = text.partition(":")
+    own = tuple(s for s in settings.split(sep) if s)
+    if not name or any("=" not in s for s in own):
+        raise ValueError(f"mode {text!r}: expected MODE or MODE:key=value{sep}key=value")
+    return name, own
+
+
 def tetri_spec(
     mode: str, model: str, port: int, max_model_len: int, sets: Sequence[str] = ()
 ) -> ServerSpec:
     """tetri_server in ``mode`` (a cluster mode, or a ``MODE_PRESETS`` name such as
-    ``elastic``); ``sets`` (key=value) apply to every mode, e.g. worker counts (config defaults
-    give 2 workers in every mode: 1 prefill + 1 decode, or 2 coupled)."""
+    ``elastic``, either with settings of its own: ``split_mode``; the whole text labels it);
+    ``sets`` (key=value) apply to every mode, e.g. worker counts (config defaults give 2 workers
+    in every mode: 1 prefill + 1 decode, or 2 coupled), the mode's own after them (they win)."""
     argv = [sys.executable, "-m", "tetri_server", "serve"]
-    cluster_mode, preset = MODE_PRESETS.get(mode, (mode, ()))
+    name, own = split_mode(mode)
+    cluster_mode, preset = MODE_PRESETS.get(name, (name, ()))
     pinned = (
         f"cluster.mode={cluster_mode}",
         *preset,
@@ -120,7 +134,7 @@ def tetri_spec(
         f"server.port={port}",
         f"model.max_model_len={max_model_len}",
     )
-    for item in (*pinned, *sets):
+    for item in (*pinned, *sets, *own):
         argv += ["--set", item]
     return ServerSpec(mode, argv, port)
 

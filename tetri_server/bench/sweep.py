@@ -260,7 +260,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     where.add_argument("--url", help="sweep this running server")
     where.add_argument(
         "--modes",
-        help=f"start each in turn and sweep it: {', '.join(TETRI_MODES)}, {VLLM_LABEL}",
+        help=f"start each in turn and sweep it: {', '.join(TETRI_MODES)}, {VLLM_LABEL} or a "
+        "preset, each optionally MODE:key=value+key=value (settings of that server alone)",
     )
     where.add_argument(
         "--spawn", action="store_true", help="same as --modes " + ",".join(TETRI_MODES)
