@@ -4,7 +4,7 @@ gap those rows waited through).
 
     .venv/bin/python tools/decode_steps.py RUN/decisions.w1.jsonl [...]
         [--by-rows [--idle-s S]] [--records SWEEP.json [--point MODE@RATE]]
-        [--split PREFILL_LOG]
+        [--split PREFILL_LOG] [--gaps [--gap-ms MS]]
 
 A step's time runs from its record's stamp (``t``) to the next record's, so a step the worker
 idled after reads long: read the percentiles, not the maximum of all steps.
@@ -21,6 +21,12 @@ work.
 ``--split PREFILL_LOG`` (with ``--records``): the run's requests by where they decoded, kept
 on the prefill worker (``keep``), handed off (``dispatch``) or neither (finished, failed or
 cancelled in their prefill): their number, mean TPOT and how many missed the SLOs.
+
+``--gaps`` (with ``--records`` and every worker's log): each inter-token gap the client saw,
+by the step that made its later token, per log and kind of step (a prompt slice in it, a
+recompute, a hand-off's KV pulled in it, the request's first step there after its first token
+came from elsewhere, or decode rows only): how many gaps, how many over ``--gap-ms`` (40), and
+the median step. Where the p99 gap comes from.
 
 The benchmark's request ids are taken for the server's (each request is sent in arrival
 order); wherever a log prefilled whole prompts, their lengths are checked against the
@@ -166,6 +172,52 @@ def split(prefill_records: list[dict], runs: list[dict]) -> dict[str, tuple[int,
     return out
 
 
+@dataclass(frozen=True)
+class GapSource:
+    log: str
+    kind: str  # "prompt slice", "recompute", "hand-off pulled", "first here", "rows only"
+    num_gaps: int
+    num_long: int  # over the threshold
+    step_p50_s: float  # the steps' median time (to the next step's stamp)
+
+
+def step_kind(rec: dict, nxt: dict | None, first_here: bool) -> str:
+    if rec.get("slices"):
+        return "prompt slice"
+    if rec.get("recompute") or rec.get("recompute_tokens"):
+        return "recompute"
+    if nxt is not None and nxt["kind"] == "decode_step" and nxt.get("admit"):
+        return "hand-off pulled"  # drained between this step and the next (``decode_only``)
+    return "first here" if first_here else "rows only"
+
+
+def gap_sources(logs: dict[str, list[dict]], runs: list[dict],
+                long_s: float = 0.04) -> list[GapSource]:
+    """``--gaps``: the gap before a request's token k (k >= 1) is put on the step that made it,
+    the k-th step (in time, over every log) whose decode rows held the request; a gap with no
+    such step (a row preempted and recomputed, a log cut short) is not counted. Sorted by the
+    number of long gaps."""
+    made: dict[int, list[tuple[float, str, dict, dict | None]]] = defaultdict(list)
+    for name, records in logs.items():
+        steps = [r for r in records if r.get("kind") in STEP_KINDS]
+        for rec, nxt in zip(steps, [*steps[1:], None], strict=True):
+            for req in rec.get("run") or []:
+                made[req].append((rec["t"], name, rec, nxt))
+    gaps: dict[tuple[str, str], list[tuple[float, float | None]]] = defaultdict(list)
+    for run in runs:
+        times = run.get("token_times_s") or []
+        steps = sorted(made.get(run["request_id"], []), key=lambda m: m[0])
+        for k in range(1, min(len(times), len(steps) + 1)):
+            _, name, rec, nxt = steps[k - 1]
+            first_here = k == 1 or steps[k - 2][1] != name
+            step_s = None if nxt is None else nxt["t"] - rec["t"]
+            gaps[name, step_kind(rec, nxt, first_here)].append((times[k] - times[k - 1], step_s))
+    out = [GapSource(name, kind, len(v), sum(1 for g, _ in v if g > long_s),
+                     statistics.median([s for _, s in v if s is not None] or [0.0]))
+           for (name, kind), v in gaps.items()]
+    return sorted(out, key=lambda g: (-g.num_long, -g.num_gaps))
+
+
 def load_runs(path: Path, point: str | None) -> list[dict]:
     """The request records of one point of a ``bench sweep`` JSON: the only one, or
     ``MODE@RATE`` (rates compared as numbers: ``@1`` and ``@1.0`` are one point)."""
@@ -194,11 +246,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--records", type=Path, help="the bench sweep JSON of the same run")
     p.add_argument("--point", help="MODE@RATE: the point of --records (when it has several)")
     p.add_argument("--split", type=Path, help="the prefill worker's log (needs --records)")
+    p.add_argument("--gaps", action="store_true",
+                   help="the client's inter-token gaps by the step that ended them (every "
+                   "worker's log, --records)")
+    p.add_argument("--gap-ms", type=float, default=40.0, help="with --gaps: a long gap (40)")
     args = p.parse_args(argv)
-    if args.records is None and (args.split or args.point):
-        p.error("--split and --point need --records")
-    if args.records is not None and not (args.split or args.by_rows):
-        p.error("--records is read by --by-rows and --split only")
+    if args.records is None and (args.split or args.point or args.gaps):
+        p.error("--split, --gaps and --point need --records")
+    if args.records is not None and not (args.split or args.by_rows or args.gaps):
+        p.error("--records is read by --by-rows, --split and --gaps only")
+    if args.gaps and (args.by_rows or not args.logs):
+        p.error("--gaps reads every worker's log, not with --by-rows")
     if args.idle_s is not None and not args.by_rows:
         p.error("--idle-s is read by --by-rows only")
     if not (args.logs or args.split):
@@ -209,6 +267,17 @@ def main(argv: list[str] | None = None) -> None:
         assert runs is not None
         for group, (n, tpot, missed) in split(read_log(args.split), runs).items():
             print(f"{group}: {n} requests, mean TPOT {tpot * 1e3:.1f} ms, {missed} missed the SLOs")
+    if args.gaps:
+        assert runs is not None
+        sources = gap_sources({path.name: read_log(path) for path in args.logs}, runs,
+                              args.gap_ms / 1e3)
+        total, long = sum(g.num_gaps for g in sources), sum(g.num_long for g in sources)
+        print(f"{total} gaps, {long} over {args.gap_ms:g} ms ({long / max(total, 1):.1%}), by "
+              "the step that ended them:")
+        for g in sources:
+            print(f"  {g.log}, {g.kind}: {g.num_gaps} gaps ({g.num_gaps / total:.1%}), "
+                  f"{g.num_long} over; step p50 {g.step_p50_s * 1e3:.1f} ms")
+        return
     for path in args.logs:
         records = read_log(path)
         if args.by_rows:

@@ -106,3 +106,41 @@ def test_split_groups_requests_by_where_they_decoded_and_checks_the_ids(tmp_path
                  [str(log), "--idle-s", "2"]):
         with pytest.raises(SystemExit):  # --split without records; records unread; nothing;
             main(argv)  # --idle-s unread
+
+
+def test_gaps_are_put_on_the_step_that_made_the_later_token(tmp_path, capsys) -> None:
+    from decode_steps import gap_sources
+
+    prefill = [{"kind": "chunk", "t": 0.0, "slices": [[1, 0, 8], [2, 0, 8]]},
+               {"kind": "keep", "req": 1}, {"kind": "dispatch", "req": 2, "to": 1},
+               {"kind": "mixed_step", "t": 0.10, "run": [1], "slices": [[3, 0, 64]]},
+               {"kind": "mixed_step", "t": 0.16, "run": [1]},  # 10 ms to the next
+               {"kind": "mixed_step", "t": 0.17, "run": [1]}]  # the last: no step time
+    decode = [{"kind": "decode_step", "t": 0.12, "run": [2]},  # the next admits: KV pulled
+              {"kind": "decode_step", "t": 0.14, "run": [2, 4], "admit": [4]},
+              {"kind": "decode_step", "t": 0.15, "run": [2, 4]}]
+    runs = [{"request_id": 1, "token_times_s": [0.1, 0.165, 0.175, 0.18]},  # 65 ms, 10, 5
+            {"request_id": 2, "token_times_s": [0.1, 0.13, 0.145]},  # 2 tokens, 3 steps
+            {"request_id": 4, "token_times_s": [0.13, 0.147, 0.16]},
+            {"request_id": 5, "token_times_s": [0.2, 0.3]}]  # no step made its token: left out
+    for r in runs:
+        r["prompt_len"] = 8
+    got = {(g.log, g.kind): (g.num_gaps, g.num_long, round(g.step_p50_s, 3))
+           for g in gap_sources({"w0": prefill, "w1": decode}, runs)}
+    assert got == {("w0", "prompt slice"): (1, 1, 0.06), ("w0", "rows only"): (2, 0, 0.01),
+                   ("w1", "hand-off pulled"): (1, 0, 0.02),  # request 2's first there
+                   ("w1", "first here"): (1, 0, 0.01), ("w1", "rows only"): (2, 0, 0.01)}
+    sweep = tmp_path / "sweep.json"
+    sweep.write_text(json.dumps({"modes": [{"mode": "disaggregated", "points": [
+        {"workload": {"rate_rps": 1.0}, "records": runs}]}]}))
+    logs = []
+    for name, recs in (("dl.w0.jsonl", prefill), ("dl.w1.jsonl", decode)):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in recs))
+        logs.append(str(tmp_path / name))
+    main([*logs, "--records", str(sweep), "--gaps", "--gap-ms", "50"])
+    out = capsys.readouterr().out
+    assert out.startswith("7 gaps, 1 over 50 ms (14.3%)")
+    assert "  dl.w0.jsonl, prompt slice: 1 gaps (14.3%), 1 over; step p50 60.0 ms" in out
+    for argv in (["--gaps", *logs], [*logs, "--records", str(sweep), "--gaps", "--by-rows"]):
+        with pytest.raises(SystemExit):  # no records; not with --by-rows
+            main(argv)
