@@ -72,7 +72,19 @@ def test_random_tokens_join_to_the_full_decode(tok, detok) -> None:
             rng.choice(partial) if rng.random() < 0.5 else rng.randrange(5, len(tok))
             for _ in range(30)
         ]
-        assert "".join(_stream(tok, ids, detok)) == tok.decode(ids, skip_special_tokens=True)
+        assert "".join(_stream(tok, ids, detok)) == tok.decode(
+            ids, skip_special_tokens=True).rstrip(REPLACEMENT)  # a cut character: not sent
+
+
+def test_an_output_cut_within_a_character_ends_before_it(tok, detok) -> None:
+    """max_tokens reached inside a multi-byte character: the broken character is not sent
+    (vLLM holds it back to the end too). It was sent as U+FFFD at the end of the reply."""
+    ids = tok.encode("héllo 😀 日本語", add_special_tokens=False)
+    cuts = [n for n in range(1, len(ids)) if tok.decode(ids[:n]).endswith(REPLACEMENT)]
+    assert len(cuts) >= 3, "the test needs cuts that fall inside a character"
+    for n in cuts:
+        text = "".join(_stream(tok, ids[:n], detok))
+        assert REPLACEMENT not in text and text == tok.decode(ids[:n]).rstrip(REPLACEMENT)
 
 
 def test_special_tokens_are_skipped_and_leading_space_kept(tok, detok) -> None:

@@ -3,9 +3,10 @@
 Byte-level BPE splits multi-byte UTF-8 characters across tokens: decoding a prefix of such a
 token run yields U+FFFD. ``IncrementalDetokenizer`` holds such a tail back until the character
 is complete; ``StreamDetokenizer`` does the same with ``tokenizers``' ``DecodeStream`` (in Rust)
-and is what ``make_detokenizer`` picks for a fast tokenizer. ``StopMatcher`` holds back the
-last ``len(longest stop) - 1`` characters so no part of a stop string is ever sent, and cuts
-the text right before the first stop string found.
+and is what ``make_detokenizer`` picks for a fast tokenizer. A tail still broken when the
+output ends (``max_tokens`` reached within a character) is never sent, as in vLLM.
+``StopMatcher`` holds back the last ``len(longest stop) - 1`` characters so no part of a stop
+string is ever sent, and cuts the text right before the first stop string found.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ CONTEXT_TOKENS = 5
 
 class IncrementalDetokenizer:
     """Token ids in, text pieces out; the concatenated pieces equal decoding all ids at once
-    (for valid UTF-8). Special tokens are skipped unless ``skip_special_tokens`` is false."""
+    (for valid UTF-8), less any U+FFFD that ends it at ``final`` (a character the output cut).
+    Special tokens are skipped unless ``skip_special_tokens`` is false."""
 
     def __init__(
         self, tokenizer: Any, prompt_ids: list[int], *, skip_special_tokens: bool = True
@@ -54,7 +56,7 @@ class IncrementalDetokenizer:
             out = stable[self._partial :]
             self._partial = max(self._partial, len(stable))
             return out
-        out = new[self._partial :]
+        out = (new.rstrip(REPLACEMENT) if final else new)[self._partial :]
         self._prefix, self._read, self._partial = self._read, len(self._ids), 0
         return out
 
