@@ -236,6 +236,94 @@ def test_echo_opens_each_choice_with_its_prompt(client: openai.OpenAI) -> None:
     assert "".join(c.choices[0].text for c in chunks) == echoed.choices[0].text
 
 
+def test_chat_echo_repeats_a_final_assistant_message(client: openai.OpenAI) -> None:
+    """vLLM's chat ``echo``: the reply opens with the last message when it is the assistant's
+    (continue_final_message). It was ignored: the content was the new text alone."""
+    msgs = [{"role": "user", "content": "Tell me"}, {"role": "assistant", "content": "Once upon"}]
+    kw = dict(model=MODEL_NAME, messages=msgs, max_tokens=5, temperature=0)
+    body = {**EOS, "continue_final_message": True, "add_generation_prompt": False}
+    plain = client.chat.completions.create(**kw, extra_body=body).choices[0].message.content
+    echoed = client.chat.completions.create(**kw, extra_body={**body, "echo": True})
+    assert echoed.choices[0].message.content == "Once upon" + plain
+    chunks = list(client.chat.completions.create(**kw, extra_body={**body, "echo": True},
+                                                 stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Once upon" + plain
+    user_last = dict(model=MODEL_NAME, messages=msgs[:1], max_tokens=5, temperature=0)
+    assert (client.chat.completions.create(**user_last, extra_body={**EOS, "echo": True})
+            .choices[0].message.content
+            == client.chat.completions.create(**user_last, extra_body=EOS)
+            .choices[0].message.content)  # nothing to echo: the last message is the user's
+
+
+def test_return_token_ids_gives_the_prompt_and_output_ids(api: ApiHarness,
+                                                          client: openai.OpenAI) -> None:
+    """vLLM's ``return_token_ids`` (RL and agent frameworks read them): each completion choice
+    its ``prompt_token_ids`` and ``token_ids``, a chat response ``prompt_token_ids`` beside its
+    choices; streamed, the prompt's ids on the first chunk, each chunk its tokens. They were
+    missing (a KeyError in those clients)."""
+    tok = _tok(api)
+    kw = dict(model=MODEL_NAME, prompt="Once upon", max_tokens=6, temperature=0)
+    body = {**EOS, "return_token_ids": True}
+    out = client.completions.create(**kw, extra_body=body).choices[0].model_dump()
+    assert out["prompt_token_ids"] == tok("Once upon")["input_ids"]
+    assert len(out["token_ids"]) == 6 and tok.decode(out["token_ids"]) == out["text"]
+    chunks = [c.choices[0].model_dump() for c in
+              client.completions.create(**kw, extra_body=body, stream=True)]
+    assert chunks[0]["prompt_token_ids"] == out["prompt_token_ids"]
+    assert all(c.get("prompt_token_ids") is None for c in chunks[1:])
+    assert [t for c in chunks for t in c["token_ids"]] == out["token_ids"]
+    plain = client.completions.create(**kw, extra_body=EOS).choices[0].model_dump()
+    assert plain.get("token_ids") is None and plain.get("prompt_token_ids") is None
+
+    ckw = dict(model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
+               temperature=0)
+    chat = client.chat.completions.create(**ckw, extra_body=body).model_dump()
+    text = tok.apply_chat_template([{"role": "user", "content": "Hi"}],
+                                   add_generation_prompt=True, tokenize=False)
+    assert chat["prompt_token_ids"] == tok(text, add_special_tokens=False)["input_ids"]
+    assert tok.decode(chat["choices"][0]["token_ids"]) == chat["choices"][0]["message"]["content"]
+    streamed = [c.model_dump() for c in
+                client.chat.completions.create(**ckw, extra_body=body, stream=True)]
+    assert streamed[0]["prompt_token_ids"] == chat["prompt_token_ids"]
+    assert all(c.get("prompt_token_ids") is None for c in streamed[1:])
+    assert ([t for c in streamed for t in (c["choices"][0].get("token_ids") or [])]
+            == chat["choices"][0]["token_ids"])
+
+
+def test_return_tokens_as_token_ids_names_logprobs_tokens_by_id(client: openai.OpenAI) -> None:
+    """vLLM's ``return_tokens_as_token_ids``: logprobs name each token "token_id:N" (a byte
+    that is no character stays apart). It was ignored: the tokens' text came back."""
+    body = {**EOS, "return_tokens_as_token_ids": True, "return_token_ids": True}
+    kw = dict(model=MODEL_NAME, prompt="Once upon", max_tokens=5, temperature=0, logprobs=2)
+    out = client.completions.create(**kw, extra_body=body).choices[0]
+    ids = out.model_dump()["token_ids"]
+    assert out.logprobs.tokens == [f"token_id:{t}" for t in ids]
+    assert all(f"token_id:{t}" in top for t, top in zip(ids, out.logprobs.top_logprobs,
+                                                        strict=True))
+    named = client.completions.create(**kw, extra_body=EOS).choices[0]
+    assert out.logprobs.text_offset == named.logprobs.text_offset  # offsets: the text's
+    chat = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+        temperature=0, logprobs=True, top_logprobs=2, extra_body=body).choices[0]
+    assert [c.token for c in chat.logprobs.content] == [
+        f"token_id:{t}" for t in chat.model_dump()["token_ids"]]
+    assert all(a.token.startswith("token_id:") for c in chat.logprobs.content
+               for a in c.top_logprobs)
+
+
+@pytest.mark.parametrize("field,value", [("chat_template", "{{ messages[0]['content'] }}"),
+                                         ("prompt_embeds", "AAAA"), ("vllm_xargs", {"a": 1})])
+def test_request_fields_that_would_change_the_prompt_unseen_are_refused(
+        api: ApiHarness, field: str, value: object) -> None:
+    """A request's own chat template (vLLM refuses it unless told to trust them), prompt
+    embeddings and custom-processor arguments: a 400 naming the field. They were ignored with
+    a 200 (the server's template was used)."""
+    reply = raw_request(api.base_url, "POST", "/v1/chat/completions", {
+        "model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+        field: value})
+    assert reply.status == 400 and reply.json()["error"]["param"] == field
+
+
 def test_skip_special_tokens_false_shows_them(api: ApiHarness, client: openai.OpenAI) -> None:
     special = _tok(api).convert_tokens_to_ids("<|im_end|>")
     kw = dict(model=MODEL_NAME, prompt="Hi", max_tokens=3, logit_bias={str(special): 100})

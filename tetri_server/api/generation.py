@@ -163,8 +163,8 @@ class Generation:
         stop_reason: int | str | None = self._stops.matched if matched else None
         if stop_reason is None and stop_id not in self._backend.eos_token_ids:
             stop_reason = stop_id  # vLLM names a stop token id, not an EOS
-        if self._echo_pending:  # echo: the prompt opens the first piece (never stop-matched)
-            text, self._echo_pending = self.req.prompt_text + text, False
+        if self._echo_pending:  # echo: its text opens the first piece (never stop-matched)
+            text, self._echo_pending = self.req.echo_text + text, False
         reason = "stop" if matched else backend_reason
         if reason is not None:
             self._finish(reason, now)

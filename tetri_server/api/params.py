@@ -36,6 +36,9 @@ UNSUPPORTED_EXTRAS = (
     "guided_whitespace_pattern", "use_beam_search", "length_penalty",
     "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "logits_processors",
     "functions", "function_call",
+    # a request's own chat template (vLLM refuses it too unless the server trusts requests'
+    # templates), prompt embeddings, and arguments for custom logits processors
+    "chat_template", "prompt_embeds", "vllm_xargs",
 )
 
 
@@ -46,6 +49,7 @@ class Prompt:
     ids: list[int]
     text: str
     param: str
+    final_assistant: str = ""  # chat: the content of a last message by the assistant
 
 
 @dataclass(frozen=True)
@@ -67,7 +71,9 @@ class GenRequest:
     n: int = 1  # choices; choice i samples with choice_params(i)
     include_stop_str: bool = False  # include_stop_str_in_output
     skip_special_tokens: bool = True
-    echo: bool = False  # completions: the prompt text opens each choice
+    echo: bool = False  # echo_text opens each choice
+    # completions: the prompt's text; chat: a final assistant message's (vLLM's chat echo)
+    echo_text: str = ""
     # completions echo + logprobs=N: the prompt's tokens open the logprobs, N alternatives each
     echo_top: int | None = None
     prompt_top: int | None = None  # vLLM's prompt_logprobs=N: choice.prompt_logprobs
@@ -75,6 +81,8 @@ class GenRequest:
     tool_parser: str | None = None  # chat with tools and tool_choice=auto: parse replies
     forced_call: ForcedCall | None = None  # tool_choice required / a named function
     guide_param: str = ""  # the body field params.guide came from (a 400 names it)
+    return_token_ids: bool = False  # vLLM's: prompt_token_ids and each choice's token_ids
+    tokens_as_ids: bool = False  # return_tokens_as_token_ids: logprobs name "token_id:N"
 
     def choice_params(self, index: int) -> SamplingParams:
         """Choice ``index``'s parameters: a seeded request derives seed + index (wrapping in
@@ -248,13 +256,16 @@ def parse_request(
     continuous_usage = (options or {}).get("continuous_usage_stats") or False
     if not isinstance(continuous_usage, bool):
         raise bad_param("stream_options.continuous_usage_stats", "expected true or false")
-    echo = kind == "completion" and f.boolean("echo", False)
-    max_tokens = _max_tokens(f, kind, prompt, max_model_len, defaults, echo)
+    echo = f.boolean("echo", False)
+    echo_text = prompt.text if kind == "completion" else prompt.final_assistant
+    echo = echo and (kind == "completion" or bool(echo_text))
+    prompt_echo = echo and kind == "completion"  # the prompt's logprobs and max_tokens 0 too
+    max_tokens = _max_tokens(f, kind, prompt, max_model_len, defaults, prompt_echo)
     ignore_eos = f.boolean("ignore_eos", False)
     stop_ids = f.token_ids("stop_token_ids", vocab_size=vocab_size, max_items=MAX_STOP_TOKEN_IDS)
     if not ignore_eos:
         stop_ids += [i for i in extra_stop_ids if i not in stop_ids]
-    echo_top, prompt_top = _prompt_logprobs(f, kind, echo)
+    echo_top, prompt_top = _prompt_logprobs(f, kind, prompt_echo)
     wanted = [k for k in (echo_top, prompt_top) if k is not None]
     params = _sampling(f, kind, max_tokens, vocab_size, defaults, stop_ids, ignore_eos, guide,
                        max(wanted) if wanted else None)
@@ -278,10 +289,13 @@ def parse_request(
         skip_special_tokens=(f.boolean("skip_special_tokens", True)
                              and tool_parser not in TAGS_ARE_SPECIAL),
         echo=echo,
+        echo_text=echo_text if echo else "",
         echo_top=echo_top,
         prompt_top=prompt_top,
         prompt_only=max_tokens == 0,
         tool_parser=tool_parser,
         forced_call=forced_call,
         guide_param=guide_param,
+        return_token_ids=f.boolean("return_token_ids", False),
+        tokens_as_ids=f.boolean("return_tokens_as_token_ids", False),
     )

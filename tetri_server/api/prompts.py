@@ -261,4 +261,5 @@ def chat_prompt(
     ids = _check_encoded(encode(tokenizer, text, "messages", add_special_tokens=f.boolean(
         "add_special_tokens", False)), "messages", limits)
     user_text = "\n".join(m["content"] for m in messages if m["role"] == "user")
-    return Prompt(ids, user_text, "messages")
+    final = messages[-1]["content"] if messages and messages[-1]["role"] == "assistant" else ""
+    return Prompt(ids, user_text, "messages", final)

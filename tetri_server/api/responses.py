@@ -44,6 +44,7 @@ class ResponseBuilder:
         self.num_choices = num_choices  # prompts x n
         self._text_offset = [0] * num_choices  # per choice
         self._num_output = [0] * num_choices  # tokens streamed so far, per choice
+        self._ids_sent = [False] * num_choices  # return_token_ids: prompt ids sent, per choice
         # chat with tool_choice=auto: each choice's reply parsed for calls; with a forced call
         # the reply is the call (finish_reason: tool_calls, or stop for a named function)
         self._parsers: list[ReplyParser] | list[ForcedCallParser] | None = None
@@ -55,6 +56,13 @@ class ResponseBuilder:
         elif self.chat and req.tool_parser:
             self._parsers = [make_parser(req.tool_parser) for _ in range(num_choices)]
 
+    def _names(self, token_ids: list[int]) -> list[str]:
+        """Each token as logprobs name it: its own text, or "token_id:N" with vLLM's
+        ``return_tokens_as_token_ids`` (a token whose bytes are no character stays apart)."""
+        if self.req.tokens_as_ids:
+            return [f"token_id:{t}" for t in token_ids]
+        return token_texts(self._tok, token_ids)
+
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.req.model}
 
@@ -64,12 +72,11 @@ class ResponseBuilder:
         k = self.req.echo_top
         if k is None or prompt is None:
             return None
-        texts = token_texts(self._tok, self._prompt_ids[index])
+        texts = self._names(self._prompt_ids[index])
         tops: list[dict[str, float] | None] = [None]
         for t, lp, row in zip(texts[1:], prompt.logprobs, prompt.top, strict=True):
             alts = row[:k]
-            d = dict(zip(token_texts(self._tok, [i for i, _ in alts]), [v for _, v in alts],
-                         strict=True))
+            d = dict(zip(self._names([i for i, _ in alts]), [v for _, v in alts], strict=True))
             d.setdefault(t, lp)  # the prompt's own token is always among them
             tops.append(d)
         return texts, [None, *prompt.logprobs], tops
@@ -104,7 +111,7 @@ class ResponseBuilder:
         if logprobs is None and echoed is None:
             return None
         logprobs = logprobs if logprobs is not None else []
-        texts = token_texts(self._tok, token_ids)
+        texts = self._names(token_ids)
         # alternatives per token; without them (a backend that does not report them) the chosen
         # token alone, as before
         alts: list[list[tuple[str, float]]] = []
@@ -112,8 +119,7 @@ class ResponseBuilder:
             row = top[k] if top is not None and k < len(top) else []
             if self.req.params.top_logprobs and row:
                 ids = [i for i, _ in row]
-                alts.append(list(zip(token_texts(self._tok, ids), [v for _, v in row],
-                                     strict=True)))
+                alts.append(list(zip(self._names(ids), [v for _, v in row], strict=True)))
             else:
                 alts.append([(t, lp)] if not self.chat else [])
         if self.chat:
@@ -137,11 +143,13 @@ class ResponseBuilder:
             d.setdefault(t, lp)  # OpenAI: the chosen token is always in its own top_logprobs
             top_dicts.append(d)
         all_lps: list[float | None] = list(logprobs)
+        spelled = token_ids
         if echoed is not None:
             texts, all_lps, top_dicts = (echoed[0] + texts, echoed[1] + all_lps,
                                          echoed[2] + top_dicts)
+            spelled = self._prompt_ids[index] + token_ids
         offsets = []
-        for t in texts:
+        for t in (token_texts(self._tok, spelled) if self.req.tokens_as_ids else texts):
             offsets.append(self._text_offset[index])
             self._text_offset[index] += len(t)
         return {
@@ -178,13 +186,20 @@ class ResponseBuilder:
         choice["stop_reason"] = pieces[-1].stop_reason if pieces else None
         if self.req.prompt_top is not None:
             choice["prompt_logprobs"] = self._prompt_logprobs(index, prompt)
+        if self.req.return_token_ids:
+            if not self.chat:
+                choice["prompt_token_ids"] = self._prompt_ids[index]
+            choice["token_ids"] = [t for p in pieces for t in p.token_ids]
         return choice
 
     def full(
         self, choices: list[dict[str, Any]], num_prompt: int, num_output: int
     ) -> dict[str, Any]:
         obj = "chat.completion" if self.chat else "text_completion"
-        return {**self._head(obj), "choices": choices, "usage": usage(num_prompt, num_output)}
+        out = {**self._head(obj), "choices": choices, "usage": usage(num_prompt, num_output)}
+        if self.chat and self.req.return_token_ids:  # chat: once, beside the choices (vLLM)
+            out["prompt_token_ids"] = self._prompt_ids[0]
+        return out
 
     # ------------------------------------------------------------------ streaming
 
@@ -204,11 +219,14 @@ class ResponseBuilder:
         """Chat streams open with the assistant role of each choice (as OpenAI's do)."""
         if not self.chat:
             return []
-        return [
+        chunks = [
             self._chunk({"index": i, "delta": {"role": "assistant", "content": ""},
                          "logprobs": None, "finish_reason": None})
             for i in range(self.num_choices)
         ]
+        if self.req.return_token_ids:  # the stream's first chunk only (vLLM)
+            chunks[0]["prompt_token_ids"] = self._prompt_ids[0]
+        return chunks
 
     def chunk(self, piece: Piece) -> dict[str, Any] | None:
         """The SSE chunk for one piece, or None when it carries nothing. A piece with tokens
@@ -237,7 +255,8 @@ class ResponseBuilder:
                 choice["delta"]["tool_calls"] = _call_deltas(calls, before)
             if reason is not None and parser.calls:
                 reason = self._call_reason
-            if not choice["delta"] and reason is None and logprobs is None:
+            if (not choice["delta"] and reason is None and logprobs is None
+                    and not (self.req.return_token_ids and piece.token_ids)):
                 return None  # held back: may be the start of a call
         elif self.chat:
             choice["delta"] = ({"content": piece.text} if piece.text or piece.token_ids
@@ -249,6 +268,11 @@ class ResponseBuilder:
         choice["stop_reason"] = piece.stop_reason
         if prompt is not None and self.req.prompt_top is not None:
             choice["prompt_logprobs"] = self._prompt_logprobs(piece.index, prompt)
+        if self.req.return_token_ids:  # the delta's tokens; a completion's first chunk: prompt's
+            if not self.chat and not self._ids_sent[piece.index]:
+                choice["prompt_token_ids"] = self._prompt_ids[piece.index]
+                self._ids_sent[piece.index] = True
+            choice["token_ids"] = list(piece.token_ids)
         return self._chunk(choice)
 
     def usage_chunk(self, num_prompt: int, num_output: int) -> dict[str, Any]:
