@@ -123,6 +123,22 @@ def test_with_balance_keeps_only_where_the_tokens_come_faster():
     assert local.keep(0, 0, 256, blocked, gap_s=0.020)
 
 
+def test_with_loaded_x_keeps_only_while_every_decode_worker_is_past_its_fastest():
+    """``prefill.local_decode_loaded_x``: a decode side whose steps are near its fastest (10 ms
+    here) has nothing to gain from a kept request."""
+    local = LocalDecode(max_batch=8, balance=True, loaded_x=1.5)
+    assert local.keep(0, 0, 256, stepping(0.030), gap_s=0.012)
+    assert not local.keep(0, 0, 256, stepping(0.014), gap_s=0.012)  # 1.4x its fastest
+    assert local.keep(0, 0, 256, stepping(0.015), gap_s=0.012)  # 1.5x
+    assert not local.keep(0, 0, 256, stepping(0.030, 0.014), gap_s=0.012)  # one near it
+    no_step = DecodeView(1, [DecodeInstanceView(0, 500, 1000, 0, 9, 0, 0, 0.030, 0.0)])
+    assert not local.keep(0, 0, 256, no_step, gap_s=0.012)  # its fastest unknown
+    assert LocalDecode(max_batch=8, balance=True).keep(0, 0, 256, stepping(0.014), gap_s=0.012)
+    assert local.keep(0, 0, 256, None)  # no decode worker known: kept, as before
+    assert local_decode_of(dataclasses.replace(PrefillConfig(), local_decode_loaded_x=2.0)
+                           ).loaded_x == 2.0
+
+
 def test_with_balance_backlog_the_gap_decides_past_a_chunk_of_waiting_prompts():
     """``prefill.local_decode_balance_backlog``: more than a chunk of prompt tokens waiting
     refuses every request unless the key is on and the balance rule finds the gap here below

@@ -91,6 +91,11 @@ class PrefillConfig(_Section):
     decode worker prefills prompts (``LocalDecode.faster_here``). Off: level attainment on
     LPHD at 1.3 req/s, a loss on Mixed at 1.25-1.4 req/s (session 58, docs/benchmarks.md,
     "LPHD at 1.3 req/s: keeping past a prompt backlog")."""
+    local_decode_loaded_x: float = 0.0
+    """Elastic P/D: ... and only while every decode worker's recent step (the gap its requests
+    see) is at least this many times the fastest it has had (about its one-request step): a
+    decode side near its fastest has nothing to gain from a kept request, whose rows then wait
+    behind this worker's prompt chunks and slow its prompts. 0 = at any decode load."""
     local_decode_chunk: int = 128
     """Elastic P/D: the most tokens (the kept requests' decode rows and prompt slices) in a
     step of a prefill worker that decodes requests it kept, and (``decode.local_prefill_slice

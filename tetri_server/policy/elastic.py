@@ -83,6 +83,7 @@ class LocalDecode:
     full_chunk_share: float = 0.0  # below this prompt share, mixed steps: the chunk
     finish_tokens: int = 0  # a request of at most this many tokens finishes here (0: none)
     balance_backlog: bool = False  # with balance: the gap decides past a chunk of backlog too
+    loaded_x: float = 0.0  # keep only while every decode step is >= this x its fastest (0: any)
 
     def finishes_here(self, max_tokens: int) -> bool:
         """Whether a request with this output cap is short enough to finish on the prefill
@@ -197,6 +198,8 @@ class LocalDecode:
             return True
         if self.balance and not faster_than_decodes(view, gap_s):
             return False  # it decodes at least as fast there
+        if self.loaded_x > 0 and not decodes_loaded(view, self.loaded_x):
+            return False  # a decode side near its fastest: nothing to win here
         return num_local < min(d.num_heavy + d.num_light for d in view.decodes)
 
     def faster_here(self, view: DecodeSnapshot | None, short: bool, gap_s: float) -> bool:
@@ -205,6 +208,12 @@ class LocalDecode:
         return (self.balance_backlog and self.balance and not short and view is not None
                 and bool(view.decodes) and not all_prefilling(view)
                 and faster_than_decodes(view, gap_s))
+
+
+def decodes_loaded(view: DecodeSnapshot, x: float) -> bool:
+    """``loaded_x`` (``prefill.local_decode_loaded_x``): every decode worker's recent step is
+    at least ``x`` times the fastest it has had (one with no step yet is not loaded)."""
+    return all(d.fastest_step_s > 0 and d.step_s >= x * d.fastest_step_s for d in view.decodes)
 
 
 def faster_than_decodes(view: DecodeSnapshot, gap_s: float) -> bool:
@@ -237,6 +246,8 @@ class LocalDecodeKeys(Protocol):
     def local_finish_tokens(self) -> int: ...
     @property
     def local_decode_balance_backlog(self) -> bool: ...
+    @property
+    def local_decode_loaded_x(self) -> float: ...
 
 
 def local_decode_of(keys: LocalDecodeKeys) -> LocalDecode | None:
@@ -253,7 +264,8 @@ def local_decode_of(keys: LocalDecodeKeys) -> LocalDecode | None:
                        full_chunk_backlog=keys.local_decode_full_chunk_backlog,
                        full_chunk_share=keys.local_decode_full_chunk_share,
                        finish_tokens=keys.local_finish_tokens,
-                       balance_backlog=keys.local_decode_balance_backlog)
+                       balance_backlog=keys.local_decode_balance_backlog,
+                       loaded_x=keys.local_decode_loaded_x)
 
 
 def all_prefilling(view: DecodeSnapshot | None) -> bool:
