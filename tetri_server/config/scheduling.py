@@ -95,7 +95,9 @@ class PrefillConfig(_Section):
     """Elastic P/D: ... and only while every decode worker's recent step (the gap its requests
     see) is at least this many times the fastest it has had (about its one-request step): a
     decode side near its fastest has nothing to gain from a kept request, whose rows then wait
-    behind this worker's prompt chunks and slow its prompts. 0 = at any decode load."""
+    behind this worker's prompt chunks and slow its prompts. 0 = at any decode load. Off: 1.5
+    was level with the default on Mixed and LPHD in session 60 (docs/benchmarks.md, "Where the
+    p99 gap and the long prompts' TTFT go at light load")."""
     local_decode_chunk: int = 128
     """Elastic P/D: the most tokens (the kept requests' decode rows and prompt slices) in a
     step of a prefill worker that decodes requests it kept, and (``decode.local_prefill_slice
