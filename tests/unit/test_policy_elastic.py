@@ -139,6 +139,17 @@ def test_with_loaded_x_keeps_only_while_every_decode_worker_is_past_its_fastest(
                            ).loaded_x == 2.0
 
 
+def test_with_min_held_keeps_only_while_every_decode_worker_holds_that_many():
+    local = LocalDecode(max_batch=8, min_held=6)
+    assert local.keep(0, 0, 256, view(6)) and local.keep(0, 0, 256, view(9, 7))
+    assert not local.keep(0, 0, 256, view(5)) and not local.keep(0, 0, 256, view(9, 5))
+    assert not local.keep(6, 0, 256, view(6))  # as many here already
+    assert LocalDecode(max_batch=8).keep(0, 0, 256, view(2))  # off: any load
+    assert local.keep(0, 0, 256, None)  # no decode worker known: kept, as before
+    assert local_decode_of(dataclasses.replace(PrefillConfig(), local_decode_min_held=4)
+                           ).min_held == 4
+
+
 def test_with_balance_backlog_the_gap_decides_past_a_chunk_of_waiting_prompts():
     """``prefill.local_decode_balance_backlog``: more than a chunk of prompt tokens waiting
     refuses every request unless the key is on and the balance rule finds the gap here below

@@ -84,6 +84,7 @@ class LocalDecode:
     finish_tokens: int = 0  # a request of at most this many tokens finishes here (0: none)
     balance_backlog: bool = False  # with balance: the gap decides past a chunk of backlog too
     loaded_x: float = 0.0  # keep only while every decode step is >= this x its fastest (0: any)
+    min_held: int = 0  # keep only while every decode worker holds at least this many requests
 
     def finishes_here(self, max_tokens: int) -> bool:
         """Whether a request with this output cap is short enough to finish on the prefill
@@ -200,7 +201,8 @@ class LocalDecode:
             return False  # it decodes at least as fast there
         if self.loaded_x > 0 and not decodes_loaded(view, self.loaded_x):
             return False  # a decode side near its fastest: nothing to win here
-        return num_local < min(d.num_heavy + d.num_light for d in view.decodes)
+        held = min(d.num_heavy + d.num_light for d in view.decodes)
+        return num_local < held and held >= self.min_held
 
     def faster_here(self, view: DecodeSnapshot | None, short: bool, gap_s: float) -> bool:
         """``balance_backlog``: a long request's gap here (``gap_s``) is below every decode
@@ -248,6 +250,8 @@ class LocalDecodeKeys(Protocol):
     def local_decode_balance_backlog(self) -> bool: ...
     @property
     def local_decode_loaded_x(self) -> float: ...
+    @property
+    def local_decode_min_held(self) -> int: ...
 
 
 def local_decode_of(keys: LocalDecodeKeys) -> LocalDecode | None:
@@ -265,7 +269,8 @@ def local_decode_of(keys: LocalDecodeKeys) -> LocalDecode | None:
                        full_chunk_share=keys.local_decode_full_chunk_share,
                        finish_tokens=keys.local_finish_tokens,
                        balance_backlog=keys.local_decode_balance_backlog,
-                       loaded_x=keys.local_decode_loaded_x)
+                       loaded_x=keys.local_decode_loaded_x,
+                       min_held=keys.local_decode_min_held)
 
 
 def all_prefilling(view: DecodeSnapshot | None) -> bool:

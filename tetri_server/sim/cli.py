@@ -44,6 +44,7 @@ CONFIG_KEYS = {
     ("prefill", "local_decode_balance"): "local_decode_balance",
     ("prefill", "local_decode_balance_backlog"): "local_decode_balance_backlog",
     ("prefill", "local_decode_loaded_x"): "local_decode_loaded_x",
+    ("prefill", "local_decode_min_held"): "local_decode_min_held",
     ("prefill", "local_decode_chunk"): "local_decode_chunk",
     ("prefill", "local_decode_prompt_first"): "local_decode_prompt_first",
     ("prefill", "local_decode_full_chunk_backlog"): "local_decode_full_chunk_backlog",
@@ -79,6 +80,7 @@ FLAGS = {
     "local_decode_balance": "local_decode_balance",
     "local_decode_balance_backlog": "local_decode_balance_backlog",
     "local_decode_loaded_x": "local_decode_loaded_x",
+    "local_decode_min_held": "local_decode_min_held",
     "local_decode_chunk": "local_decode_chunk",
     "local_decode_prompt_first": "local_decode_prompt_first",
     "local_decode_full_chunk_backlog": "local_decode_full_chunk_backlog",
@@ -168,6 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--local-decode-loaded-x", type=float,
                    help="elastic: keep a request only while every decode instance's step is at "
                         "least this many times its fastest (0 = at any load)")
+    p.add_argument("--local-decode-min-held", type=int,
+                   help="elastic: keep a request only while every decode instance holds at "
+                        "least this many (0 = at any load)")
     p.add_argument("--local-decode-chunk", type=int,
                    help="elastic: most tokens of a prefill instance's step that carries its "
                         "kept requests' rows (0 = the chunk size)")

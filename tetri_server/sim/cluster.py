@@ -64,6 +64,7 @@ class SimConfig:
     local_decode_balance: bool = False  # ... and only where it decodes faster than on decode
     local_decode_balance_backlog: bool = False  # ... which then decides past a chunk of backlog
     local_decode_loaded_x: float = 0.0  # ... only while decode steps are >= x their fastest
+    local_decode_min_held: int = 0  # ... only while every decode instance holds this many
     local_decode_chunk: int = 0  # elastic: most tokens of a step with kept rows; 0 = chunk_size
     local_decode_prompt_first: bool = False  # elastic: a backlog within a mixed step: alone
     local_decode_full_chunk_backlog: int = 0  # ... beyond it, mixed steps take the chunk
