@@ -199,7 +199,7 @@ class DecodeConfig(_Section):
     would finish there sooner (the prefill worker has over a chunk more queued ahead of it than
     the decode worker), or when no prefill worker is serving, if the decode worker has room (its
     queued prompts and this one in half its free KV blocks); the decode worker prefills it in
-    slices of at most this many tokens riding in its decode steps (``policy/elastic.py``; keep
+    slices of at most this many tokens riding in its decode steps (``policy/local_prefill.py``; keep
     it >= the prefill chunk). 0: the strict split of the paper."""
     local_prefill_slice: LocalPrefillSlice = "chunk"
     """Elastic P/D: chunk = a decode worker's step also prefills at most the prefill workers'

@@ -34,10 +34,8 @@ from tetri_server.policy.dispatch import (
     TetriDispatcher,
 )
 from tetri_server.policy.elastic import (
-    DecodeRoom,
     LocalDecode,
     LocalDecodeKeys,
-    LocalPrefill,
     LocalSteps,
     PromptShare,
     StepTimes,
@@ -49,6 +47,7 @@ from tetri_server.policy.elastic import (
 from tetri_server.policy.flip import FlipPlan, FlipPolicy
 from tetri_server.policy.global_sched import LeastLoadedPicker
 from tetri_server.policy.knee import RIDER_CONTEXT, pick_chunk_size, throughput_curve
+from tetri_server.policy.local_prefill import DecodeRoom, LocalPrefill
 from tetri_server.policy.prefill import (
     PREFILL_ORDERS,
     ChunkSlice,

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 
-from tetri_server.policy.elastic import DecodeRoom, LocalPrefill
+from tetri_server.policy.local_prefill import DecodeRoom, LocalPrefill
 from tetri_server.policy.views import WorkerLoad
 
 
