@@ -100,8 +100,12 @@ def decode_only(rec: dict, nxt: dict) -> bool:
     (it drains its inbox, copying the KV, between two steps: with ``nxt`` admitting a
     request the pull is in ``rec``'s interval)."""
     return (bool(rec.get("run")) and not rec.get("slices") and not rec.get("recompute")
-            and not rec.get("recompute_tokens")
-            and not (nxt["kind"] == "decode_step" and nxt.get("admit")))
+            and not rec.get("recompute_tokens") and not admits(nxt))
+
+
+def admits(nxt: dict | None) -> bool:
+    """``nxt``, a decode worker's next step, admits a hand-off: its KV was pulled before it."""
+    return nxt is not None and nxt["kind"] == "decode_step" and bool(nxt.get("admit"))
 
 
 def by_rows(records: list[dict], prompt_lens: dict[int, int] | None = None,
@@ -186,8 +190,8 @@ def step_kind(rec: dict, nxt: dict | None, first_here: bool) -> str:
         return "prompt slice"
     if rec.get("recompute") or rec.get("recompute_tokens"):
         return "recompute"
-    if nxt is not None and nxt["kind"] == "decode_step" and nxt.get("admit"):
-        return "hand-off pulled"  # drained between this step and the next (``decode_only``)
+    if admits(nxt):
+        return "hand-off pulled"
     return "first here" if first_here else "rows only"
 
 

@@ -256,9 +256,8 @@ def parse_request(
     continuous_usage = (options or {}).get("continuous_usage_stats") or False
     if not isinstance(continuous_usage, bool):
         raise bad_param("stream_options.continuous_usage_stats", "expected true or false")
-    echo = f.boolean("echo", False)
     echo_text = prompt.text if kind == "completion" else prompt.final_assistant
-    echo = echo and (kind == "completion" or bool(echo_text))
+    echo = f.boolean("echo", False) and (kind == "completion" or bool(echo_text))
     prompt_echo = echo and kind == "completion"  # the prompt's logprobs and max_tokens 0 too
     max_tokens = _max_tokens(f, kind, prompt, max_model_len, defaults, prompt_echo)
     ignore_eos = f.boolean("ignore_eos", False)
