@@ -174,6 +174,29 @@ def test_named_tool_choice_calls_that_function(client: openai.OpenAI, stream: bo
     _check_calls([t for c in chunks for t in c.choices[0].delta.tool_calls or []], {"weather"})
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_echo_stays_out_of_a_forced_call(client: openai.OpenAI, stream: bool) -> None:
+    """Regression: chat ``echo`` put the final assistant message in front of the new text
+    before the tool-call parser read it, so a forced call's JSON no longer parsed: a 200 whose
+    content was the echo and the call's raw JSON, with no call. vLLM parses the new text alone
+    and opens the content with the echo."""
+    msgs = [*MSG, {"role": "assistant", "content": "Sure. "}]
+    kwargs: dict[str, Any] = {
+        "model": MODEL_NAME, "messages": msgs, "tools": TOOLS,
+        "tool_choice": {"type": "function", "function": {"name": "weather"}},
+        "temperature": 1.0, "seed": 9, "max_tokens": 120,
+        "extra_body": {"echo": True, "continue_final_message": True,
+                       "add_generation_prompt": False}}
+    if not stream:
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        assert choice.message.content == "Sure. "
+        _check_calls(choice.message.tool_calls, {"weather"})
+        return
+    chunks = [c for c in client.chat.completions.create(**kwargs, stream=True) if c.choices]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Sure. "
+    _check_calls([t for c in chunks for t in c.choices[0].delta.tool_calls or []], {"weather"})
+
+
 def _error(api: ApiHarness, body: dict[str, Any], path: str = "/v1/chat/completions"
            ) -> tuple[int, str, str]:
     reply = raw_request(api.base_url, "POST", path,

@@ -52,6 +52,9 @@ class Piece:
     # vLLM's stop_reason, on the last piece: the stop string matched, or the stop token id
     # (one of stop_token_ids, not an EOS) the backend stopped on; None otherwise
     stop_reason: int | str | None = None
+    # echo: this many characters open text (the first piece's), no part of the model's reply
+    # (a tool-call parser never reads them)
+    echo_len: int = 0
 
 
 class Generation:
@@ -163,15 +166,17 @@ class Generation:
         stop_reason: int | str | None = self._stops.matched if matched else None
         if stop_reason is None and stop_id not in self._backend.eos_token_ids:
             stop_reason = stop_id  # vLLM names a stop token id, not an EOS
+        echo_len = 0
         if self._echo_pending:  # echo: its text opens the first piece (never stop-matched)
             text, self._echo_pending = self.req.echo_text + text, False
+            echo_len = len(self.req.echo_text)
         reason = "stop" if matched else backend_reason
         if reason is not None:
             self._finish(reason, now)
         if not self.req.logprobs:
             logprobs = top_logprobs = None
         return Piece(text, list(token_ids), logprobs, reason, top_logprobs, self.index, prompt,
-                     stop_reason)
+                     stop_reason, echo_len)
 
     def _finish(self, reason: str, now: float) -> None:
         self.finish_reason = reason

@@ -172,8 +172,11 @@ class ResponseBuilder:
             tops = [x for p in pieces for x in (p.top_logprobs or [])]
             logprobs = self._logprobs(index, ids, lps[: len(ids)], tops or None, prompt)
         choice: dict[str, Any] = {"index": index}
-        if self._parsers is not None:
-            content, calls = self._parsers[index].feed(text, final=True)
+        if self._parsers is not None:  # the echo opens the content, unparsed (vLLM)
+            echo = "".join(p.text[: p.echo_len] for p in pieces)
+            content, calls = self._parsers[index].feed(
+                "".join(p.text[p.echo_len :] for p in pieces), final=True)
+            content = echo + content
             choice["message"] = {"role": "assistant", "content": content or None,
                                  "tool_calls": [c.as_dict() for c in calls]}
             finish_reason = self._call_reason if calls else finish_reason
@@ -249,7 +252,8 @@ class ResponseBuilder:
         if self._parsers is not None:
             parser = self._parsers[piece.index]
             before = len(parser.calls)
-            content, calls = parser.feed(piece.text, final=reason is not None)
+            content, calls = parser.feed(piece.text[piece.echo_len :], final=reason is not None)
+            content = piece.text[: piece.echo_len] + content
             choice["delta"] = {"content": content} if content else {}
             if calls:
                 choice["delta"]["tool_calls"] = _call_deltas(calls, before)
