@@ -39,9 +39,19 @@ CASES: list[tuple[str, str, Any, int, str | None, str]] = [
     ("prompt-empty-list", C, c(prompt=[]), 400, "prompt", "the prompt is empty"),
     ("prompt-batch-too-large", C, c(prompt=["a"] * 65), 400, "prompt", "at most 64 prompts"),
     # a lone surrogate (valid JSON) the tokenizer raises on: was a 500
-    ("prompt-lone-surrogate", C, c(prompt="a\ud800b"), 400, "prompt", "cannot encode"),
+    ("prompt-lone-surrogate", C, c(prompt="a\ud800b"), 400, "prompt", "lone UTF-16 surrogate"),
     ("chat-lone-surrogate", CHAT, chat(messages=[{"role": "user", "content": "a\ud800"}]),
-     400, "messages", "cannot encode"),
+     400, "messages[0].content", "lone UTF-16 surrogate"),
+    # ... and msgspec raises on, sending it to a worker: it ended the channel's writer (the
+    # worker got no message again); as a key too
+    ("guide-lone-surrogate", C, c(guided_regex="a\udc00"), 400, "guided_regex",
+     "lone UTF-16 surrogate"),
+    ("schema-key-lone-surrogate", CHAT, chat(response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "type": "object", "properties": {"\ud800": {"type": "string"}}}}}),
+     400, "response_format.json_schema.schema.properties", "lone UTF-16 surrogate"),
+    ("stop-lone-surrogate", C, c(stop=["ok", "\udfff"]), 400, "stop[1]",
+     "lone UTF-16 surrogate"),
     ("prompt-batch-bad-member", C, c(prompt=["a", 5]), 400, "prompt[1]", "expected a string"),
     ("prompt-batch-times-n", C, c(prompt=["a"] * 40, n=2), 400, "n", "more than 64 choices"),
     ("prompt-id-out-of-vocab", C, c(prompt=[5, 999999]), 400, "prompt", "outside the vocab"),

@@ -86,7 +86,47 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
         raise APIError(
             f"the request body must be a JSON object, not {json_type(body)}", code="invalid_json"
         )
+    if _SURROGATE_ESCAPE.search(raw):
+        where = lone_surrogate_at(body)
+        if where is not None:
+            raise APIError(
+                f"{where or 'the request body'} holds a lone UTF-16 surrogate (an escape such "
+                "as \\ud800 without its pair): not text that can be encoded",
+                param=where or None, code="invalid_unicode")
     return body
+
+
+# The escape of a UTF-16 surrogate, paired or not: json.loads turns a lone one into a string no
+# UTF-8 can carry (the tokenizer, the channel to a worker and a grammar compiler raise on it).
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def lone_surrogate_at(value: Any, path: str = "") -> str | None:
+    """The path of the first string in a parsed body that holds a lone surrogate (a key
+    counts as its object's: ``""`` is the body itself), or None when none does."""
+    if isinstance(value, str):
+        return None if _encodes(value) else path
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not _encodes(key):
+                return path
+            found = lone_surrogate_at(item, f"{path}.{key}" if path else key)
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            found = lone_surrogate_at(item, f"{path}[{i}]")
+            if found is not None:
+                return found
+    return None
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def json_type(value: Any) -> str:

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from tetri_server.channel import cleanup_stale_segments, new_run_id
+from tetri_server.channel import MessageTooLarge, cleanup_stale_segments, new_run_id
 from tetri_server.config import Config
 from tetri_server.control.accounting import RequestAccounting
 from tetri_server.control.flip import FlipController
@@ -246,11 +246,16 @@ class Cluster:
         for req in self.table.take_parked():  # parked again if none can take it: the
             self.router.route(req)  # deadline of its first park stands
 
-    def _undeliverable(self, msg: object, error: str) -> None:
+    def _undeliverable(self, msg: object, error: Exception) -> None:
         req = self.table.get(getattr(msg, "req_id", -1))
-        if req is not None:
+        if req is None:
+            return
+        if isinstance(error, MessageTooLarge):
             self.fail(req, RequestTooLargeError(f"request too large for the worker channel "
                                                 f"({error})"))
+        else:  # the API's checks let through what the channel cannot encode: a bug of ours
+            self.fail(req, GenerationError(f"the request could not be sent to a worker "
+                                           f"({type(error).__name__}: {error})"))
 
     # ------------------------------------------------------------------ deaths
 
@@ -268,6 +273,8 @@ class Cluster:
                 req.src = -1  # the decode worker's mapping of the dead pool stays valid
             if req.owner == h.worker_id and req.state not in DONE:
                 self.router.rerun(req)
+        if h.role == "decode":
+            self.router.bound_waits()
         self._broadcast_pools()
 
     # ------------------------------------------------------------------ the monitor tick

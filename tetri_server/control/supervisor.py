@@ -21,7 +21,7 @@ from typing import Any
 
 import msgspec
 
-from tetri_server.channel import AsyncReceiver, Channel, MessageTooLarge, unlink_segment
+from tetri_server.channel import AsyncReceiver, Channel, unlink_segment
 from tetri_server.config import Config
 from tetri_server.control.restarts import RestartPolicy
 from tetri_server.messages import FromWorker, PoolHandle, Shutdown, ToWorker, WorkerSpec
@@ -53,8 +53,9 @@ class WorkerHandle:
     last_heard_s: float = field(default_factory=time.monotonic)  # any message (load reports)
     stalled: bool = False  # silent past monitor.stall_timeout_s: killed, not to be used
     start_error: str | None = None  # its StartFailed: why it exits before it is ready
-    # called with a message that can never fit the worker's ring (the rest keep flowing)
-    on_undeliverable: Callable[[ToWorker, str], None] | None = None
+    # called with a message that can never be sent (larger than the worker's ring, or
+    # not encodable) and why; the messages after it keep flowing
+    on_undeliverable: Callable[[ToWorker, Exception], None] | None = None
     _outgoing: asyncio.Queue[ToWorker] = field(default_factory=asyncio.Queue)
     _writer: asyncio.Task[None] | None = None
 
@@ -74,16 +75,16 @@ class WorkerHandle:
             msg = await self._outgoing.get()
             try:
                 await self.inbox.send_async(msg, timeout_s=SEND_TIMEOUT_S)
-            except MessageTooLarge as e:
-                log.error("worker %d: %s does not fit its ring: %s", self.worker_id,
-                          type(msg).__name__, e)
-                if self.on_undeliverable is not None:
-                    self.on_undeliverable(msg, str(e))
             except TimeoutError:
                 log.error("worker %d inbox stayed full for %.0f s; killing it", self.worker_id,
                           SEND_TIMEOUT_S)
                 self.proc.kill()
                 return
+            except Exception as e:  # too large, or not encodable: this one alone is lost
+                log.error("worker %d: %s cannot be sent (%s: %s)", self.worker_id,
+                          type(msg).__name__, type(e).__name__, e)
+                if self.on_undeliverable is not None:
+                    self.on_undeliverable(msg, e)
 
 
 def spawn_worker(worker_id: int, role: str, generation: int, run_id: str,
@@ -161,7 +162,7 @@ class Supervisor:
 
     def __init__(self, cfg: Config, on_message: Callable[[WorkerHandle, FromWorker], None],
                  on_death: Callable[[WorkerHandle, int | None], None],
-                 on_undeliverable: Callable[[ToWorker, str], None], metrics: Any) -> None:
+                 on_undeliverable: Callable[[ToWorker, Exception], None], metrics: Any) -> None:
         c = cfg.cluster
         self.cfg = cfg
         self.workers: dict[int, WorkerHandle] = {}
