@@ -304,6 +304,34 @@ async def test_without_a_restart_requests_get_a_retryable_error_in_bounded_time(
         await cluster.stop()
 
 
+async def test_a_request_on_the_prefill_worker_when_the_decode_worker_dies_gets_a_503_in_time(
+        tiny_llama):
+    """Regression: a request routed while the decode worker was up had no bound on its wait
+    for one. When the only decode worker then died (no restart), it waited on the prefill
+    worker until server.request_timeout_s (600 s) and got a 500, where one routed a moment
+    later got the documented 503 after ``cluster.worker_wait_s``."""
+    cluster = make_cluster(tiny_llama, "disaggregated", "cluster.restart_workers=false",
+                           "cluster.worker_wait_s=2", *STRICT_SPLIT)
+    prompt = random_prompts(1, 8000, (20, 20), seed=42)[0]
+    await cluster.start()
+    try:
+        kill(cluster, 0, signal.SIGSTOP)  # the request waits in the prefill worker's inbox
+        task = asyncio.ensure_future(collect(cluster, prompt, GREEDY))
+        await until(lambda: any(r.owner == 0 for r in cluster.requests.values()), 10,
+                    "the request is routed to the prefill worker")
+        kill(cluster, 1)
+        await until(lambda: not cluster.workers[1].alive, 10, "the kill is seen")
+        kill(cluster, 0, signal.SIGCONT)
+        t0 = asyncio.get_running_loop().time()
+        with pytest.raises(WorkerUnavailableError):
+            await asyncio.wait_for(task, 60)
+        assert asyncio.get_running_loop().time() - t0 < 30
+        assert cluster.requests == {}
+    finally:
+        kill(cluster, 0, signal.SIGCONT)
+        await cluster.stop()
+
+
 async def test_with_the_prefill_worker_gone_the_decode_worker_serves_new_prompts(tiny_llama):
     """Elastic P/D (the default): while no prefill worker is serving, a new prompt goes to a
     decode worker with room, which prefills and decodes it itself, instead of waiting for a

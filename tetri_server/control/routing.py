@@ -125,6 +125,17 @@ class Router:
     def deadline(self) -> float:
         return time.monotonic() + self.cfg.cluster.worker_wait_s
 
+    def bound_waits(self) -> None:
+        """No decode worker serves any more (the last one died): the requests on prefill
+        workers wait for one at most ``cluster.worker_wait_s`` from now, as those routed during
+        the outage do (``route``); a token streamed or a decode worker back lifts the bound."""
+        if self.has_live("decode"):
+            return
+        deadline = self.deadline()
+        for req in self.table:
+            if req.state is ReqState.PREFILL and req.wait_deadline_s is None:
+                req.wait_deadline_s = deadline
+
     def forward_handoff(self, src: WorkerHandle, msg: Handoff) -> None:
         req = self.table.get(msg.req_id)
         if req is None:
