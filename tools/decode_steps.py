@@ -203,9 +203,14 @@ def gap_sources(logs: dict[str, list[dict]], runs: list[dict],
     number of long gaps."""
     made: dict[int, list[tuple[float, str, dict, dict | None]]] = defaultdict(list)
     for name, records in logs.items():
-        steps = [r for r in records if r.get("kind") in STEP_KINDS]
-        for rec, nxt in zip(steps, [*steps[1:], None], strict=True):
-            for req in rec.get("run") or []:
+        steps: list[tuple[dict, list[int]]] = []  # a step and the rows that ran in it
+        for r in records:
+            if r.get("kind") in STEP_KINDS:
+                steps.append((r, list(r.get("run") or [])))
+            elif r.get("kind") == "rows_wait" and steps:  # planned, not run: no token there
+                steps[-1][1][:] = [q for q in steps[-1][1] if q not in set(r.get("ids") or [])]
+        for (rec, ran), (nxt, _) in zip(steps, [*steps[1:], (None, [])], strict=True):
+            for req in ran:
                 made[req].append((rec["t"], name, rec, nxt))
     gaps: dict[tuple[str, str], list[tuple[float, float | None]]] = defaultdict(list)
     for run in runs:

@@ -144,3 +144,20 @@ def test_gaps_are_put_on_the_step_that_made_the_later_token(tmp_path, capsys) ->
     for argv in (["--gaps", *logs], [*logs, "--records", str(sweep), "--gaps", "--by-rows"]):
         with pytest.raises(SystemExit):  # no records; not with --by-rows
             main(argv)
+
+
+def test_rows_that_waited_made_no_token_in_that_step() -> None:
+    """Regression: a step's row that could not run (``rows_wait``: its blocks split by pinned
+    extents) was counted as having made a token there, so each later gap of that request was
+    put on the step before the one that made it (here the prompt slice's, not the next)."""
+    from decode_steps import gap_sources
+
+    prefill = [{"kind": "mixed_step", "t": 0.0, "run": [1]},
+               {"kind": "mixed_step", "t": 0.01, "run": [1], "slices": [[3, 0, 64]]},
+               {"kind": "rows_wait", "ids": [1]},
+               {"kind": "mixed_step", "t": 0.06, "run": [1]},
+               {"kind": "mixed_step", "t": 0.07, "run": [1]}]
+    runs = [{"request_id": 1, "prompt_len": 8, "token_times_s": [0.0, 0.005, 0.065]}]
+    got = {(g.log, g.kind): (g.num_gaps, g.num_long)
+           for g in gap_sources({"w0": prefill}, runs)}
+    assert got == {("w0", "first here"): (1, 0), ("w0", "rows only"): (1, 1)}
