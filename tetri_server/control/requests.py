@@ -55,6 +55,9 @@ class Request:
     # its re-run (a prefill step's and a decode step's: either kind may be what crashed)
     suspect: bool = False
     suspect_clear_at: int = 0  # len(output_ids) that clears ``suspect``
+    # withdrawn from this worker (``Router.withdraw``): its tokens of that attempt may still be
+    # on their way, so the request is never routed back to it (-1: none)
+    avoid: int = -1
     queue: asyncio.Queue[TokenDelta | GenerationError] = field(default_factory=asyncio.Queue)
 
 

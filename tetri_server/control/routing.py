@@ -48,7 +48,7 @@ class Router:
         already streamed, so the stream continues where it stopped. With no live worker to take
         it, it waits (bounded) for one."""
         prompt = req.prompt_ids + req.output_ids
-        wid = self.monitor.pick(len(prompt))
+        wid = self.monitor.pick(len(prompt), avoid=req.avoid)
         if wid is None:
             self.table.park(req, self.deadline())
             return
@@ -110,10 +110,12 @@ class Router:
     def withdraw(self, req: Request) -> None:
         """Re-run a request whose hand-off source died where the decode worker's mapping
         does not outlive it (CUDA IPC): that worker drops it (its tokens from now on are a
-        stale owner's, which control ignores) and it runs again from what was streamed."""
+        stale owner's, which control ignores while it runs elsewhere: it never runs there
+        again, ``Request.avoid``) and it runs again from what was streamed."""
         owner = self.workers.get(req.owner)
         if owner is not None and owner.alive:
             owner.post(Abort(req.req_id))
+        req.avoid = req.owner
         self.rerun(req)
 
     def has_live(self, role: str) -> bool:
