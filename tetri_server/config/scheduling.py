@@ -101,10 +101,10 @@ class PrefillConfig(_Section):
     local_decode_min_held: int = 0
     """Elastic P/D: ... and only while every decode worker holds at least this many requests (a
     decode side with a small batch steps near its fastest: a kept request gains little there,
-    and its rows wait behind this worker's prompt chunks). 0 = at any decode load. Off for now:
-    6 held a lower or level p99 gap and mostly lower JCT on Mixed and LPHD in two runs in session
-    60, within the default's own spread (docs/benchmarks.md, "Where the p99 gap and the long
-    prompts' TTFT go at light load")."""
+    and its rows wait behind this worker's prompt chunks). 0 = at any decode load. Off: 6 held
+    a lower or level p99 gap and mostly lower JCT on Mixed and LPHD in two runs in session 60; a
+    third run and the other three workloads did not hold it up in session 61
+    (docs/benchmarks.md, "Keeping only while the decode worker holds 6 requests, again")."""
     local_decode_chunk: int = 128
     """Elastic P/D: the most tokens (the kept requests' decode rows and prompt slices) in a
     step of a prefill worker that decodes requests it kept, and (``decode.local_prefill_slice
