@@ -208,7 +208,8 @@ def gap_sources(logs: dict[str, list[dict]], runs: list[dict],
             if r.get("kind") in STEP_KINDS:
                 steps.append((r, list(r.get("run") or [])))
             elif r.get("kind") == "rows_wait" and steps:  # planned, not run: no token there
-                steps[-1][1][:] = [q for q in steps[-1][1] if q not in set(r.get("ids") or [])]
+                waited = set(r.get("ids") or [])
+                steps[-1][1][:] = [q for q in steps[-1][1] if q not in waited]
         for (rec, ran), (nxt, _) in zip(steps, [*steps[1:], (None, [])], strict=True):
             for req in ran:
                 made[req].append((rec["t"], name, rec, nxt))
