@@ -13,7 +13,11 @@ from tetri_server.config import load_config
 from tetri_server.control.cluster import Cluster
 from tetri_server.control.requests import ReqState
 from tetri_server.messages import (
+    Abort,
+    AddRequest,
+    Handoff,
     KVPulled,
+    LoadReport,
     RequestFailed,
     SamplingParams,
     StepOutput,
@@ -94,10 +98,78 @@ def test_a_suspect_is_cleared_by_a_decode_steps_token_not_by_its_prefill_token()
             router.rerun(req)
         assert posted == [a.req_id]  # b waits for a's trial
         cluster._on_step_output(worker(0),  # type: ignore[arg-type]
-                                StepOutput(0, [TokenDelta(a.req_id, [7])]))  # prefill's token
+                                StepOutput(0, [TokenDelta(a.wire_id, [7])]))  # prefill's token
         assert a.suspect and posted == [a.req_id]
         cluster._on_step_output(worker(0),  # type: ignore[arg-type]
-                                StepOutput(0, [TokenDelta(a.req_id, [8])]))  # a decode step's
+                                StepOutput(0, [TokenDelta(a.wire_id, [8])]))  # a decode step's
         assert not a.suspect and posted == [a.req_id, b.req_id]
+
+    asyncio.run(main())
+
+
+def live(wid: int, role: str, posted: list[object]) -> SimpleNamespace:
+    """A serving worker as the router and handlers read it; what control sends it is kept."""
+    return SimpleNamespace(worker_id=wid, role=role, is_ready=True, alive=True, pool=None,
+                           chunk_size=64 if role == "prefill" else 0, post=posted.append)
+
+
+def idle_report(wid: int, role: str) -> LoadReport:
+    return LoadReport(worker_id=wid, role=role, num_waiting=0, num_running=0,
+                      num_queued_prompt_tokens=0, num_free_blocks=100, num_total_blocks=100,
+                      num_heavy=0, num_light=0, predicted_demand_blocks=0, busy_s=0.0)
+
+
+def test_a_withdrawn_attempt_handed_to_the_same_decode_worker_again_keeps_its_tokens_out(
+        ) -> None:
+    """Regression (review of session 61): a hand-off withdrawn from a decode worker (CUDA IPC,
+    its prefill worker dead) re-ran on another prefill worker, which handed it to that same
+    decode worker again. A token of the old attempt, from a step still in flight there when
+    the Abort came, then arrived from the request's owner and counted as the re-run's: a token
+    twice, HTTP 200. Each attempt now has its own id on the wire, and the old one's messages
+    (a token, a KVPulled) are ignored."""
+
+    async def main() -> None:
+        cluster = unstarted()
+        posted: dict[int, list[object]] = {0: [], 1: [], 2: []}
+        for wid, role in ((0, "prefill"), (1, "decode"), (2, "prefill")):
+            cluster.workers[wid] = live(wid, role, posted[wid])  # type: ignore[assignment]
+            cluster.monitor.on_report(cluster.workers[wid], idle_report(wid, role))
+        cluster.workers[2].is_ready = False  # the second prefill worker comes up later
+        req = cluster.table.add([1, 2, 3], SamplingParams(max_tokens=8), "", None)
+        cluster.router.route(req)
+        first = posted[0][-1]
+        assert isinstance(first, AddRequest)
+        old = first.req_id
+
+        def handoff(wire_id: int, src: int) -> Handoff:
+            return Handoff(wire_id, src, [0], [1, 2, 3, *req.output_ids], 3, SamplingParams(),
+                           0, 8, req.arrival_s, dst_worker=1)
+
+        def tokens(wid: int, wire_id: int, token: int) -> None:
+            cluster._on_step_output(cluster.workers[wid],  # type: ignore[arg-type]
+                                    StepOutput(wid, [TokenDelta(wire_id, [token])]))
+
+        tokens(0, old, 5)  # the prefill step's token
+        cluster.router.forward_handoff(cluster.workers[0], handoff(old, 0))  # type: ignore[arg-type]
+        cluster.router.on_kv_pulled(cluster.workers[1], KVPulled(old))  # type: ignore[arg-type]
+        tokens(1, old, 6)  # a decode step's
+        assert req.output_ids == [5, 6]
+        req.state, req.src = ReqState.HANDOFF, 0  # (as if the pull were still under way)
+        cluster.workers[0].alive = cluster.workers[0].is_ready = False
+        cluster.workers[2].is_ready = True
+        cluster.router.withdraw(req)  # the prefill worker died under the hand-off
+        assert [m.req_id for m in posted[1] if isinstance(m, Abort)] == [old]
+        again = posted[2][-1]
+        assert isinstance(again, AddRequest) and again.prompt_ids == [1, 2, 3, 5, 6]
+        new = again.req_id
+        tokens(2, new, 7)  # the re-run's prefill token
+        cluster.router.forward_handoff(cluster.workers[2], handoff(new, 2))  # type: ignore[arg-type]
+        assert req.owner == 1 and req.state is ReqState.HANDOFF  # the same decode worker
+        tokens(1, old, 7)  # the old attempt's step, in flight when the Abort came
+        cluster.router.on_kv_pulled(cluster.workers[1], KVPulled(old))  # type: ignore[arg-type]
+        assert req.output_ids == [5, 6, 7] and req.state is ReqState.HANDOFF
+        cluster.router.on_kv_pulled(cluster.workers[1], KVPulled(new))  # type: ignore[arg-type]
+        tokens(1, new, 8)
+        assert req.output_ids == [5, 6, 7, 8] and req.state is ReqState.DECODE
 
     asyncio.run(main())

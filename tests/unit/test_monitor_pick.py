@@ -15,7 +15,7 @@ from tetri_server.control.monitor import Monitor
 from tetri_server.control.requests import ReqState
 from tetri_server.control.routing import Router
 from tetri_server.control.table import RequestTable
-from tetri_server.messages import LoadReport, SamplingParams
+from tetri_server.messages import Abort, AddRequest, LoadReport, SamplingParams
 from tetri_server.metrics import Metrics
 
 BY_LOAD = ("decode.local_prefill_margin=1",)  # prompts to a decode worker by load
@@ -186,12 +186,13 @@ def test_a_request_routed_in_a_decode_outage_waits_bounded_only_while_it_lasts()
     assert table.expired(late + 1, decode_serving=True) == [parked]
 
 
-def test_a_request_withdrawn_from_a_decode_worker_is_not_routed_back_to_it() -> None:
-    """Regression (review of session 61): with CUDA IPC and elastic P/D, a hand-off withdrawn
-    because its prefill worker died re-ran at once; with no prefill worker serving, the pick
-    chose the decode worker it was withdrawn from, whose tokens of the old attempt, still on
-    their way, then counted as the re-run's (the owner matched): a token twice in the reply.
-    Now it waits for another worker (bounded by cluster.worker_wait_s)."""
+def test_a_request_withdrawn_from_a_decode_worker_may_run_again_there_as_a_new_attempt(
+        ) -> None:
+    """With CUDA IPC and elastic P/D, a hand-off withdrawn because its prefill worker died
+    re-runs at once; with no prefill worker serving, the pick may choose the decode worker it
+    was withdrawn from. It gets the Abort of the old attempt and then the re-run under a new
+    id (session 61 parked it instead, until another worker came; the ids now keep the old
+    attempt's tokens out: ``test_control_owner``)."""
     cfg = load_config(None, ["cluster.mode=disaggregated", "cluster.elastic=on"])
     posted: dict[int, list[object]] = {0: [], 1: []}
     workers = {0: SimpleNamespace(worker_id=0, role="prefill", is_ready=False, chunk_size=64,
@@ -202,19 +203,14 @@ def test_a_request_withdrawn_from_a_decode_worker_is_not_routed_back_to_it() -> 
     router = Router(cfg, workers, set(), RequestTable(workers, 100), monitor,
                     RequestAccounting(cfg, Metrics("m")), lambda: None)
     monitor.on_report(workers[1], report(1, "decode", 0))
-    fresh = router.table.add([1] * 10, SamplingParams(max_tokens=4), "", None)
-    router.route(fresh)
-    assert fresh.owner == 1  # the prefill worker is down: the decode worker prefills it
     req = router.table.add([1] * 10, SamplingParams(max_tokens=4), "", None)
     req.owner, req.src, req.state = 1, 0, ReqState.HANDOFF
+    old = req.wire_id
     router.withdraw(req)
-    assert [type(m).__name__ for m in posted[1]] == ["AddRequest", "Abort"]
-    assert req.owner == -1 and req.wait_deadline_s is not None  # parked, bounded
-    workers[0].is_ready = workers[0].alive = True  # the prefill worker is back
-    monitor.on_report(workers[0], report(0, "prefill", 0))
-    for parked in router.table.take_parked():
-        router.route(parked)
-    assert req.owner == 0 and [type(m).__name__ for m in posted[0]] == ["AddRequest"]
+    abort, again = posted[1]
+    assert isinstance(abort, Abort) and abort.req_id == old
+    assert isinstance(again, AddRequest) and again.req_id == req.wire_id != old
+    assert req.owner == 1 and req.state is ReqState.PREFILL and posted[0] == []
 
 
 def test_dropped_waiting_kv_is_its_own_counter_not_a_preemption() -> None:

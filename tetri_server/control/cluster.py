@@ -192,7 +192,7 @@ class Cluster:
     def _on_step_output(self, h: WorkerHandle, msg: StepOutput) -> None:
         now = time.monotonic()
         for d in msg.deltas:
-            req = self.table.get(d.req_id)
+            req = self.table.of(d.req_id)
             if req is None or req.owner != h.worker_id:
                 continue  # gone, or re-run elsewhere: a stale owner's tokens are not its
             if d.prompt_logprobs is not None:
@@ -214,7 +214,7 @@ class Cluster:
         h.start_error = msg.error  # reap() names it when the worker's exit fails h.ready
 
     def _on_request_failed(self, h: WorkerHandle, msg: RequestFailed) -> None:
-        req = self.table.get(msg.req_id)
+        req = self.table.of(msg.req_id)
         if req is not None and h.worker_id in (req.owner, req.src):  # not a stale owner's
             self.fail(req, InvalidRequestError(msg.error) if msg.invalid else msg.error)
 
@@ -223,7 +223,7 @@ class Cluster:
         crashed step, fail alone; the others are re-run when the worker's exit is seen, one at
         a time (``Router.next_suspect``), so a second crash names the one to blame."""
         for req_id in msg.req_ids:
-            req = self.table.get(req_id)
+            req = self.table.of(req_id)
             if req is None:
                 continue
             if len(msg.req_ids) == 1 or req.suspect:
@@ -247,7 +247,7 @@ class Cluster:
             self.router.route(req)  # deadline of its first park stands
 
     def _undeliverable(self, msg: object, error: Exception) -> None:
-        req = self.table.get(getattr(msg, "req_id", -1))
+        req = self.table.of(getattr(msg, "req_id", -1))
         if req is None:
             return
         if isinstance(error, MessageTooLarge):

@@ -100,10 +100,10 @@ class Monitor:
         """Ready and not draining (flipping): control may send it work."""
         return self.workers[worker_id].is_ready and worker_id not in self.draining
 
-    def pick(self, num_prompt_tokens: int, avoid: int = -1) -> int | None:
+    def pick(self, num_prompt_tokens: int) -> int | None:
         """The least-loaded serving entry worker (prefill, or coupled; elastic: or a decode
-        worker that prefills it sooner) but ``avoid``, or None."""
-        down = [w for w in self.workers if not self.serving(w) or w == avoid]
+        worker that prefills it sooner), or None."""
+        down = [w for w in self.workers if not self.serving(w)]
         chunks = {w: h.chunk_size for w, h in self.workers.items() if h.chunk_size}
         return self.picker.pick(num_prompt_tokens, exclude=down, chunk_sizes=chunks)
 

@@ -24,6 +24,10 @@ class ReqState(enum.Enum):
 
 DONE = (ReqState.FINISHED, ReqState.FAILED, ReqState.ABORTED)
 
+# Workers know a request by its id with its attempt (``Request.num_reruns``) above this bit.
+ATTEMPT_SHIFT = 40
+ID_MASK = (1 << ATTEMPT_SHIFT) - 1
+
 
 @dataclass(eq=False)
 class Request:
@@ -55,10 +59,14 @@ class Request:
     # its re-run (a prefill step's and a decode step's: either kind may be what crashed)
     suspect: bool = False
     suspect_clear_at: int = 0  # len(output_ids) that clears ``suspect``
-    # withdrawn from this worker (``Router.withdraw``): its tokens of that attempt may still be
-    # on their way, so the request is never routed back to it (-1: none)
-    avoid: int = -1
     queue: asyncio.Queue[TokenDelta | GenerationError] = field(default_factory=asyncio.Queue)
+
+    @property
+    def wire_id(self) -> int:
+        """The id its workers know this attempt by (in every message both ways): a message
+        about an attempt that was re-run, still on its way from a worker that was told to
+        drop it, never counts for the next attempt, even one on that same worker."""
+        return self.req_id | (self.num_reruns << ATTEMPT_SHIFT)
 
 
 class StreamOwner(Protocol):

@@ -48,7 +48,7 @@ class Router:
         already streamed, so the stream continues where it stopped. With no live worker to take
         it, it waits (bounded) for one."""
         prompt = req.prompt_ids + req.output_ids
-        wid = self.monitor.pick(len(prompt), avoid=req.avoid)
+        wid = self.monitor.pick(len(prompt))
         if wid is None:
             self.table.park(req, self.deadline())
             return
@@ -63,7 +63,7 @@ class Router:
         req.prompt_part = None  # a re-run computes the prompt's logprobs again from the start
         req.wait_deadline_s = None if self.has_live("decode") else self.deadline()
         to_decode = self.disaggregated and self.workers[wid].role == "decode"
-        self.workers[wid].post(AddRequest(req.req_id, prompt, params, req.arrival_s,
+        self.workers[wid].post(AddRequest(req.wire_id, prompt, params, req.arrival_s,
                                           req.true_output_len, req.prompt_text,
                                           self.monitor.picker.stamp(wid),
                                           self.monitor.prefill_chunk() if to_decode else 0))
@@ -74,7 +74,7 @@ class Router:
         """Re-run a request whose worker died, from its prompt plus what was streamed."""
         src = self.workers.get(req.src)
         if src is not None and src.alive:
-            src.post(Abort(req.req_id))  # free the KV it holds for the hand-off
+            src.post(Abort(req.wire_id))  # free the KV it holds for the hand-off
         req.src = -1
         req.num_reruns += 1
         if req.num_reruns > MAX_RERUNS:
@@ -109,13 +109,12 @@ class Router:
 
     def withdraw(self, req: Request) -> None:
         """Re-run a request whose hand-off source died where the decode worker's mapping
-        does not outlive it (CUDA IPC): that worker drops it (its tokens from now on are a
-        stale owner's, which control ignores while it runs elsewhere: it never runs there
-        again, ``Request.avoid``) and it runs again from what was streamed."""
+        does not outlive it (CUDA IPC): that worker drops it, and it runs again from what was
+        streamed, possibly on that same worker (what it still sends about the old attempt
+        names that attempt's ``wire_id``: control ignores it)."""
         owner = self.workers.get(req.owner)
         if owner is not None and owner.alive:
-            owner.post(Abort(req.req_id))
-        req.avoid = req.owner
+            owner.post(Abort(req.wire_id))
         self.rerun(req)
 
     def has_live(self, role: str) -> bool:
@@ -139,7 +138,7 @@ class Router:
                 req.wait_deadline_s = deadline
 
     def forward_handoff(self, src: WorkerHandle, msg: Handoff) -> None:
-        req = self.table.get(msg.req_id)
+        req = self.table.of(msg.req_id)
         if req is None:
             return  # aborted meanwhile: the prefill worker freed its blocks on Abort
         dst = self.workers.get(msg.dst_worker)
@@ -157,7 +156,7 @@ class Router:
     def on_kv_pulled(self, h: WorkerHandle, msg: KVPulled) -> None:
         """The decode worker holds the KV now: the prefill worker may free its copy. One whose
         source died meanwhile (``src`` reset: its pool outlives it on shm) decodes too."""
-        req = self.table.get(msg.req_id)
+        req = self.table.of(msg.req_id)
         if req is None or req.owner != h.worker_id or req.state is not ReqState.HANDOFF:
             return
         if req.src in self.workers:
@@ -166,7 +165,7 @@ class Router:
         self.metrics.observe_phase("handoff", time.monotonic() - req.handoff_s)
 
     def on_handoff_rejected(self, h: WorkerHandle, msg: HandoffRejected) -> None:
-        req = self.table.get(msg.req_id)
+        req = self.table.of(msg.req_id)
         if req is None or req.owner != h.worker_id:
             return  # gone, or withdrawn from this worker and re-run (``withdraw``)
         src = self.workers.get(req.src)

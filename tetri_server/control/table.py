@@ -13,7 +13,7 @@ import asyncio
 from collections.abc import Iterator, Mapping
 
 from tetri_server.control.protocol import GenerationError, QueueFullError, WorkerUnavailableError
-from tetri_server.control.requests import DONE, ReqState, Request
+from tetri_server.control.requests import DONE, ID_MASK, ReqState, Request
 from tetri_server.control.supervisor import WorkerHandle
 from tetri_server.messages import Abort, SamplingParams
 
@@ -37,6 +37,12 @@ class RequestTable:
 
     def get(self, req_id: int) -> Request | None:
         return self.requests.get(req_id)
+
+    def of(self, wire_id: int) -> Request | None:
+        """The request a worker's message is about (``Request.wire_id``); None if it is gone
+        or the message is about an attempt before its re-run."""
+        req = self.requests.get(wire_id & ID_MASK)
+        return req if req is not None and req.wire_id == wire_id else None
 
     def add(self, prompt_ids: list[int], params: SamplingParams, prompt_text: str,
             true_output_len: int | None) -> Request:
@@ -89,7 +95,7 @@ class RequestTable:
         for wid in {req.owner, req.src} - {-1}:
             h = self.workers.get(wid)
             if h is not None and h.alive:
-                h.post(Abort(req.req_id))
+                h.post(Abort(req.wire_id))
 
     # ------------------------------------------------------------------ waiting for a worker
 
