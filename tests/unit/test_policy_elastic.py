@@ -303,14 +303,33 @@ def test_a_handed_back_request_is_dispatched_like_a_prefilled_one():
     book.prefilled(1)
     book.keep(1)
     assert book.dispatch() == []  # kept: not dispatched
-    assert book.hand_back(1) == "r1"
+    assert book.hand_back(1, 17) == "r1"
     assert book.ids(Stage.DECODING) == [] and book.ids(Stage.HELD) == [1]
     assert book.dispatch() == []  # no view yet: no room known
     book.on_view(view(3))
     assert [r for r, _ in book.dispatch()] == ["r1"]
     assert book.ids(Stage.HANDED_OFF) == [1] and book.pulled(1) == "r1" and not book
     with pytest.raises(KeyError):
-        book.hand_back(1)  # gone: only a kept request can be handed back
+        book.hand_back(1, 17)  # gone: only a kept request can be handed back
+
+
+def test_a_handed_back_request_is_dispatched_with_the_kv_it_decoded_here():
+    """Regression (review of session 61): a kept request handed back was sized by its prompt
+    alone, so a decode worker with room for the prompt but not for the tokens decoded beside
+    it was chosen, and refused the hand-off (or preempted for it)."""
+    book: PrefillBook[str] = PrefillBook(PrefillQueue("fcfs"),
+                                         RoundRobinDispatcher(block_size=16, granularity=200))
+    book.add(1, "r1", 16, 0.0, max_tokens=300)
+    book.predicted(1, 0)  # bucket 0: no output predicted beyond the first token
+    book.prefilled(1)
+    book.keep(1)
+    book.hand_back(1, 16 + 1 + 100)  # 100 tokens decoded here after the first
+    # room for the prompt and its first token (2 blocks), not for what it holds (8 blocks)
+    book.on_view(DecodeView(1, [DecodeInstanceView(0, 2, 1000, 0, 0, 0)]))
+    assert book.dispatch() == []
+    book.on_view(DecodeView(2, [DecodeInstanceView(0, 8, 1000, 0, 0, 0)]))
+    [(req, plan)] = book.dispatch()
+    assert req == "r1" and plan.num_blocks == 8
 
 
 ROOMY = 1000  # free blocks: room for any prompt below

@@ -53,6 +53,7 @@ class Entry(Generic[T]):
     stage: Stage = Stage.NEW
     bucket: int = 0
     plan: DispatchPlan | None = None  # set while HANDED_OFF
+    num_decoded: int = 0  # tokens decoded here after the first (kept, then handed back)
     held_view: int = 0  # the book's view count when it became held (``MAX_PASSED_VIEWS``)
 
 
@@ -138,7 +139,10 @@ class PrefillBook(Generic[T]):
             return []
         sent = []
         for req_id, e in list(self._held()):
-            plan = self.dispatcher.plan(req_id, e.num_prompt, e.bucket, e.max_tokens)
+            # one handed back holds the KV of the tokens it decoded here too, and has that
+            # many fewer left to make
+            cap = None if e.max_tokens is None else max(1, e.max_tokens - e.num_decoded)
+            plan = self.dispatcher.plan(req_id, e.num_prompt + e.num_decoded, e.bucket, cap)
             if plan is not None:
                 self._move(e, Stage.HANDED_OFF)
                 e.plan = plan
@@ -153,10 +157,12 @@ class PrefillBook(Generic[T]):
         self._move(e, Stage.DECODING)
         return e.req
 
-    def hand_back(self, req_id: int) -> T:
+    def hand_back(self, req_id: int, num_tokens: int) -> T:
         """DECODING -> HELD (at the back): a kept request goes to a decode worker after all; its
-        hand-off carries the KV of its prompt and of the tokens decoded here."""
+        hand-off carries the KV of its prompt and of the tokens decoded here (``num_tokens``:
+        its prompt and output now), and its dispatch counts them."""
         e = self._entry(req_id, Stage.DECODING)
+        e.num_decoded = max(0, num_tokens - e.num_prompt - 1)
         self._hold(e)
         return e.req
 

@@ -289,7 +289,7 @@ class PrefillInstance(_Decoding):
                 continue
             del self.seqs[req_id]
             self.admission.remove(req_id)
-            book.hand_back(req_id)
+            book.hand_back(req_id, seq.num_tokens)
             self.record("hand_back", req=req_id)
             self.num_handed_back += 1
             moved.append(req_id)

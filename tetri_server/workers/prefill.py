@@ -362,7 +362,7 @@ class PrefillRole(Role):
                     or local.finishes_here(seq.params.max_tokens)):
                 continue
             self.admission.remove(req_id)
-            book.hand_back(req_id)
+            book.hand_back(req_id, seq.num_tokens)
             self.w.decisions.record("hand_back", req=req_id)
             moved.append(req_id)
         self.dispatch_held()
