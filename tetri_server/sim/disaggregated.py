@@ -103,6 +103,8 @@ class PrefillInstance(_Decoding):
         elif kind == "rejected":
             if self.book.rejected(msg[1]) is not None:
                 self.num_rejected += 1
+                if self.local is not None and self.worker_id in self.sim.draining:
+                    self._keep(msg[1])  # ``PrefillRole.handle``: decodes here meanwhile
         else:
             super().handle(msg)
 

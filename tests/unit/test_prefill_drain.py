@@ -1,0 +1,56 @@
+"""A prefill worker that drains for a flip (elastic P/D) hands its kept requests back; one the
+decode worker refuses decodes here again meanwhile. A real ``PrefillRole`` over the fake
+worker of the golden decision trace (real allocator and KV manager, a fake runner)."""
+
+from __future__ import annotations
+
+from tests.unit.test_decision_trace_disagg import FakeWorker
+from tetri_server.config import load_config
+from tetri_server.messages import (
+    AddRequest,
+    DecodeInstanceView,
+    DecodeView,
+    Handoff,
+    HandoffRejected,
+    SamplingParams,
+    StepOutput,
+)
+from tetri_server.policy.prefill_book import Stage
+from tetri_server.workers.prefill import PrefillRole
+
+
+def tokens_of(sent: list[object], req_id: int) -> int:
+    return sum(len(d.token_ids) for m in sent if isinstance(m, StepOutput)
+               for d in m.deltas if d.req_id == req_id)
+
+
+def test_a_handed_back_request_refused_while_draining_decodes_here_meanwhile() -> None:
+    """Regression (review of session 61): it stayed held, making no token, until a decode
+    view with room came and the decode worker took it; with the decode worker full, the
+    stream stalled and the flip waited for it."""
+    pw = FakeWorker(0, 64, [])
+    pw.cfg = load_config(None, ["prefill.chunk_size=128", "predictor.kind=none",
+                                "decode.policy=greedy", "dispatch.policy=power-of-two",
+                                "prefill.local_finish_tokens=0"])
+    prefill = PrefillRole(pw)  # type: ignore[arg-type]
+    assert prefill.local is not None  # elastic P/D: it keeps requests
+    prefill.handle(AddRequest(1, list(range(5, 45)), SamplingParams(
+        max_tokens=100, temperature=0.0, ignore_eos=True), 0.0))
+    while 1 not in prefill.book.ids(Stage.HELD) + prefill.book.ids(Stage.DECODING):
+        prefill.step()
+    if 1 in prefill.book.ids(Stage.HELD):
+        prefill._keep(1, 0.0)
+    for _ in range(3):
+        prefill.step()
+    made = tokens_of(pw.sent, 1)
+    assert made >= 3
+    pw.sent.clear()
+    pw.pending_role = "decode"  # a flip: the worker drains
+    prefill.handle(DecodeView(1, [DecodeInstanceView(1, 40, 48, 0, 0, 0)]))
+    prefill.step()
+    assert any(isinstance(m, Handoff) and m.req_id == 1 for m in pw.sent)
+    prefill.handle(HandoffRejected(1, "decode worker has no free blocks"))
+    assert prefill.book.ids(Stage.DECODING) == [1] and prefill.has_work()
+    pw.sent.clear()
+    prefill.step()
+    assert tokens_of(pw.sent, 1) == 1
