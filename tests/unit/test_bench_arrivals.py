@@ -17,6 +17,19 @@ def test_poisson_starts_at_zero_is_sorted_and_has_the_rate() -> None:
     assert times == arrivals.poisson_arrivals(20001, 4.0, np.random.default_rng(0))
 
 
+def test_poisson_runs_at_the_rate_it_is_labelled_with_at_a_benchmarks_size() -> None:
+    """Regression (review of session 62): the draws were not scaled, and 60 or 80 of them
+    with the default seed arrived at 1.30-1.33x the rate every sweep result was labelled
+    with. The gaps stay random (Poisson given the span)."""
+    for n in (2, 50, 60, 80, 120):
+        for seed in range(4):
+            times = arrivals.poisson_arrivals(n, 1.5, np.random.default_rng([seed, 2]))
+            assert (n - 1) / times[-1] == pytest.approx(1.5, rel=1e-9)
+            gaps = np.diff(times)
+            assert len(gaps) < 2 or gaps.std() > 0.3 * gaps.mean()  # not evenly spaced
+    assert arrivals.poisson_arrivals(1, 1.5, np.random.default_rng(0)) == [0.0]
+
+
 def test_poisson_burst_and_bad_rate() -> None:
     assert arrivals.poisson_arrivals(3, math.inf, np.random.default_rng(0)) == [0.0] * 3
     with pytest.raises(ValueError):

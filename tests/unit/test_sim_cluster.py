@@ -286,8 +286,8 @@ def test_elastic_prefill_with_balance_keeps_only_where_tokens_come_faster() -> N
 
 def test_elastic_prefill_runs_the_servers_balance_backlog_rule() -> None:
     """``local_decode_balance_backlog`` reaches the prefill instance's ``LocalDecode`` (the
-    server's rule, unit-tested on hand-made views), and Mixed at 2 req/s, where more than a
-    chunk of prompts often waits, then keeps other requests than with the backlog rule
+    server's rule, unit-tested on hand-made views), and Mixed at 2.5 req/s, where more than
+    a chunk of prompts often waits, then keeps other requests than with the backlog rule
     alone."""
     cost = CostModel(load_hardware("this-cpu"), load_model("bench"))
     for on in (False, True):
@@ -296,8 +296,8 @@ def test_elastic_prefill_runs_the_servers_balance_backlog_rule() -> None:
         prefill = sim.instances[0]
         assert isinstance(prefill, PrefillInstance) and prefill.local is not None
         assert prefill.local.balance_backlog is on
-    assert (num_kept("Mixed", 2.0, local_decode_balance=True)
-            != num_kept("Mixed", 2.0, local_decode_balance=True,
+    assert (num_kept("Mixed", 2.5, local_decode_balance=True)
+            != num_kept("Mixed", 2.5, local_decode_balance=True,
                         local_decode_balance_backlog=True))
 
 

@@ -16,15 +16,21 @@ import numpy as np
 
 
 def poisson_arrivals(num_requests: int, rate_rps: float, rng: np.random.Generator) -> list[float]:
-    """Exponential gaps at ``rate_rps``; the first request arrives at 0. ``inf`` = all at 0."""
+    """A Poisson process at ``rate_rps`` given its span: exponential gaps scaled so that the
+    mean rate, (n - 1) / span, is ``rate_rps`` exactly (the gaps keep their Poisson shape;
+    unscaled, 60 draws with the default seed came 1.33x as fast as the rate a result is
+    labelled with). The first request arrives at 0. ``inf`` = all at 0."""
     if num_requests <= 0:
         return []
     if rate_rps <= 0:
         raise ValueError("rate must be > 0 (use inf for a burst)")
     if math.isinf(rate_rps):
         return [0.0] * num_requests
-    gaps = rng.exponential(1.0 / rate_rps, size=num_requests - 1)
-    return [0.0, *(float(t) for t in np.cumsum(gaps))]
+    if num_requests == 1:
+        return [0.0]
+    times = np.cumsum(rng.exponential(1.0, size=num_requests - 1))
+    times *= (num_requests - 1) / rate_rps / times[-1]
+    return [0.0, *(float(t) for t in times)]
 
 
 def constant_arrivals(num_requests: int, rate_rps: float) -> list[float]:
