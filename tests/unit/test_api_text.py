@@ -87,6 +87,24 @@ def test_an_output_cut_within_a_character_ends_before_it(tok, detok) -> None:
         assert REPLACEMENT not in text and text == tok.decode(ids[:n]).rstrip(REPLACEMENT)
 
 
+def test_a_prompt_that_ends_inside_a_character_is_not_repeated_in_the_output(
+        tok, detok) -> None:
+    """Regression (review of session 62): a prompt given as token ids that ends inside a
+    multi-byte character made the decode stream send its whole context (up to 5 prompt
+    tokens of text) with the output token that completed the character, HTTP 200; the Python
+    detokenizer dropped the completed character instead. The output is the full text less
+    what the prompt shows, at every cut."""
+    for text in ("Say 你好世界 now", "héllo 😀 日本語 ½", "a 🎉🎉 b — c"):
+        ids = tok.encode(text, add_special_tokens=False)
+        cuts = [n for n in range(1, len(ids)) if tok.decode(ids[:n]).endswith(REPLACEMENT)]
+        assert cuts, "the test needs prompts that end inside a character"
+        for n in range(1, len(ids)):
+            d = detok(tok, ids[:n])
+            got = "".join(d.add([t]) for t in ids[n:]) + d.add([], final=True)
+            shown = tok.decode(ids[:n]).rstrip(REPLACEMENT)
+            assert shown + got == text, (text, n, got)
+
+
 def test_special_tokens_are_skipped_and_leading_space_kept(tok, detok) -> None:
     ids = tok.encode(" hello there", add_special_tokens=False)
     eos = tok.eos_token_id

@@ -24,6 +24,19 @@ MAX_HELD_TOKENS = 64
 CONTEXT_TOKENS = 5
 
 
+def whole_context(decode: Any, context: list[int]) -> tuple[int, str]:
+    """Of the prompt's last tokens, how many decode to whole characters (a prompt given as token
+    ids may end inside one: the tokens after that cut are output context, not shown text), and
+    the text of the tokens past the cut that the prompt does show (before the broken
+    character), which the output must not repeat."""
+    k = len(context)
+    while k > 0 and decode(context[:k]).endswith(REPLACEMENT):
+        k -= 1
+    if k == len(context):
+        return k, ""
+    return k, decode(context).rstrip(REPLACEMENT)[len(decode(context[:k])):]
+
+
 class IncrementalDetokenizer:
     """Token ids in, text pieces out; the concatenated pieces equal decoding all ids at once
     (for valid UTF-8), less any U+FFFD that ends it at ``final`` (a character the output cut).
@@ -36,8 +49,10 @@ class IncrementalDetokenizer:
         self._skip_special = skip_special_tokens
         self._ids: list[int] = list(prompt_ids[-CONTEXT_TOKENS:])
         self._prefix = 0  # ids[prefix:read] is decoded context whose text was already emitted
-        self._read = len(self._ids)
-        self._partial = 0  # characters beyond the decoded context already emitted (held tail)
+        # characters beyond the decoded context already emitted (held tail; at the start, what
+        # the prompt shows of a character it ends inside)
+        self._read, shown = whole_context(self._decode, self._ids)
+        self._partial = len(shown)
 
     def _decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=self._skip_special)
@@ -75,12 +90,25 @@ class StreamDetokenizer:
         self._fast = tokenizer._tokenizer
         self._skip_special = skip_special_tokens
         context = list(prompt_ids[-CONTEXT_TOKENS:])
-        self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
-        self._sent = context  # the last ids whose text was sent: the fallback's context
-        self._held: list[int] = []
+        k, self._shown = whole_context(
+            lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens), context)
+        self._stream = DecodeStream(ids=context[:k], skip_special_tokens=skip_special_tokens)
+        for t in context[k:]:  # the prompt ends inside a character: its output completes it
+            self._stream.step(self._fast, t)
+        self._sent = context[:k]  # the last ids whose text was sent: the fallback's context
+        self._held: list[int] = context[k:]
         self._fallback: IncrementalDetokenizer | None = None
 
+    def _unshown(self, text: str) -> str:
+        """``text`` less what the prompt already showed of the character it ended inside."""
+        if text and self._shown:
+            text, self._shown = text.removeprefix(self._shown), ""
+        return text
+
     def add(self, token_ids: list[int], *, final: bool = False) -> str:
+        return self._unshown(self._add(token_ids, final))
+
+    def _add(self, token_ids: list[int], final: bool) -> str:
         if self._fallback is not None:
             return self._fallback.add(token_ids, final=final)
         out = []
