@@ -105,6 +105,38 @@ def test_a_prompt_that_ends_inside_a_character_is_not_repeated_in_the_output(
             assert shown + got == text, (text, n, got)
 
 
+def sentencepiece_style():  # noqa: ANN201 - a PreTrainedTokenizerFast
+    """A tiny Llama-2-style tokenizer: ``▁`` for spaces, ``<0xXX>`` byte tokens, a decoder
+    that strips the leading space of a decode, and one added special token (the last id)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab |= {f"<0x{b:02X}>": 3 + b for b in range(256)}
+    for w in ("▁", "▁the", "a"):
+        vocab[w] = len(vocab)
+    t = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    t.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    t.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                   decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    sp = PreTrainedTokenizerFast(tokenizer_object=t, bos_token="<s>", eos_token="</s>",
+                                 unk_token="<unk>")
+    sp.add_special_tokens({"additional_special_tokens": ["<|x|>"]})
+    return sp, vocab
+
+
+def test_a_skipped_special_token_keeps_the_next_words_space(detok) -> None:
+    """Regression (review of session 62): after a chunk that decodes to nothing (a special
+    token skipped), the Python detokenizer decoded the next chunk with that token alone as
+    left context, and a SentencePiece decoder dropped the next word's leading space."""
+    sp, vocab = sentencepiece_style()
+    special = len(sp) - 1
+    d = detok(sp, [1, vocab["a"]])
+    ids = [special, vocab["▁"], 3 + 0xC3, 3 + 0xA9, vocab["▁the"]]
+    got = "".join(d.add([t]) for t in ids) + d.add([], final=True)
+    assert got == " é the"
+
+
 def test_special_tokens_are_skipped_and_leading_space_kept(tok, detok) -> None:
     ids = tok.encode(" hello there", add_special_tokens=False)
     eos = tok.eos_token_id

@@ -72,7 +72,9 @@ class IncrementalDetokenizer:
             self._partial = max(self._partial, len(stable))
             return out
         out = (new.rstrip(REPLACEMENT) if final else new)[self._partial :]
-        self._prefix, self._read, self._partial = self._read, len(self._ids), 0
+        if new:  # a chunk that decodes to nothing (a skipped special token) is no left context
+            self._prefix = self._read
+        self._read, self._partial = len(self._ids), 0
         return out
 
 
