@@ -11,6 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tetri_server.config import load_config
 from tetri_server.control.cluster import Cluster
+from tetri_server.control.flip import FlipRefused
 from tetri_server.control.requests import ReqState
 from tetri_server.messages import (
     Abort,
@@ -20,16 +21,17 @@ from tetri_server.messages import (
     LoadReport,
     RequestFailed,
     SamplingParams,
+    SetRole,
     StepOutput,
     TokenDelta,
 )
 from tetri_server.metrics import Metrics
 
 
-def unstarted(metrics: Metrics | None = None) -> Cluster:
+def unstarted(metrics: Metrics | None = None, *sets: str) -> Cluster:
     """A cluster over the built-in tiny model, constructed but never started."""
     return Cluster(load_config(None, ["model.path=builtin:tiny",
-                                      "cluster.mode=disaggregated"]), metrics)
+                                      "cluster.mode=disaggregated", *sets]), metrics)
 
 
 def worker(wid: int) -> SimpleNamespace:
@@ -171,5 +173,59 @@ def test_a_withdrawn_attempt_handed_to_the_same_decode_worker_again_keeps_its_to
         cluster.router.on_kv_pulled(cluster.workers[1], KVPulled(new))  # type: ignore[arg-type]
         tokens(1, new, 8)
         assert req.output_ids == [5, 6, 7, 8] and req.state is ReqState.DECODE
+
+    asyncio.run(main())
+
+
+def test_a_flip_that_the_death_of_the_other_worker_of_its_role_would_leave_alone_ends() -> None:
+    """Regression (review of session 62): a decode worker flipping to prefill went on
+    draining after the other decode worker died, then switched, leaving no decode worker:
+    the requests on the prefill worker got 503 at ``cluster.worker_wait_s`` (or never went on
+    with restarts off). The flip now ends with FlipRefused, the worker is told to cancel it,
+    and it serves as a decode worker again."""
+
+    async def main() -> None:
+        cluster = unstarted()
+        posted: dict[int, list[object]] = {0: [], 1: [], 2: []}
+        for wid, role in ((0, "prefill"), (1, "decode"), (2, "decode")):
+            cluster.workers[wid] = live(wid, role, posted[wid])  # type: ignore[assignment]
+            cluster.monitor.on_report(cluster.workers[wid], idle_report(wid, role))
+        flip = asyncio.ensure_future(cluster.flipper.flip(1, "prefill"))
+        await asyncio.sleep(0.01)
+        assert posted[1] == [SetRole("prefill")] and cluster.draining == {1}
+        cluster.workers[2].alive = cluster.workers[2].is_ready = False
+        cluster._on_death(cluster.workers[2], -9)  # type: ignore[arg-type]
+        try:
+            await asyncio.wait_for(flip, 5)
+            raise AssertionError("the flip went on")
+        except FlipRefused as e:
+            assert "worker 2 died" in str(e)
+        assert SetRole("prefill", cancel=True) in posted[1] and cluster.draining == set()
+        assert cluster.router.has_live("decode")
+
+    asyncio.run(main())
+
+
+def test_requests_parked_while_a_flip_drained_go_on_when_it_is_cancelled() -> None:
+    """Regression (review of session 62): requests parked because the only other worker of
+    the flipping worker's role was down stayed parked when the flip was cancelled and the
+    worker served its old role again (only a Ready routed them), and got 503 at their
+    deadline beside an idle worker."""
+
+    async def main() -> None:
+        cluster = unstarted(None, "decode.local_prefill_tokens=0")  # no prompt to decode
+        posted: dict[int, list[object]] = {0: [], 1: [], 3: []}
+        for wid, role in ((0, "prefill"), (1, "decode"), (3, "prefill")):
+            cluster.workers[wid] = live(wid, role, posted[wid])  # type: ignore[assignment]
+            cluster.monitor.on_report(cluster.workers[wid], idle_report(wid, role))
+        flip = asyncio.ensure_future(cluster.flipper.flip(0, "decode"))
+        await asyncio.sleep(0.01)
+        cluster.workers[3].alive = cluster.workers[3].is_ready = False
+        cluster._on_death(cluster.workers[3], -9)  # type: ignore[arg-type]
+        req = cluster.table.add([1, 2, 3], SamplingParams(), "", None)
+        cluster.router.route(req)  # worker 0 still drains: no prefill worker serves
+        assert req in cluster.table.parked
+        await asyncio.gather(flip, return_exceptions=True)
+        assert req.owner == 0 and isinstance(posted[0][-1], AddRequest)
 
     asyncio.run(main())

@@ -99,7 +99,7 @@ def test_a_flip_whose_caller_gives_up_is_cancelled_on_the_worker() -> None:
     async def main() -> list[object]:
         posted: list[object] = []
         host = SimpleNamespace(cfg=Config(), workers={0: SimpleNamespace(post=posted.append)},
-                               draining=set())
+                               draining=set(), route_parked=lambda: None)
         flips = FlipController(host)  # type: ignore[arg-type]
         task = asyncio.ensure_future(flips._run(0, "prefill", "decode"))
         await asyncio.sleep(0.05)

@@ -243,8 +243,13 @@ class Cluster:
             self.flipper.on_ready(h.worker_id, msg.switch_s)
         elif h.generation > 0:
             self._broadcast_pools()  # a restarted worker: peers map its new pool
-        for req in self.table.take_parked():  # parked again if none can take it: the
-            self.router.route(req)  # deadline of its first park stands
+        self.route_parked()
+
+    def route_parked(self) -> None:
+        """A worker serves (again): the parked requests are routed; parked again if none can
+        take them (the deadline of their first park stands)."""
+        for req in self.table.take_parked():
+            self.router.route(req)
 
     def _undeliverable(self, msg: object, error: Exception) -> None:
         req = self.table.of(getattr(msg, "req_id", -1))

@@ -34,6 +34,8 @@ class FlipHost(Protocol):
     reports: Mapping[int, LoadReport]
     metrics: Any  # Metrics or NullMetrics
 
+    def route_parked(self) -> None: ...
+
 log = logging.getLogger("tetri.flip")
 
 
@@ -58,7 +60,8 @@ class FlipController:
         self.policy = FlipPolicy(window_s=f.window_s, idle_window_s=f.idle_s,
                                  low_util=f.low_load, cooldown_s=f.min_interval_s)
         self.timeout_s = cluster.cfg.server.drain_timeout_s + 60.0
-        self._pending: dict[int, tuple[asyncio.Future[float], float]] = {}
+        # worker id -> (Ready's switch_s, the role it flips from)
+        self._pending: dict[int, tuple[asyncio.Future[float], str]] = {}
         self.history: list[FlipResult] = []
 
     def check(self, worker_id: int, role: str) -> str:
@@ -101,7 +104,7 @@ class FlipController:
         c = self.cluster
         t0 = time.monotonic()
         fut: asyncio.Future[float] = asyncio.get_running_loop().create_future()
-        self._pending[worker_id] = (fut, t0)
+        self._pending[worker_id] = (fut, from_role)
         c.draining.add(worker_id)
         c.workers[worker_id].post(SetRole(role))
         log.info("flip: worker %d %s -> %s: draining", worker_id, from_role, role)
@@ -118,6 +121,7 @@ class FlipController:
         finally:
             self._pending.pop(worker_id, None)
             c.draining.discard(worker_id)
+            c.route_parked()  # cancelled: it serves in its old role again (Ready: done there)
         result = FlipResult(worker_id, from_role, role, time.monotonic() - t0, switch_s)
         self.history.append(result)
         c.metrics.observe_flip(from_role, role, total_s=result.total_s, switch_s=switch_s)
@@ -134,9 +138,18 @@ class FlipController:
             pending[0].set_result(switch_s)
 
     def on_worker_exit(self, worker_id: int) -> None:
-        pending = self._pending.get(worker_id)
-        if pending is not None and not pending[0].done():
-            pending[0].set_exception(FlipRefused(f"worker {worker_id} died while flipping"))
+        """A worker died: a flip of it ends; so does a flip away from its role that would
+        leave no worker of that role serving (the other one of it was this one)."""
+        c = self.cluster
+        for wid, (fut, from_role) in list(self._pending.items()):
+            if fut.done():
+                continue
+            if wid == worker_id:
+                fut.set_exception(FlipRefused(f"worker {worker_id} died while flipping"))
+            elif not any(x.role == from_role and x.is_ready and w not in c.draining
+                         for w, x in c.workers.items() if w not in (wid, worker_id)):
+                fut.set_exception(FlipRefused(
+                    f"worker {worker_id} died: worker {wid} stays {from_role}, the last one"))
 
     def on_tick(self) -> None:
         """Monitor tick: let the policy decide an automatic flip."""
