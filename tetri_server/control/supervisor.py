@@ -70,21 +70,31 @@ class WorkerHandle:
         if self.alive:
             self._outgoing.put_nowait(msg)
 
+    def shows_life(self, within_s: float) -> bool:
+        """It sent a message or stamped its heartbeat (its step goes on) within ``within_s``."""
+        return time.monotonic() - max(self.last_heard_s, self.outbox.last_beat_s()) < within_s
+
     async def _write_loop(self) -> None:
         while True:
             msg = await self._outgoing.get()
-            try:
-                await self.inbox.send_async(msg, timeout_s=SEND_TIMEOUT_S)
-            except TimeoutError:
-                log.error("worker %d inbox stayed full for %.0f s; killing it", self.worker_id,
-                          SEND_TIMEOUT_S)
-                self.proc.kill()
-                return
-            except Exception as e:  # too large, or not encodable: this one alone is lost
-                log.error("worker %d: %s cannot be sent (%s: %s)", self.worker_id,
-                          type(msg).__name__, type(e).__name__, e)
-                if self.on_undeliverable is not None:
-                    self.on_undeliverable(msg, e)
+            while self.alive:
+                try:
+                    await self.inbox.send_async(msg, timeout_s=SEND_TIMEOUT_S)
+                except TimeoutError:
+                    if self.shows_life(SEND_TIMEOUT_S):  # a long step: it reads after it
+                        log.warning("worker %d inbox full for %.0f s while it steps; waiting",
+                                    self.worker_id, SEND_TIMEOUT_S)
+                        continue
+                    log.error("worker %d inbox stayed full for %.0f s and it shows no life; "
+                              "killing it", self.worker_id, SEND_TIMEOUT_S)
+                    self.proc.kill()
+                    return
+                except Exception as e:  # too large, or not encodable: this one alone is lost
+                    log.error("worker %d: %s cannot be sent (%s: %s)", self.worker_id,
+                              type(msg).__name__, type(e).__name__, e)
+                    if self.on_undeliverable is not None:
+                        self.on_undeliverable(msg, e)
+                break
 
 
 def spawn_worker(worker_id: int, role: str, generation: int, run_id: str,
