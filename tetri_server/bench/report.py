@@ -97,8 +97,9 @@ def _num(x: float | None, scale: float = 1.0, digits: int = 3) -> str:
 def markdown_table(results: Sequence[BenchResult]) -> str:
     """One row per (workload, mode): latency, throughput, goodput, resource usage, perf/$."""
     head = (
-        "| workload | mode | done | TTFT mean / p90 / p99 (s) | TPOT mean (ms) | ITL p99 (ms) "
-        "| JCT mean / p90 / p99 (s) | req/s | goodput req/s | busy (worker·s) "
+        "| workload | mode | done | TTFT mean / p50 / p90 / p99 (s) | TPOT mean (ms) "
+        "| ITL p99 (ms) | JCT mean / p50 / p90 / p99 (s) | req/s | goodput req/s "
+        "| busy (worker·s) "
         "| server CPU (s) | other CPU (s) | held (worker·s) | perf/$ (req per worker·s) |\n"
         + "|---" * 14
         + "|\n"
@@ -108,9 +109,11 @@ def markdown_table(results: Sequence[BenchResult]) -> str:
         s = r.summary
         rows.append(
             f"| {r.spec.name} | {r.mode} | {s.num_completed}/{s.num_requests} "
-            f"| {_num(s.ttft_s.mean)} / {_num(s.ttft_s.p90)} / {_num(s.ttft_s.p99)} "
+            f"| {_num(s.ttft_s.mean)} / {_num(s.ttft_s.p50)} / {_num(s.ttft_s.p90)} "
+            f"/ {_num(s.ttft_s.p99)} "
             f"| {_num(s.tpot_s.mean, 1e3, 1)} | {_num(s.itl_s.p99, 1e3, 1)} "
-            f"| {_num(s.jct_s.mean)} / {_num(s.jct_s.p90)} / {_num(s.jct_s.p99)} "
+            f"| {_num(s.jct_s.mean)} / {_num(s.jct_s.p50)} / {_num(s.jct_s.p90)} "
+            f"/ {_num(s.jct_s.p99)} "
             f"| {_num(s.request_throughput_rps)} | {_num(s.goodput_rps)} "
             f"| {_num(s.busy_s_total, digits=1)} | {_num(s.server_cpu_s_total, digits=1)} "
             f"| {_num(s.other_cpu_s, digits=1)} "
@@ -199,15 +202,22 @@ def plot_cdfs(results: Sequence[BenchResult], path: Path) -> None:
     plot_record_cdfs(curves, f"workload {', '.join(names)}", path)
 
 
+def cdf_points(values: Sequence[float], num_all: int) -> tuple[list[float], list[float]]:
+    """The CDF steps of ``values`` as fractions of ``num_all`` requests (failed ones count:
+    the curve ends at the share that succeeded)."""
+    xs = sorted(values)
+    return xs, [(i + 1) / max(1, num_all) for i in range(len(xs))]
+
+
 def plot_record_cdfs(curves: Mapping[str, Sequence[RequestRecord]], title: str,
                      path: Path) -> None:
-    """CDFs of TTFT and JCT of the requests that succeeded, one line per label."""
+    """CDFs of TTFT and JCT, one line per label: the requests that succeeded, as a fraction
+    of all (a curve that stays below 1 shows the failed ones)."""
     plt = _pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, (label, fn) in zip(axes, (("TTFT (s)", ttft_s), ("JCT (s)", jct_s)), strict=True):
         for name, records in curves.items():
-            xs = sorted(fn(rec) for rec in records if rec.ok)
-            ys = [(i + 1) / len(xs) for i in range(len(xs))]
+            xs, ys = cdf_points([fn(rec) for rec in records if rec.ok], len(records))
             ax.step(xs, ys, where="post", label=name)
         ax.set_xlabel(label)
         ax.set_ylabel("fraction of requests")
