@@ -127,7 +127,10 @@ def test_spawn_means_every_mode_and_needs_a_model() -> None:
         cli.main(["sweep", "--spawn", "--rates", "0.2"])
 
 
-def test_same_requests_at_every_rate(model_dir: Path) -> None:
+def test_same_lengths_at_every_rate_and_prompts_of_its_own(model_dir: Path) -> None:
+    """The prompts differ between rates (review of session 62: a server with prefix caching,
+    kept up across the rates of ``--url``, served each rate's prompts from the last one's
+    cache); the first rate's are those of a lone run."""
     args = _args("--url", "http://x", "--model", str(model_dir), "--rates", "0.2")
     args.num_requests = 8
     built = options.sweep_workloads(args, [0.2, 0.4])
@@ -136,6 +139,11 @@ def test_same_requests_at_every_rate(model_dir: Path) -> None:
     assert [(q.prompt_len, q.output_len) for q in slow] == [
         (q.prompt_len, q.output_len) for q in fast
     ]
+    assert all(a.prompt != b.prompt for a, b in zip(slow, fast, strict=True))
+    lone = options.build_requests(cli.parser().parse_args(
+        ["run", "--url", "http://x", "--model", str(model_dir), "--rate", "0.2",
+         "--num-requests", "8"]))
+    assert [q.prompt for q in lone[0][1]] == [q.prompt for q in slow]
     assert slow[-1].arrival_s == pytest.approx(2 * fast[-1].arrival_s)
     args.num_requests, args.duration_s = None, 20.0
     assert [len(r) for _, r in options.sweep_workloads(args, [0.2, 0.4])] == [4, 8]
@@ -237,3 +245,14 @@ def test_interleaved_sweep_against_fake_servers(
     with pytest.raises(SystemExit, match="--interleave"):
         cli.main(["sweep", "--url", "http://127.0.0.1:9", "--interleave", "--rates", "20",
                   *argv[6:]])
+
+
+def test_a_sweep_warms_each_server_up_and_sends_at_the_arrival_times() -> None:
+    """Regression (review of session 62): a sweep's servers were not warmed up (0 warm-ups;
+    only a calibration warmed the first point of each mode), so with ``--interleave`` every
+    later point, and every point with ``--calibration``, measured its first requests cold. And
+    ``--max-concurrency`` moved the queueing into the client, where the TTFT SLO missed it."""
+    args = _args("--modes", "coupled", "--rates", "0.2")
+    assert args.num_warmups == 2 and cli.sweep_options(args).num_warmups == 2
+    with pytest.raises(SystemExit, match="max-concurrency"):
+        cli.cmd_sweep(_args("--modes", "coupled", "--rates", "0.2", "--max-concurrency", "4"))

@@ -202,12 +202,30 @@ def _sweep_one_url(
     cfg = _client_config(args, args.label)
     model = cfg.model
     config = {"url": base_url, "served_model": model, **_server_config(args.server_config)}
-    return sweep_url(cfg, built, vocab, measure, args.seed, args.num_workers, config)
+    return sweep_url(cfg, built, vocab, measure, args.seed, args.num_workers, config,
+                     args.num_warmups)
+
+
+def sweep_options(args: argparse.Namespace) -> CompareOptions:
+    """The client options of a sweep of servers it starts."""
+    return CompareOptions(
+        args.out,
+        SLO(),  # the fixed-SLO fields of each summary are not used by the sweep
+        args.max_concurrency,
+        args.request_timeout_s,
+        not args.no_progress,
+        args.send_true_output_len,
+        args.num_warmups,
+        hidden_len_context=_hidden_len_context(args),
+    )
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     if args.interleave and args.url:
         raise SystemExit("--interleave starts the modes itself: give --modes, not --url")
+    if args.max_concurrency is not None:
+        raise SystemExit("sweep sends each request at its arrival time (the SLOs count the "
+                         "queueing from then): --max-concurrency would hide it in the client")
     try:
         scale = SLOScale(args.slo_ttft_x, args.slo_tpot_x, args.slo_target)
         rates = parse_rates(args.rates)
@@ -229,15 +247,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     if args.url:
         sweeps = [_sweep_one_url(args, built, vocab, measure)]
     else:
-        opts = CompareOptions(
-            args.out,
-            SLO(),  # the fixed-SLO fields of each summary are not used by the sweep
-            args.max_concurrency,
-            args.request_timeout_s,
-            not args.no_progress,
-            args.send_true_output_len,
-            hidden_len_context=_hidden_len_context(args),
-        )
+        opts = sweep_options(args)
         sweeps = (sweep_interleaved(specs, built, vocab, opts, measure, args.seed)
                   if args.interleave else
                   [sweep_spawned(s, built, vocab, opts, measure, args.seed) for s in specs])

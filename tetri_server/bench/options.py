@@ -102,14 +102,15 @@ def add_workload_args(p: argparse.ArgumentParser, sweep: bool = False) -> None:
     else:
         c.add_argument("--slo-ttft-s", type=float, default=SLO.ttft_s)
         c.add_argument("--slo-tpot-s", type=float, default=SLO.tpot_s)
-        c.add_argument(
-            "--num-warmups",
-            type=int,
-            default=2,
-            help="unmeasured requests, one at a time, before the first workload on each server "
-            "(its longest and shortest prompts, in another order so no prompt is sent twice; "
-            "default 2; sweep warms up by calibrating)",
-        )
+    c.add_argument(
+        "--num-warmups",
+        type=int,
+        default=2,
+        help="unmeasured requests, one at a time, before the first workload on each server "
+        "(its longest and shortest prompts, in another order so no prompt is sent twice; "
+        "default 2; sweep: on each server it starts, each point of --interleave, and before "
+        "the first rate of --url)",
+    )
     c.add_argument("--out", type=Path, help="default bench_results/<time>")
     c.add_argument("--no-progress", action="store_true")
     c.add_argument("--no-plots", action="store_true")
@@ -181,14 +182,15 @@ def build_requests(args: argparse.Namespace) -> Built:
             trace_start=args.trace_start,
             arena_model=args.arena_model,
             fixed_lens=fixed_lens(args) if name == "Fixed" else None,
+            prompt_salt=getattr(args, "prompt_salt", 0),
         )
         built.append((spec, build_workload(spec, folder, vocab=vocab, tokenizer=tok)))
     return built
 
 
 def sweep_workloads(args: argparse.Namespace, rates: Sequence[float]) -> Built:
-    """The same workload at each rate; with a fixed count, every rate gets the same requests
-    (lengths and prompts do not depend on the arrival process)."""
+    """The same workload at each rate; with a fixed count, every rate gets the same lengths
+    (they do not depend on the arrival process) and prompts of its own."""
     names = [n for item in args.workload or ["Mixed"] for n in item.split(",")]
     if len(names) != 1 or names[0] == "all":
         raise SystemExit("sweep runs one workload (--workload NAME)")
@@ -198,9 +200,12 @@ def sweep_workloads(args: argparse.Namespace, rates: Sequence[float]) -> Built:
     if num is None and dur is None:
         num = DEFAULT_SWEEP_REQUESTS
     built: Built = []
-    for rate in rates:
+    for k, rate in enumerate(rates):
         ns = argparse.Namespace(**vars(args))
         ns.rate, ns.num_requests = [repr(rate)], requests_at(rate, num, dur)
+        # the same lengths at every rate, other prompts: a server with prefix caching kept up
+        # across the rates (--url) would serve a rate's prompts from the last one's cache
+        ns.prompt_salt = k
         built += build_requests(ns)
     return built
 

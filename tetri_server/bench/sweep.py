@@ -41,6 +41,7 @@ from tetri_server.bench.compare import (
     ServerSpec,
     run_workloads,
     running_server,
+    warm_up,
 )
 from tetri_server.bench.metrics import SLO, summarize, tpot_s, ttft_s
 from tetri_server.bench.prompts import RandomIdPrompts
@@ -181,9 +182,10 @@ def sweep_url(
     seed: int = 0,
     num_workers: int | None = None,
     server_config: dict[str, Any] | None = None,
+    num_warmups: int = 0,
 ) -> ModeSweep:
-    """Calibrate (if ``measure``) and sweep the running server ``cfg`` points at; rows are
-    labelled ``cfg.label``. Its CPU use is unknown (it was not started here)."""
+    """Calibrate (if ``measure``), warm up, and sweep the running server ``cfg`` points at;
+    rows are labelled ``cfg.label``. Its CPU use is unknown (it was not started here)."""
     label = cfg.label
     cal = None
     if measure:
@@ -191,6 +193,8 @@ def sweep_url(
         cal = calibrate(
             cfg.base_url, cfg.model, max_len, vocab, seed, cfg.progress, label, cfg.api_key
         )
+    if built:
+        warm_up(cfg, built[0][1], num_warmups)
     sweep = ModeSweep(label, cal)
     for spec, requests in built:
         at = replace(cfg, label=f"{label}/{spec.name}@{spec.rate_rps:g}")

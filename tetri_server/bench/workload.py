@@ -93,6 +93,7 @@ class WorkloadSpec:
     trace_start: int = 0  # trace only: first row of the window
     arena_model: str | None = None  # Arena only: use only this model's responses
     fixed_lens: tuple[int, int] | None = None  # Fixed only: (prompt_len, output_len)
+    prompt_salt: int = 0  # != 0: other prompt tokens, the same lengths (a sweep's rate index)
 
     def __post_init__(self) -> None:
         if self.name not in WORKLOADS:
@@ -204,7 +205,8 @@ def build_workload(
     """The request list of ``spec``, sorted by arrival. ``vocab`` = (size, special ids) is needed
     for id prompts; ``tokenizer`` for text prompts and for the Arena workload."""
     rng_len = np.random.default_rng([spec.seed, _LENGTHS])
-    rng_prompt = np.random.default_rng([spec.seed, _PROMPTS])
+    salt = [spec.prompt_salt] if spec.prompt_salt else []  # none: the prompts as before
+    rng_prompt = np.random.default_rng([spec.seed, _PROMPTS, *salt])
     times = _arrival_times(spec, folder, np.random.default_rng([spec.seed, _ARRIVALS]))
     if spec.name == "Arena":
         if tokenizer is None:
