@@ -4,6 +4,7 @@ DECODING stage."""
 from __future__ import annotations
 
 import dataclasses
+import random
 
 import pytest
 
@@ -20,6 +21,7 @@ from tetri_server.policy import (
     RoundRobinDispatcher,
     Stage,
     StepTimes,
+    TetriDispatcher,
     kept_gap_s,
     local_decode_of,
 )
@@ -316,20 +318,27 @@ def test_a_handed_back_request_is_dispatched_like_a_prefilled_one():
 def test_a_handed_back_request_is_dispatched_with_the_kv_it_decoded_here():
     """Regression (review of session 61): a kept request handed back was sized by its prompt
     alone, so a decode worker with room for the prompt but not for the tokens decoded beside
-    it was chosen, and refused the hand-off (or preempted for it)."""
-    book: PrefillBook[str] = PrefillBook(PrefillQueue("fcfs"),
-                                         RoundRobinDispatcher(block_size=16, granularity=200))
-    book.add(1, "r1", 16, 0.0, max_tokens=300)
-    book.predicted(1, 0)  # bucket 0: no output predicted beyond the first token
-    book.prefilled(1)
-    book.keep(1)
-    book.hand_back(1, 16 + 1 + 100)  # 100 tokens decoded here after the first
-    # room for the prompt and its first token (2 blocks), not for what it holds (8 blocks)
-    book.on_view(DecodeView(1, [DecodeInstanceView(0, 2, 1000, 0, 0, 0)]))
-    assert book.dispatch() == []
-    book.on_view(DecodeView(2, [DecodeInstanceView(0, 8, 1000, 0, 0, 0)]))
-    [(req, plan)] = book.dispatch()
-    assert req == "r1" and plan.num_blocks == 8
+    it was chosen, and refused the hand-off (or preempted for it). Its output is at least what
+    it made here; a prediction of more still counts whole (it is of the whole output)."""
+    for dispatcher in (RoundRobinDispatcher(block_size=16, granularity=200),
+                       TetriDispatcher(random.Random(0), block_size=16, granularity=200)):
+        book: PrefillBook[str] = PrefillBook(PrefillQueue("fcfs"), dispatcher)
+        for rid, bucket in ((1, 0), (2, 2)):  # predicted outputs: none, and 400 tokens
+            book.add(rid, f"r{rid}", 16, 0.0, max_tokens=1000)
+            book.predicted(rid, bucket)
+            book.prefilled(rid)
+            book.keep(rid)
+        book.hand_back(1, 16 + 1 + 100)  # 100 tokens decoded here after the first
+        # room for the prompt and its first token (2 blocks), not for what it holds (8)
+        book.on_view(DecodeView(1, [DecodeInstanceView(0, 2, 1000, 0, 0, 0)]))
+        assert book.dispatch() == []
+        book.on_view(DecodeView(2, [DecodeInstanceView(0, 8, 1000, 0, 0, 0)]))
+        [(req, plan)] = book.dispatch()
+        assert req == "r1" and plan.num_blocks == 8
+        book.hand_back(2, 16 + 1 + 300)  # 301 of the 400 predicted made here: 416 tokens
+        book.on_view(DecodeView(3, [DecodeInstanceView(0, 26, 1000, 0, 0, 0)]))
+        [(req, plan)] = book.dispatch()
+        assert req == "r2" and plan.num_blocks == 26  # not 16 + 300 + 400 (45 blocks)
 
 
 ROOMY = 1000  # free blocks: room for any prompt below

@@ -2,7 +2,8 @@
 
 Contract: the worker feeds every decode view (a ``views.DecodeSnapshot``: the monitor's
 ``DecodeView`` broadcast) to ``on_view``; when a request's prompt is done it calls
-``plan(req_id, num_prompt_tokens, bucket, max_tokens)``. A ``DispatchPlan`` names the decode
+``plan(req_id, num_prompt_tokens, bucket, max_tokens, min_output)`` (``min_output``: the output
+tokens it holds already, a kept request handed back). A ``DispatchPlan`` names the decode
 worker;
 ``None`` means no decode worker has room: hold the request (its KV stays in this pool) and ask
 again after the next view. ``on_rejected(plan)`` undoes a plan whose hand-off the decode worker
@@ -37,7 +38,7 @@ class Dispatcher(Protocol):
     def on_view(self, view: DecodeSnapshot) -> bool: ...
 
     def plan(self, req_id: int, num_prompt_tokens: int, bucket: int,
-             max_tokens: int | None = None) -> DispatchPlan | None: ...
+             max_tokens: int | None = None, min_output: int = 1) -> DispatchPlan | None: ...
 
     def on_rejected(self, plan: DispatchPlan) -> None: ...
 
@@ -126,8 +127,8 @@ class TetriDispatcher(_ViewTracker):
         self.rng = rng
 
     def plan(self, req_id: int, num_prompt_tokens: int, bucket: int,
-             max_tokens: int | None = None) -> DispatchPlan | None:
-        output = self.predicted_output(bucket, max_tokens)
+             max_tokens: int | None = None, min_output: int = 1) -> DispatchPlan | None:
+        output = max(self.predicted_output(bucket, max_tokens), min_output)
         need = num_blocks_for(num_prompt_tokens + max(output, 1), self.block_size)
         heavy = output > self.heavy_threshold
         alpha = [d for d in self.instances() if _room(d) >= min(need, d.num_total_blocks)]
@@ -154,15 +155,15 @@ class RoundRobinDispatcher(_ViewTracker):
         self._last_worker = -1
 
     def plan(self, req_id: int, num_prompt_tokens: int, bucket: int,
-             max_tokens: int | None = None) -> DispatchPlan | None:
-        need = num_blocks_for(num_prompt_tokens + 1, self.block_size)
+             max_tokens: int | None = None, min_output: int = 1) -> DispatchPlan | None:
+        need = num_blocks_for(num_prompt_tokens + max(min_output, 1), self.block_size)
         fits = [d.worker_id for d in self.instances() if d.num_free_blocks >= need]
         if not fits:
             return None
         later = [w for w in fits if w > self._last_worker]
         self._last_worker = later[0] if later else fits[0]
         return self.make_plan(req_id, self._last_worker, num_prompt_tokens,
-                              self.predicted_output(bucket, max_tokens))
+                              max(self.predicted_output(bucket, max_tokens), min_output))
 
 
 def _room(d: DecodeInstanceLoad) -> int:

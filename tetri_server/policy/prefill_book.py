@@ -139,10 +139,10 @@ class PrefillBook(Generic[T]):
             return []
         sent = []
         for req_id, e in list(self._held()):
-            # one handed back holds the KV of the tokens it decoded here too, and has that
-            # many fewer left to make
-            cap = None if e.max_tokens is None else max(1, e.max_tokens - e.num_decoded)
-            plan = self.dispatcher.plan(req_id, e.num_prompt + e.num_decoded, e.bucket, cap)
+            # one handed back holds the KV of the tokens it decoded here too: its output is at
+            # least those (the prediction is of the whole output, as the decode worker counts)
+            plan = self.dispatcher.plan(req_id, e.num_prompt, e.bucket, e.max_tokens,
+                                        min_output=e.num_decoded + 1)
             if plan is not None:
                 self._move(e, Stage.HANDED_OFF)
                 e.plan = plan
