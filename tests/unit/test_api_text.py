@@ -105,6 +105,44 @@ def test_a_prompt_that_ends_inside_a_character_is_not_repeated_in_the_output(
             assert shown + got == text, (text, n, got)
 
 
+def test_a_prompt_of_random_token_ids_gives_only_what_its_output_adds(tok, detok) -> None:
+    """Token-id prompts that end in bytes which no output completes (a lone continuation byte)
+    or in part of a character: the output text is the full decode less the prompt's text as
+    far as the output left it unchanged, never a U+FFFD the prompt already showed."""
+    partial = [i for i in range(len(tok)) if REPLACEMENT in tok.decode([i])]
+    lone = next(t for t in partial if tok.decode([t, t]) == REPLACEMENT * 2)
+    ok = tok.encode(" ok", add_special_tokens=False)
+    for detok_prompt in ([500, lone], [500, lone, lone, lone, lone]):
+        d = detok(tok, detok_prompt)
+        assert "".join(d.add([t]) for t in ok) + d.add([], final=True) == " ok"
+    rng = random.Random(1)
+    for _ in range(200):
+        prompt = [rng.choice(partial) if rng.random() < 0.6 else rng.randrange(5, len(tok))
+                  for _ in range(6)]
+        out = [rng.choice(partial) if rng.random() < 0.5 else rng.randrange(5, len(tok))
+               for _ in range(8)]
+        d = detok(tok, prompt)
+        got = "".join(d.add([t]) for t in out) + d.add([], final=True)
+        full = tok.decode(prompt + out).rstrip(REPLACEMENT)
+        shown = tok.decode(prompt)
+        assert full.endswith(got)
+        # before it: the prompt's text, a character broken at its end completed or not
+        head = full[:len(full) - len(got)]
+        assert head == shown or (head.startswith(shown.rstrip(REPLACEMENT))
+                                 and shown.startswith(head)), (prompt, out, got)
+
+
+def test_a_prompt_given_as_text_that_ends_in_a_replacement_character_keeps_it(
+        tok, detok) -> None:
+    """A U+FFFD at the end of a text prompt is the prompt's own character, not part of one the
+    output completes: nothing of it comes again in the output (review of session 62)."""
+    prompt = tok.encode("odd \ufffd", add_special_tokens=False)
+    assert tok.decode(prompt).endswith(REPLACEMENT)
+    out = tok.encode(" ok", add_special_tokens=False)
+    d = detok(tok, prompt)
+    assert "".join(d.add([t]) for t in out) + d.add([], final=True) == " ok"
+
+
 def sentencepiece_style():  # noqa: ANN201 - a PreTrainedTokenizerFast
     """A tiny Llama-2-style tokenizer: ``▁`` for spaces, ``<0xXX>`` byte tokens, a decoder
     that strips the leading space of a decode, and one added special token (the last id)."""

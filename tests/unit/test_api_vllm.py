@@ -598,3 +598,23 @@ def test_add_special_tokens_is_honoured_on_the_generation_routes(api: ApiHarness
             assert used == counted, (path, special)
             counts[special] = used
         assert counts[True] == counts[False] + 1, (path, counts)
+
+
+def test_a_token_id_prompt_cut_inside_a_character_is_not_repeated_in_the_text(
+        api: ApiHarness, client: openai.OpenAI) -> None:
+    """Regression (review of session 62): a prompt of token ids that ends inside a multi-byte
+    character got the text of its last tokens ("ay 你好") again at the start of the
+    completion, HTTP 200. The text is what the output tokens add to the prompt's."""
+    tok = _tok(api)
+    ids = tok.encode("Say 你好世界 now", add_special_tokens=False)
+    cut = [n for n in range(2, len(ids)) if tok.decode(ids[:n]).endswith("\ufffd")]
+    assert cut, "the test needs a prompt that ends inside a character"
+    for n in cut[:2]:
+        out = client.completions.create(
+            model=MODEL_NAME, prompt=ids[:n], max_tokens=8, temperature=0,
+            extra_body={**EOS, "return_token_ids": True}).choices[0].model_dump()
+        prompt = tok.decode(ids[:n])  # ends in U+FFFD: the cut character
+        full = tok.decode(ids[:n] + out["token_ids"]).rstrip("\ufffd")
+        assert out["text"] and full.endswith(out["text"])
+        # before it: the prompt's text, its broken character completed by the output or not
+        assert full[:len(full) - len(out["text"])] in (prompt, prompt.rstrip("\ufffd"))

@@ -25,16 +25,36 @@ CONTEXT_TOKENS = 5
 
 
 def whole_context(decode: Any, context: list[int]) -> tuple[int, str]:
-    """Of the prompt's last tokens, how many decode to whole characters (a prompt given as token
-    ids may end inside one: the tokens after that cut are output context, not shown text), and
-    the text of the tokens past the cut that the prompt does show (before the broken
-    character), which the output must not repeat."""
+    """How many of the prompt's last tokens a decode may start from (its text must not end in
+    U+FFFD, or the decode stream takes it all for unsent), and the text the prompt shows of
+    the tokens after those (``PromptTail``)."""
     k = len(context)
     while k > 0 and decode(context[:k]).endswith(REPLACEMENT):
         k -= 1
-    if k == len(context):
-        return k, ""
-    return k, decode(context).rstrip(REPLACEMENT)[len(decode(context[:k])):]
+    return k, (decode(context)[len(decode(context[:k])):] if k < len(context) else "")
+
+
+class PromptTail:
+    """The text a prompt shows of its last tokens when it ends in U+FFFD: part of a character
+    its output may complete (a prompt given as token ids cut inside one), a byte that stays
+    invalid, or a U+FFFD of the text itself. The output's text starts with what the output did
+    not change of it, which was the prompt's and is not sent again."""
+
+    def __init__(self, text: str) -> None:
+        self._left = text
+
+    def strip(self, text: str) -> str:
+        left = self._left
+        if not text or not left:
+            return text
+        n = 0
+        while n < min(len(text), len(left)) and text[n] == left[n]:
+            n += 1
+        if n == len(text) < len(left):  # all of it the prompt's so far: more may follow
+            self._left = left[n:]
+            return ""
+        self._left = ""
+        return text[n:]
 
 
 class IncrementalDetokenizer:
@@ -49,16 +69,18 @@ class IncrementalDetokenizer:
         self._skip_special = skip_special_tokens
         self._ids: list[int] = list(prompt_ids[-CONTEXT_TOKENS:])
         self._prefix = 0  # ids[prefix:read] is decoded context whose text was already emitted
-        # characters beyond the decoded context already emitted (held tail; at the start, what
-        # the prompt shows of a character it ends inside)
-        self._read, shown = whole_context(self._decode, self._ids)
-        self._partial = len(shown)
+        self._read, tail = whole_context(self._decode, self._ids)
+        self._tail = PromptTail(tail)
+        self._partial = 0  # characters beyond the decoded context already emitted (held tail)
 
     def _decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=self._skip_special)
 
     def add(self, token_ids: list[int], *, final: bool = False) -> str:
         """Append tokens; return the text that is now safe to send (``final`` flushes all)."""
+        return self._tail.strip(self._add(token_ids, final))
+
+    def _add(self, token_ids: list[int], final: bool) -> str:
         self._ids.extend(token_ids)
         if len(self._ids) == self._read and not final:
             return ""
@@ -72,7 +94,9 @@ class IncrementalDetokenizer:
             self._partial = max(self._partial, len(stable))
             return out
         out = (new.rstrip(REPLACEMENT) if final else new)[self._partial :]
-        if new:  # a chunk that decodes to nothing (a skipped special token) is no left context
+        # a chunk that decodes to nothing (a skipped special token) is no left context; the
+        # window stays bounded all the same
+        if new or self._read - self._prefix > CONTEXT_TOKENS + MAX_HELD_TOKENS:
             self._prefix = self._read
         self._read, self._partial = len(self._ids), 0
         return out
@@ -92,23 +116,21 @@ class StreamDetokenizer:
         self._fast = tokenizer._tokenizer
         self._skip_special = skip_special_tokens
         context = list(prompt_ids[-CONTEXT_TOKENS:])
-        k, self._shown = whole_context(
+        k, tail = whole_context(
             lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens), context)
+        self._tail = PromptTail(tail)
         self._stream = DecodeStream(ids=context[:k], skip_special_tokens=skip_special_tokens)
-        for t in context[k:]:  # the prompt ends inside a character: its output completes it
-            self._stream.step(self._fast, t)
         self._sent = context[:k]  # the last ids whose text was sent: the fallback's context
-        self._held: list[int] = context[k:]
+        self._held: list[int] = []
         self._fallback: IncrementalDetokenizer | None = None
-
-    def _unshown(self, text: str) -> str:
-        """``text`` less what the prompt already showed of the character it ended inside."""
-        if text and self._shown:
-            text, self._shown = text.removeprefix(self._shown), ""
-        return text
+        for t in context[k:]:  # the output goes on from them (and may complete a character)
+            if self._stream.step(self._fast, t) is None:
+                self._held.append(t)
+            else:  # (not expected: its text ended in U+FFFD) the prompt's text
+                self._sent, self._held = (self._sent + self._held + [t])[-CONTEXT_TOKENS:], []
 
     def add(self, token_ids: list[int], *, final: bool = False) -> str:
-        return self._unshown(self._add(token_ids, final))
+        return self._tail.strip(self._add(token_ids, final))
 
     def _add(self, token_ids: list[int], final: bool) -> str:
         if self._fallback is not None:
