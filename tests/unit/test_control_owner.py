@@ -225,7 +225,7 @@ def test_requests_parked_while_a_flip_drained_go_on_when_it_is_cancelled() -> No
         req = cluster.table.add([1, 2, 3], SamplingParams(), "", None)
         cluster.router.route(req)  # worker 0 still drains: no prefill worker serves
         assert req in cluster.table.parked
-        await asyncio.gather(flip, return_exceptions=True)
+        await asyncio.wait_for(asyncio.gather(flip, return_exceptions=True), 5)
         assert req.owner == 0 and isinstance(posted[0][-1], AddRequest)
 
     asyncio.run(main())

@@ -101,10 +101,12 @@ class PrefillInstance(_Decoding):
                 release(self.alloc, pulled)
                 self.kick()  # freed blocks may let the head prompt start
         elif kind == "rejected":
-            if self.book.rejected(msg[1]) is not None:
+            seq = self.book.rejected(msg[1])
+            if seq is not None:
                 self.num_rejected += 1
-                if self.local is not None and self.worker_id in self.sim.draining:
-                    self._keep(msg[1])  # ``PrefillRole.handle``: decodes here meanwhile
+                if (self.local is not None and self.worker_id in self.sim.draining
+                        and seq.num_tokens - seq.req.prompt_len > 1):
+                    self._keep(msg[1])  # ``PrefillRole.handle``: a hand-back decodes here
         else:
             super().handle(msg)
 

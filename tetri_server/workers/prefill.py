@@ -122,8 +122,9 @@ class PrefillRole(Role):
             if seq is not None:
                 log.info("request %d rejected by decode: %s", msg.req_id, msg.reason)
                 self.w.kv.unpin(seq)  # nobody reads its blocks now; a new Handoff names them anew
-                if self.local is not None and self.w.pending_role is not None:
-                    self._keep(msg.req_id, 0.0)  # draining: decodes here until there is room
+                if (self.local is not None and self.w.pending_role is not None
+                        and seq.num_output > 1):  # a hand-back (it decoded here) refused while
+                    self._keep(msg.req_id, 0.0)  # draining: it decodes here until there is room
         else:
             super().handle(msg)
 
