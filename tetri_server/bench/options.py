@@ -205,7 +205,7 @@ def sweep_workloads(args: argparse.Namespace, rates: Sequence[float]) -> Built:
         ns.rate, ns.num_requests = [repr(rate)], requests_at(rate, num, dur)
         # the same lengths at every rate, other prompts: a server with prefix caching kept up
         # across the rates (--url) would serve a rate's prompts from the last one's cache
-        ns.prompt_salt = k
+        ns.prompt_salt = k  # (Arena's prompts are its dataset's: the same at every rate)
         built += build_requests(ns)
     return built
 
