@@ -54,3 +54,21 @@ def test_a_handed_back_request_refused_while_draining_decodes_here_meanwhile() -
     pw.sent.clear()
     prefill.step()
     assert tokens_of(pw.sent, 1) == 1
+
+
+def test_a_fresh_request_refused_while_draining_waits_for_room_and_is_not_kept() -> None:
+    """A draining worker keeps no new request (docs/reliability.md): one refused at its first
+    hand-off waits, held, for a view with room."""
+    pw = FakeWorker(0, 64, [])
+    pw.cfg = load_config(None, ["prefill.chunk_size=128", "predictor.kind=none",
+                                "decode.policy=greedy", "dispatch.policy=power-of-two",
+                                "prefill.local_finish_tokens=0"])
+    prefill = PrefillRole(pw)  # type: ignore[arg-type]
+    pw.pending_role = "decode"  # draining from the start
+    prefill.handle(DecodeView(1, [DecodeInstanceView(1, 40, 48, 0, 0, 0)]))
+    prefill.handle(AddRequest(1, list(range(5, 45)), SamplingParams(
+        max_tokens=100, temperature=0.0, ignore_eos=True), 0.0))
+    while not any(isinstance(m, Handoff) for m in pw.sent):
+        prefill.step()
+    prefill.handle(HandoffRejected(1, "decode worker has no free blocks"))
+    assert prefill.book.ids(Stage.HELD) == [1] and not prefill.has_work()
