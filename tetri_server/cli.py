@@ -63,7 +63,7 @@ def _serve_args(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
                    help="server.allowed_origins (turns on CORS for them)")
     p.add_argument("--generation-config", choices=("auto", "vllm"),
                    help="auto: sampling defaults from generation_config.json; vllm: OpenAI's "
-                        "(model.use_generation_config)")
+                        "(model.use_generation_config); its eos ids stop requests either way")
 
 
 DTYPE_ALIASES = {"half": "float16", "float": "float32", "bf16": "bfloat16"}

@@ -129,3 +129,23 @@ def test_a_max_model_len_beyond_the_models_is_refused(model_dir) -> None:
         Cluster(cfg.resolve(cpu_count=2))
     cfg, _ = build_config(parse(str(path), "--max-model-len", "1024"), {})
     assert Cluster(cfg.resolve(cpu_count=2)).max_model_len == 1024
+
+
+def test_the_generation_configs_eos_ids_stop_requests_without_its_sampling_defaults(
+        tmp_path: Path, model_dir) -> None:
+    """Regression (review of session 62): ``--generation-config vllm`` dropped the eos ids of
+    generation_config.json with its sampling defaults, so a model whose config.json names
+    fewer (Qwen2.5-Instruct: <|endoftext|>; Llama-3-Instruct: 128001) ran past its end of
+    text to max_tokens on /v1/completions. vLLM keeps them."""
+    import json
+    import shutil
+
+    folder = tmp_path / "m"
+    shutil.copytree(model_dir("llama", "tiny"), folder)
+    (folder / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": [2, 7], "temperature": 0.6}))
+    for flag, temperature in (("auto", 0.6), ("vllm", None)):
+        cfg, given = build_config(parse(str(folder), "--generation-config", flag), {})
+        served = ServedModel.from_config(cfg.model, "m", root=str(folder), given_path=given)
+        assert served.defaults.eos_token_ids == (2, 7)
+        assert served.defaults.temperature == temperature

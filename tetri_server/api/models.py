@@ -99,7 +99,9 @@ class ServedModel:
         cls, model: ModelConfig, served_name: str, *, root: str, given_path: str | None = None
     ) -> ServedModel:
         """``served_name``: the backend's model_name; ``root``: the folder it loaded; reads
-        generation_config.json there unless ``model.use_generation_config`` is false."""
+        generation_config.json there: its sampling defaults unless
+        ``model.use_generation_config`` is false, its eos ids always (as vLLM's
+        ``--generation-config vllm``: they end the model's text, they are no default)."""
         names = tuple(dict.fromkeys((served_name, *model.served_aliases)))
         given = given_path or model.path
         if os.path.isdir(root):  # a client started in another folder loads its tokenizer here
@@ -110,8 +112,10 @@ class ServedModel:
         # model=/abs/models/x for a server started as `serve models/x`); no file access
         others |= {os.path.abspath(p) for p in (given, model.path, root)
                    if p and not p.startswith(BUILTIN_PREFIX)}
-        defaults = GenerationDefaults.read(root) if model.use_generation_config else None
-        return cls(names, root, defaults or GenerationDefaults(),
+        defaults = GenerationDefaults.read(root)
+        if not model.use_generation_config:
+            defaults = GenerationDefaults(eos_token_ids=defaults.eos_token_ids)
+        return cls(names, root, defaults,
                    frozenset(names) | {n for n in others if n}, model.tool_call_parser)
 
     def check(self, f: Fields) -> str:

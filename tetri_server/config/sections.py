@@ -159,7 +159,8 @@ class ModelConfig(_Section):
     and its folder name are accepted too, unlisted."""
     use_generation_config: bool = True
     """Take default sampling (temperature, top_p, top_k, min_p, repetition_penalty) from the
-    model's generation_config.json when a request omits them; false = OpenAI's defaults."""
+    model's generation_config.json when a request omits them; false = OpenAI's defaults. Its
+    ``eos_token_id``s stop requests either way (as vLLM's ``--generation-config vllm``)."""
 
     cuda_graphs: bool = True
     """On cuda workers, capture the decode forward as CUDA graphs at start-up (one per batch
