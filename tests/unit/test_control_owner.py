@@ -121,6 +121,22 @@ def idle_report(wid: int, role: str) -> LoadReport:
                       num_heavy=0, num_light=0, predicted_demand_blocks=0, busy_s=0.0)
 
 
+def serving(cluster: Cluster, roles: dict[int, str]) -> dict[int, list[object]]:
+    """Live workers of these roles on ``cluster``, each with an idle report; what control
+    posts to each, by worker id."""
+    posted: dict[int, list[object]] = {wid: [] for wid in roles}
+    for wid, role in roles.items():
+        cluster.workers[wid] = live(wid, role, posted[wid])  # type: ignore[assignment]
+        cluster.monitor.on_report(cluster.workers[wid], idle_report(wid, role))
+    return posted
+
+
+def die(cluster: Cluster, wid: int) -> None:
+    """Worker ``wid`` exits, as the supervisor reports it."""
+    cluster.workers[wid].alive = cluster.workers[wid].is_ready = False
+    cluster._on_death(cluster.workers[wid], -9)  # type: ignore[arg-type]
+
+
 def test_a_withdrawn_attempt_handed_to_the_same_decode_worker_again_keeps_its_tokens_out(
         ) -> None:
     """Regression (review of session 61): a hand-off withdrawn from a decode worker (CUDA IPC,
@@ -132,10 +148,7 @@ def test_a_withdrawn_attempt_handed_to_the_same_decode_worker_again_keeps_its_to
 
     async def main() -> None:
         cluster = unstarted()
-        posted: dict[int, list[object]] = {0: [], 1: [], 2: []}
-        for wid, role in ((0, "prefill"), (1, "decode"), (2, "prefill")):
-            cluster.workers[wid] = live(wid, role, posted[wid])  # type: ignore[assignment]
-            cluster.monitor.on_report(cluster.workers[wid], idle_report(wid, role))
+        posted = serving(cluster, {0: "prefill", 1: "decode", 2: "prefill"})
         cluster.workers[2].is_ready = False  # the second prefill worker comes up later
         req = cluster.table.add([1, 2, 3], SamplingParams(max_tokens=8), "", None)
         cluster.router.route(req)
@@ -186,15 +199,11 @@ def test_a_flip_that_the_death_of_the_other_worker_of_its_role_would_leave_alone
 
     async def main() -> None:
         cluster = unstarted()
-        posted: dict[int, list[object]] = {0: [], 1: [], 2: []}
-        for wid, role in ((0, "prefill"), (1, "decode"), (2, "decode")):
-            cluster.workers[wid] = live(wid, role, posted[wid])  # type: ignore[assignment]
-            cluster.monitor.on_report(cluster.workers[wid], idle_report(wid, role))
+        posted = serving(cluster, {0: "prefill", 1: "decode", 2: "decode"})
         flip = asyncio.ensure_future(cluster.flipper.flip(1, "prefill"))
         await asyncio.sleep(0.01)
         assert posted[1] == [SetRole("prefill")] and cluster.draining == {1}
-        cluster.workers[2].alive = cluster.workers[2].is_ready = False
-        cluster._on_death(cluster.workers[2], -9)  # type: ignore[arg-type]
+        die(cluster, 2)
         try:
             await asyncio.wait_for(flip, 5)
             raise AssertionError("the flip went on")
@@ -214,14 +223,10 @@ def test_requests_parked_while_a_flip_drained_go_on_when_it_is_cancelled() -> No
 
     async def main() -> None:
         cluster = unstarted(None, "decode.local_prefill_tokens=0")  # no prompt to decode
-        posted: dict[int, list[object]] = {0: [], 1: [], 3: []}
-        for wid, role in ((0, "prefill"), (1, "decode"), (3, "prefill")):
-            cluster.workers[wid] = live(wid, role, posted[wid])  # type: ignore[assignment]
-            cluster.monitor.on_report(cluster.workers[wid], idle_report(wid, role))
+        posted = serving(cluster, {0: "prefill", 1: "decode", 3: "prefill"})
         flip = asyncio.ensure_future(cluster.flipper.flip(0, "decode"))
         await asyncio.sleep(0.01)
-        cluster.workers[3].alive = cluster.workers[3].is_ready = False
-        cluster._on_death(cluster.workers[3], -9)  # type: ignore[arg-type]
+        die(cluster, 3)
         req = cluster.table.add([1, 2, 3], SamplingParams(), "", None)
         cluster.router.route(req)  # worker 0 still drains: no prefill worker serves
         assert req in cluster.table.parked
