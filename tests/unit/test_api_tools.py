@@ -138,6 +138,10 @@ def _fed(parser, text: str, rng) -> tuple[str, list]:  # noqa: ANN001
     ("llama3_json", '<|python_tag|>{"name": "a", "parameters": {}}; {"name": "b", '
      '"parameters": {"x": 1}}', "", [("a", {}), ("b", {"x": 1})]),
     ("llama3_json", "The weather is {fine} today.", "The weather is {fine} today.", []),
+    # a ";" inside an argument is the argument's (review of session 62: the call came back
+    # as text, no tool_calls)
+    ("llama3_json", '{"name": "sql", "parameters": {"q": "SELECT 1; SELECT 2"}}', "",
+     [("sql", {"q": "SELECT 1; SELECT 2"})]),
     ("llama3_json", '{"not": "a call"}', '{"not": "a call"}', []),
     ("mistral", 'Sure. [TOOL_CALLS][{"name": "f", "arguments": {"q": "x"}}]', "Sure. ",
      [("f", {"q": "x"})]),
@@ -196,3 +200,68 @@ def test_calls_whose_tags_are_special_tokens_are_parsed(tagged: ApiHarness, name
     assert choice.finish_reason == "tool_calls" and not choice.message.content
     assert [(c.function.name, json.loads(c.function.arguments))
             for c in choice.message.tool_calls] == [("weather", {"city": "Oslo"})]
+
+
+def _matches(guide_spec: str, text: str) -> bool:
+    """Whether the compiled JSON schema ``guide_spec`` accepts ``text`` whole (a character
+    vocabulary: one token per printable ASCII character)."""
+    import xgrammar as xgr
+
+    from tetri_server.engine.grammar import Grammars
+    from tetri_server.messages import Guide
+
+    vocab = [chr(i) for i in range(32, 127)] + ["</s>"]
+    compiled = Grammars(None, len(vocab), (len(vocab) - 1,), vocab=vocab).compile(
+        Guide("json_schema", guide_spec))
+    m = xgr.GrammarMatcher(compiled)
+    return all(m.accept_token(vocab.index(ch)) for ch in text) and m.is_completed()
+
+
+def test_required_tool_calls_keep_each_tools_defs() -> None:
+    """Regression (review of session 62): with tool_choice "required" each tool's parameters
+    were nested in one array schema, so their ``#/$defs/...`` refs (pydantic's nested models)
+    pointed at its root, which has none: a 400 "does not compile" for a tool a named choice
+    took. The defs now go to the root; two tools defining one name differently are a 400."""
+    from tetri_server.api.errors import APIError
+    from tetri_server.api.tools import _forced
+
+    loc = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    params = {"type": "object", "properties": {"loc": {"$ref": "#/$defs/Loc"}},
+              "required": ["loc"], "$defs": {"Loc": loc}}
+    tools = [{"type": "function", "function": {"name": "w", "parameters": params}}]
+    spec = _forced(tools, "required", True).guide.spec
+    assert _matches(spec, '[{"name": "w", "parameters": {"loc": {"city": "Oslo"}}}]')
+    assert not _matches(spec, '[{"name": "w", "parameters": {"loc": 5}}]')
+    other = {**params, "$defs": {"Loc": {"type": "integer"}}}
+    clash = [*tools, {"type": "function", "function": {"name": "v", "parameters": other}}]
+    with pytest.raises(APIError, match="differently"):
+        _forced(clash, "required", True)
+    inner = {"type": "object", "properties": {"a": {"$ref": "#/properties/b"}}}
+    with pytest.raises(APIError, match="cannot be resolved"):
+        _forced([{"type": "function", "function": {"name": "u", "parameters": inner}}],
+                "required", True)
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "array", "items": {"type": "integer"}, "uniqueItems": True},
+    {"type": "object", "properties": {"a": {"not": {"const": 0}}}},
+    {"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}},
+    {"type": "object", "dependentSchemas": {"a": {"required": ["b"]}}},
+    {"allOf": [{"type": "integer"}, {"minimum": 5}]},
+    {"$ref": "https://example.com/s.json"},
+])
+def test_a_schema_keyword_the_grammar_would_not_enforce_is_a_400(schema) -> None:
+    """Regression (review of session 62): the compiler accepted these and did not enforce
+    them, so a reply breaking the schema came back with HTTP 200 ([1, 1] for uniqueItems)."""
+    from tetri_server.api.errors import APIError
+    from tetri_server.api.guides import schema_guide
+    from tetri_server.api.tools import _forced
+
+    with pytest.raises(APIError, match="cannot enforce"):
+        schema_guide(schema, "response_format")
+    with pytest.raises(APIError, match="cannot enforce"):
+        _forced([{"type": "function", "function": {"name": "f", "parameters": schema}}],
+                {"type": "function", "function": {"name": "f"}}, True)
+    # a property named like a keyword, and allOf of one schema, are fine
+    schema_guide({"type": "object", "properties": {"not": {"type": "integer"}},
+                  "allOf": [{"required": ["not"]}]}, "response_format")

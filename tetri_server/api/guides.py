@@ -35,8 +35,59 @@ def _spec(text: str, param: str) -> str:
     return text
 
 
+# Keywords whose value is a schema, a list of schemas, or a name -> schema map.
+_SUB_SCHEMA = ("items", "additionalItems", "additionalProperties", "contains", "propertyNames",
+               "unevaluatedItems", "unevaluatedProperties", "not", "if", "then", "else")
+_SUB_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf")
+_SUB_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def sub_schemas(schema: Any, path: str = "#") -> list[tuple[str, dict[str, Any]]]:
+    """Every schema object within ``schema`` (itself first), with its JSON pointer; the values
+    of ``enum``, ``const``, ``default`` and ``examples`` are data, not schemas."""
+    if not isinstance(schema, dict):
+        return []
+    out = [(path, schema)]
+    for key in _SUB_SCHEMA:
+        value = schema.get(key)
+        if isinstance(value, list):  # items as a list (an older draft's tuple form)
+            for i, v in enumerate(value):
+                out += sub_schemas(v, f"{path}/{key}/{i}")
+        else:
+            out += sub_schemas(value, f"{path}/{key}")
+    for key in _SUB_LISTS:
+        value = schema.get(key)
+        for i, v in enumerate(value if isinstance(value, list) else []):
+            out += sub_schemas(v, f"{path}/{key}/{i}")
+    for key in _SUB_MAPS:
+        value = schema.get(key)
+        if isinstance(value, dict):
+            for name, v in value.items():
+                out += sub_schemas(v, f"{path}/{key}/{name}")
+    return out
+
+
+def unenforced(schema: Any) -> str | None:
+    """Where ``schema`` uses a keyword the grammar compiler accepts but does not enforce (an
+    output breaking it would come back as a 200), as "keyword at pointer"; None if nowhere.
+    ``oneOf`` is enforced as ``anyOf``, as vLLM's xgrammar does."""
+    for where, node in sub_schemas(schema):
+        for key in ("not", "if", "then", "else", "dependentSchemas", "dependentRequired"):
+            if key in node:
+                return f"{key} at {where}"
+        if node.get("uniqueItems") is True:
+            return f"uniqueItems at {where}"
+        if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
+            return f"allOf of more than one schema at {where}"
+        ref = node.get("$ref")
+        if isinstance(ref, str) and not ref.startswith("#"):
+            return f"a $ref outside the schema ({ref!r}) at {where}"
+    return None
+
+
 def schema_guide(schema: Any, param: str) -> Guide:
-    """A JSON schema given as an object or as JSON text."""
+    """A JSON schema given as an object or as JSON text; one that uses a keyword the grammar
+    would not enforce is a 400 naming it."""
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
@@ -44,6 +95,10 @@ def schema_guide(schema: Any, param: str) -> Guide:
             raise bad_param(param, "the schema is not valid JSON") from None
     if not isinstance(schema, dict):
         raise bad_param(param, f"the schema must be a JSON object, got {json_type(schema)}")
+    bad = unenforced(schema)
+    if bad is not None:
+        raise bad_param(param, f"the schema uses {bad}, which structured output cannot "
+                               "enforce")
     return Guide("json_schema", _spec(json.dumps(schema, ensure_ascii=False), param))
 
 

@@ -29,7 +29,7 @@ from typing import Any
 
 from tetri_server.api.errors import bad_param
 from tetri_server.api.fields import Fields
-from tetri_server.api.guides import schema_guide
+from tetri_server.api.guides import schema_guide, sub_schemas
 from tetri_server.messages import Guide
 
 MAX_TOOLS = 128
@@ -88,13 +88,44 @@ def _parameters(tool: dict[str, Any]) -> Any:
     return tool["function"].get("parameters") or {"type": "object", "properties": {}}
 
 
+DEF_KEYS = ("$defs", "definitions")
+
+
+def _hoisted(tools: list[dict[str, Any]]) -> tuple[list[Any], dict[str, dict[str, Any]]]:
+    """Each tool's parameters without their ``$defs`` / ``definitions``, and those gathered
+    for the root of a schema that nests the parameters (their ``#/$defs/...`` refs then
+    resolve there, as vLLM does); a name two tools define differently, or a ref to another
+    part of a tool's schema, is a 400."""
+    defs: dict[str, dict[str, Any]] = {k: {} for k in DEF_KEYS}
+    params = []
+    for t in tools:
+        p = _parameters(t)
+        if isinstance(p, dict):
+            for key in DEF_KEYS:
+                for name, sub in (p.get(key) or {}).items():
+                    if defs[key].get(name, sub) != sub:
+                        raise bad_param("tools", f"two tools define {key} {name!r} differently")
+                    defs[key][name] = sub
+            p = {k: v for k, v in p.items() if k not in DEF_KEYS}
+            for where, node in sub_schemas(p):
+                ref = node.get("$ref")
+                if isinstance(ref, str) and not ref.startswith(tuple(f"#/{k}/" for k in DEF_KEYS)):
+                    raise bad_param("tools", f"the $ref {ref!r} at {where} of "
+                                             f"{t['function']['name']!r} cannot be resolved "
+                                             "with tool_choice 'required' (use $defs)")
+        params.append(p)
+    return params, {k: v for k, v in defs.items() if v}
+
+
 def _forced(tools: list[dict[str, Any]], choice: Any, parallel: bool) -> ForcedCall:
     if choice == "required":
+        params, defs = _hoisted(tools)
         items = [{"type": "object", "properties": {
                      "name": {"type": "string", "enum": [t["function"]["name"]]},
-                     "parameters": _parameters(t)}, "required": ["name", "parameters"]}
-                 for t in tools]
-        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+                     "parameters": p}, "required": ["name", "parameters"]}
+                 for t, p in zip(tools, params, strict=True)]
+        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items},
+                                  **defs}
         if not parallel:
             schema["maxItems"] = 1
         return ForcedCall(None, schema_guide(schema, "tools"))
@@ -229,6 +260,22 @@ class ForcedCallParser:
         return "", self.calls
 
 
+def _json_values(text: str) -> list[Any] | None:
+    """The JSON values in ``text``, apart by ``;`` or whitespace (Llama 3's parallel calls; a
+    ``;`` inside a string is the string's); None if anything else is there."""
+    decoder, values, i = json.JSONDecoder(), [], 0
+    while True:
+        while i < len(text) and (text[i].isspace() or text[i] == ";"):
+            i += 1
+        if i == len(text):
+            return values
+        try:
+            value, i = decoder.raw_decode(text, i)
+        except ValueError:
+            return None
+        values.append(value)
+
+
 def _calls(objs: Any) -> list[ToolCall] | None:
     """``[{"name", "arguments" | "parameters"}, ...]`` as calls; None if that is not what it is."""
     if not isinstance(objs, list) or not objs:
@@ -263,11 +310,7 @@ class Llama3JsonParser:
         if not final:
             return "", []
         body = self._buf.strip().removeprefix(self.TAG)
-        try:
-            objs = [json.loads(part) for part in body.split(";") if part.strip()]
-        except ValueError:
-            objs = []
-        calls = _calls(objs)
+        calls = _calls(_json_values(body) or [])
         if calls is None:
             out, self._buf = self._buf, ""
             return out, []
