@@ -66,6 +66,15 @@ def test_512_token_chunk_is_compute_bound_on_v100_for_opt13b_and_the_knee() -> N
     assert 64 <= pick_chunk_size([(n, cpu.prefill_s(n)) for n in (64, 128, 256)]) <= 256
 
 
+def test_the_knee_with_as_many_decode_rows_as_a_pass_has_tokens_skips_that_pass() -> None:
+    """Regression (review of session 62): ``sim --chunk-size 0`` with a
+    ``local_decode_batch`` of 64 divided by zero (a pass of 64 tokens, all of them rows),
+    and of 100 raised; the worker skips the sizes not above its rows."""
+    cpu = CostModel(load_hardware("this-cpu"), load_model("bench"))
+    for rows in (0, 16, 64, 100):
+        assert rows < knee_chunk_size(cpu, rows=rows) <= 4096
+
+
 def test_handoff_is_bytes_over_link_plus_latency() -> None:
     cost = v100_opt13b()
     assert cost.model.kv_bytes_per_token == 2 * 40 * 5120 * 2  # 0.82 MB

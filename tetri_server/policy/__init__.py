@@ -46,7 +46,12 @@ from tetri_server.policy.elastic import (
 )
 from tetri_server.policy.flip import FlipPlan, FlipPolicy
 from tetri_server.policy.global_sched import LeastLoadedPicker
-from tetri_server.policy.knee import RIDER_CONTEXT, pick_chunk_size, throughput_curve
+from tetri_server.policy.knee import (
+    CALIBRATION_SIZES,
+    RIDER_CONTEXT,
+    pick_chunk_size,
+    throughput_curve,
+)
 from tetri_server.policy.local_prefill import DecodeRoom, LocalPrefill
 from tetri_server.policy.prefill import (
     PREFILL_ORDERS,
@@ -107,6 +112,7 @@ __all__ = [
     "mixed_chunk",
     "num_blocks_for",
     "pick_chunk_size",
+    "CALIBRATION_SIZES",
     "prefill_first_plan",
     "take_slices",
     "throughput_curve",

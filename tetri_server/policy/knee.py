@@ -13,6 +13,8 @@ from collections.abc import Iterable
 
 # Tokens of context behind each decode row that rides in a calibration pass (``riders``)
 RIDER_CONTEXT = 256
+# The pass sizes a prefill worker calibrates its chunk over (the simulator too).
+CALIBRATION_SIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
 
 
 def throughput_curve(samples: Iterable[tuple[int, float]],

@@ -98,15 +98,15 @@ class CostModel:
 
 def knee_chunk_size(cost: CostModel, prompt_tokens: int = 128, rows: int = 0) -> int:
     """The chunk size ``policy.knee.pick_chunk_size`` picks from this model's prefill curve
-    (passes of 64 ... 4096 tokens packed from ``prompt_tokens``-token prompts), as the prefill
-    worker calibrates with ``prefill.chunk_size = 0``; with ``rows`` (its
+    (passes of ``CALIBRATION_SIZES`` tokens packed from ``prompt_tokens``-token prompts), as
+    the prefill worker calibrates with ``prefill.chunk_size = 0``; with ``rows`` (its
     ``prefill.local_decode_batch``) that many one-token decode rows over ``RIDER_CONTEXT``
-    tokens of context take part of each pass, and the pick is the knee of the prompt tokens'
-    rate."""
-    from tetri_server.policy import RIDER_CONTEXT, pick_chunk_size
+    tokens of context take part of each pass (sizes not above ``rows`` are skipped, as the
+    worker skips them), and the pick is the knee of the prompt tokens' rate."""
+    from tetri_server.policy import CALIBRATION_SIZES, RIDER_CONTEXT, pick_chunk_size
 
     samples = []
-    for num in (64, 128, 256, 512, 1024, 2048, 4096):
+    for num in (n for n in CALIBRATION_SIZES if rows < n):
         each = min(prompt_tokens, num - rows)
         items = [(1, RIDER_CONTEXT)] * rows + [(each, 0)] * ((num - rows) // each)
         samples.append((num, cost.step_s(items, 0, len(items))))

@@ -31,13 +31,19 @@ from tetri_server.engine.runner import ScheduledSeq, StepPlan
 from tetri_server.engine.sequence import Sequence
 from tetri_server.hostinfo import cpuinfo
 from tetri_server.messages import SamplingParams
-from tetri_server.policy import RIDER_CONTEXT, knee, pick_chunk_size, throughput_curve
+from tetri_server.policy import (
+    CALIBRATION_SIZES,
+    RIDER_CONTEXT,
+    knee,
+    pick_chunk_size,
+    throughput_curve,
+)
 
 if TYPE_CHECKING:
     from tetri_server.workers.base import Worker
 
 log = logging.getLogger("tetri.calibrate")
-SIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
+SIZES = CALIBRATION_SIZES
 ROUNDS = 3
 PICKS = 3  # calibrations, one per start, whose median pick later starts serve
 
