@@ -770,3 +770,21 @@ def test_decode_waiting_kv_first_switches_drops_of_waiting_kv_for_preemptions(tm
         assert out["num_completed"] == 8
         counts[on] = (out["num_preemptions"], out["num_kv_drops"])
     assert counts[True] == (0, 2) and counts[False] == (1, 0)
+
+
+@pytest.mark.parametrize("mode", ["coupled", "disaggregated"])
+def test_a_plan_that_only_preempts_is_followed_by_the_next_at_once(mode: str) -> None:
+    """Regression (review of session 62): a step that only preempted (or failed) requests is
+    progress, and the worker plans again at once (``last_step_ran``); the simulator waited for
+    the next monitor tick (up to ``monitor_interval_ms`` of idle time in TTFT and JCT)."""
+    cost = CostModel(load_hardware("this-cpu"), load_model("bench"))
+    cfg = SimConfig(mode=mode, num_kv_blocks=10, recompute_tokens=0, decode_policy="greedy",
+                    max_model_len=512, chunk_size=64)
+    sim = Simulation(cfg, cost, [SimRequest(0, 60, 120, 0.0)])  # 180 tokens: 12 blocks
+    got: list[tuple[float, dict[str, Any]]] = []
+    for inst in sim.instances:
+        inst.decisions = lambda r: got.append((sim.loop.now_s, r))
+    sim.run()
+    assert sim.requests[0].error is not None  # it no longer fits: preempted, then failed
+    at = next(i for i, (_, r) in enumerate(got) if r.get("preempt"))
+    assert got[at + 1][0] == got[at][0]  # the next plan at the same instant

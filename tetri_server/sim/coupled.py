@@ -75,6 +75,7 @@ class CoupledInstance(_Decoding):
         if not items:
             if decode is not None:
                 self.admission.on_done(decode, set())
+                self.replan = bool(decode.preempt.req_ids or decode.fail_ids)
             return None
         self._step = (decode, slices)
         return self.cost.step_s(items, 0, num_sampled + sum(p.is_last for p in slices))

@@ -178,6 +178,7 @@ class PrefillInstance(_Decoding):
         if step_s is None:
             self._decode = None
             self.admission.on_done(decode, set())
+            self.replan = bool(decode.preempt.req_ids or decode.fail_ids)
         return step_s
 
     def _start_chunk(self, chunk: ChunkPlan, items: list[tuple[int, int]], predict_s: float,
@@ -394,6 +395,7 @@ class DecodeInstance(_Decoding):
         kept = self.reserve_slices(slices, items)
         if not items:
             self.admission.on_done(plan, set())
+            self.replan = bool(plan.preempt.req_ids or plan.fail_ids)
             return None
         self._plan, self._slices = plan, kept
         step_s = self.cost.step_s(items, 0, num_sampled + sum(p.is_last for p in kept))

@@ -103,6 +103,9 @@ class Instance:
         self.inbox: list[tuple[Any, ...]] = []
         self._kick_pending = False
         self._retry_pending = False
+        # the last plan ran nothing but preempted or failed requests: progress, and the worker
+        # plans again at once (``last_step_ran``), not at its next report
+        self.replan = False
         self.last_add_seq = 0  # the highest prompt stamp handled (Worker.last_add_seq)
         self.report_due = False  # a monitor tick passed during the running step
         # decision log hook: gets the records a worker's DecisionLog writes (workers/trace.py)
@@ -143,9 +146,13 @@ class Instance:
         if self.busy:
             return
         duration_s = self.start_step()
+        if duration_s is None and self.replan:
+            self.replan = False
+            self.kick()
+            return
         if duration_s is None:
-            # Nothing ran. The worker waits on its inbox until its next report and tries again
-            # (a plan that only preempted runs its batch only then); a message wakes it sooner.
+            # Nothing ran. The worker waits on its inbox until its next report and tries again;
+            # a message wakes it sooner.
             if self.has_work() and not self._retry_pending:
                 self._retry_pending = True
                 interval_s = self.sim.cfg.monitor_interval_ms / 1000.0
