@@ -788,3 +788,38 @@ def test_a_plan_that_only_preempts_is_followed_by_the_next_at_once(mode: str) ->
     assert sim.requests[0].error is not None  # it no longer fits: preempted, then failed
     at = next(i for i, (_, r) in enumerate(got) if r.get("preempt"))
     assert got[at + 1][0] == got[at][0]  # the next plan at the same instant
+
+
+def test_a_mixed_step_reports_the_size_it_was_planned_with() -> None:
+    """Regression (review of session 62): the prefill instance reported a step with kept rows
+    to ``LocalSteps`` at the size its rule gave after the step (no finishing rows, none
+    running), where the worker reports the planned size; with ``local_finish_tokens`` the two
+    differ, and so did the gaps the keep rule reads."""
+    cost = CostModel(load_hardware("this-cpu"), load_model("bench"))
+    cfg = SimConfig(decode_policy="greedy", max_model_len=1024, chunk_size=512,
+                    local_decode_batch=4, local_finish_tokens=16, local_decode_chunk=128)
+    sim = Simulation(cfg, cost, from_workload(WorkloadSpec("Mixed", 60, 1, 1024, rate_rps=2.0)))
+    prefill = sim.instances[0]
+    assert isinstance(prefill, PrefillInstance)
+    last_planned: list[int] = [-1]
+    steps: list[tuple[int, int, int]] = []  # (reported, planned, the size after the step)
+    tokens_of = prefill.kept_step_tokens
+
+    def spy_tokens(**kw: Any) -> int:
+        n = tokens_of(**kw)
+        if kw.get("finishing"):  # planning a mixed step: its last such call is its size
+            last_planned[0] = n
+        return n
+
+    add = prefill.steps.add
+
+    def spy_add(*args: Any, **kw: Any) -> None:
+        if prefill._decode is not None:  # a step with kept rows
+            steps.append((kw["wait_tokens"], last_planned[0], tokens_of()))
+        add(*args, **kw)
+
+    prefill.kept_step_tokens = spy_tokens  # type: ignore[method-assign]
+    prefill.steps.add = spy_add  # type: ignore[method-assign]
+    sim.run()
+    assert steps and all(reported == planned for reported, planned, _ in steps)
+    assert any(after != planned for _, planned, after in steps)  # the old report differed

@@ -73,6 +73,7 @@ class PrefillInstance(_Decoding):
         self._alone = False  # the last step was a pure chunk beside kept requests
         self._drain_views = -1  # ``PrefillRole._drain_views``
         self._step_start_s = 0.0
+        self._wait_tokens: int | None = None  # a mixed step's planned tokens (LocalSteps)
         self._last_bucket = num_buckets(cfg.max_model_len, cfg.granularity) - 1  # open
         self.admission = DecodeAdmission("greedy", block_size=self.block_size,
                                          num_total_blocks=num_blocks,
@@ -159,6 +160,7 @@ class PrefillInstance(_Decoding):
         decode = self.admission.plan(free, recompute_room=self.kept_step_tokens(
             finishing=True, num_rows=rows) - rows)
         tokens = self.kept_step_tokens(finishing=True, num_rows=len(decode.run_ids))
+        self._wait_tokens = tokens  # ``PrefillRole._mixed_step`` reports the planned size
         num_left = tokens - decode.num_recompute_tokens  # a recompute's count against the chunk
         slices = coupled_chunked_plan(self.book.queue, decode.run_ids, num_left,
                                       num_free_blocks=self.admission.free_after(decode, free),
@@ -216,9 +218,11 @@ class PrefillInstance(_Decoding):
         now = self.sim.loop.now_s
         if self._chunk.slices or self._decode is not None:
             num_decode = 0 if self._decode is None else self._decode.num_tokens
+            wait_tokens = (self.kept_step_tokens() if self._decode is None
+                           or self._wait_tokens is None else self._wait_tokens)
             self.steps.add(self._step_start_s, now, prompt=bool(self._chunk.slices),
                            num_tokens=num_decode + self._chunk.num_tokens,
-                           wait_tokens=self.kept_step_tokens())
+                           wait_tokens=wait_tokens)
         if self._decode is not None:
             decode, self._decode = self._decode, None
             self.decode_done(decode)
