@@ -160,8 +160,8 @@ def test_tables_report_ratios_against_coupled() -> None:
 
     results = [result("coupled", 1.0), result("disaggregated", 0.5)]
     table = markdown_table(results)
-    assert "| LPLD | coupled | 3/4 | 1.000 / 1.700 / 1.970 |" in table
-    assert "| 1.417 / 1.850 / 1.985 |" in table  # JCT over [1.0, 1.25, 2.0]
+    assert "| LPLD | coupled | 3/4 | 1.000 / 0.500 / 1.700 / 1.970 |" in table  # mean / p50 ...
+    assert "| 1.417 / 1.250 / 1.850 / 1.985 |" in table  # JCT over [1.0, 1.25, 2.0]
     ratios = ratio_table(results)
     # half the latency and the same busy seconds in half the time: perf/$ doubles; no server
     # CPU numbers (those come from compare only)
