@@ -125,7 +125,9 @@ class Cors:
     """CORS for browser clients, only when ``server.allowed_origins`` is set (vLLM's
     ``--allowed-origins``): an allowed ``Origin`` is echoed in ``Access-Control-Allow-Origin``
     on every answer, errors included (``on_prepare``), and preflights are answered 204 before
-    the key check, which browsers cannot pass on a preflight (``middleware``, outermost)."""
+    the key check, which browsers cannot pass on a preflight (``middleware``, outermost). A
+    preflight gets the request headers it asks for (the OpenAI JS SDK sends its
+    ``X-Stainless-*`` headers), as vLLM allows all; ``Retry-After`` is readable by the page."""
 
     METHODS = "GET, POST, OPTIONS"
     HEADERS = "Authorization, Content-Type"
@@ -144,10 +146,12 @@ class Cors:
         async def preflight(request: web.Request, handler: Handler) -> web.StreamResponse:
             if (request.method == "OPTIONS" and self.allowed(request.headers.get("Origin"))
                     and "Access-Control-Request-Method" in request.headers):
+                asked = request.headers.get("Access-Control-Request-Headers", "").strip()
                 return web.Response(status=204, headers={
                     "Access-Control-Allow-Methods": self.METHODS,
-                    "Access-Control-Allow-Headers": self.HEADERS,
+                    "Access-Control-Allow-Headers": asked or self.HEADERS,
                     "Access-Control-Max-Age": str(self.MAX_AGE_S),
+                    "Vary": "Origin, Access-Control-Request-Headers",
                 })
             return await handler(request)
 
@@ -158,7 +162,9 @@ class Cors:
         if self.allowed(origin):
             assert origin is not None
             response.headers["Access-Control-Allow-Origin"] = origin
-            response.headers["Vary"] = "Origin"
+            response.headers["Access-Control-Expose-Headers"] = "Retry-After"
+            if "Vary" not in response.headers:
+                response.headers["Vary"] = "Origin"
 
 
 def host_middleware(guard: HostGuard) -> Middleware:
