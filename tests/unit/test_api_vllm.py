@@ -555,7 +555,7 @@ def test_cors_only_when_origins_are_configured(api: ApiHarness) -> None:
     url = api.serve(allowed_origins=(page,), api_key="k")
     reply = raw_request(url, "OPTIONS", "/v1/completions", headers=pre)  # no key: a preflight
     assert reply.status == 204 and reply.headers["access-control-allow-origin"] == page
-    assert "Authorization" in reply.headers["access-control-allow-headers"]
+    assert "authorization" in reply.headers["access-control-allow-headers"].lower()
     ok = raw_request(url, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 1},
                      {"Origin": page, "Authorization": "Bearer k"})
     assert ok.status == 200 and ok.headers["access-control-allow-origin"] == page
@@ -563,6 +563,41 @@ def test_cors_only_when_origins_are_configured(api: ApiHarness) -> None:
     assert denied.status == 401 and denied.headers["access-control-allow-origin"] == page
     other = raw_request(url, "GET", "/health", headers={"Origin": "http://evil.example"})
     assert other.status == 403 and "access-control-allow-origin" not in other.headers
+
+
+def test_a_preflight_allows_the_headers_the_openai_js_sdk_sends(api: ApiHarness) -> None:
+    """Regression (review of session 62): a preflight allowed only Authorization and
+    Content-Type, so a browser refused the OpenAI JS SDK's requests (it sends X-Stainless-*
+    headers); vLLM allows all. A page can read Retry-After too."""
+    page = "http://app.example:3000"
+    url = api.serve(allowed_origins=(page,), api_key="k")
+    asked = "authorization, content-type, x-stainless-os, x-stainless-timeout"
+    reply = raw_request(url, "OPTIONS", "/v1/chat/completions", headers={
+        "Origin": page, "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": asked})
+    assert reply.status == 204
+    allowed = {h.strip() for h in reply.headers["access-control-allow-headers"].lower().split(",")}
+    assert {"x-stainless-os", "x-stainless-timeout", "authorization"} <= allowed
+    ok = raw_request(url, "GET", "/v1/models", headers={"Origin": page,
+                                                         "Authorization": "Bearer k"})
+    assert "retry-after" in ok.headers["access-control-expose-headers"].lower()
+
+
+def test_a_request_during_the_drain_is_a_503_with_retry_after(api: ApiHarness) -> None:
+    """Regression (review of session 62): a request that came during a SIGTERM drain got a
+    503 without Retry-After, which every other 503 carries (docs/reliability.md)."""
+    from tetri_server.api.app import STATE
+
+    url = api.serve()
+    state = api.apps[url][STATE]
+    state.draining = True
+    try:
+        reply = raw_request(url, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 1})
+        assert reply.status == 503 and reply.headers.get("retry-after") == "1"
+        assert reply.json()["error"]["code"] == "shutting_down"
+        assert raw_request(url, "GET", "/health").headers.get("retry-after") == "1"
+    finally:
+        state.draining = False
 
 
 def test_text_parts_of_a_message_are_joined_by_a_newline() -> None:

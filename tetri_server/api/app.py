@@ -71,7 +71,8 @@ class _HealthRoutes:
 
     async def health(self, request: web.Request) -> web.Response:
         if self.state.draining:
-            raise APIError("the server is shutting down", status=503, code="shutting_down")
+            raise APIError("the server is shutting down", status=503, code="shutting_down",
+                           headers={"Retry-After": "1"})
         if not self.backend.is_ready():
             raise APIError(
                 "the server is not ready: workers are starting or restarting",

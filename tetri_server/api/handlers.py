@@ -183,7 +183,8 @@ class GenerateHandlers:
     async def _generate(self, request: web.Request, kind: Kind) -> web.StreamResponse:
         arrival_s = time.monotonic()
         if self.state.draining:
-            raise APIError("the server is shutting down", status=503, code="shutting_down")
+            raise APIError("the server is shutting down", status=503, code="shutting_down",
+                           headers={"Retry-After": "1"})  # another replica, or the restart
         self.state.arrive()  # a drain from now on waits for it: it was accepted
         try:
             raw = await read_json_body(
@@ -221,8 +222,9 @@ class GenerateHandlers:
 
     @staticmethod
     async def _close(gens: list[Generation], client_gone: bool) -> None:
-        for gen in gens:
-            await gen.close(client_gone=client_gone)
+        """Abort every choice's request, all under one shield: a cancel of the handler during
+        the first abort must not leave the others running (n > 1, batched prompts)."""
+        await asyncio.shield(asyncio.gather(*(g.close(client_gone=client_gone) for g in gens)))
 
     @staticmethod
     def _usage(gens: list[Generation]) -> tuple[int, int]:
