@@ -237,9 +237,14 @@ def test_required_tool_calls_keep_each_tools_defs() -> None:
     with pytest.raises(APIError, match="differently"):
         _forced(clash, "required", True)
     inner = {"type": "object", "properties": {"a": {"$ref": "#/properties/b"}}}
-    with pytest.raises(APIError, match="cannot be resolved"):
-        _forced([{"type": "function", "function": {"name": "u", "parameters": inner}}],
-                "required", True)
+    in_def = {**params, "$defs": {"Loc": {"$ref": "#/properties/loc"}}}
+    for bad in (inner, in_def):  # a ref the array's root cannot resolve, in a def too
+        with pytest.raises(APIError, match="cannot be resolved"):
+            _forced([{"type": "function", "function": {"name": "u", "parameters": bad}}],
+                    "required", True)
+    with pytest.raises(APIError, match="must be an object"):  # was an AttributeError: a 500
+        _forced([{"type": "function", "function": {"name": "u", "parameters": {
+            "type": "object", "$defs": ["x"]}}}], "required", True)
 
 
 @pytest.mark.parametrize("schema", [
@@ -249,6 +254,13 @@ def test_required_tool_calls_keep_each_tools_defs() -> None:
     {"type": "object", "dependentSchemas": {"a": {"required": ["b"]}}},
     {"allOf": [{"type": "integer"}, {"minimum": 5}]},
     {"$ref": "https://example.com/s.json"},
+    # beside $ref / anyOf / oneOf / allOf the compiler drops every other keyword
+    {"$ref": "#/$defs/A", "maximum": 3, "$defs": {"A": {"type": "integer"}}},
+    {"type": "object", "properties": {"a": {"type": "integer"}}, "anyOf": [{"required": ["a"]}]},
+    {"type": "number", "multipleOf": 0.5},
+    {"type": "integer", "multipleOf": 3, "minimum": 0},
+    {"type": "array", "items": {"type": "integer"}, "maxContains": 1},
+    {"type": "object", "dependencies": {"a": ["b"]}},
 ])
 def test_a_schema_keyword_the_grammar_would_not_enforce_is_a_400(schema) -> None:
     """Regression (review of session 62): the compiler accepted these and did not enforce
@@ -262,6 +274,12 @@ def test_a_schema_keyword_the_grammar_would_not_enforce_is_a_400(schema) -> None
     with pytest.raises(APIError, match="cannot enforce"):
         _forced([{"type": "function", "function": {"name": "f", "parameters": schema}}],
                 {"type": "function", "function": {"name": "f"}}, True)
-    # a property named like a keyword, and allOf of one schema, are fine
-    schema_guide({"type": "object", "properties": {"not": {"type": "integer"}},
-                  "allOf": [{"required": ["not"]}]}, "response_format")
+    # a property named like a keyword, allOf of one schema, pydantic's Optional and a $ref
+    # with a description are fine
+    schema_guide({"type": "object", "properties": {
+        "not": {"type": "integer"},
+        "x": {"anyOf": [{"type": "integer"}, {"type": "null"}], "default": None, "title": "X"},
+        "y": {"$ref": "#/$defs/A", "description": "a y"},
+        "z": {"allOf": [{"$ref": "#/$defs/A"}], "default": 1},
+        "n": {"type": "integer", "multipleOf": 3}}, "$defs": {"A": {"type": "integer"}}},
+        "response_format")

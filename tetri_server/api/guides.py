@@ -39,7 +39,14 @@ def _spec(text: str, param: str) -> str:
 _SUB_SCHEMA = ("items", "additionalItems", "additionalProperties", "contains", "propertyNames",
                "unevaluatedItems", "unevaluatedProperties", "not", "if", "then", "else")
 _SUB_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf")
-_SUB_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SUB_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas",
+             "dependencies")
+# Beside a ``$ref``, ``anyOf``, ``oneOf`` or ``allOf`` the compiler reads that keyword alone and
+# drops the others: only these (which constrain nothing) may stand there.
+_ANNOTATIONS = frozenset(("title", "description", "default", "examples", "$comment",
+                          "deprecated", "readOnly", "writeOnly", "$defs", "definitions",
+                          "$schema", "$id", "discriminator", "nullable"))
+_COMBINERS = ("$ref", "anyOf", "oneOf", "allOf")
 
 
 def sub_schemas(schema: Any, path: str = "#") -> list[tuple[str, dict[str, Any]]]:
@@ -72,11 +79,23 @@ def unenforced(schema: Any) -> str | None:
     output breaking it would come back as a 200), as "keyword at pointer"; None if nowhere.
     ``oneOf`` is enforced as ``anyOf``, as vLLM's xgrammar does."""
     for where, node in sub_schemas(schema):
-        for key in ("not", "if", "then", "else", "dependentSchemas", "dependentRequired"):
+        for key in ("not", "if", "then", "else", "dependentSchemas", "dependentRequired",
+                    "dependencies", "minContains", "maxContains"):
             if key in node:
                 return f"{key} at {where}"
         if node.get("uniqueItems") is True:
             return f"uniqueItems at {where}"
+        combiner = next((k for k in _COMBINERS if k in node), None)
+        if combiner is not None:
+            beside = sorted(k for k in node if k != combiner and k not in _ANNOTATIONS)
+            if beside:
+                return f"{', '.join(beside)} beside {combiner} at {where}"
+        step = node.get("multipleOf")
+        if step is not None and not (
+                node.get("type") == "integer" and isinstance(step, int) and 0 < step <= 1024
+                and ("minimum" in node) == ("maximum" in node)):
+            return f"multipleOf {step!r} at {where} (only an integer's, up to 1024, with both " \
+                   "or neither bounds)"
         if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
             return f"allOf of more than one schema at {where}"
         ref = node.get("$ref")

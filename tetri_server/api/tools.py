@@ -102,12 +102,16 @@ def _hoisted(tools: list[dict[str, Any]]) -> tuple[list[Any], dict[str, dict[str
         p = _parameters(t)
         if isinstance(p, dict):
             for key in DEF_KEYS:
+                if not isinstance(p.get(key) or {}, dict):
+                    raise bad_param("tools", f"{key} of {t['function']['name']!r} must be an "
+                                             "object of schemas")
                 for name, sub in (p.get(key) or {}).items():
                     if defs[key].get(name, sub) != sub:
                         raise bad_param("tools", f"two tools define {key} {name!r} differently")
                     defs[key][name] = sub
             p = {k: v for k, v in p.items() if k not in DEF_KEYS}
-            for where, node in sub_schemas(p):
+            # (each def is checked where it lands: at the root, beside the others)
+            for where, node in sub_schemas({**p, **{k: defs[k] for k in DEF_KEYS}}):
                 ref = node.get("$ref")
                 if isinstance(ref, str) and not ref.startswith(tuple(f"#/{k}/" for k in DEF_KEYS)):
                     raise bad_param("tools", f"the $ref {ref!r} at {where} of "
