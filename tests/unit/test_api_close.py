@@ -33,3 +33,20 @@ def test_a_cancel_during_the_first_abort_leaves_no_choice_running() -> None:
         return closed
 
     assert sorted(asyncio.run(main())) == [0, 1, 2, 3]
+
+
+def test_a_choice_whose_abort_fails_leaves_the_others_aborted_and_is_logged(caplog) -> None:
+    """One failing abort neither stops the others nor turns the finished reply into a 500."""
+
+    class Failing(Choice):
+        async def close(self, *, client_gone: bool = False) -> None:
+            raise RuntimeError("channel gone")
+
+    async def main() -> list[int]:
+        closed: list[int] = []
+        gens = [Failing(closed, 0), Choice(closed, 1), Choice(closed, 2)]
+        await GenerateHandlers._close(gens, False)  # type: ignore[arg-type]
+        return closed
+
+    assert sorted(asyncio.run(main())) == [1, 2]
+    assert "channel gone" in caplog.text

@@ -598,6 +598,13 @@ def test_a_request_during_the_drain_is_a_503_with_retry_after(api: ApiHarness) -
         assert raw_request(url, "GET", "/health").headers.get("retry-after") == "1"
     finally:
         state.draining = False
+    ready = api.backend.is_ready
+    api.backend.is_ready = lambda: False  # workers restarting
+    try:
+        reply = raw_request(url, "GET", "/health")
+        assert reply.status == 503 and reply.headers.get("retry-after") == "1"
+    finally:
+        api.backend.is_ready = ready
 
 
 def test_text_parts_of_a_message_are_joined_by_a_newline() -> None:

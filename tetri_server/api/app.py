@@ -78,6 +78,7 @@ class _HealthRoutes:
                 "the server is not ready: workers are starting or restarting",
                 status=503,
                 code="not_ready",
+                headers={"Retry-After": "1"},
             )
         return web.json_response({"status": "ok"})
 

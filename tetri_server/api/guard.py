@@ -163,8 +163,9 @@ class Cors:
             assert origin is not None
             response.headers["Access-Control-Allow-Origin"] = origin
             response.headers["Access-Control-Expose-Headers"] = "Retry-After"
-            if "Vary" not in response.headers:
-                response.headers["Vary"] = "Origin"
+            vary = [v.strip() for v in response.headers.get("Vary", "").split(",") if v.strip()]
+            if "origin" not in (v.lower() for v in vary):
+                response.headers["Vary"] = ", ".join([*vary, "Origin"])
 
 
 def host_middleware(guard: HostGuard) -> Middleware:

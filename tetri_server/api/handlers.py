@@ -203,8 +203,7 @@ class GenerateHandlers:
                 for gen in gens:
                     gen.submit()
             except APIError:
-                for gen in gens:
-                    await gen.close()
+                await self._close(gens, False)
                 raise
             self.state.enter(len(gens))
         finally:
@@ -224,7 +223,11 @@ class GenerateHandlers:
     async def _close(gens: list[Generation], client_gone: bool) -> None:
         """Abort every choice's request, all under one shield: a cancel of the handler during
         the first abort must not leave the others running (n > 1, batched prompts)."""
-        await asyncio.shield(asyncio.gather(*(g.close(client_gone=client_gone) for g in gens)))
+        done = await asyncio.shield(asyncio.gather(
+            *(g.close(client_gone=client_gone) for g in gens), return_exceptions=True))
+        for error in done:
+            if isinstance(error, BaseException):
+                log.error("aborting a choice failed: %s: %s", type(error).__name__, error)
 
     @staticmethod
     def _usage(gens: list[Generation]) -> tuple[int, int]:
