@@ -145,6 +145,7 @@ class Instance:
         self._kick_pending = False
         if self.busy:
             return
+        self.replan = False
         duration_s = self.start_step()
         if duration_s is None and self.replan:
             self.replan = False
