@@ -98,6 +98,7 @@ def _hoisted(tools: list[dict[str, Any]]) -> tuple[list[Any], dict[str, dict[str
     part of a tool's schema, is a 400."""
     defs: dict[str, dict[str, Any]] = {k: {} for k in DEF_KEYS}
     params = []
+    refs_ok = tuple(f"#/{k}/" for k in DEF_KEYS)
     for t in tools:
         p = _parameters(t)
         if isinstance(p, dict):
@@ -109,14 +110,13 @@ def _hoisted(tools: list[dict[str, Any]]) -> tuple[list[Any], dict[str, dict[str
                     if defs[key].get(name, sub) != sub:
                         raise bad_param("tools", f"two tools define {key} {name!r} differently")
                     defs[key][name] = sub
-            p = {k: v for k, v in p.items() if k not in DEF_KEYS}
-            # (each def is checked where it lands: at the root, beside the others)
-            for where, node in sub_schemas({**p, **{k: defs[k] for k in DEF_KEYS}}):
+            for where, node in sub_schemas(p):  # its own defs too, once
                 ref = node.get("$ref")
-                if isinstance(ref, str) and not ref.startswith(tuple(f"#/{k}/" for k in DEF_KEYS)):
+                if isinstance(ref, str) and not ref.startswith(refs_ok):
                     raise bad_param("tools", f"the $ref {ref!r} at {where} of "
                                              f"{t['function']['name']!r} cannot be resolved "
                                              "with tool_choice 'required' (use $defs)")
+            p = {k: v for k, v in p.items() if k not in DEF_KEYS}
         params.append(p)
     return params, {k: v for k, v in defs.items() if v}
 

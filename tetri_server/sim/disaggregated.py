@@ -73,7 +73,7 @@ class PrefillInstance(_Decoding):
         self._alone = False  # the last step was a pure chunk beside kept requests
         self._drain_views = -1  # ``PrefillRole._drain_views``
         self._step_start_s = 0.0
-        self._wait_tokens: int | None = None  # a mixed step's planned tokens (LocalSteps)
+        self._wait_tokens = 0  # a mixed step's planned tokens (LocalSteps)
         self._last_bucket = num_buckets(cfg.max_model_len, cfg.granularity) - 1  # open
         self.admission = DecodeAdmission("greedy", block_size=self.block_size,
                                          num_total_blocks=num_blocks,
@@ -219,7 +219,7 @@ class PrefillInstance(_Decoding):
         if self._chunk.slices or self._decode is not None:
             num_decode = 0 if self._decode is None else self._decode.num_tokens
             wait_tokens = (self.kept_step_tokens() if self._decode is None
-                           or self._wait_tokens is None else self._wait_tokens)
+                           else self._wait_tokens)
             self.steps.add(self._step_start_s, now, prompt=bool(self._chunk.slices),
                            num_tokens=num_decode + self._chunk.num_tokens,
                            wait_tokens=wait_tokens)

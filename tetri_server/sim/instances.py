@@ -148,7 +148,6 @@ class Instance:
         self.replan = False
         duration_s = self.start_step()
         if duration_s is None and self.replan:
-            self.replan = False
             self.kick()
             return
         if duration_s is None:
