@@ -143,3 +143,22 @@ def test_uniform_misses_land_anywhere_but_the_true_bucket() -> None:
     assert max(misses) >= 8 and sum(misses) / len(misses) > 3  # a neighbour miss: always 1
     with pytest.raises(ValueError, match="miss"):
         EmulatedPredictor(granularity=200, num_buckets=11, miss="far")
+
+
+def test_simulated_oracle_buckets_like_the_server_whatever_the_context_length() -> None:
+    """The server's oracle takes its buckets from the shipped artifact (the last, open bucket
+    starts at the 1024-token training clip); the simulator's must match at any max_model_len."""
+    import dataclasses
+
+    from tetri_server.predictor import artifact, load_predictor
+    from tetri_server.sim.cluster import SimConfig
+    from tetri_server.sim.instances import SimRequest
+    from tetri_server.sim.run import predict
+
+    for name in artifact.shipped_artifacts():
+        server = load_predictor("oracle", name)
+        cfg = dataclasses.replace(SimConfig(), max_model_len=4096,
+                                  granularity=server.granularity)
+        reqs = [SimRequest(i, 16, n, 0.0) for i, n in enumerate((0, 199, 1023, 1100, 3000))]
+        predict(reqs, cfg)
+        assert [r.bucket for r in reqs] == [server.bucket_of(r.output_len) for r in reqs], name

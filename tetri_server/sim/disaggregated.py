@@ -74,7 +74,7 @@ class PrefillInstance(_Decoding):
         self._drain_views = -1  # ``PrefillRole._drain_views``
         self._step_start_s = 0.0
         self._wait_tokens = 0  # a mixed step's planned tokens (LocalSteps)
-        self._last_bucket = num_buckets(cfg.max_model_len, cfg.granularity) - 1  # open
+        self._last_bucket = num_buckets(cfg.granularity) - 1  # open
         self.admission = DecodeAdmission("greedy", block_size=self.block_size,
                                          num_total_blocks=num_blocks,
                                          max_batch=max(1, cfg.local_decode_batch),

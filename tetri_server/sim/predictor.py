@@ -12,9 +12,14 @@ import random
 MISSES = ("neighbour", "uniform")
 
 
-def num_buckets(max_model_len: int, granularity: int) -> int:
-    """Buckets of ``granularity`` tokens up to the context length (the last one is open)."""
-    return max(1, -(-max_model_len // granularity))
+def num_buckets(granularity: int) -> int:
+    """The server's bucket count at ``granularity``: a trained artifact's, whose last (open)
+    bucket starts at the training clip (``TrainConfig.max_tokens``, 1024) whatever the context
+    length, so a 1100-token output is in the open bucket in both."""
+    from tetri_server.predictor.metrics import num_buckets_for
+    from tetri_server.predictor.train import TrainConfig
+
+    return num_buckets_for(granularity, TrainConfig.max_tokens)
 
 
 class EmulatedPredictor:

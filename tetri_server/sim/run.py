@@ -18,7 +18,7 @@ from tetri_server.sim.workload import assign_buckets, fresh
 
 def predict(requests: list[SimRequest], cfg: SimConfig) -> None:
     """Draw every request's bucket (once, so all modes see the same predictions)."""
-    buckets = num_buckets(cfg.max_model_len, cfg.granularity)
+    buckets = num_buckets(cfg.granularity)
     assign_buckets(requests, EmulatedPredictor(granularity=cfg.granularity,
                                                num_buckets=buckets,
                                                accuracy=cfg.predictor_accuracy, seed=cfg.seed,
