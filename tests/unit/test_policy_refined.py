@@ -37,6 +37,23 @@ def test_a_heavy_tail_raises_the_expected_remaining_length_as_a_request_runs() -
     assert remaining == sorted(remaining) and remaining[-1] > 3 * remaining[0]
 
 
+def test_responses_cut_at_the_data_cap_count_as_running_to_max_tokens() -> None:
+    """The data's responses were cut at 1024 tokens: past that, a request asking for more is
+    expected to run to its max_tokens, not to stop at the cut (it said 1021 at 1020 before)."""
+    lengths = [100, 300, 1024, 1024]
+    cut = LengthTail.from_json(LengthTail.from_lengths({0: lengths}, 1, 20).to_json(), clip=1024)
+    assert cut.expected_output(0, 1, 4096) == -(-(100 + 300 + 4096 + 4096) // 4)
+    assert cut.expected_output(0, 1020, 4096) == 4096
+    assert cut.expected_output(0, 2000, 4096) == 4096  # past every length in the data
+    assert cut.expected_output(0, 1, 1024) == 612  # a cap at the cut: nothing is censored
+    assert cut.expected_output(0, 1, 512) == (100 + 300 + 512 + 512) // 4
+    for name in shipped_artifacts():
+        for kind in ("classifier", "oracle", "none"):
+            tail = tails.load(kind, name)
+            top = tail.num_buckets - 1
+            assert tail.expected_output(top, 1030, 2048) == 2048, (name, kind)
+
+
 def test_a_bucket_past_the_last_row_uses_the_last() -> None:
     tail = LengthTail.from_lengths({0: [10], 1: [500]}, 2, 20)
     assert tail.expected_output(7, 1, 1000) == tail.expected_output(1, 1, 1000) == 500

@@ -25,7 +25,9 @@ class LengthTail:
 
     ``counts[b][j]``: responses of bucket ``b`` whose length is in ``[j*bin_tokens,
     (j+1)*bin_tokens)``; ``sums[b][j]``: the sum of their lengths (tokens). A bucket past the
-    last one given uses the last (an open top bucket).
+    last one given uses the last (an open top bucket). ``clip``: the generation cap of the data
+    (the artifact's ``max_tokens``): a response of that length was cut there, so its true
+    length is only known to be at least ``clip`` (censored); ``None``: no response was cut.
     """
 
     def __init__(
@@ -33,13 +35,17 @@ class LengthTail:
         bin_tokens: int,
         counts: Sequence[Sequence[int]],
         sums: Sequence[Sequence[int]],
+        clip: int | None = None,
     ) -> None:
         if bin_tokens < 1 or not counts or len(counts) != len(sums):
             raise ValueError("need bin_tokens >= 1 and one counts and sums row per bucket")
+        if clip is not None and clip < 1:
+            raise ValueError(f"clip must be >= 1, got {clip}")
         for c, s in zip(counts, sums, strict=True):
             if len(c) != len(s) or min(c, default=0) < 0 or min(s, default=0) < 0:
                 raise ValueError("counts and sums rows must have equal, non-negative entries")
         self.bin_tokens = bin_tokens
+        self.clip = clip
         self.counts = tuple(tuple(int(x) for x in row) for row in counts)
         self.sums = tuple(tuple(int(x) for x in row) for row in sums)
         # suffix sums: _count_ge[b][j] responses in bins >= j, _sum_ge[b][j] their total length
@@ -73,8 +79,8 @@ class LengthTail:
         }
 
     @staticmethod
-    def from_json(d: Mapping[str, Any]) -> LengthTail:
-        return LengthTail(int(d["bin_tokens"]), d["counts"], d["sums"])
+    def from_json(d: Mapping[str, Any], clip: int | None = None) -> LengthTail:
+        return LengthTail(int(d["bin_tokens"]), d["counts"], d["sums"], clip)
 
     def expected_output(self, bucket: int, num_generated: int, max_tokens: int) -> int | None:
         """``ceil(E[min(L, max_tokens) | L > num_generated, bucket])`` in tokens, at least
@@ -83,14 +89,21 @@ class LengthTail:
 
         Resolution is one bin: the bin holding ``num_generated`` counts whole, and lengths in
         the bin holding ``max_tokens`` count as ``max_tokens`` (an over-estimate < one bin).
+        Censored responses (``clip``) could have run to any ``max_tokens`` above the clip, so
+        past it they count as ``max_tokens`` (from the clip's bin on), and a request that has
+        generated ``clip`` tokens or more is expected to run to ``max_tokens`` if the bucket
+        has any censored response.
         """
         row = min(max(bucket, 0), self.num_buckets - 1)
         count_ge, sum_ge = self._count_ge[row], self._sum_ge[row]
         num_bins = len(count_ge) - 1
-        k = min(num_generated // self.bin_tokens, num_bins)
+        cap = max_tokens if self.clip is None else min(max_tokens, self.clip)
+        k = min(min(num_generated, cap) // self.bin_tokens, num_bins)
         if count_ge[k] == 0:
             return None
-        c = min(max(max_tokens // self.bin_tokens, k), num_bins)  # bins >= c count as the cap
+        if num_generated >= cap:  # only censored responses are this long
+            return max_tokens
+        c = min(max(cap // self.bin_tokens, k), num_bins)  # bins >= c count as the cap
         total = sum_ge[k] - sum_ge[c] + max_tokens * count_ge[c]
         est = -(-total // count_ge[k])
         return max(min(est, max_tokens), min(num_generated + 1, max_tokens))

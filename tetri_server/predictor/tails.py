@@ -70,9 +70,10 @@ def for_kind(meta: dict[str, Any], kind: str) -> LengthTail:
     """The tail a decode admission uses with predictor ``kind`` (``none``: no buckets)."""
     try:
         tails = meta[KEY]
-        marginal = LengthTail.from_json(tails["marginal"])
+        clip = int(meta["max_tokens"])  # the data's generation cap: lengths there are censored
+        marginal = LengthTail.from_json(tails["marginal"], clip)
         if kind == "classifier":
-            return LengthTail.from_json(tails["by_predicted"])
+            return LengthTail.from_json(tails["by_predicted"], clip)
     except (KeyError, TypeError, ValueError) as e:
         raise PredictorError(
             f"artifact has no valid {KEY} ({e!r}); add them with "
@@ -107,4 +108,4 @@ def _split_by_bucket(marginal: LengthTail, granularity: int, num_buckets: int) -
         hi = len(counts) if b == num_buckets - 1 else (b + 1) * granularity // w
         rows_c.append([c if lo <= j < hi else 0 for j, c in enumerate(counts)])
         rows_s.append([s if lo <= j < hi else 0 for j, s in enumerate(sums)])
-    return LengthTail(w, rows_c, rows_s)
+    return LengthTail(w, rows_c, rows_s, marginal.clip)
