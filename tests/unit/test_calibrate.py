@@ -194,3 +194,14 @@ def test_one_thread_cpu_passes_are_timed_in_cpu_time(monkeypatch):
         assert calibrate.pass_clock("cpu") is time.perf_counter
     finally:
         torch.set_num_threads(threads)
+
+
+def test_a_pool_too_small_for_every_pass_is_a_clear_error(tmp_path, monkeypatch):
+    """No calibration size fits half the pool: the worker says what to set (it failed with
+    throughput_curve's bare "no samples")."""
+    monkeypatch.setenv("TETRI_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(calibrate, "measure", lambda w, sizes=calibrate.SIZES, rows=0: [])
+    worker = fake_worker(tmp_path)
+    worker.allocator, worker.block_size = SimpleNamespace(num_blocks=3), 16
+    with pytest.raises(RuntimeError, match=r"3 blocks of 16.*set prefill\.chunk_size"):
+        calibrate.resolve_chunk_size(worker, 0)

@@ -191,6 +191,10 @@ def test_bad_file_values_name_the_file_and_key(tmp_path: Path) -> None:
         (["flip.enabled=true"], "at least 3 workers"),
         (["flip.enabled=true", "cluster.mode=coupled", "cluster.workers=4"], "disaggregated"),
         (["predictor.kind=none"], "predictor.kind"),
+        # every calibration pass (<= 4096 tokens) full of the kept requests' rows: the worker
+        # failed at start with "no samples"
+        (["prefill.local_decode_batch=4096", "prefill.local_decode_chunk=0"],
+         "prefill.chunk_size"),
     ],
 )
 def test_cross_field_rules(overrides: list[str], must_mention: str) -> None:
@@ -203,6 +207,11 @@ def test_cross_field_rules_allow_valid_combinations() -> None:
     load_config(None, ["flip.enabled=true", "cluster.decode_workers=2"])
     load_config(None, ["predictor.kind=none", "decode.policy=greedy"])
     load_config(None, ["cluster.device=cuda"])  # transport auto
+    load_config(None, ["prefill.local_decode_batch=4096"])  # chunk steps carry no rows
+    load_config(None, ["prefill.local_decode_batch=4096", "prefill.local_decode_chunk=0",
+                       "prefill.chunk_size=512"])
+    load_config(None, ["prefill.local_decode_batch=4096", "prefill.local_decode_chunk=0",
+                       "cluster.elastic=off"])
 
 
 def test_constructors_validate_too() -> None:

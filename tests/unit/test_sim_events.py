@@ -162,3 +162,11 @@ def test_simulated_oracle_buckets_like_the_server_whatever_the_context_length() 
         reqs = [SimRequest(i, 16, n, 0.0) for i, n in enumerate((0, 199, 1023, 1100, 3000))]
         predict(reqs, cfg)
         assert [r.bucket for r in reqs] == [server.bucket_of(r.output_len) for r in reqs], name
+
+
+def test_a_knee_with_no_pass_above_the_riding_rows_names_the_setting() -> None:
+    """local_decode_batch >= the largest calibration pass leaves no size to measure (it failed
+    with a bare "no samples")."""
+    with pytest.raises(ValueError, match="local_decode_batch 4096"):
+        knee_chunk_size(v100_opt13b(), rows=4096)
+    assert knee_chunk_size(v100_opt13b(), rows=2048) == 4096

@@ -91,6 +91,21 @@ class Config:
             raise ConfigError("kv.transport = cuda_ipc requires cluster.device = cuda")
         if kv.transport == "shm" and c.device != "cpu":
             raise ConfigError("kv.transport = shm requires cluster.device = cpu")
+        if c.mode == "disaggregated" and self.elastic_on and self.prefill.chunk_size == 0:
+            from tetri_server.policy.elastic import calibration_rows
+            from tetri_server.policy.knee import CALIBRATION_SIZES
+
+            p = self.prefill
+            rows = calibration_rows(p.local_decode_batch, p.local_decode_chunk,
+                                    p.local_decode_full_chunk_backlog,
+                                    p.local_decode_full_chunk_share)
+            if rows >= CALIBRATION_SIZES[-1]:
+                raise ConfigError(
+                    f"prefill.chunk_size = 0 calibrates the chunk over passes of up to "
+                    f"{CALIBRATION_SIZES[-1]} tokens with prefill.local_decode_batch = {rows} "
+                    "decode rows riding in each: none has room for prompt tokens; set "
+                    "prefill.chunk_size, or a smaller local_decode_batch"
+                )
         if self.flip.enabled:
             if c.mode != "disaggregated":
                 raise ConfigError("flip.enabled = true requires cluster.mode = disaggregated")

@@ -106,6 +106,9 @@ def knee_chunk_size(cost: CostModel, prompt_tokens: int = 128, rows: int = 0) ->
     from tetri_server.policy import CALIBRATION_SIZES, RIDER_CONTEXT, pick_chunk_size
 
     samples = []
+    if rows >= CALIBRATION_SIZES[-1]:
+        raise ValueError(f"chunk_size 0 calibrates over passes of up to {CALIBRATION_SIZES[-1]} "
+                         f"tokens; local_decode_batch {rows} leaves none room for prompt tokens")
     for num in (n for n in CALIBRATION_SIZES if rows < n):
         each = min(prompt_tokens, num - rows)
         items = [(1, RIDER_CONTEXT)] * rows + [(each, 0)] * ((num - rows) // each)

@@ -181,6 +181,12 @@ def resolve_chunk_size(worker: Worker, configured: int, rows: int = 0, *,
                  key)
         return size
     samples = measure(worker, rows=rows)
+    if not samples:
+        raise RuntimeError(
+            f"prefill.chunk_size = 0: no calibration pass of {SIZES} tokens fits half of this "
+            f"worker's KV pool ({worker.allocator.num_blocks} blocks of {worker.block_size})"
+            + (f" beside {rows} decode rows" if rows else "")
+            + "; set prefill.chunk_size or a larger pool")
     picks = cached[key] = [*picks, pick_chunk_size(samples, riders=rows)]
     size = served_pick(picks)
     log.warning("calibrated prefill chunk size %d from %s%s; serving %d, the median of %s "
