@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import Collection
 
 import pytest
 
-from tetri_server.policy import DecodeAdmission, DecodeStepPlan, num_blocks_for
+from tetri_server.policy import DecodeAdmission, DecodeStepPlan, TetriDispatcher, num_blocks_for
 
 BLOCK = 16
 
@@ -168,6 +169,17 @@ def test_load_counts_heavy_light_and_predicted_demand() -> None:
     for _ in range(128):
         rt.step()
     assert rt.adm.load().num_heavy == 2  # 2 has now generated more than 128 tokens
+
+
+def test_a_request_capped_below_the_threshold_is_light_as_the_dispatcher_counts_it() -> None:
+    """Bucket 2 (400 tokens) with max_tokens 64 was dispatched as light but reported heavy."""
+    rt = FakeRuntime("greedy", 100)
+    rt.add(1, prompt=32, bucket=2, max_tokens=64)
+    rt.add(2, prompt=32, bucket=2, max_tokens=400)
+    load = rt.adm.load()
+    assert (load.num_heavy, load.num_light) == (1, 1)
+    dispatcher = TetriDispatcher(random.Random(0), block_size=BLOCK)
+    assert not dispatcher.make_plan(1, 1, 32, dispatcher.predicted_output(2, 64)).heavy
 
 
 def test_bad_arguments_are_refused() -> None:

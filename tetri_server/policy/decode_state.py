@@ -77,9 +77,11 @@ class DecodeSeq:
             self.est_output_tokens = est
 
     def is_heavy(self, granularity: int, heavy_threshold: int) -> bool:
-        """Heavy decode: the predicted lower end or the tokens generated so far exceed the
-        threshold (128 in the paper). Raised estimates do not count: they are reservations."""
-        return max(self.predicted_bucket * granularity, self.num_generated) > heavy_threshold
+        """Heavy decode: the predicted lower end (at most ``max_tokens``, as the dispatcher
+        counts it) or the tokens generated so far exceed the threshold (128 in the paper).
+        Raised estimates do not count: they are reservations."""
+        predicted = min(self.predicted_bucket * granularity, self.max_tokens)
+        return max(predicted, self.num_generated) > heavy_threshold
 
 
 def fits_reserved(
