@@ -403,6 +403,10 @@ def test_vllms_api_key_variable_beside_our_key_file_leaves_the_file_in_charge(ca
     both.write_text('[server]\napi_key = "a"\napi_key_file = "/k"\n')
     with pytest.raises(ConfigError, match="both"):
         load_config(both, environ=env)
+    # a copy of the shipped config.toml (``api_key = ""``) gives no key: it was refused
+    shipped = tmp_path / "shipped.toml"
+    shipped.write_text('[server]\napi_key = ""\napi_key_file = "/k"\n')
+    assert load_config(shipped, environ=env).server.api_key_file == "/k"
 
 
 def test_every_secret_is_redacted() -> None:

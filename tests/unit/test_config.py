@@ -206,6 +206,7 @@ def test_cross_field_rules_allow_valid_combinations() -> None:
     load_config(None, ["cluster.mode=coupled", "cluster.prefill_workers=0"])  # ignored there
     load_config(None, ["flip.enabled=true", "cluster.decode_workers=2"])
     load_config(None, ["predictor.kind=none", "decode.policy=greedy"])
+    load_config(None, ["predictor.kind=none", "cluster.mode=coupled"])  # admits greedily
     load_config(None, ["cluster.device=cuda"])  # transport auto
     load_config(None, ["prefill.local_decode_batch=4096"])  # chunk steps carry no rows
     load_config(None, ["prefill.local_decode_batch=4096", "prefill.local_decode_chunk=0",

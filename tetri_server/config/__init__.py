@@ -118,7 +118,8 @@ class Config:
                                            or self.model.dtype not in ("auto", "float32")):
             raise ConfigError("model.batch_invariant = true needs cluster.device = cpu and "
                               f"model.dtype = float32 (got {c.device} and {self.model.dtype})")
-        if self.decode.policy != "greedy" and self.predictor.kind == "none":
+        if (c.mode == "disaggregated" and self.decode.policy != "greedy"
+                and self.predictor.kind == "none"):  # coupled workers admit greedily
             raise ConfigError(
                 f"decode.policy = {self.decode.policy} needs a length prediction; set "
                 "predictor.kind to classifier or oracle, or decode.policy to greedy"
@@ -239,7 +240,8 @@ def load_config(
             raise ConfigError(f"{path}: invalid TOML: {e}") from None
     env = os.environ if environ is None else environ
     # where server.api_key came from last: "file", a variable, "flags" or "--set"
-    key_source = "file" if "api_key" in (data.get("server") or {}) else None
+    # (the shipped file's ``api_key = ""`` sets no key)
+    key_source = "file" if (data.get("server") or {}).get("api_key") else None
     for var, key in ServerConfig.ENV_KEYS.items():
         if env.get(var):
             _table(data, "server", source)[key] = env[var]
