@@ -173,6 +173,7 @@ async def serve(cfg: Config, given_path: str | None = None) -> int:
     from tetri_server.api.server import drain, start_site
     from tetri_server.control.cluster import Cluster
     from tetri_server.metrics import Metrics
+    from tetri_server.predictor import PredictorError
     from tetri_server.sdnotify import Notifier
 
     notifier = Notifier.from_env()  # before any worker is spawned: they must not inherit it
@@ -192,7 +193,7 @@ async def serve(cfg: Config, given_path: str | None = None) -> int:
         served = ServedModel.from_config(cfg.model, cluster.model_name,
                                          root=cluster.cfg.model.path, given_path=given_path)
         app = build_app(cluster, cluster.cfg.server, metrics, served)  # reads api_key_file
-    except ConfigError as e:
+    except (ConfigError, PredictorError) as e:  # e.g. a predictor.artifact that is not there
         print(f"tetri-server: {e}", file=sys.stderr)
         return 2
     if (error := port_error(cfg.server.host, cfg.server.port)) is not None:

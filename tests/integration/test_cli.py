@@ -102,6 +102,18 @@ def test_a_worker_that_cannot_start_is_named_with_its_error_in_the_last_line(tmp
     assert "raise kv.num_blocks" in last, last
 
 
+def test_a_predictor_artifact_that_is_not_there_is_a_clear_error(tmp_path, model_dir):
+    """Regression: a typo in predictor.artifact ended start-up in a PredictorError traceback."""
+    out = subprocess.run([sys.executable, "-m", "tetri_server", "serve", str(model_dir()),
+                          "--port", "0", "--set", "predictor.artifact=nope"],
+                         capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, TETRI_CACHE_DIR=str(tmp_path / "cache")))
+    assert out.returncode == 2, out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("tetri-server: ") and "nope" in last, out.stderr
+    assert "Traceback" not in out.stderr
+
+
 def test_a_busy_port_is_a_clear_error_before_the_workers_load(tmp_path):
     """Regression: the port was bound only after every worker had loaded its model, and a busy
     one ended in an OSError traceback (systemd then reloaded the model every few seconds)."""
