@@ -256,3 +256,38 @@ def test_a_sweep_warms_each_server_up_and_sends_at_the_arrival_times() -> None:
     assert args.num_warmups == 2 and cli.sweep_options(args).num_warmups == 2
     with pytest.raises(SystemExit, match="max-concurrency"):
         cli.cmd_sweep(_args("--modes", "coupled", "--rates", "0.2", "--max-concurrency", "4"))
+
+
+def test_the_calibration_sends_what_the_sweep_sends(tmp_path, monkeypatch) -> None:
+    """Regression: a sweep of an oracle server (``send_true_output_len``) failed at once: its
+    calibration requests went without the true lengths (and the run's timeout)."""
+    from tetri_server.bench.client import request_body
+    from tetri_server.bench.compare import CompareOptions
+
+    seen = []
+
+    async def run(requests, cfg, scrape_metrics=True):  # noqa: ANN001, ANN202
+        seen.append(cfg)
+        records = [RequestRecord(r.request_id, r.kind, r.prompt_len, r.output_len, 0.0, 0.0,
+                                 0.05 + 0.001 * r.prompt_len,
+                                 [0.05 + 0.001 * r.prompt_len + 0.01 * i
+                                  for i in range(r.output_len)],
+                                 1.0, r.output_len, r.prompt_len,
+                                 error=None if "true_output_len" in request_body(r, cfg)
+                                 else "no true length")
+                   for r in requests]
+        return RunResult(records, 1.0, 0.0)
+
+    async def model_name(url):  # noqa: ANN001, ANN202
+        return "m"
+
+    monkeypatch.setattr(sweep, "run_benchmark", run)
+    monkeypatch.setattr(sweep, "fetch_model_name", model_name)
+    spec = ServerSpec("disaggregated", [], 1)
+    opts = CompareOptions(tmp_path, request_timeout_s=77.0, progress=False,
+                          send_true_output_len=True)
+    cal = sweep.calibrate_started(spec, 512, (512, frozenset()), 0, opts)
+    assert cal.source == "disaggregated"
+    [cfg] = seen
+    assert (cfg.max_concurrency, cfg.request_timeout_s, cfg.label) == (
+        1, 77.0, "disaggregated/calibration")

@@ -260,7 +260,7 @@ def run_against(
         return run_workloads(spec, proc, workloads, opts)
 
 
-def _client_config(spec: ServerSpec, model: str, opts: CompareOptions) -> ClientConfig:
+def client_config(spec: ServerSpec, model: str, opts: CompareOptions) -> ClientConfig:
     return ClientConfig(
         spec.base_url,
         model,
@@ -323,7 +323,7 @@ def run_workloads(
     ``running_server``), with the CPU it, this client and the rest of the machine used."""
     results: list[BenchResult] = []
     model = asyncio.run(fetch_model_name(spec.base_url))
-    cfg = _client_config(spec, model, opts)
+    cfg = client_config(spec, model, opts)
     server_config = {**spec.config(), "served_model": model}
     if workloads:
         warm_up(replace(cfg, label=spec.label), workloads[0][1], opts.num_warmups)

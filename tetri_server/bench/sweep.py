@@ -39,6 +39,7 @@ from tetri_server.bench.compare import (
     VLLM_LABEL,
     CompareOptions,
     ServerSpec,
+    client_config,
     run_workloads,
     running_server,
     warm_up,
@@ -117,26 +118,18 @@ def calibration_requests(
 
 
 def calibrate(
-    base_url: str,
-    model: str,
+    client: ClientConfig,
     max_model_len: int,
     vocab: tuple[int, frozenset[int]],
     seed: int = 0,
-    progress: bool = True,
-    label: str = "",
-    api_key: str | None = None,
 ) -> Calibration:
-    """Measure the unloaded prefill line and decode step of the server at ``base_url``.
-    Raises if any calibration request fails (an SLO from partial samples would be wrong)."""
+    """Measure the unloaded prefill line and decode step of the server ``client`` points at,
+    one request at a time with the run's other settings (its key, timeout, and the true output
+    lengths an oracle predictor needs). Raises if any calibration request fails (an SLO from
+    partial samples would be wrong)."""
     warm, probes, steps = calibration_requests(max_model_len, vocab, seed)
-    cfg = ClientConfig(
-        base_url,
-        model,
-        max_concurrency=1,
-        api_key=api_key,
-        progress=progress,
-        label=f"{label}/calibration",
-    )
+    label = client.label
+    cfg = replace(client, max_concurrency=1, label=f"{label}/calibration")
     run = asyncio.run(run_benchmark([*warm, *probes, *steps], cfg, scrape_metrics=False))
     failed = [r for r in run.records if not r.ok]
     if failed:
@@ -190,9 +183,7 @@ def sweep_url(
     cal = None
     if measure:
         max_len = built[0][0].max_model_len
-        cal = calibrate(
-            cfg.base_url, cfg.model, max_len, vocab, seed, cfg.progress, label, cfg.api_key
-        )
+        cal = calibrate(cfg, max_len, vocab, seed)
     if built:
         warm_up(cfg, built[0][1], num_warmups)
     sweep = ModeSweep(label, cal)
@@ -205,10 +196,12 @@ def sweep_url(
 
 
 def calibrate_started(spec: ServerSpec, max_model_len: int, vocab: tuple[int, frozenset[int]],
-                      seed: int, progress: bool) -> Calibration:
-    """``calibrate`` the server of ``spec``, started here, under its own label."""
+                      seed: int, opts: CompareOptions) -> Calibration:
+    """``calibrate`` the server of ``spec``, started here, under its own label, as its
+    workloads are sent."""
     model = asyncio.run(fetch_model_name(spec.base_url))
-    return calibrate(spec.base_url, model, max_model_len, vocab, seed, progress, spec.label)
+    client = replace(client_config(spec, model, opts), label=spec.label)
+    return calibrate(client, max_model_len, vocab, seed)
 
 
 def interleaved_order(num_rates: int, specs: Sequence[ServerSpec]) -> list[tuple[int, ServerSpec]]:
@@ -237,7 +230,7 @@ def sweep_interleaved(
             sweep = sweeps[spec.label]
             if measure and k == 0:
                 sweep.calibration = calibrate_started(spec, point[0].max_model_len, vocab, seed,
-                                                      opts.progress)
+                                                      opts)
             sweep.results += run_workloads(spec, proc, [point], opts)
     return [sweeps[s.label] for s in specs]
 
@@ -253,7 +246,7 @@ def sweep_spawned(
     """Start ``spec``, calibrate it (if ``measure``), run every rate, stop it; its log goes
     to ``opts.out_dir/<label>.log``."""
     with running_server(spec, opts.out_dir / f"{spec.label}.log") as proc:
-        cal = (calibrate_started(spec, built[0][0].max_model_len, vocab, seed, opts.progress)
+        cal = (calibrate_started(spec, built[0][0].max_model_len, vocab, seed, opts)
                if measure else None)
         return ModeSweep(spec.label, cal, run_workloads(spec, proc, built, opts))
 
