@@ -101,6 +101,28 @@ def test_after_n_requests_the_counters_are_the_requests_own(api: ApiHarness) -> 
     assert wait_until(lambda: _samples(api)[("tetri_num_requests_running", ())] == 0, 20)
 
 
+def test_a_request_ended_by_a_stop_string_is_in_every_request_metric(api: ApiHarness) -> None:
+    """Regression: a stop string ends a request by aborting it on its workers; it was counted
+    in the API's histograms (e2e, TTFT) but in none of control's (queue, prefill, decode time,
+    the predictor's outcomes), so their counts fell behind vLLM's e2e count."""
+    client = openai.OpenAI(base_url=api.base_url + "/v1", api_key="unused", max_retries=0)
+    kwargs = dict(model=MODEL_NAME, prompt=[5, 17, 300, 42, 9], max_tokens=20, temperature=0,
+                  extra_body={"ignore_eos": True})
+    text = client.completions.create(**kwargs).choices[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    assert stop.strip(), text
+    names = ("tetri_e2e_request_latency_seconds_count", "tetri_request_decode_time_seconds_count",
+             "tetri_request_queue_time_seconds_count", "tetri_request_prefill_time_seconds_count")
+    before = _samples(api)
+    out = client.completions.create(**kwargs, stop=[stop]).choices[0]
+    assert out.finish_reason == "stop" and len(out.text) < len(text)
+    after = _samples(api)
+    assert [after[(n, ())] - before[(n, ())] for n in names] == [1] * len(names)
+    outcomes = [(k, v) for k, v in after.items() if k[0] == "tetri_predictor_outcomes_total"
+                and dict(k[1])["finished_reason"] == "stop"]
+    assert sum(v for _, v in outcomes) - sum(before.get(k, 0) for k, _ in outcomes) == 1
+
+
 def test_every_metric_the_dashboard_queries_is_exported(api: ApiHarness) -> None:
     _send(api, REQUESTS[:2])
     # worker busy seconds come with the load reports (every monitor.interval_ms)

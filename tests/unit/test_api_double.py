@@ -56,7 +56,7 @@ class _Stream:
             if item.finish_reason is not None:
                 return
 
-    async def abort(self) -> None:
+    async def abort(self, *, stopped: bool = False) -> None:
         self._backend.abort(self.req_id)
 
 

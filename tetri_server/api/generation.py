@@ -112,7 +112,7 @@ class Generation:
             async for delta in self._stream:
                 piece = self._on_delta(delta)
                 if piece.finish_reason == "stop" and delta.finish_reason is None:
-                    await self._abort()  # a stop string matched: the backend may stop now
+                    await self._abort(stopped=True)  # a stop string matched: stop it now
                 yield piece
                 if piece.finish_reason is not None:
                     return
@@ -187,11 +187,11 @@ class Generation:
             reason, e2e_s=now - self._arrival_s, tpot_s=tpot,
             num_prompt_tokens=self.num_prompt_tokens, num_output_tokens=self.num_output_tokens)
 
-    async def _abort(self) -> None:
+    async def _abort(self, *, stopped: bool = False) -> None:
         if self._stream is not None:
             stream, self._stream = self._stream, None
             # shielded: the handler may be being cancelled (client gone); the abort must land
-            await asyncio.shield(stream.abort())
+            await asyncio.shield(stream.abort(stopped=stopped))
 
     async def close(self, *, client_gone: bool = False) -> None:
         """Abort the request unless it finished; count a client that left. Idempotent."""

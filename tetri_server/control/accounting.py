@@ -48,8 +48,13 @@ class RequestAccounting:
             req.scheduled_s = delta.scheduled_s
         if req.predicted_bucket < 0 <= delta.predicted_bucket:  # also what never hands off
             req.predicted_bucket = delta.predicted_bucket
-        reason = delta.finish_reason
-        if reason not in FINISHED or req.first_token_s is None:
+        if delta.finish_reason in FINISHED:
+            self.on_finished(req, delta.finish_reason, now_s)
+
+    def on_finished(self, req: Request, reason: str, now_s: float) -> None:
+        """``req`` finished with ``reason`` (stop or length) at ``now_s``: its last token, or a
+        stop string the API matched (it then aborts the request on its workers)."""
+        if req.first_token_s is None:
             return
         queue_s = None if req.scheduled_s is None else req.scheduled_s - req.arrival_s
         self.metrics.observe_request_times(queue_prefill_s=req.first_token_s - req.arrival_s,

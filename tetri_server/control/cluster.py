@@ -165,7 +165,11 @@ class Cluster:
         self.router.route(req)
         return Stream(self, req, self.cfg.server.request_timeout_s)
 
-    def abort(self, req_id: int) -> None:
+    def abort(self, req_id: int, *, stopped: bool = False) -> None:
+        """Free ``req_id`` everywhere: its client went away, or (``stopped``) a stop string
+        matched, which finishes it with "stop" in the request metrics."""
+        if stopped and (req := self.table.requests.get(req_id)) is not None:
+            self.accounting.on_finished(req, "stop", time.monotonic())
         self.table.abort(req_id)
 
     def fail(self, req: Request, error: str | GenerationError,

@@ -72,8 +72,9 @@ class RequestStream(Protocol):
         ``GenerationError`` if the request fails. Every wait inside is bounded."""
         ...
 
-    async def abort(self) -> None:
-        """Stop the request and free its blocks (within one worker step). Idempotent."""
+    async def abort(self, *, stopped: bool = False) -> None:
+        """Stop the request and free its blocks (within one worker step). Idempotent.
+        ``stopped``: a stop string matched, so the request finished (with "stop")."""
         ...
 
 

@@ -72,7 +72,7 @@ class Request:
 class StreamOwner(Protocol):
     def fail(self, req: Request, error: str | GenerationError,
              retry_after_s: float | None = None) -> None: ...
-    def abort(self, req_id: int) -> None: ...
+    def abort(self, req_id: int, *, stopped: bool = False) -> None: ...
 
 
 class Stream:
@@ -100,5 +100,5 @@ class Stream:
             if item.finish_reason is not None:
                 return
 
-    async def abort(self) -> None:
-        self._cluster.abort(self.req_id)
+    async def abort(self, *, stopped: bool = False) -> None:
+        self._cluster.abort(self.req_id, stopped=stopped)
