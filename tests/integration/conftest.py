@@ -33,16 +33,19 @@ STRICT_SPLIT = ("prefill.local_decode_batch=0", "decode.local_prefill_tokens=0")
 
 
 def start_server(tmp_path: Path, *overrides: str, argv: tuple[str, ...] = (),
-                 env: dict[str, str] | None = None) -> tuple[subprocess.Popen[str], str]:
+                 env: dict[str, str] | None = None, new_session: bool = False,
+                 log: list[str] | None = None) -> tuple[subprocess.Popen[str], str]:
     """`python -m tetri_server serve ARGV --set KEY=VALUE...` on a free port, its cache under
-    ``tmp_path``: (the process, its base URL) once it prints the URL (at most 180 s)."""
+    ``tmp_path``: (the process, its base URL) once it prints the URL (at most 180 s).
+    ``new_session``: in a process group of its own (a test may signal the group); ``log``
+    receives its output lines, read on a thread."""
     env = dict(os.environ, TETRI_CACHE_DIR=str(tmp_path / "cache"), **(env or {}))
     args = [sys.executable, "-m", "tetri_server", "serve", *argv, "--set", "server.port=0"]
     for o in overrides:
         args += ["--set", o]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env)
-    lines: list[str] = []
+                            env=env, start_new_session=new_session)
+    lines: list[str] = [] if log is None else log
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
         line = proc.stdout.readline()
@@ -51,7 +54,9 @@ def start_server(tmp_path: Path, *overrides: str, argv: tuple[str, ...] = (),
         lines.append(line)
         m = re.search(r"at (http://\S+)/v1", line)
         if m:
-            threading.Thread(target=proc.stdout.read, daemon=True).start()  # keep draining
+            threading.Thread(target=lines.extend if log is not None else proc.stdout.read,
+                             args=(proc.stdout,) if log is not None else (),
+                             daemon=True).start()  # keep draining
             return proc, m.group(1)
     proc.kill()
     raise AssertionError("server did not print its URL:\n" + "".join(lines[-40:]))

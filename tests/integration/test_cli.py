@@ -38,6 +38,30 @@ def test_serve_defaults_builtin_model_and_sigterm_drains(tmp_path):
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"tetri-{pid}-")]
 
 
+def test_ctrl_c_to_the_process_group_drains_without_restarting_workers(tmp_path):
+    """Regression: a Ctrl-C in the terminal (SIGINT to the whole process group) killed every
+    worker at once; control took it for a crash mid-drain, restarted the workers (loading the
+    model again) and re-ran the streams in flight."""
+    log: list[str] = []
+    proc, url = start_server(tmp_path, "server.drain_timeout_s=60", "cluster.mode=coupled",
+                             "cluster.workers=1", new_session=True, log=log)
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        stream = client.completions.create(model="tiny", prompt="Once upon a time",
+                                           max_tokens=200, stream=True,
+                                           extra_body={"ignore_eos": True})
+        chunks = [next(iter(stream))]
+        os.killpg(proc.pid, signal.SIGINT)  # the stream is in flight: it must finish
+        chunks += list(stream)
+        assert chunks[-1].choices[0].finish_reason == "length"
+        assert proc.wait(120) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = "".join(log)
+    assert "exited with code" not in text and "restarting worker" not in text, text[-3000:]
+
+
 def test_bad_config_is_a_clear_error(tmp_path):
     out = subprocess.run([sys.executable, "-m", "tetri_server", "serve", "--set",
                           "cluster.mode=tetris"], capture_output=True, text=True, timeout=60)

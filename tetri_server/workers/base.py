@@ -65,13 +65,29 @@ def length_tail(cfg: Config, kind: str) -> LengthTail | None:
     return tails.load(kind, cfg.predictor.artifact or None)
 
 
-def _die_with_parent() -> None:
-    """Linux: SIGTERM this process when the control process dies (no orphans)."""
+def _die_with_parent(parent_pid: int) -> None:
+    """Linux: SIGTERM this process when the control process dies (no orphans). While the
+    control process lives, SIGINT and SIGTERM are its to act on: a Ctrl-C in the terminal or
+    a SIGTERM to the whole process group (systemd's default ``KillMode``) reaches every worker
+    too, and a worker that died of it mid-drain was restarted (the model loaded again) and its
+    requests re-run. Control drains, then stops the workers itself."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        if os.getppid() == parent_pid:
+            log.info("SIGTERM ignored: the control process drains and stops this worker")
+            return
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # orphaned: die as the signal says
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
         log.warning("prctl(PR_SET_PDEATHSIG) unavailable; relying on the parent-pid check")
+    if os.getppid() != parent_pid:  # it died before the prctl: no signal will come
+        signal.raise_signal(signal.SIGTERM)
 
 
 class Worker:
@@ -80,7 +96,7 @@ class Worker:
     pool."""
 
     def __init__(self, spec: WorkerSpec) -> None:
-        _die_with_parent()
+        _die_with_parent(spec.parent_pid)
         self.spec = spec
         self.cfg = Config.from_dict(spec.config)
         self.worker_id = spec.worker_id
