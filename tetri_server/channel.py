@@ -169,6 +169,7 @@ class Channel(Generic[T]):
         self._data_poll, self._space_poll = _poller(spec.data_fd), _poller(spec.space_fd)
         self._async_lock: asyncio.Lock | None = None
         self._num_async_waiting = 0  # send_async calls queued behind a full ring
+        self._space_loop: asyncio.AbstractEventLoop | None = None  # watching _space_fd
         self._closed = self._unlinked = False
         self._broken: ChannelBroken | None = None
 
@@ -285,10 +286,15 @@ class Channel(Generic[T]):
                 return
             woken: asyncio.Future[None] = loop.create_future()
             loop.add_reader(self._space_fd, _set_done, woken)
+            self._space_loop = loop
             try:
                 await woken
             finally:
-                loop.remove_reader(self._space_fd)
+                # not after close(): the fd's number may be another's by then (its reader
+                # would go silently)
+                if self._space_loop is loop:
+                    self._space_loop = None
+                    loop.remove_reader(self._space_fd)
 
     def _encode(self, msg: T) -> tuple[bytes, int]:
         data = self._encoder.encode(msg)
@@ -407,6 +413,9 @@ class Channel(Generic[T]):
         if self._closed:
             return
         self._closed = True
+        if self._space_loop is not None:  # a send_async waits for space: stop watching first
+            self._space_loop.remove_reader(self._space_fd)
+            self._space_loop = None
         self._words.release()
         self._view.release()
         self._shm.close()

@@ -320,6 +320,49 @@ def test_send_async_waits_for_space_then_times_out(run_id: str) -> None:
         dispose(channel)
 
 
+@pytest.mark.parametrize("loop_factory", [asyncio.new_event_loop, uvloop.new_event_loop])
+def test_closing_under_a_waiting_sender_leaves_the_fd_number_to_its_next_owner(
+        run_id: str, loop_factory: Any) -> None:
+    """Regression: a worker died while control's writer waited for space in its inbox; reap
+    cancelled the writer and closed the channel, and the writer's cleanup, a loop turn later,
+    removed the reader of whatever fd took the freed number (an HTTP socket goes deaf)."""
+    channel = make(run_id, "areap", 64, m.ToWorker)
+
+    async def main() -> bool:
+        loop = asyncio.get_running_loop()
+        await channel.send_async(m.KVPulled(0))
+        frame = channel.num_bytes_used()
+        while channel.num_bytes_used() + frame <= 64:
+            await channel.send_async(m.KVPulled(0))
+        writer = loop.create_task(channel.send_async(m.KVPulled(1), timeout_s=None))
+        await asyncio.sleep(0.05)
+        space_fd = channel._space_fd
+        writer.cancel()
+        channel.close()
+        fds = [os.eventfd(0, os.EFD_NONBLOCK) for _ in range(2)]
+        new_fd = next(fd for fd in fds if fd == space_fd)  # the number is free again
+        fired = asyncio.Event()
+        loop.add_reader(new_fd, fired.set)
+        with pytest.raises(asyncio.CancelledError):
+            await writer
+        os.eventfd_write(new_fd, 1)
+        try:
+            await asyncio.wait_for(fired.wait(), 2)
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            loop.remove_reader(new_fd)
+            for fd in fds:
+                os.close(fd)
+
+    try:
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            assert runner.run(main())
+    finally:
+        channel.unlink()
+
+
 def test_cleanup_unlinks_segments_of_dead_pids_only(run_id: str) -> None:
     dead_pid = int(Path("/proc/sys/kernel/pid_max").read_text()) + 1
     dead = Path(SHM_DIR, f"tetri-{dead_pid}-{run_id[-8:]}-test")
