@@ -341,6 +341,29 @@ def test_default_max_tokens_is_16_on_completions_and_the_context_on_chat(
         model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}], extra_body=EOS)
     room = api.backend.max_model_len - chat.usage.prompt_tokens
     assert chat.usage.completion_tokens == room
+    # an explicit null (openai-python's max_tokens=None) is the rest of the context, as vLLM's
+    # Optional[int] = 16 makes it; it was 16
+    out = client.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=None,
+                                    extra_body=EOS)
+    assert out.usage.completion_tokens == api.backend.max_model_len - out.usage.prompt_tokens
+
+
+def test_an_empty_model_name_and_huge_numbers_are_taken_as_vllm_takes_them(
+    api: ApiHarness, client: openai.OpenAI
+) -> None:
+    """Regression: ``"model": ""`` was a 404 (vLLM serves its model); ``top_k`` 1e30 passed
+    the checks and failed to encode for the worker, a 500 (it is "every token", as in vLLM);
+    ``true_output_len`` 1e30 too (now a 400)."""
+    out = client.completions.create(model="", prompt="Hello", max_tokens=2, extra_body=EOS)
+    assert out.usage.completion_tokens == 2
+    out = client.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=2,
+                                    temperature=0, extra_body={**EOS, "top_k": 1e30})
+    greedy = client.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=2,
+                                       temperature=0, extra_body=EOS)
+    assert out.choices[0].text == greedy.choices[0].text
+    with pytest.raises(openai.BadRequestError, match="true_output_len"):
+        client.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=2,
+                                  extra_body={"true_output_len": 1e30})
 
 
 # ---------------------------------------------------------------- logprobs

@@ -119,9 +119,10 @@ class ServedModel:
                    frozenset(names) | {n for n in others if n}, model.tool_call_parser)
 
     def check(self, f: Fields) -> str:
-        """The model a request names, as listed first; missing means ours (as vLLM)."""
+        """The model a request names, as listed first; missing or empty means ours (as
+        vLLM)."""
         model = f.string("model", None)
-        if model is not None and model not in self.accepted:
+        if model and model not in self.accepted:
             raise APIError(
                 f"the model '{model}' does not exist; this server serves '{self.names[0]}'",
                 status=404,

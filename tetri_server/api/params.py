@@ -167,8 +167,10 @@ def _max_tokens(
     if kind == "chat" and f.has("max_completion_tokens"):
         name = "max_completion_tokens"
     value = f.integer(name, None)
-    if value is None:  # vLLM: completions 16, chat the rest; both capped by max_new_tokens
-        default = DEFAULT_COMPLETION_MAX_TOKENS if kind == "completion" else room
+    if value is None:  # vLLM: completions 16 (the rest if sent as null), chat the rest; both
+        # capped by max_new_tokens
+        left_out = name not in f.body
+        default = DEFAULT_COMPLETION_MAX_TOKENS if kind == "completion" and left_out else room
         return min(default, room, defaults.max_tokens or room)
     if value < (0 if echo else 1):
         raise bad_param(name, f"must be >= {0 if echo else 1}, got {value}")
@@ -201,7 +203,7 @@ def _sampling(
         max_tokens=max(1, max_tokens),  # 0 (echo only): one token is sampled and dropped
         temperature=f.number("temperature", _or(d.temperature, 1.0), low=0.0),
         top_p=f.number("top_p", _or(d.top_p, 1.0), low=0.0, high=1.0, low_open=True),
-        top_k=max(0, top_k or 0),
+        top_k=min(max(0, top_k or 0), 2**31 - 1),  # past the vocabulary all are one
         seed=f.integer("seed", None, low=SEED_RANGE[0], high=SEED_RANGE[1]),
         stop_token_ids=stop_ids,
         ignore_eos=ignore_eos,
@@ -280,7 +282,7 @@ def parse_request(
         include_usage=include_usage,
         continuous_usage=include_usage and continuous_usage,  # vLLM: only with include_usage
         logprobs=params.logprobs,
-        true_output_len=f.integer("true_output_len", None, low=0),
+        true_output_len=f.integer("true_output_len", None, low=0, high=2**31 - 1),
         n=n,
         include_stop_str=f.boolean("include_stop_str_in_output", False),
         # the Hermes and Mistral call tags are special tokens in many tokenizers (Qwen2.5,
