@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from tests.unit.test_api_support import ApiHarness, raw_request, wait_until
+from tests.unit.test_api_support import ApiHarness, open_stream, raw_request, wait_until
 from tetri_server.config import Config, ConfigError, load_config
 
 pytest_plugins = ["tests.unit.test_api_support"]
@@ -442,3 +442,89 @@ def test_api_key_file_errors_name_the_key(api: ApiHarness, tmp_path: Path) -> No
         api.serve(api_key_file=str(tmp_path / "empty"))
     with pytest.raises(ConfigError, match="both set"):
         load_config(None, ["server.api_key_file=/k"], environ={"TETRI_API_KEY": "x"})
+
+
+class _Endless:
+    """A backend whose every request streams long tokens until aborted."""
+
+    def __init__(self, like: Any) -> None:
+        self.model_name, self.max_model_len = like.model_name, like.max_model_len
+        self.tokenizer, self.eos_token_ids = like.tokenizer, like.eos_token_ids
+        self.vocab_size = like.vocab_size
+        vocab = self.tokenizer.get_vocab().values()
+        self.token = max(vocab, key=lambda t: len(self.tokenizer.decode([t])))
+        self.aborted: list[int] = []
+
+    def is_ready(self) -> bool:
+        return True
+
+    def submit(self, prompt_ids, params, *, prompt_text="", true_output_len=None):  # noqa: ANN001, ANN201
+        import asyncio
+
+        from tetri_server.messages import TokenDelta
+
+        backend = self
+
+        class Stream:
+            req_id = 0
+
+            async def __aiter__(self):  # noqa: ANN204
+                while True:
+                    await asyncio.sleep(0.001)
+                    yield TokenDelta(0, [backend.token])
+
+            async def abort(self, *, stopped: bool = False) -> None:
+                backend.aborted.append(self.req_id)
+
+        return Stream()
+
+
+def test_a_stream_past_its_deadline_is_aborted_before_its_error_event_is_written(
+        api: ApiHarness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression: after request_timeout_s the handler wrote the error event, then aborted the
+    request: to a client that stopped reading, the write waited for good, and the request kept
+    generating (and holding KV) and counted as in flight until the client closed its socket."""
+    import asyncio
+
+    from tetri_server.api import sse
+
+    async def never_written(self, err) -> None:  # noqa: ANN001 - a client that reads nothing
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(sse.EventStream, "fail", never_written)
+    backend = _Endless(api.backend)
+    url = api.serve(backend=backend, request_timeout_s=1.0)
+    sock = open_stream(url, "/v1/completions", {"prompt": "hi", "max_tokens": 100,
+                                                "stream": True})
+    try:
+        assert wait_until(lambda: backend.aborted, 20), "the request was never aborted"
+    finally:
+        sock.close()
+
+
+def test_the_closing_writes_to_a_client_that_reads_nothing_are_bounded(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The error event and [DONE] wait at most TAIL_TIMEOUT_S, then the connection closes."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from tetri_server.api import sse
+    from tetri_server.api.errors import timeout_error
+
+    monkeypatch.setattr(sse, "TAIL_TIMEOUT_S", 0.2, raising=False)
+    aborted: list[bool] = []
+
+    async def main() -> None:
+        stream = sse.EventStream(SimpleNamespace(transport=SimpleNamespace(
+            abort=lambda: aborted.append(True))))  # type: ignore[arg-type]
+
+        async def blocked(data: bytes) -> None:
+            await asyncio.Event().wait()
+
+        stream.response = SimpleNamespace(prepared=True, write=blocked)  # type: ignore[assignment]
+        await asyncio.wait_for(stream.fail(timeout_error(1.0)), 5)
+        with pytest.raises(ConnectionResetError):
+            await asyncio.wait_for(stream.done({"usage": {}}), 5)
+
+    asyncio.run(main())
+    assert aborted == [True, True]

@@ -276,13 +276,13 @@ class GenerateHandlers:
                             await sse.send(chunk)
             except TimeoutError:
                 raise timeout_error(self.cfg.request_timeout_s) from None
-            if req.include_usage:
-                await sse.send(builder.usage_chunk(*self._usage(gens)))
-            await sse.done()
+            await sse.done(builder.usage_chunk(*self._usage(gens)) if req.include_usage
+                           else None)
         except APIError as e:
             if not sse.opened:
                 raise  # nothing sent yet: the error middleware answers with its status
             self.metrics.inc_error(e.kind)
+            await self._close(gens, client_gone)  # before the event: its client may not read
             await sse.fail(e)
         except ConnectionResetError:
             client_gone = True
@@ -295,6 +295,7 @@ class GenerateHandlers:
             log.exception("stream failed after its first chunk")
             err = generation_failed(f"internal error ({type(e).__name__})")
             self.metrics.inc_error(err.kind)
+            await self._close(gens, client_gone)
             await sse.fail(err)
         finally:
             await self._close(gens, client_gone)
