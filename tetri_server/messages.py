@@ -279,6 +279,9 @@ class RequestFailed(msgspec.Struct, tag=True, array_like=True):
     req_id: int
     error: str
     invalid: bool = False  # the request itself is bad (its guide does not compile): a 400
+    # a prompt reached a worker whose role takes none (a flip raced the routing): control
+    # routes it again, knowing the role by then (the worker's Ready came before this)
+    misrouted: bool = False
 
 
 class StepFailed(msgspec.Struct, tag=True, array_like=True):

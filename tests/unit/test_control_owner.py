@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
+import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
 from tetri_server.config import load_config
@@ -234,3 +235,40 @@ def test_requests_parked_while_a_flip_drained_go_on_when_it_is_cancelled() -> No
         assert req.owner == 0 and isinstance(posted[0][-1], AddRequest)
 
     asyncio.run(main())
+
+
+def test_a_prompt_that_reached_a_worker_of_another_role_is_routed_again() -> None:
+    """Regression (review of session 63): a prompt routed just as a cancelled flip switched its
+    worker to decode (local prefill off) sat there unprefilled until request_timeout_s, and
+    kept that worker from ever draining. The worker now refuses it as misrouted and control,
+    which knows the new role by then, routes it again; a plain failure still fails."""
+
+    async def main() -> None:
+        cluster = unstarted(None, "decode.local_prefill_tokens=0")
+        posted = serving(cluster, {0: "prefill", 1: "decode", 2: "prefill"})
+        cluster.monitor.on_report(cluster.workers[2], msgspec.structs.replace(  # 0 is less loaded
+            idle_report(2, "prefill"), num_queued_prompt_tokens=500))
+        req = cluster.table.add([1, 2, 3], SamplingParams(), "", None)
+        cluster.router.route(req)
+        [sent] = posted[0]
+        assert isinstance(sent, AddRequest)
+        cluster.workers[0].role = "decode"  # its Ready as a decode worker came first
+        cluster.monitor.on_report(cluster.workers[0], idle_report(0, "decode"))
+        cluster._on_request_failed(cluster.workers[0], RequestFailed(  # type: ignore[arg-type]
+            sent.req_id, "routed to a decode worker", misrouted=True))
+        again = posted[2][-1]
+        assert isinstance(again, AddRequest) and again.prompt_ids == [1, 2, 3]
+        assert cluster.table.get(req.req_id) is req and req.owner == 2 and req.queue.empty()
+
+    asyncio.run(main())
+
+
+def test_a_decode_worker_without_local_prefill_refuses_a_prompt_as_misrouted() -> None:
+    from tetri_server.workers.decode import DecodeRole
+
+    sent: list[object] = []
+    role = DecodeRole.__new__(DecodeRole)
+    role.w = SimpleNamespace(cfg=load_config(None, ["decode.local_prefill_tokens=0"]),  # type: ignore[assignment]
+                             send=sent.append, worker_id=1)
+    role.handle(AddRequest(7, [1, 2], SamplingParams(), 0.0))
+    assert sent == [RequestFailed(7, "routed to a decode worker", misrouted=True)]

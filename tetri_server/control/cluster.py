@@ -219,8 +219,14 @@ class Cluster:
 
     def _on_request_failed(self, h: WorkerHandle, msg: RequestFailed) -> None:
         req = self.table.of(msg.req_id)
-        if req is not None and h.worker_id in (req.owner, req.src):  # not a stale owner's
-            self.fail(req, InvalidRequestError(msg.error) if msg.invalid else msg.error)
+        if req is None or h.worker_id not in (req.owner, req.src):  # a stale owner's
+            return
+        if msg.misrouted and h.worker_id == req.owner:
+            log.info("request %d reached worker %d as a %s: routed again", req.req_id,
+                     h.worker_id, h.role)
+            self.router.rerun(req)
+            return
+        self.fail(req, InvalidRequestError(msg.error) if msg.invalid else msg.error)
 
     def _on_step_failed(self, h: WorkerHandle, msg: StepFailed) -> None:
         """A step raised on ``h`` (it exits next). Requests of a step of one, or of a second

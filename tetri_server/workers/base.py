@@ -326,7 +326,8 @@ class Role:
             self.w.send(HandoffRejected(msg.req_id, f"worker {self.w.worker_id} is now "
                                         f"a {self.name} worker"))
         elif isinstance(msg, AddRequest):  # control never routes to a draining worker
-            self.w.send(RequestFailed(msg.req_id, f"routed to a {self.name} worker"))
+            self.w.send(RequestFailed(msg.req_id, f"routed to a {self.name} worker",
+                                      misrouted=True))
         elif isinstance(msg, DecodeView | KVPulled | HandoffRejected):
             log.info("%s worker %d dropped a stray %s", self.name, self.w.worker_id,
                      type(msg).__name__)

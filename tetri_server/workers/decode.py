@@ -65,8 +65,8 @@ class DecodeRole(Role):
     def handle(self, msg: object) -> None:
         if isinstance(msg, Handoff):
             self.receive(msg)
-        elif isinstance(msg, AddRequest):
-            self.add_prompt(msg)
+        elif isinstance(msg, AddRequest) and self.w.cfg.decode.local_prefill_tokens > 0:
+            self.add_prompt(msg)  # (with local prefill off it would wait for good)
         else:
             super().handle(msg)
 
