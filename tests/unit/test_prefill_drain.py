@@ -72,3 +72,43 @@ def test_a_fresh_request_refused_while_draining_waits_for_room_and_is_not_kept()
         prefill.step()
     prefill.handle(HandoffRejected(1, "decode worker has no free blocks"))
     assert prefill.book.ids(Stage.HELD) == [1] and not prefill.has_work()
+
+
+def test_a_preempted_kept_request_is_not_overtaken_for_good_by_new_prompts() -> None:
+    """Regression (review of session 63): a kept request preempted on a full prefill worker
+    needs its whole context back (it cannot be handed back without its KV). New prompts took
+    each block a pulled hand-off gave back, so under steady arrivals it never ran again (60
+    rounds here). Its blocks now stay free for it while hand-offs still give blocks back."""
+    from tetri_server.messages import KVPulled
+
+    pw = FakeWorker(0, 24, [])
+    pw.cfg = load_config(None, ["prefill.chunk_size=64", "predictor.kind=none",
+                                "decode.policy=greedy", "dispatch.policy=power-of-two",
+                                "prefill.local_finish_tokens=0"])
+    prefill = PrefillRole(pw)  # type: ignore[arg-type]
+
+    def add(req_id: int, num_prompt: int, max_tokens: int) -> None:
+        prefill.handle(AddRequest(req_id, list(range(5, 5 + num_prompt)), SamplingParams(
+            max_tokens=max_tokens, temperature=0.0, ignore_eos=True), 0.0))
+
+    add(1, 160, 400)
+    while 1 not in prefill.book.ids(Stage.HELD) + prefill.book.ids(Stage.DECODING):
+        prefill.step()
+    if 1 in prefill.book.ids(Stage.HELD):
+        prefill._keep(1, 0.0)
+    prefill.handle(DecodeView(1, [DecodeInstanceView(1, 0, 48, 0, 0, 0)]))  # no room: held
+    for req_id in (10, 11, 12):
+        add(req_id, 64, 50)
+    for _ in range(40):
+        prefill.step()
+    assert prefill.admission.running_ids == () and len(prefill.admission) == 1  # preempted
+    pw.sent.clear()
+    for i in range(60):  # a prompt arrives and one hand-off goes (and is pulled) each round
+        add(100 + i, 64, 50)
+        prefill.handle(DecodeView(2 + i, [DecodeInstanceView(1, 6, 48, 0, 0, 0)], 2 + i))
+        prefill.step()
+        for m in [m for m in pw.sent if isinstance(m, Handoff)]:
+            prefill.handle(KVPulled(m.req_id))
+        if tokens_of(pw.sent, 1):
+            break
+    assert tokens_of(pw.sent, 1), "the preempted request never ran again"

@@ -361,10 +361,13 @@ class DecodeAdmission:
                         else seq.num_step_blocks(bs))
         return 0
 
-    def prompt_room(self, plan: DecodeStepPlan, num_free_blocks: int) -> int:
-        """Free blocks for prompt slices beside ``plan``: what ``free_after`` leaves, less the
-        waiting head's ``head_need``."""
-        return max(0, self.free_after(plan, num_free_blocks) - self.head_need(plan))
+    def prompt_room(self, plan: DecodeStepPlan | None, num_free_blocks: int, *,
+                    hold_head: bool = True) -> int:
+        """Free blocks for prompt slices beside ``plan`` (None: a step without this admission's
+        rows): what ``free_after`` leaves, less the waiting head's ``head_need`` if
+        ``hold_head``."""
+        free = num_free_blocks if plan is None else self.free_after(plan, num_free_blocks)
+        return max(0, free - (self.head_need(plan) if hold_head else 0))
 
     def _evict_for_batch(self, step_need: int, free: int) -> list[int]:
         """When the running batch's next step needs more blocks than are free and the KV of

@@ -93,6 +93,11 @@ class PrefillBook(Generic[T]):
         """The requests in ``stage``, in order (for HELD: the dispatch order)."""
         return [rid for rid, e in self._entries.items() if e.stage is stage]
 
+    def kv_returning(self) -> bool:
+        """Whether KV here waits to go without a prompt completing: a request held for
+        dispatch, or handed off and not yet pulled (its blocks come back when it is)."""
+        return bool(self._counts[Stage.HELD] or self._counts[Stage.HANDED_OFF])
+
     def has_work(self) -> bool:
         """A prediction, a chunk or a local decode is due (held and handed-off requests need
         no step)."""
