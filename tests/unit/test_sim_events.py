@@ -170,3 +170,24 @@ def test_a_knee_with_no_pass_above_the_riding_rows_names_the_setting() -> None:
     with pytest.raises(ValueError, match="local_decode_batch 4096"):
         knee_chunk_size(v100_opt13b(), rows=4096)
     assert knee_chunk_size(v100_opt13b(), rows=2048) == 4096
+
+
+def test_the_knee_passes_hold_every_prompt_token_they_are_counted_with() -> None:
+    """Regression (review of session 63): with decode rows riding, each pass packed whole
+    128-token prompts only (the 256-token pass held 16 rows and 128 prompt tokens, counted as
+    240), so the prompt rate looked 1.9x higher at small sizes and the knee came out far too
+    small (240 against 832 for OPT-13B on a V100), unlike the worker, which fills each
+    pass."""
+    cost = v100_opt13b()
+    seen: list[list[tuple[int, int]]] = []
+    step_s = cost.step_s
+
+    def record(items, num_pad, num_sampled):  # noqa: ANN001, ANN202
+        seen.append(list(items))
+        return step_s(items, num_pad, num_sampled)
+
+    cost.step_s = record  # type: ignore[method-assign]
+    knee_chunk_size(cost, rows=16)
+    for items in seen:
+        assert sum(n for n, ctx in items if ctx == 0) + 16 in (32, 64, 128, 256, 512, 1024,
+                                                                 2048, 4096)

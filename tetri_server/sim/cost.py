@@ -110,7 +110,8 @@ def knee_chunk_size(cost: CostModel, prompt_tokens: int = 128, rows: int = 0) ->
         raise ValueError(f"chunk_size 0 calibrates over passes of up to {CALIBRATION_SIZES[-1]} "
                          f"tokens; local_decode_batch {rows} leaves none room for prompt tokens")
     for num in (n for n in CALIBRATION_SIZES if rows < n):
-        each = min(prompt_tokens, num - rows)
-        items = [(1, RIDER_CONTEXT)] * rows + [(each, 0)] * ((num - rows) // each)
+        full, rest = divmod(num - rows, prompt_tokens)  # every prompt token of the pass
+        items = ([(1, RIDER_CONTEXT)] * rows + [(prompt_tokens, 0)] * full
+                 + ([(rest, 0)] if rest else []))
         samples.append((num, cost.step_s(items, 0, len(items))))
     return pick_chunk_size(samples, riders=rows)
