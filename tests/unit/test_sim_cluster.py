@@ -31,7 +31,7 @@ def test_one_request_disaggregated_follows_the_cost_model_exactly() -> None:
     req = SimRequest(0, prompt_len=100, output_len=5, arrival_s=0.0, bucket=0)
     sim = Simulation(SimConfig(), cost, [req])
     result = sim.run()
-    chunk_s = cost.step_s([(100, 0)], num_pad=412, num_sampled=1)  # one padded 512 chunk
+    chunk_s = cost.step_s([(100, 0)], num_sampled=1)  # a 512 chunk run with its 100 tokens
     assert req.first_token_s == pytest.approx(chunk_s)
     end = chunk_s + cost.handoff_s(100)  # dispatched at once (view at t=0), pulled
     for ctx in range(100, 104):  # 4 decode steps, one token each
@@ -180,7 +180,7 @@ def test_a_prompt_waiting_for_blocks_starts_when_the_pull_frees_them() -> None:
     cfg = SimConfig(monitor_interval_ms=1000, num_kv_blocks=20)
     first, second = (SimRequest(i, 200, 2, 0.0) for i in range(2))  # 13 blocks each of 20
     Simulation(cfg, cost, [first, second]).run()
-    chunk_s = cost.step_s([(200, 0)], num_pad=312, num_sampled=1)
+    chunk_s = cost.step_s([(200, 0)], num_sampled=1)  # unpadded, as the worker runs it
     assert first.first_token_s == pytest.approx(chunk_s)
     pulled_s = chunk_s + cost.handoff_s(200)
     assert second.first_token_s == pytest.approx(pulled_s + chunk_s)

@@ -191,3 +191,26 @@ def test_the_knee_passes_hold_every_prompt_token_they_are_counted_with() -> None
     for items in seen:
         assert sum(n for n, ctx in items if ctx == 0) + 16 in (32, 64, 128, 256, 512, 1024,
                                                                  2048, 4096)
+
+
+def test_a_simulated_prefill_chunk_costs_its_real_tokens_as_the_worker_runs_it() -> None:
+    """Regression (review of session 63): on the GPU profiles a prefill chunk was costed with
+    its padding to chunk_size, which the prefill worker never runs (one 100-token prompt in a
+    1024 chunk: 4x its time). Only the paper's preset pads (``pad_chunks``)."""
+    import dataclasses
+
+    from tetri_server.sim.cluster import SimConfig, Simulation
+    from tetri_server.sim.instances import SimRequest
+    from tetri_server.sim.paper import PAPER_CONFIG
+
+    assert PAPER_CONFIG.pad_chunks
+    cost = v100_opt13b()
+    ttft = {}
+    for pad in (False, True):
+        cfg = dataclasses.replace(SimConfig(), chunk_size=1024, pad_chunks=pad,
+                                  local_decode_batch=0)
+        [req] = Simulation(cfg, cost, [SimRequest(0, 100, 2, 0.0)]).run().requests
+        assert req.first_token_s is not None
+        ttft[pad] = req.first_token_s
+    alone = cost.step_s([(100, 0)], 0, 1)
+    assert ttft[False] < 1.5 * alone < ttft[True]

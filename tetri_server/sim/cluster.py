@@ -100,6 +100,10 @@ class SimConfig:
     # are freed on the prefill instance at once, so it never waits for decode room or the
     # pull; the decode side still reserves the KV and waits bytes / bandwidth. Not the server.
     mock_handoff: bool = False
+    # The paper's fixed-size chunks: a prefill instance runs each chunk padded to chunk_size,
+    # which costs compute where the profile's padding does (GPUs). The server runs only a
+    # chunk's real tokens (its prefill worker never pads), as this does by default.
+    pad_chunks: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

@@ -192,8 +192,8 @@ class PrefillInstance(_Decoding):
     def _start_chunk(self, chunk: ChunkPlan, items: list[tuple[int, int]], predict_s: float,
                      *, pad: bool, num_sampled: int = 0) -> float | None:
         """The step's prompt slices after ``items`` (the kept requests' decode rows, if any,
-        ``num_sampled`` of which sample); ``pad``: a pure prefill chunk, its padding costed as
-        the worker runs it."""
+        ``num_sampled`` of which sample); ``pad``: a pure prefill chunk, whose padding is
+        logged, and costed only with ``pad_chunks`` (the worker runs no padding)."""
         kept = self.reserve_slices(chunk.slices, items)
         if not items:
             return None
@@ -202,7 +202,7 @@ class PrefillInstance(_Decoding):
             self.num_planned += 1
             self.record("chunk", slices=slice_list(self._chunk.slices), pad=self._chunk.num_pad)
         num_sampled += sum(p.is_last for p in kept)
-        num_pad = self._chunk.num_pad if pad else 0
+        num_pad = self._chunk.num_pad if pad and self.sim.cfg.pad_chunks else 0
         return self.cost.step_s(items, num_pad, num_sampled) + predict_s
 
     def kept_step_tokens(self, *, finishing: bool = False, num_rows: int = 0) -> int:

@@ -54,6 +54,7 @@ PAPER_CONFIG = SimConfig(mode="disaggregated", num_prefill=1, num_decode=1, chun
                          sched_batch=16, prefill_policy="fcfs", decode_policy="reserve-dynamic",
                          max_batch=256, granularity=200, predictor_accuracy=0.749,
                          predictor_model="OPT-125M", max_model_len=2048, mock_handoff=True,
+                         pad_chunks=True,  # TetriInfer's fixed-size chunks
                          recompute_tokens=0)  # vLLM (v0) recomputed a preempted context whole
 HANDOFFS = ("mock", "server")
 
