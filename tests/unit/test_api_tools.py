@@ -261,6 +261,15 @@ def test_required_tool_calls_keep_each_tools_defs() -> None:
     {"type": "integer", "multipleOf": 3, "minimum": 0},
     {"type": "array", "items": {"type": "integer"}, "maxContains": 1},
     {"type": "object", "dependencies": {"a": ["b"]}},
+    # review of session 63: each accepted, then part of it ignored by xgrammar 0.2.9
+    {"type": "string", "pattern": "^[0-9]+$", "maxLength": 5},  # "1234567" passed
+    {"type": "string", "format": "uri", "minLength": 1, "maxLength": 2083},  # pydantic HttpUrl
+    {"type": "string", "format": "email", "pattern": "^[a-z]+$"},  # "abc@x.com" passed
+    {"type": "array", "items": {"type": "string"}, "contains": {"const": "x"}},  # [] passed
+    {"type": "object", "required": ["b"]},  # {} passed
+    {"type": "integer", "minimum": 5, "enum": [1, 7]},  # 1 passed
+    {"type": "string", "enum": ["a", 1]},  # 1 passed
+    {"type": "object", "properties": {"a": {"type": "integer"}}, "unevaluatedProperties": False},
 ])
 def test_a_schema_keyword_the_grammar_would_not_enforce_is_a_400(schema) -> None:
     """Regression (review of session 62): the compiler accepted these and did not enforce
@@ -281,5 +290,9 @@ def test_a_schema_keyword_the_grammar_would_not_enforce_is_a_400(schema) -> None
         "x": {"anyOf": [{"type": "integer"}, {"type": "null"}], "default": None, "title": "X"},
         "y": {"$ref": "#/$defs/A", "description": "a y"},
         "z": {"allOf": [{"$ref": "#/$defs/A"}], "default": 1},
-        "n": {"type": "integer", "multipleOf": 3}}, "$defs": {"A": {"type": "integer"}}},
+        "n": {"type": "integer", "multipleOf": 3},
+        "e": {"enum": ["a", "b"], "title": "E", "type": "string"},  # pydantic's Enum
+        "c": {"const": 3, "type": "integer"}, "s": {"type": "string", "maxLength": 9},
+        "p": {"type": "string", "pattern": "^a"}}, "required": ["e", "p"],
+        "$defs": {"A": {"type": "integer"}}},
         "response_format")

@@ -85,6 +85,32 @@ def unenforced(schema: Any) -> str | None:
                 return f"{key} at {where}"
         if node.get("uniqueItems") is True:
             return f"uniqueItems at {where}"
+        if "contains" in node:  # alone or beside items: not enforced
+            return f"contains at {where}"
+        for key in ("unevaluatedItems", "unevaluatedProperties"):
+            if key in node and node[key] is not True:
+                return f"{key} at {where}"
+        for key in ("minLength", "maxLength"):  # the pattern or format alone is enforced
+            shape = next((k for k in ("pattern", "format") if k in node), None)
+            if key in node and shape is not None:
+                return f"{key} beside {shape} at {where}"
+        if "pattern" in node and "format" in node:
+            return f"pattern beside format at {where}"
+        required, props = node.get("required"), node.get("properties")
+        if isinstance(required, list):
+            missing = [r for r in required
+                       if not isinstance(props, dict) or r not in props]
+            if missing:
+                return f"required {missing[0]!r} without a property of that name at {where}"
+        values = _listed(node)
+        if values is not None:
+            beside = sorted(k for k in node if k not in _ANNOTATIONS
+                            and k not in ("enum", "const", "type"))
+            if beside:
+                return f"{', '.join(beside)} beside {'enum' if 'enum' in node else 'const'} " \
+                       f"at {where}"
+            if "type" in node and not all(_has_type(v, node["type"]) for v in values):
+                return f"a listed value of another type than {node['type']!r} at {where}"
         combiner = next((k for k in _COMBINERS if k in node), None)
         if combiner is not None:
             beside = sorted(k for k in node if k != combiner and k not in _ANNOTATIONS)
@@ -102,6 +128,26 @@ def unenforced(schema: Any) -> str | None:
         if isinstance(ref, str) and not ref.startswith("#"):
             return f"a $ref outside the schema ({ref!r}) at {where}"
     return None
+
+
+def _listed(node: dict[str, Any]) -> list[Any] | None:
+    """The values ``enum`` or ``const`` allows (the compiler reads those alone), or None."""
+    if "const" in node:
+        return [node["const"]]
+    enum = node.get("enum")
+    return enum if isinstance(enum, list) else None
+
+
+def _has_type(value: Any, types: Any) -> bool:
+    """Whether a JSON value is of ``type`` (a name or a list of names)."""
+    names = types if isinstance(types, list) else [types]
+    kinds = {"null": value is None, "boolean": isinstance(value, bool),
+             "string": isinstance(value, str), "array": isinstance(value, list),
+             "object": isinstance(value, dict),
+             "integer": (isinstance(value, int) and not isinstance(value, bool))
+             or (isinstance(value, float) and value.is_integer()),
+             "number": isinstance(value, int | float) and not isinstance(value, bool)}
+    return any(kinds.get(n, False) for n in names)
 
 
 def schema_guide(schema: Any, param: str) -> Guide:
