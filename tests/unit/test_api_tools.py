@@ -296,3 +296,23 @@ def test_a_schema_keyword_the_grammar_would_not_enforce_is_a_400(schema) -> None
         "p": {"type": "string", "pattern": "^a"}}, "required": ["e", "p"],
         "$defs": {"A": {"type": "integer"}}},
         "response_format")
+
+
+def test_mistral_calls_get_ids_its_chat_template_takes_back() -> None:
+    """Regression (review of session 63): calls had ``chatcmpl-tool-`` ids of 46 characters;
+    Mistral's chat templates (v0.3, Nemo) raise "Tool call IDs should be alphanumeric strings
+    with length 9!" on them, so the turn that sends a call's result back was a 400. The
+    mistral parser's calls, parsed or forced, get 9 letters and digits, as vLLM's do."""
+    import re
+
+    from tetri_server.api.tools import ForcedCall, ForcedCallParser, make_parser
+    from tetri_server.messages import Guide
+
+    _, [call] = make_parser("mistral").feed(
+        '[TOOL_CALLS][{"name": "f", "arguments": {"q": "x"}}]', final=True)
+    forced = ForcedCallParser(ForcedCall("f", Guide("json_object"), parser="mistral"))
+    _, [named] = forced.feed('{"q": "x"}', final=True)
+    for c in (call, named):
+        assert re.fullmatch(r"[A-Za-z0-9]{9}", c.id), c.id
+    _, [other] = make_parser("hermes").feed(CALL, final=True)
+    assert other.id.startswith("chatcmpl-tool-")

@@ -22,7 +22,10 @@ after any content.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import secrets
+import string
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +37,16 @@ from tetri_server.messages import Guide
 
 MAX_TOOLS = 128
 TOOL_PARSERS = ("hermes", "llama3_json", "mistral")
+_ALNUM = string.ascii_letters + string.digits
+
+
+def new_call_id(parser: str = "") -> str:
+    """A tool call's id: 9 letters and digits for the ``mistral`` parser (Mistral's chat
+    templates refuse any other id when the call comes back in the next turn; vLLM's parser
+    makes the same), else ``chatcmpl-tool-`` and 32 hex digits."""
+    if parser == "mistral":
+        return "".join(secrets.choice(_ALNUM) for _ in range(9))
+    return "chatcmpl-tool-" + uuid.uuid4().hex
 
 
 @dataclass(frozen=True)
@@ -72,6 +85,7 @@ class ForcedCall:
 
     name: str | None
     guide: Guide
+    parser: str = ""  # the served tool call parser: the style of the calls' ids
 
 
 @dataclass(frozen=True)
@@ -159,7 +173,8 @@ def parse_tools(f: Fields, parser: str) -> ToolChoice:
     if choice == "none":
         return ToolChoice(tools)
     if choice == "required" or isinstance(choice, dict):
-        return ToolChoice(tools, forced=_forced(tools, choice, parallel))
+        forced = dataclasses.replace(_forced(tools, choice, parallel), parser=parser)
+        return ToolChoice(tools, forced=forced)
     if choice != "auto":
         raise bad_param("tool_choice", "expected 'none', 'auto', 'required' or "
                                        "{'type': 'function', 'function': {'name': ...}}")
@@ -214,7 +229,7 @@ class HermesParser:
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             return None
         args = obj.get("arguments", obj.get("parameters", {}))
-        return ToolCall(obj["name"], _arguments_json(args), "chatcmpl-tool-" + uuid.uuid4().hex)
+        return ToolCall(obj["name"], _arguments_json(args), new_call_id())
 
 
 def _arguments_json(args: Any) -> str:
@@ -260,7 +275,7 @@ class ForcedCallParser:
         except (ValueError, TypeError, KeyError):
             return self._text, []
         self.calls = [ToolCall(name, json.dumps(args, ensure_ascii=False),
-                               "chatcmpl-tool-" + uuid.uuid4().hex) for name, args in pairs]
+                               new_call_id(self.forced.parser)) for name, args in pairs]
         return "", self.calls
 
 
@@ -353,6 +368,7 @@ class MistralParser:
         if calls is None:  # not calls after all: the model's text, as it wrote it
             out, self._buf = content + self.TAG + self._buf, ""
             return out, []
+        calls = [dataclasses.replace(c, id=new_call_id("mistral")) for c in calls]
         self.calls, self._buf = calls, ""
         return content, calls
 
