@@ -316,3 +316,31 @@ def test_mistral_calls_get_ids_its_chat_template_takes_back() -> None:
         assert re.fullmatch(r"[A-Za-z0-9]{9}", c.id), c.id
     _, [other] = make_parser("hermes").feed(CALL, final=True)
     assert other.id.startswith("chatcmpl-tool-")
+
+
+def test_a_streamed_forced_call_opens_its_stream_at_the_first_token(api: ApiHarness) -> None:
+    """Regression (review of session 63): the forced call's reply is held whole, and nothing,
+    not even the headers, went out before the last token: a proxy's idle timeout could cut a
+    long call, and the first chunk came as late as the whole reply."""
+    import time
+
+    from tests.unit.test_api_support import slow_generation
+
+    double(api)
+    client = openai.OpenAI(base_url=api.base_url + "/v1", api_key="x", max_retries=0)
+    tools = [{"type": "function", "function": {"name": "many", "parameters": {
+        "type": "object", "properties": {"n": {"type": "array", "items": {"type": "integer"},
+                                               "minItems": 24}}, "required": ["n"]}}}]
+    with slow_generation(api, 0.02):
+        t0 = time.monotonic()
+        stream = client.chat.completions.create(
+            model=MODEL_NAME, messages=MSG, tools=tools, stream=True, max_tokens=100,
+            tool_choice={"type": "function", "function": {"name": "many"}})
+        chunks = iter(stream)
+        first = next(chunks)
+        first_s = time.monotonic() - t0
+        rest = list(chunks)
+        total_s = time.monotonic() - t0
+    assert first.choices[0].delta.role == "assistant"
+    assert first_s < total_s / 3, (first_s, total_s)
+    assert rest[-1].choices[0].finish_reason is not None

@@ -274,6 +274,8 @@ class GenerateHandlers:
                         chunk = builder.chunk(piece)
                         if chunk is not None:
                             await sse.send(chunk)
+                        elif not sse.opened:  # a parser holds the text (a forced call):
+                            await sse.open()  # the headers and role chunk go at the first token
             except TimeoutError:
                 raise timeout_error(self.cfg.request_timeout_s) from None
             await sse.done(builder.usage_chunk(*self._usage(gens)) if req.include_usage

@@ -48,6 +48,10 @@ class EventStream:
     async def _write(self, obj: dict[str, Any]) -> None:
         await self.response.write(b"data: " + self._encoder.encode(obj) + b"\n\n")
 
+    async def open(self) -> None:
+        """Send the headers and the first chunks (the chat role), if not sent yet."""
+        await self._open()
+
     async def _open(self) -> None:
         if not self.opened:
             await self.response.prepare(self._request)
