@@ -823,3 +823,14 @@ def test_a_mixed_step_reports_the_size_it_was_planned_with() -> None:
     sim.run()
     assert steps and all(reported == planned for reported, planned, _ in steps)
     assert any(after != planned for _, planned, after in steps)  # the old report differed
+
+
+def test_a_prompt_larger_than_the_pool_is_an_error_not_a_simulation_that_never_ends() -> None:
+    """Regression (review of session 63): a prompt that can never have its blocks waited on
+    the prefill side while the monitor's tick rescheduled itself forever (a worker refuses to
+    start with such a pool)."""
+    cost = CostModel(load_hardware("this-cpu"), load_model("bench"))
+    for mode in ("disaggregated", "coupled"):
+        with pytest.raises(ValueError, match="prompt of 400 tokens"):
+            Simulation(SimConfig(mode=mode, num_kv_blocks=20), cost,
+                       [SimRequest(0, 400, 4, 0.0)])

@@ -30,6 +30,7 @@ from tetri_server.policy import (
     LengthTail,
     LocalPrefill,
     PrefillOrder,
+    num_blocks_for,
 )
 from tetri_server.sim.cost import CostModel
 from tetri_server.sim.coupled import CoupledInstance
@@ -162,6 +163,13 @@ class Simulation:
         self.requests = list(requests)
         self._tails: dict[str, LengthTail] = {}  # by predictor kind, read once (length_tail)
         num_blocks = cfg.num_kv_blocks or cost.num_kv_blocks(cfg.block_size)
+        # a prompt that can never have its blocks waited forever (a worker refuses to start
+        # with a pool that does not hold max_model_len tokens; a small pool that holds the
+        # prompts is simulated, and one that outgrows it decoding fails as on a worker)
+        longest = max((r.prompt_len for r in self.requests), default=0)
+        if num_blocks_for(longest, cfg.block_size) > num_blocks:
+            raise ValueError(f"a prompt of {longest} tokens does not fit a KV pool of "
+                             f"{num_blocks} blocks of {cfg.block_size}; raise num_kv_blocks")
         self.instances: list[Instance] = []
         if cfg.mode == "disaggregated":
             for wid in range(cfg.num_prefill):
