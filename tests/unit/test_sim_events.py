@@ -87,6 +87,9 @@ def test_kv_blocks_fit_beside_weights_and_big_models_do_not_fit_small_devices() 
     assert 300 < v100_opt13b().num_kv_blocks(16) < 500  # ~5 GB of a 32 GB V100
     h200 = CostModel(load_hardware("H200"), load_model("Llama-3-8B"))
     assert h200.num_kv_blocks(16) > 20 * v100_opt13b().num_kv_blocks(16)
+    # the H200's memory in GiB, as the 80 GB cards' (it was 141e9 bytes: 131 GiB, a pool 7%
+    # too small)
+    assert load_hardware("H200").memory_bytes > 1.7 * load_hardware("H100").memory_bytes
     with pytest.raises(ValueError, match="does not fit"):
         CostModel(load_hardware("this-cpu"), load_model("OPT-13B")).num_kv_blocks(16)
 

@@ -45,7 +45,8 @@ HARDWARE: dict[str, dict[str, Any]] = {
         links={"nvlink": dict(bandwidth_Bps=900e9, latency_s=5e-6),
                "rdma-400g": dict(bandwidth_Bps=400e9 / 8, latency_s=10e-6)}),
     "H200": dict(
-        peak_flops=989e12, mem_bw_Bps=4.8e12, memory_bytes=141e9, memory_utilization=0.9,
+        # "141 GB": the card reports 143,771 MiB (140 GiB), as the 80 GB cards report ~80 GiB
+        peak_flops=989e12, mem_bw_Bps=4.8e12, memory_bytes=140 * GiB, memory_utilization=0.9,
         compute_eff=0.6, mem_eff=0.8, half_tokens=80, step_overhead_s=0.001,
         pads_compute=True, default_link="nvlink",
         links={"nvlink": dict(bandwidth_Bps=900e9, latency_s=5e-6),
