@@ -834,3 +834,18 @@ def test_a_prompt_larger_than_the_pool_is_an_error_not_a_simulation_that_never_e
         with pytest.raises(ValueError, match="prompt of 400 tokens"):
             Simulation(SimConfig(mode=mode, num_kv_blocks=20), cost,
                        [SimRequest(0, 400, 4, 0.0)])
+
+
+def test_flags_the_paper_table_and_the_comparison_cannot_honour_are_refused(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Regression (review of session 63): ``sim --paper --num-requests 8 --seed 3`` ran the
+    paper's 128 requests at seed 0 all the same; ``sim compare --chunk-size 0`` (the server's
+    "calibrate") crashed with a bare ValueError."""
+    from tetri_server.sim.versus import main as compare_main
+
+    with pytest.raises(SystemExit):
+        main(["--paper", "--num-requests", "8", "--seed", "3", "--json", "x.json"])
+    assert "--num-requests, --seed" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        compare_main(["--model", "m", "--chunk-size", "0", "--json", "x.json"])
+    assert "--chunk-size must be a size" in capsys.readouterr().err

@@ -287,7 +287,15 @@ def main(argv: list[str] | None = None) -> int:
         from tetri_server.sim.versus import main as compare_main
 
         return compare_main(argv[1:])
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.paper:  # the paper's table runs its own requests, seed and policies
+        kept = {"paper", "paper_load", "paper_handoff", "data_dir", "json", "no_progress"}
+        given = sorted(k for k, v in vars(args).items()
+                       if k not in kept and v != parser.get_default(k))
+        if given:
+            parser.error(f"--paper runs the paper's requests and policies; it does not take "
+                         f"{', '.join('--' + k.replace('_', '-') for k in given)}")
     try:
         if args.paper:
             from tetri_server.sim.paper import paper_table

@@ -219,7 +219,11 @@ def wait_quiet(below: float, max_wait_s: float) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.chunk_size < 1:  # 0 (calibrate) would give the two sides different chunks
+        parser.error("--chunk-size must be a size (>= 1): the server and the simulator run the "
+                     "same chunk")
     from tetri_server.bench.prompts import load_tokenizer, model_vocab
     from tetri_server.modelinfo import resolve_model_path
 
