@@ -272,3 +272,22 @@ def test_a_decode_worker_without_local_prefill_refuses_a_prompt_as_misrouted() -
                              send=sent.append, worker_id=1)
     role.handle(AddRequest(7, [1, 2], SamplingParams(), 0.0))
     assert sent == [RequestFailed(7, "routed to a decode worker", misrouted=True)]
+
+
+def test_a_decode_worker_that_starts_to_flip_leaves_the_dispatchers_view_at_once() -> None:
+    """Regression (review of session 63): the view without it went out at the next monitor
+    tick; until then a prefill worker could dispatch to it, control refused the hand-off, and
+    that prefill worker sent no hand-off until the next view (up to one interval lost)."""
+    from tetri_server.messages import DecodeView
+
+    async def main() -> None:
+        cluster = unstarted()
+        posted = serving(cluster, {0: "prefill", 1: "decode", 2: "decode"})
+        flip = asyncio.ensure_future(cluster.flipper.flip(1, "prefill"))
+        await asyncio.sleep(0.01)
+        views = [m for m in posted[0] if isinstance(m, DecodeView)]
+        assert views and [d.worker_id for d in views[-1].decodes] == [2]
+        flip.cancel()
+        await asyncio.gather(flip, return_exceptions=True)
+
+    asyncio.run(main())

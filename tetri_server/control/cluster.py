@@ -83,7 +83,7 @@ class Cluster:
         self.reports = self.monitor.reports
         self.accounting = RequestAccounting(self.cfg, self.metrics)
         self.router = Router(self.cfg, self.workers, self.draining, self.table, self.monitor,
-                             self.accounting, self._broadcast_view)
+                             self.accounting, self.broadcast_view)
         self.flipper = FlipController(self)
         self._tick: asyncio.TimerHandle | None = None
         self._handlers: dict[type, Callable[[WorkerHandle, Any], None]] = {
@@ -308,7 +308,7 @@ class Cluster:
             self.fail(req, f"no worker could take the request within {wait:g} s "
                       "(workers restarting); retry", retry_after_s=max(1.0, wait / 2))
         self.router.next_suspect()  # the suspect on trial may have ended meanwhile
-        self._broadcast_view()
+        self.broadcast_view()
         self.monitor.count_requests(len(self.table), sum(r.owner == -1 for r in self.table))
         self.flipper.on_tick()
         if not self.supervisor.stopping:
@@ -316,9 +316,9 @@ class Cluster:
 
     def _on_report(self, h: WorkerHandle, msg: LoadReport) -> None:
         if self.monitor.on_report(h, msg):
-            self._broadcast_view()  # a decode worker's routed prompts are all prefilled
+            self.broadcast_view()  # a decode worker's routed prompts are all prefilled
 
-    def _broadcast_view(self) -> None:
+    def broadcast_view(self) -> None:
         """The decode view to every prefill worker: each tick, and when a prompt went to a
         decode worker."""
         if not self.disaggregated:

@@ -36,6 +36,8 @@ class FlipHost(Protocol):
 
     def route_parked(self) -> None: ...
 
+    def broadcast_view(self) -> None: ...
+
 log = logging.getLogger("tetri.flip")
 
 
@@ -106,6 +108,8 @@ class FlipController:
         fut: asyncio.Future[float] = asyncio.get_running_loop().create_future()
         self._pending[worker_id] = (fut, from_role)
         c.draining.add(worker_id)
+        if from_role == "decode":  # out of the dispatchers' view now, not at the next tick:
+            c.broadcast_view()  # a hand-off sent to it is refused and stalls its sender's
         c.workers[worker_id].post(SetRole(role))
         log.info("flip: worker %d %s -> %s: draining", worker_id, from_role, role)
         try:

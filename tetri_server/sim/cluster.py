@@ -266,7 +266,7 @@ class Simulation:
         return [r for wid, r in sorted(self._reports.items()) if wid not in self.draining]
 
     def _broadcast_view(self) -> None:
-        """``Cluster._broadcast_view``: from the latest reports, with the prompts routed to each
+        """``Cluster.broadcast_view``: from the latest reports, with the prompts routed to each
         decode instance since."""
         if self.prefills:
             self._view_seq += 1
