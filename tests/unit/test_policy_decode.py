@@ -179,7 +179,7 @@ def test_a_request_capped_below_the_threshold_is_light_as_the_dispatcher_counts_
     load = rt.adm.load()
     assert (load.num_heavy, load.num_light) == (1, 1)
     dispatcher = TetriDispatcher(random.Random(0), block_size=BLOCK)
-    assert not dispatcher.make_plan(1, 1, 32, dispatcher.predicted_output(2, 64)).heavy
+    assert not dispatcher.is_heavy(2, 64)
 
 
 def test_bad_arguments_are_refused() -> None:

@@ -28,7 +28,8 @@ def test_never_picks_a_decode_without_room() -> None:
             for w in range(rng.randrange(1, 6))
         ]
         num_prompt, bucket = rng.randrange(1, 400), rng.randrange(3)
-        need = num_blocks_for(num_prompt + max(bucket * 200, 1), BLOCK)
+        # bucket 0: the decode worker raises its estimate to bucket 1's lower end at once
+        need = num_blocks_for(num_prompt + max(bucket, 1) * 200, BLOCK)
         dispatcher = tetri(trial)
         dispatcher.on_view(DecodeView(seq=1, decodes=view))
         plan = dispatcher.plan(trial, num_prompt, bucket)
@@ -52,11 +53,24 @@ def test_empty_alpha_holds_until_a_newer_view_has_room() -> None:
 def test_a_view_resent_from_the_same_reports_keeps_counting_own_dispatches() -> None:
     dispatcher = tetri()
     dispatcher.on_view(DecodeView(seq=1, decodes=[inst(0, free=20)], generation=5))
-    assert dispatcher.plan(1, 200, 0) is not None  # takes 13 of the 20 free blocks
+    assert dispatcher.plan(1, 8, 0) is not None  # 8 + 200 tokens: 13 of the 20 free blocks
     dispatcher.on_view(DecodeView(seq=2, decodes=[inst(0, free=20)], generation=5))  # re-sent
-    assert dispatcher.plan(2, 200, 0) is None  # 7 left: no room, as before the re-send
+    assert dispatcher.plan(2, 8, 0) is None  # 7 left: no room, as before the re-send
     dispatcher.on_view(DecodeView(seq=3, decodes=[inst(0, free=20)], generation=6))  # reports
-    assert dispatcher.plan(2, 200, 0) is not None  # a newer report: its count is the truth
+    assert dispatcher.plan(2, 8, 0) is not None  # a newer report: its count is the truth
+
+
+def test_a_short_request_counts_what_the_decode_worker_will_reserve_for_it() -> None:
+    """Regression (review of session 63): bucket 0 was counted as its prompt and one token
+    until the next view, where the decode worker reserves bucket 1's lower end (200 tokens)
+    at once: a burst of short requests was dispatched past the room, then refused."""
+    dispatcher = tetri()
+    dispatcher.on_view(DecodeView(seq=1, decodes=[inst(0, free=30)]))
+    first = dispatcher.plan(1, 100, 0)
+    assert first is not None and first.num_blocks == num_blocks_for(300, BLOCK) == 19
+    assert dispatcher.plan(2, 100, 0) is None  # 11 left
+    assert dispatcher.predicted_output(0, 64) == 64 and dispatcher.predicted_output(2, None) == 400
+    assert dispatcher.predicted_output(0, None, min_output=250) == 400  # raised twice
 
 
 def test_picks_the_lower_heavy_share_of_the_two() -> None:

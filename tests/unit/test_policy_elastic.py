@@ -332,9 +332,10 @@ def test_a_handed_back_request_is_dispatched_with_the_kv_it_decoded_here():
         # room for the prompt and its first token (2 blocks), not for what it holds (8)
         book.on_view(DecodeView(1, [DecodeInstanceView(0, 2, 1000, 0, 0, 0)]))
         assert book.dispatch() == []
-        book.on_view(DecodeView(2, [DecodeInstanceView(0, 8, 1000, 0, 0, 0)]))
+        book.on_view(DecodeView(2, [DecodeInstanceView(0, 14, 1000, 0, 0, 0)]))
         [(req, plan)] = book.dispatch()
-        assert req == "r1" and plan.num_blocks == 8
+        # past bucket 0's lower end, the decode worker reserves bucket 1's: 16 + 200 tokens
+        assert req == "r1" and plan.num_blocks == 14
         book.hand_back(2, 16 + 1 + 300)  # 301 of the 400 predicted made here: 416 tokens
         book.on_view(DecodeView(3, [DecodeInstanceView(0, 26, 1000, 0, 0, 0)]))
         [(req, plan)] = book.dispatch()

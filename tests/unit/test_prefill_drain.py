@@ -105,7 +105,7 @@ def test_a_preempted_kept_request_is_not_overtaken_for_good_by_new_prompts() -> 
     pw.sent.clear()
     for i in range(60):  # a prompt arrives and one hand-off goes (and is pulled) each round
         add(100 + i, 64, 50)
-        prefill.handle(DecodeView(2 + i, [DecodeInstanceView(1, 6, 48, 0, 0, 0)], 2 + i))
+        prefill.handle(DecodeView(2 + i, [DecodeInstanceView(1, 9, 48, 0, 0, 0)], 2 + i))
         prefill.step()
         for m in [m for m in pw.sent if isinstance(m, Handoff)]:
             prefill.handle(KVPulled(m.req_id))

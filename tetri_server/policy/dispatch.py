@@ -90,16 +90,31 @@ class _ViewTracker:
             )
         return out
 
-    def predicted_output(self, bucket: int, max_tokens: int | None) -> int:
-        """The output a request is predicted to take: its bucket's lower end, at most
-        ``max_tokens`` (as the decode worker counts it; ``None``: no cap)."""
+    def is_heavy(self, bucket: int, max_tokens: int | None, min_output: int = 1) -> bool:
+        """Heavy as the decode worker counts it (``DecodeSeq.is_heavy``): its bucket's lower
+        end, at most ``max_tokens``, or the output it holds already, above the threshold."""
         lower_end = bucket * self.granularity
-        return lower_end if max_tokens is None else min(lower_end, max_tokens)
+        lower_end = lower_end if max_tokens is None else min(lower_end, max_tokens)
+        return max(lower_end, min_output) > self.heavy_threshold
 
-    def make_plan(self, req_id: int, worker_id: int, num_prompt: int, output: int) -> DispatchPlan:
+    def predicted_output(self, bucket: int, max_tokens: int | None, min_output: int = 1) -> int:
+        """The output the decode worker's admission first reserves for a request
+        (``DecodeSeq.raise_estimate`` as ``DecodeAdmission.add`` runs it): its bucket's lower
+        end, at most ``max_tokens`` (``None``: no cap), raised a bucket at a time while the
+        ``min_output`` tokens it holds already reach it (bucket 0: the next one's lower end;
+        counting one token instead under-counted every short request until the next view)."""
+        g, cap = self.granularity, max_tokens
+        est = bucket * g if cap is None else min(bucket * g, cap)
+        while min_output >= est and (cap is None or est < cap):
+            bucket += 1
+            est = bucket * g if cap is None else min(bucket * g, cap)
+        return max(est, min_output)
+
+    def make_plan(self, req_id: int, worker_id: int, num_prompt: int, output: int,
+                  heavy: bool) -> DispatchPlan:
         """Record a dispatch of ``num_prompt`` + ``output`` (``predicted_output``) tokens."""
         num_blocks = num_blocks_for(num_prompt + max(output, 1), self.block_size)
-        plan = DispatchPlan(req_id, worker_id, num_blocks, output > self.heavy_threshold)
+        plan = DispatchPlan(req_id, worker_id, num_blocks, heavy)
         self._since_view[req_id] = plan
         return plan
 
@@ -128,9 +143,9 @@ class TetriDispatcher(_ViewTracker):
 
     def plan(self, req_id: int, num_prompt_tokens: int, bucket: int,
              max_tokens: int | None = None, min_output: int = 1) -> DispatchPlan | None:
-        output = max(self.predicted_output(bucket, max_tokens), min_output)
-        need = num_blocks_for(num_prompt_tokens + max(output, 1), self.block_size)
-        heavy = output > self.heavy_threshold
+        output = self.predicted_output(bucket, max_tokens, min_output)
+        need = num_blocks_for(num_prompt_tokens + output, self.block_size)
+        heavy = self.is_heavy(bucket, max_tokens, min_output)
         alpha = [d for d in self.instances() if _room(d) >= min(need, d.num_total_blocks)]
         if not alpha:
             return None
@@ -141,7 +156,8 @@ class TetriDispatcher(_ViewTracker):
             num_all = d.num_heavy + d.num_light + 1
             return (num_heavy / num_all, num_all, -_room(d), d.worker_id)
 
-        return self.make_plan(req_id, min(pair, key=key).worker_id, num_prompt_tokens, output)
+        return self.make_plan(req_id, min(pair, key=key).worker_id, num_prompt_tokens, output,
+                              heavy)
 
 
 class RoundRobinDispatcher(_ViewTracker):
@@ -163,7 +179,8 @@ class RoundRobinDispatcher(_ViewTracker):
         later = [w for w in fits if w > self._last_worker]
         self._last_worker = later[0] if later else fits[0]
         return self.make_plan(req_id, self._last_worker, num_prompt_tokens,
-                              max(self.predicted_output(bucket, max_tokens), min_output))
+                              self.predicted_output(bucket, max_tokens, min_output),
+                              self.is_heavy(bucket, max_tokens, min_output))
 
 
 def _room(d: DecodeInstanceLoad) -> int:
