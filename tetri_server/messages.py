@@ -176,14 +176,18 @@ class DecodeInstanceView(msgspec.Struct, array_like=True):
     num_queued_prompt_tokens: int = 0  # elastic: prompts routed to it, not yet prefilled
     step_s: float = 0.0  # its recent decode step time (policy.StepTimes; 0: idle)
     fastest_step_s: float = 0.0  # the fastest that has been (0: no step yet)
+    # moves with each report of this worker (and its restart): a dispatcher forgets its own
+    # dispatches to it once it moves (-1: not tracked: the view's generation decides)
+    report_seq: int = -1
 
     @classmethod
-    def of(cls, r: LoadReport, num_queued_prompt_tokens: int) -> DecodeInstanceView:
+    def of(cls, r: LoadReport, num_queued_prompt_tokens: int,
+           report_seq: int = -1) -> DecodeInstanceView:
         """A decode worker as its report ``r`` shows it, its queued prompt tokens given (the
         monitor and the simulator count prompts routed since the report)."""
         return cls(r.worker_id, r.num_free_blocks, r.num_total_blocks, r.num_heavy,
                    r.num_light, r.predicted_demand_blocks, num_queued_prompt_tokens, r.step_s,
-                   r.fastest_step_s)
+                   r.fastest_step_s, report_seq)
 
 
 class DecodeView(msgspec.Struct, tag=True, array_like=True):

@@ -291,3 +291,14 @@ def test_a_decode_worker_that_starts_to_flip_leaves_the_dispatchers_view_at_once
         await asyncio.gather(flip, return_exceptions=True)
 
     asyncio.run(main())
+
+
+def test_the_decode_view_stamps_each_worker_with_its_own_last_report() -> None:
+    """What lets a dispatcher keep counting its hand-offs to a worker that has not reported
+    since (``DecodeInstanceView.report_seq``; review of session 63)."""
+    cluster = unstarted()
+    serving(cluster, {0: "prefill", 1: "decode", 2: "decode"})
+    first = {d.worker_id: d.report_seq for d in cluster.monitor.decode_view().decodes}
+    cluster.monitor.on_report(cluster.workers[2], idle_report(2, "decode"))
+    second = {d.worker_id: d.report_seq for d in cluster.monitor.decode_view().decodes}
+    assert min(first.values()) >= 0 and second[1] == first[1] and second[2] > first[2]

@@ -60,6 +60,27 @@ def test_a_view_resent_from_the_same_reports_keeps_counting_own_dispatches() -> 
     assert dispatcher.plan(2, 8, 0) is not None  # a newer report: its count is the truth
 
 
+def test_another_decode_workers_report_does_not_forget_dispatches_to_this_one() -> None:
+    """Regression (review of session 63): the view's generation moved with any decode
+    worker's report, and a report of worker 2 wiped the dispatcher's count of what it had just
+    sent to worker 1, whose entry was still its old report: request 2 went to worker 1 too,
+    150 blocks promised against 100 free, and the hand-off was refused."""
+    def view(seq: int, gen: int, seqs: tuple[int, int], free2: int) -> DecodeView:
+        return DecodeView(seq, [DecodeInstanceView(1, 100, 1000, 0, 0, 0, report_seq=seqs[0]),
+                                DecodeInstanceView(2, free2, 1000, 0, 0, 0,
+                                                   report_seq=seqs[1])], gen)
+
+    dispatcher = tetri()
+    dispatcher.on_view(view(1, 2, (1, 2), 0))
+    first = dispatcher.plan(1, 1000, 1)  # 1000 + 200 tokens: 75 blocks
+    assert first is not None and first.decode_worker == 1
+    assert dispatcher.plan(2, 1000, 1) is None
+    dispatcher.on_view(view(2, 3, (1, 3), 0))  # worker 2 reported; worker 1 did not
+    assert dispatcher.plan(2, 1000, 1) is None  # worker 1 still has 25 left of 100
+    dispatcher.on_view(view(3, 4, (4, 3), 0))  # worker 1's newer report is the truth
+    assert dispatcher.plan(2, 1000, 1) is not None
+
+
 def test_a_short_request_counts_what_the_decode_worker_will_reserve_for_it() -> None:
     """Regression (review of session 63): bucket 0 was counted as its prompt and one token
     until the next view, where the decode worker reserves bucket 1's lower end (200 tokens)

@@ -49,6 +49,8 @@ class Monitor:
                                         local_prefill=local)
         self._view_seq = 0
         self._view_generation = 0  # moves with each decode report, (re)start and removal
+        # decode worker -> the generation of its last report (DecodeInstanceView.report_seq)
+        self._report_seq: dict[int, int] = {}
         self._last_tick_s = 0.0
 
     @property
@@ -69,6 +71,7 @@ class Monitor:
         emptied = self.picker.on_report(msg)
         if msg.role == "decode":
             self._view_generation += 1
+            self._report_seq[h.worker_id] = self._view_generation
         self.metrics.set_worker(
             h.worker_id, h.role, blocks_used=msg.num_total_blocks - msg.num_free_blocks,
             blocks_total=msg.num_total_blocks, busy_s=msg.busy_s,
@@ -85,6 +88,7 @@ class Monitor:
         self.reports[h.worker_id] = empty
         self.picker.on_report(empty)
         self._view_generation += 1
+        self._report_seq[h.worker_id] = self._view_generation
         self.metrics.set_up(h.worker_id, True)
         self.metrics.set_role(h.worker_id, msg.role)
         if msg.chunk_size:
@@ -93,6 +97,7 @@ class Monitor:
     def remove(self, worker_id: int) -> None:
         self.picker.remove_worker(worker_id)
         self._view_generation += 1
+        self._report_seq.pop(worker_id, None)
         self.reports.pop(worker_id, None)
         self.metrics.set_up(worker_id, False)
 
@@ -121,7 +126,8 @@ class Monitor:
         queued prompt tokens count the prompts routed since (a decode worker prefilling one in
         a long step cannot report until it ends)."""
         self._view_seq += 1
-        decodes = [DecodeInstanceView.of(r, self.picker.queued_tokens(wid))
+        decodes = [DecodeInstanceView.of(r, self.picker.queued_tokens(wid),
+                                         self._report_seq.get(wid, -1))
                    for wid, r in sorted(self.reports.items())
                    if r.role == "decode" and wid in self.workers and self.serving(wid)]
         return DecodeView(self._view_seq, decodes, self._view_generation)

@@ -8,7 +8,8 @@ worker;
 ``None`` means no decode worker has room: hold the request (its KV stays in this pool) and ask
 again after the next view. ``on_rejected(plan)`` undoes a plan whose hand-off the decode worker
 refused. The view is up to one broadcast interval stale, so every dispatcher counts its own
-dispatches since the view against it; a newer view (higher ``seq``) resets that. Draining
+dispatches since the view against it, each until a view has a newer report of its decode
+worker (``report_seq``). Draining
 (flipping) decode workers must be left out of the view by the cluster monitor.
 """
 
@@ -54,14 +55,31 @@ class _ViewTracker:
         self._since_view: dict[int, DispatchPlan] = {}  # req_id -> plan
 
     def on_view(self, view: DecodeSnapshot) -> bool:
-        """Adopt ``view`` if newer than the current one; returns whether it was adopted. Own
-        dispatches are forgotten only when the view comes from newer reports (another
-        ``generation``): one re-sent from the same reports does not count them yet."""
+        """Adopt ``view`` if newer than the current one; returns whether it was adopted. An
+        own dispatch is forgotten only when the view has a newer report of its decode worker
+        (its ``report_seq`` moved), or that worker left the view: one re-sent from the same
+        reports, or newer only by another worker's report, does not count it yet. Where the
+        view tracks no report (-1), a new ``generation`` forgets them all."""
         if self.view is not None and view.seq <= self.view.seq:
             return False
-        if self.view is None or view.generation < 0 or view.generation != self.view.generation:
+        old, self.view = self.view, view
+        if old is None:
             self._since_view.clear()
-        self.view = view
+            return True
+        before = {d.worker_id: d.report_seq for d in old.decodes}
+        now = {d.worker_id: d.report_seq for d in view.decodes}
+        newer_reports = view.generation < 0 or view.generation != old.generation
+
+        def counted(worker_id: int) -> bool:  # the view's entry of the worker counts them
+            seq = now.get(worker_id)
+            if seq is None:
+                return True  # gone from the view: nothing to count them against
+            if seq >= 0:
+                return seq != before.get(worker_id)
+            return newer_reports
+
+        self._since_view = {r: p for r, p in self._since_view.items()
+                            if not counted(p.decode_worker)}
         return True
 
     def on_rejected(self, plan: DispatchPlan) -> None:
@@ -86,6 +104,7 @@ class _ViewTracker:
                     num_queued_prompt_tokens=inst.num_queued_prompt_tokens,
                     step_s=inst.step_s,
                     fastest_step_s=inst.fastest_step_s,
+                    report_seq=inst.report_seq,
                 )
             )
         return out

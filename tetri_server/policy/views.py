@@ -30,6 +30,8 @@ class DecodeInstanceLoad(Protocol):
     def step_s(self) -> float: ...  # elastic: its recent decode step time (0: idle)
     @property
     def fastest_step_s(self) -> float: ...  # ... the fastest that has been (0: no step yet)
+    @property
+    def report_seq(self) -> int: ...  # moves with each of its reports (-1: not tracked)
 
 
 class DecodeSnapshot(Protocol):
@@ -81,3 +83,4 @@ class DecodeInstance:
     num_queued_prompt_tokens: int = 0
     step_s: float = 0.0
     fastest_step_s: float = 0.0
+    report_seq: int = -1

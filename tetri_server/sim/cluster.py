@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
 from tetri_server.messages import DecodeInstanceView, DecodeView, LoadReport
@@ -197,6 +197,7 @@ class Simulation:
         self._view_seq = 0
         self._reports: dict[int, LoadReport] = {}  # each instance's latest (Monitor.reports)
         self._view_generation = 0
+        self._report_seq: dict[int, int] = {}  # ``Monitor._report_seq``
         self._num_done = 0
         self.parked: list[SimRequest] = []
 
@@ -258,6 +259,7 @@ class Simulation:
         emptied = self.picker.on_report(report)
         if report.role == "decode":
             self._view_generation += 1
+            self._report_seq[report.worker_id] = self._view_generation
         if emptied:
             self._broadcast_view()
 
@@ -271,7 +273,7 @@ class Simulation:
         if self.prefills:
             self._view_seq += 1
             view = decode_view(self._view_seq, self._serving(), self.picker.queued_tokens,
-                               self._view_generation)
+                               self._view_generation, self._report_seq)
             for inst in self.prefills:
                 inst.deliver(("view", view))
 
@@ -367,10 +369,14 @@ def load_tail(kind: str, granularity: int) -> LengthTail:
 
 
 def decode_view(seq: int, reports: list[LoadReport],
-                queued: Callable[[int], int] | None = None, generation: int = -1) -> DecodeView:
+                queued: Callable[[int], int] | None = None, generation: int = -1,
+                report_seqs: Mapping[int, int] | None = None) -> DecodeView:
     """``Monitor.decode_view`` from the decode instances' latest reports; ``queued``: a
-    worker's queued prompt tokens with those routed since its report (default: the report's)."""
+    worker's queued prompt tokens with those routed since its report (default: the report's);
+    ``report_seqs``: each worker's ``report_seq`` (default: not tracked)."""
+    seqs = report_seqs or {}
     return DecodeView(seq, [DecodeInstanceView.of(r, r.num_queued_prompt_tokens if queued is None
-                                                     else queued(r.worker_id))
+                                                     else queued(r.worker_id),
+                                                  seqs.get(r.worker_id, -1))
                             for r in sorted(reports, key=lambda r: r.worker_id)
                             if r.role == "decode"], generation)
