@@ -8,6 +8,7 @@ disaggregated (tests/integration/test_api_structured_cluster.py)."""
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any, Literal
 
@@ -110,6 +111,23 @@ def test_regex_choice_and_structured_outputs_on_completions(client: openai.OpenA
     out = client.chat.completions.create(model=MODEL_NAME, messages=MSG, max_tokens=40,
                                          extra_body={"guided_choice": ["yes", "no", "maybe"]})
     assert out.choices[0].message.content in ("yes", "no", "maybe")
+
+
+def test_a_guided_replys_logprobs_give_no_probability_to_what_the_grammar_forbids(
+        client: openai.OpenAI) -> None:
+    """Regression (review of session 63): logprobs came from the logits before the grammar's
+    mask, so the chosen "no" looked less likely than tokens that could never be drawn ('box',
+    ' prof'), and was missing from its own top 5. vLLM applies the mask first; a forbidden
+    token's logprob is its floor, -9999 (JSON has no infinity)."""
+    out = client.chat.completions.create(
+        model=MODEL_NAME, messages=MSG, max_tokens=4, temperature=0, logprobs=True,
+        top_logprobs=5, extra_body={"guided_choice": ["yes", "no"]})
+    [first, *_] = out.choices[0].logprobs.content
+    tops = first.top_logprobs
+    assert tops[0].token == first.token and tops[0].logprob == first.logprob
+    alive = [t for t in tops if t.logprob > -9999]
+    assert {t.token for t in alive} <= {"yes", "no", "y", "n", "ye"}, tops
+    assert sum(math.exp(t.logprob) for t in alive) == pytest.approx(1.0, abs=1e-3)
 
 
 def test_guided_json_extension(client: openai.OpenAI) -> None:

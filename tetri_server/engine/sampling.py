@@ -5,7 +5,9 @@ Order per row (vLLM's): logit bias, repetition / frequency / presence penalties 
 ``Sequence``'s own tokens, so every worker that samples applies them identically), the grammar
 mask of a guided request (structured output, ``engine/grammar.py``), then greedy or
 temperature -> min-p -> top-k -> top-p -> draw. Logprobs are of the raw model output (vLLM's
-default ``raw_logprobs``). Neutral parameters leave the logits untouched (no copy).
+default ``raw_logprobs``), with a guided row's grammar mask applied (vLLM applies the grammar's
+bitmask before its sampler takes them: a token the grammar forbids has no probability).
+Neutral parameters leave the logits untouched (no copy).
 
 ``sample`` is total: whatever the parameters and whatever the model produced (inf, NaN), every row
 yields a token id in ``[0, vocab)`` and nothing NaN reaches ``torch.multinomial`` (on CUDA a NaN
@@ -101,14 +103,31 @@ def hold_stops(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, .
     return out
 
 
-def constrain(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+LOGPROB_FLOOR = -9999.0
+
+
+class GuideMask(NamedTuple):
+    """The guided rows of a step (``rows``) and the tokens each grammar allows ([G, V])."""
+
+    rows: torch.Tensor
+    allowed: torch.Tensor
+
+
+def guide_mask(logits: torch.Tensor, seqs: list[Sequence]) -> GuideMask:
+    """The grammars' allowed tokens for the guided rows of ``seqs`` (each matcher read once)."""
+    guided = [(i, s.guide) for i, s in enumerate(seqs) if s.guide is not None]
+    allowed = allowed_tokens([g for _, g in guided], logits.shape[-1]).to(logits.device)
+    return GuideMask(torch.tensor([i for i, _ in guided], dtype=torch.long,
+                                  device=logits.device), allowed)
+
+
+def constrain(logits: torch.Tensor, seqs: list[Sequence],
+              mask: GuideMask | None = None) -> torch.Tensor:
     """logits: [S, V]; returns them with every token a guided row's grammar forbids at -inf
     (other rows untouched). A guided row whose allowed tokens are all -inf or NaN samples
-    uniformly among them, so a draw never leaves the grammar."""
-    guided = [(i, s.guide) for i, s in enumerate(seqs) if s.guide is not None]
-    rows = [i for i, _ in guided]
-    allowed = allowed_tokens([g for _, g in guided], logits.shape[-1]).to(logits.device)
-    idx = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    uniformly among them, so a draw never leaves the grammar. ``mask``: ``guide_mask``'s,
+    read already."""
+    idx, allowed = mask if mask is not None else guide_mask(logits, seqs)
     masked = _sanitize(logits[idx]).masked_fill(~allowed, _NEG_INF)
     dead = ~masked.isfinite().any(dim=-1, keepdim=True)
     masked = torch.where(dead & allowed, 0.0, masked)
@@ -159,8 +178,9 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...] 
                 logits[i] = penalize(logits[i], seq)
     if any(s.num_output < s.params.min_tokens for s in seqs):
         logits = hold_stops(logits, seqs, eos_ids)
-    if any(s.guide is not None for s in seqs):
-        logits = constrain(logits, seqs)
+    mask = guide_mask(logits, seqs) if any(s.guide is not None for s in seqs) else None
+    if mask is not None:
+        logits = constrain(logits, seqs, mask)
     tokens = argmax_rows(logits)  # greedy; a row with no finite entry falls back to this
     for i, seq in enumerate(seqs):
         p = seq.params
@@ -176,7 +196,10 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...] 
     token_list = tokens.tolist()
     if not any(s.params.logprobs for s in seqs):
         return token_list, None
-    all_logp = torch.log_softmax(_sanitize(raw), dim=-1)  # [S, V]
+    if mask is not None:  # a token the grammar forbids has no probability (as in vLLM)
+        raw = constrain(raw, seqs, mask)
+    # [S, V]; -inf (a forbidden token) as vLLM's API writes it: JSON has no infinity
+    all_logp = torch.log_softmax(_sanitize(raw), dim=-1).clamp_min(LOGPROB_FLOOR)
     logp = all_logp.gather(1, tokens[:, None])[:, 0]
     for i, seq in enumerate(seqs):
         k = min(seq.params.top_logprobs, all_logp.shape[-1]) if seq.params.logprobs else 0
