@@ -112,3 +112,43 @@ def test_a_preempted_kept_request_is_not_overtaken_for_good_by_new_prompts() -> 
         if tokens_of(pw.sent, 1):
             break
     assert tokens_of(pw.sent, 1), "the preempted request never ran again"
+
+
+def test_a_prompt_routed_to_a_decode_worker_is_not_overtaken_by_later_hand_offs() -> None:
+    """Regression (review of session 63): a decode worker took every hand-off that left its
+    running batch room, the blocks of the prompt routed to it (which the router had checked)
+    included: under a stream of hand-offs the prompt's first token came after 178 decode
+    steps and 48 hand-offs. A hand-off now leaves the first queued prompt its blocks."""
+    from tetri_server.messages import HandoffRejected
+    from tetri_server.policy import LocalPrefill
+    from tetri_server.workers.decode import DecodeRole
+
+    w = FakeWorker(1, 32, [])
+    w.cfg = load_config(None, ["predictor.kind=none", "decode.policy=greedy",
+                               "decode.max_batch=16", "decode.local_prefill_tokens=64"])
+    decode = DecodeRole(w)  # type: ignore[arg-type]
+    next_id = iter(range(100, 10_000))
+
+    def handoff(max_tokens: int) -> None:
+        decode.handle(Handoff(next(next_id), 0, list(range(8)), list(range(5, 35)) + [7], 30,
+                              SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                             ignore_eos=True), 0, 0, 0.0, dst_worker=1))
+
+    for i in range(6):
+        handoff(10 + 6 * i)
+    for _ in range(3):
+        decode.step()
+    assert LocalPrefill(16).fits(100, w.allocator.num_free)  # the router sends it here
+    decode.handle(AddRequest(1, list(range(5, 105)), SamplingParams(
+        max_tokens=5, temperature=0.0, ignore_eos=True), 0.0, prefill_chunk=64))
+    for _ in range(3):  # dispatched on the view the router read
+        handoff(36)
+    w.sent.clear()
+    steps = 0
+    while not tokens_of(w.sent, 1) and steps < 200:
+        w.sent = [m for m in w.sent if not isinstance(m, HandoffRejected)]
+        for _ in range(3):
+            handoff(36)
+        decode.step()
+        steps += 1
+    assert steps < 10, f"first token after {steps} decode steps"

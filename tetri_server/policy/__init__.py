@@ -52,7 +52,7 @@ from tetri_server.policy.knee import (
     pick_chunk_size,
     throughput_curve,
 )
-from tetri_server.policy.local_prefill import DecodeRoom, LocalPrefill
+from tetri_server.policy.local_prefill import DecodeRoom, LocalPrefill, head_prompt_need
 from tetri_server.policy.prefill import (
     PREFILL_ORDERS,
     ChunkSlice,
@@ -94,6 +94,7 @@ __all__ = [
     "PromptShare",
     "StepTimes",
     "LocalPrefill",
+    "head_prompt_need",
     "LocalSteps",
     "MixedStepPlan",
     "PreemptPlan",

@@ -8,6 +8,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from tetri_server.policy.chunker import num_blocks_for
+from tetri_server.policy.prefill import PrefillQueue
+
 
 class DecodeRoom(NamedTuple):
     """What ``LocalPrefill.pick`` reads of a serving decode worker."""
@@ -104,3 +107,14 @@ class LocalPrefill:
     def fits(self, num_tokens: int, num_free_blocks: int) -> bool:
         """The KV of ``num_tokens`` prompt tokens fits in half of ``num_free_blocks``."""
         return -(-num_tokens // self.block_size) <= num_free_blocks // 2
+
+
+def head_prompt_need(queue: PrefillQueue, block_size: int) -> int:
+    """Blocks the first prompt routed to a decode worker needs to start (it reserves them whole
+    before its first slice; 0 once started, or with none queued). A hand-off it receives leaves
+    them free: else each hand-off took the room the router had checked and the prompt, routed
+    there to finish sooner, waited behind all of them."""
+    head = next(iter(queue.iter_order()), None)
+    if head is None or head.num_done_tokens > 0:
+        return 0
+    return num_blocks_for(head.num_prompt_tokens, block_size)

@@ -21,6 +21,7 @@ from tetri_server.policy import (
     StepTimes,
     TetriDispatcher,
     coupled_chunked_plan,
+    head_prompt_need,
     local_decode_of,
     mixed_chunk,
 )
@@ -361,9 +362,10 @@ class DecodeInstance(_Decoding):
             req: SimRequest = msg[2]
             num_tokens: int = msg[3]  # prompt + first token, + what a prefill worker decoded
             seq = SimSeq(req, num_tokens, num_computed=num_tokens - 1)
-            # DecodeRole.receive: the batch's next step keeps its blocks
+            # DecodeRole.receive: the batch's next step and the first queued prompt keep theirs
+            free = self.alloc.num_free - head_prompt_need(self.queue, self.block_size)
             if not self.admission.has_room_for(
-                    num_blocks_for(seq.num_computed, self.block_size), self.alloc.num_free) \
+                    num_blocks_for(seq.num_computed, self.block_size), free) \
                     or not reserve(self.alloc, seq, seq.num_computed, self.block_size):
                 self.sim.send(src, ("rejected", req.req_id))
                 return

@@ -36,6 +36,7 @@ from tetri_server.policy import (
     PrefillQueue,
     StepTimes,
     coupled_chunked_plan,
+    head_prompt_need,
 )
 from tetri_server.policy.chunker import num_blocks_for
 from tetri_server.policy.prefill import ChunkSlice
@@ -97,8 +98,9 @@ class DecodeRole(Role):
                        predicted_bucket=h.predicted_bucket, predicted_len=h.predicted_len)
         seq.num_computed = seq.num_tokens - 1  # the last sampled token has no KV yet
         seq.num_emitted = seq.num_output  # the prefill worker streamed these
+        free = self.w.allocator.num_free - head_prompt_need(self.queue, self.w.block_size)
         if not self.admission.has_room_for(num_blocks_for(seq.num_computed, self.w.block_size),
-                                           self.w.allocator.num_free):
+                                           free):
             self.w.send(HandoffRejected(h.req_id, "decode worker's free blocks are its "
                                                   "running batch's next step"))
             return
