@@ -109,10 +109,18 @@ class LLMEngine:
         """Run prompts to completion; returns the output token ids of each."""
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         base = max(self.seqs, default=-1) + 1
-        for i, (p, sp) in enumerate(zip(prompts, plist, strict=True)):
-            self.add_request(base + i, p, sp)
+        added: list[int] = []
+        try:
+            for i, (p, sp) in enumerate(zip(prompts, plist, strict=True)):
+                self.add_request(base + i, p, sp)
+                added.append(base + i)
+        except BaseException:  # one bad prompt: none of the batch stays behind
+            for req_id in added:
+                self.abort(req_id)
+            raise
         out: dict[int, list[int]] = {base + i: [] for i in range(len(prompts))}
         while self.has_unfinished():
             for d in self.step():
-                out[d.req_id].extend(d.token_ids)
+                if d.req_id in out:  # (an add_request of the caller's runs beside them)
+                    out[d.req_id].extend(d.token_ids)
         return [out[base + i] for i in range(len(prompts))]

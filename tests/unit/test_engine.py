@@ -144,6 +144,19 @@ def test_a_preempted_request_is_recomputed_in_slices_and_still_matches(model_dir
     assert eng.allocator.num_free == 30
 
 
+def test_a_batch_with_a_bad_prompt_leaves_nothing_behind(model_dir):
+    """Regression (review of session 63): generate() added prompts one by one, so one refused
+    left those before it queued, and the next generate() stepped them too and failed with a
+    KeyError on ids it did not own."""
+    eng = make_engine(str(model_dir("llama")), "model.max_model_len=64")
+    with pytest.raises(ValueError, match="max_model_len"):
+        eng.generate([[5, 6, 7], [5] * 100])
+    greedy = SamplingParams(max_tokens=3, temperature=0.0)
+    assert len(eng.generate([[8, 9, 10]], greedy)[0]) == 3
+    eng.add_request(999, [11, 12], greedy)  # the caller's own request beside a batch
+    assert len(eng.generate([[8, 9, 10]], greedy)[0]) == 3
+
+
 def test_rope_scaling_from_config(model_dir):
     scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 256,
