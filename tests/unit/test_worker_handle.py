@@ -110,3 +110,19 @@ def test_a_flip_whose_caller_gives_up_is_cancelled_on_the_worker() -> None:
 
     posted = asyncio.run(main())
     assert posted == [SetRole("decode"), SetRole("decode", cancel=True)]
+
+
+def test_workers_sharing_a_gpu_split_its_kv_memory_evenly_whoever_sizes_first() -> None:
+    """Regression (review of session 63): each worker on a GPU took memory_fraction of what
+    was free when it sized its pool: two starting together each took half of all of it, and
+    one sizing after the other got half the first's pool (the decode worker, often)."""
+    from tetri_server.workers.base import cuda_kv_budget, workers_on_device
+
+    assert [workers_on_device(d, 2, 1) for d in (0,)] == [2]  # 1 prefill + 1 decode, one GPU
+    assert [workers_on_device(d, 5, 2) for d in (0, 1)] == [3, 2]
+    gib, total, weights = 2**30, 80 * 2**30, 16 * 2**30
+    first = cuda_kv_budget(total - 2 * weights, total, weights, 2, 0.5)  # both weights loaded
+    second = cuda_kv_budget(total - 2 * weights - first, total, weights, 2, 0.5)
+    assert first == second == 12 * gib
+    alone = cuda_kv_budget(total - weights - gib, total, weights, 1, 0.5)  # a CUDA context
+    assert alone == (total - weights - gib) * 0.5

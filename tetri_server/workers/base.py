@@ -65,6 +65,22 @@ def length_tail(cfg: Config, kind: str) -> LengthTail | None:
     return tails.load(kind, cfg.predictor.artifact or None)
 
 
+def workers_on_device(index: int, num_workers: int, num_devices: int) -> int:
+    """Workers the supervisor puts on ``cuda:index`` (worker i on ``cuda:(i mod devices)``)."""
+    return max(1, len(range(index, num_workers, max(1, num_devices))))
+
+
+def cuda_kv_budget(free: float, total: float, weights: float, sharing: int,
+                   fraction: float) -> float:
+    """Bytes of a worker's KV pool on a GPU that ``sharing`` workers share, each with its own
+    copy of the ``weights``: ``fraction`` of the memory the weights leave, split evenly, and at
+    most ``fraction`` of what is free now. Sized from free memory alone, two workers starting
+    together each took half of all of it (nothing left for activations), and one sizing after
+    the other got half the first's pool."""
+    even = max(0.0, total - sharing * weights) * fraction / max(1, sharing)
+    return min(free * fraction, even)
+
+
 def _die_with_parent(parent_pid: int) -> None:
     """Linux: SIGTERM this process when the control process dies (no orphans). While the
     control process lives, SIGINT and SIGTERM are its to act on: a Ctrl-C in the terminal or
@@ -164,8 +180,12 @@ class Worker:
         if kv.memory_gb > 0:
             budget = kv.memory_gb * 2**30
         elif self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = free * kv.memory_fraction
+            free, total = torch.cuda.mem_get_info(self.device)
+            sharing = workers_on_device(self.device.index or 0, self.cfg.cluster.num_workers,
+                                        torch.cuda.device_count())
+            weights = sum(t.numel() * t.element_size()
+                          for t in (*self.model.parameters(), *self.model.buffers()))
+            budget = cuda_kv_budget(free, total, weights, sharing, kv.memory_fraction)
         else:
             pages = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
             budget = pages * kv.memory_fraction / max(1, self.cfg.cluster.num_workers)
