@@ -302,3 +302,38 @@ def test_the_decode_view_stamps_each_worker_with_its_own_last_report() -> None:
     cluster.monitor.on_report(cluster.workers[2], idle_report(2, "decode"))
     second = {d.worker_id: d.report_seq for d in cluster.monitor.decode_view().decodes}
     assert min(first.values()) >= 0 and second[1] == first[1] and second[2] > first[2]
+
+
+def test_a_hand_off_refused_and_forwarded_again_counts_once_in_the_metrics() -> None:
+    """Regression (review of session 63): each forward of a hand-off the decode worker had
+    refused observed the prefill phase again and added its KV bytes again, though the KV moved
+    once (four prefill observations and four times the bytes for one request here)."""
+    from tetri_server.messages import HandoffRejected, PoolHandle
+
+    async def main() -> None:
+        metrics = Metrics("m")
+        cluster = unstarted(metrics)
+        serving(cluster, {0: "prefill", 1: "decode"})
+        cluster.workers[0].pool = PoolHandle(0, "shm", "x", 2, 64, 16, 4, 8, "float32")
+        req = cluster.table.add([1, 2, 3], SamplingParams(max_tokens=8), "", None)
+        cluster.router.route(req)
+        wid = req.wire_id
+        h = Handoff(wid, 0, [0], [1, 2, 3, 5], 3, SamplingParams(max_tokens=8), 0, 8,
+                    req.arrival_s, dst_worker=1)
+        for _ in range(3):
+            cluster.router.forward_handoff(cluster.workers[0], h)  # type: ignore[arg-type]
+            cluster.router.on_handoff_rejected(  # type: ignore[arg-type]
+                cluster.workers[1], HandoffRejected(wid, "no room"))
+        cluster.router.forward_handoff(cluster.workers[0], h)  # type: ignore[arg-type]
+        cluster.router.on_kv_pulled(cluster.workers[1], KVPulled(wid))  # type: ignore[arg-type]
+        got = {}
+        for fam in text_string_to_metric_families(metrics.render().decode()):
+            for s in fam.samples:
+                if s.name == "tetri_request_phase_seconds_count":
+                    got[s.labels["phase"]] = s.value
+                if s.name == "tetri_handoff_bytes_total":
+                    got["bytes"] = s.value
+        assert got["prefill"] == got["handoff"] == 1
+        assert got["bytes"] == 2 * 2 * 4 * 16 * 8 * 4  # one block of 2 layers, K and V
+
+    asyncio.run(main())

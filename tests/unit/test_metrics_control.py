@@ -97,6 +97,7 @@ def test_predictor_outcomes_compare_the_handed_off_bucket_with_the_true_length()
     for i, (bucket, length, reason) in enumerate(cases):
         req = _request(i, arrival_s=0.0)
         acc.on_handoff(req, _handoff(req, num_blocks=3, bucket=bucket), POOL)
+        acc.on_pulled(req)  # the bytes count once the decode worker has them
         _run(acc, req, [1.0 + k * 0.01 for k in range(length)], reason)
     coupled = _request(9, arrival_s=0.0)  # never handed off: no prediction to judge
     _run(acc, coupled, [1.0, 1.1], "stop")

@@ -35,10 +35,17 @@ class RequestAccounting:
         self.buckets: LengthPredictor = load_predictor("none", cfg.predictor.artifact or None)
 
     def on_handoff(self, req: Request, msg: Handoff, src_pool: PoolHandle | None) -> None:
-        """The Handoff of ``req`` is forwarded to its decode worker."""
+        """The Handoff of ``req`` is forwarded to its decode worker (again, after a refusal:
+        its bytes count once, when pulled)."""
         req.predicted_bucket = msg.predicted_bucket
-        if src_pool is not None:
-            self.metrics.observe_handoff_bytes(len(msg.src_block_ids) * block_bytes(src_pool))
+        req.handoff_bytes = (0 if src_pool is None
+                             else len(msg.src_block_ids) * block_bytes(src_pool))
+
+    def on_pulled(self, req: Request) -> None:
+        """The decode worker copied the KV of ``req``'s hand-off."""
+        if req.handoff_bytes:
+            self.metrics.observe_handoff_bytes(req.handoff_bytes)
+            req.handoff_bytes = 0
 
     def on_delta(self, req: Request, delta: TokenDelta, now_s: float) -> None:
         """New tokens of ``req`` reached control at ``now_s`` (``req.output_ids`` has them).

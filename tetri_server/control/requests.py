@@ -45,7 +45,8 @@ class Request:
     state: ReqState = ReqState.PREFILL
     output_ids: list[int] = field(default_factory=list)
     num_reruns: int = 0
-    handoff_s: float = 0.0  # monotonic time the Handoff was forwarded
+    handoff_s: float = 0.0  # monotonic time the Handoff was forwarded (the latest, if refused)
+    handoff_bytes: int = 0  # KV bytes the forwarded Handoff moves, counted once it is pulled
     first_token_s: float | None = None  # monotonic time its first token reached control
     scheduled_s: float | None = None  # monotonic time its worker scheduled its first chunk
     # prompt-logprobs parts received before the first token (join_prompt_part)

@@ -145,10 +145,13 @@ class Router:
         if dst is None or not self.monitor.serving(dst.worker_id) or dst.role != "decode":
             src.post(HandoffRejected(msg.req_id, f"decode worker {msg.dst_worker} is down"))
             return
+        first = not req.handoff_s  # not after a refusal (nor in a re-run)
         req.owner, req.src, req.state = dst.worker_id, src.worker_id, ReqState.HANDOFF
         req.handoff_s = time.monotonic()
         req.wait_deadline_s = None
-        if len(msg.token_ids) - msg.num_prompt_tokens <= 1:  # not a kept request handed back
+        # once per request (a hand-off the decode worker refused is forwarded again); not a
+        # kept request handed back
+        if first and len(msg.token_ids) - msg.num_prompt_tokens <= 1:
             self.metrics.observe_phase("prefill", req.handoff_s - req.arrival_s)
         self.accounting.on_handoff(req, msg, src.pool)
         dst.post(msg)
@@ -163,6 +166,7 @@ class Router:
             self.workers[req.src].post(msg)
         req.src, req.state = -1, ReqState.DECODE
         self.metrics.observe_phase("handoff", time.monotonic() - req.handoff_s)
+        self.accounting.on_pulled(req)
 
     def on_handoff_rejected(self, h: WorkerHandle, msg: HandoffRejected) -> None:
         req = self.table.of(msg.req_id)
