@@ -54,3 +54,37 @@ def test_a_stop_while_workers_load_waits_once_for_all_then_kills_them(
     assert elapsed < 4.0  # one bound of 1 s for all; in turn it was at least 5 s
     assert reaped == [0, 1, 2, 3, 4]
     assert all(w.proc.returncode is not None and w.proc.returncode < 0 for w in workers)
+
+
+def test_reaping_a_killed_worker_that_does_not_exit_is_bounded(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Regression (review of session 63): reap waited for the process with no bound; one stuck
+    in the kernel (a hung GPU driver call) after its kill blocked the event loop for good."""
+    import os
+    from types import SimpleNamespace
+
+    class StuckProc:
+        pid = 4242
+
+        def wait(self, timeout: float | None = None) -> int:
+            if timeout is None:
+                raise AssertionError("an unbounded wait")
+            raise subprocess.TimeoutExpired("worker", timeout)
+
+        def poll(self) -> None:
+            return None
+
+    monkeypatch.setattr(supervisor, "REAP_WAIT_S", 0.1, raising=False)
+
+    async def main() -> int | None:
+        ready = asyncio.get_running_loop().create_future()
+        ready.set_result(None)
+        channel = SimpleNamespace(close=lambda: None, unlink=lambda: None)
+        handle = SimpleNamespace(worker_id=3, receiver=None, alive=False, _writer=None,
+                                 pidfd=os.pidfd_open(os.getpid()), inbox=channel,
+                                 outbox=channel, kv_segment="tetri-absent-kv", ready=ready,
+                                 start_error="", proc=StuckProc())
+        return supervisor.reap(handle)  # type: ignore[arg-type]
+
+    assert asyncio.run(main()) is None
+    assert "did not exit" in caplog.text

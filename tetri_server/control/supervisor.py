@@ -30,6 +30,7 @@ log = logging.getLogger("tetri.supervisor")
 RING_BYTES = 4 << 20
 SHUTDOWN_WAIT_S = 10.0  # Shutdown to exit, all workers together; then they are killed
 SEND_TIMEOUT_S = 30.0
+REAP_WAIT_S = 5.0  # a killed worker to be reaped (one stuck in the kernel is left behind)
 
 
 @dataclass(eq=False)
@@ -161,7 +162,12 @@ def reap(handle: WorkerHandle) -> int | None:
         handle.ready.set_exception(RuntimeError(
             f"worker {handle.worker_id} ({handle.role}) exited with code "
             f"{handle.proc.poll()} before it was ready{why}"))
-    return handle.proc.wait()
+    try:  # at once after its exit; after a kill, a process stuck in the kernel may not go
+        return handle.proc.wait(REAP_WAIT_S)
+    except subprocess.TimeoutExpired:
+        log.error("worker %d (pid %d) did not exit %.0f s after it was killed; left behind",
+                  handle.worker_id, handle.proc.pid, REAP_WAIT_S)
+        return None
 
 
 class Supervisor:
