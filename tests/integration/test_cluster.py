@@ -71,9 +71,12 @@ async def test_a_decode_worker_recomputes_a_preempted_request_in_slices(tiny_lla
     from tests.integration.conftest import STRICT_SPLIT
 
     prompts = random_prompts(6, 8000, (100, 120), seed=41)
-    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    # round-robin dispatch checks room for the prompt and its first token only, so the decode
+    # worker's pool binds as its requests grow (power-of-two counts what each will reserve)
     cluster = make_cluster(tiny_llama, "disaggregated", "kv.num_blocks=30",
                            "model.max_model_len=256", "decode.recompute_tokens=32",
+                           "dispatch.policy=round-robin",
                            f"monitor.decision_log={tmp_path / 'decisions'}",
                            "kv.layout=token-major", *STRICT_SPLIT)
     await serve_all_right_and_free(cluster, tiny_llama, prompts, params, 180)
