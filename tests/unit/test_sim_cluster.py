@@ -849,3 +849,35 @@ def test_flags_the_paper_table_and_the_comparison_cannot_honour_are_refused(
     with pytest.raises(SystemExit):
         compare_main(["--model", "m", "--chunk-size", "0", "--json", "x.json"])
     assert "--chunk-size must be a size" in capsys.readouterr().err
+
+
+def test_preemptions_of_an_instance_before_it_flipped_still_count() -> None:
+    """Regression (review of session 63): the result read each instance's counts from the
+    object in place at the end, and a flip replaces it: 37 preemptions reported of ~100."""
+
+    from tetri_server.sim.cluster import Simulation as Sim
+    from tetri_server.sim.report import mode_metrics
+    from tetri_server.sim.run import predict
+
+    cost = CostModel(load_hardware("V100-32GB"), load_model("OPT-13B"))
+    reqs = [SimRequest(i, 100, 1500, 0.01 * i) for i in range(40)]  # a decode-heavy burst
+    reqs += [SimRequest(i, 1800, 5, 60 + 0.3 * (i - 40)) for i in range(40, 140)]  # prompts
+    cfg = SimConfig(num_prefill=1, num_decode=3, flip=True, flip_window_s=3, flip_idle_s=3,
+                    flip_min_interval_s=2, decode_policy="greedy", dispatch="round-robin",
+                    num_kv_blocks=200, seed=0)
+    predict(reqs, cfg)
+    sim = Sim(cfg, cost, reqs)
+    replaced: list[int] = []
+    switch = sim._switch
+
+    def counted(wid, plan):  # noqa: ANN001, ANN202
+        admission = getattr(sim.instances[wid], "admission", None)
+        replaced.append(0 if admission is None else admission.load().num_preemptions)
+        switch(wid, plan)
+
+    sim._switch = counted  # type: ignore[method-assign]
+    result = sim.run()
+    final = sum(i.admission.load().num_preemptions for i in sim.instances
+                if getattr(i, "admission", None) is not None)
+    assert sum(replaced) > 0 and sim.flips
+    assert mode_metrics(result, cfg)["num_preemptions"] == final + sum(replaced)

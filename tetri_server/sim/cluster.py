@@ -194,6 +194,8 @@ class Simulation:
         self.draining: dict[int, FlipPlan] = {}  # flipping instances: no new work
         self._switching: set[int] = set()  # drained, switch under way
         self.flips: list[dict[str, object]] = []
+        # worker id -> (preemptions, waiting-KV drops) of the roles it flipped from
+        self._before_flips: dict[int, tuple[int, int]] = {}
         self._view_seq = 0
         self._reports: dict[int, LoadReport] = {}  # each instance's latest (Monitor.reports)
         self._view_generation = 0
@@ -219,7 +221,10 @@ class Simulation:
             requests=self.requests,
             instances=[dict(id=i.worker_id, role=i.role, busy_s=i.busy_s, steps=i.num_steps,
                             active_s=i.last_end_s - i.first_start_s if i.num_steps else 0.0,
-                            preemptions=load.num_preemptions, kv_drops=load.num_kv_drops)
+                            preemptions=load.num_preemptions
+                            + self._before_flips.get(i.worker_id, (0, 0))[0],
+                            kv_drops=load.num_kv_drops
+                            + self._before_flips.get(i.worker_id, (0, 0))[1])
                        for i, load in zip(self.instances, map(_load, self.instances),
                                           strict=True)],
             duration_s=max(ends, default=0.0),
@@ -309,6 +314,8 @@ class Simulation:
 
     def _switch(self, wid: int, plan: FlipPlan) -> None:
         old = self.instances[wid]
+        load, (pre, drops) = _load(old), self._before_flips.get(wid, (0, 0))
+        self._before_flips[wid] = (pre + load.num_preemptions, drops + load.num_kv_drops)
         cls = DecodeInstance if plan.to_role == "decode" else PrefillInstance
         new = cls(self, wid, old.alloc.num_blocks)
         new.alloc, new.busy_s, new.num_steps = old.alloc, old.busy_s, old.num_steps
