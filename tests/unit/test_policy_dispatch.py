@@ -81,6 +81,21 @@ def test_another_decode_workers_report_does_not_forget_dispatches_to_this_one() 
     assert dispatcher.plan(2, 1000, 1) is not None
 
 
+def test_round_robin_counts_what_it_checks_and_tetri_the_queued_prompts_too() -> None:
+    """Review of session 63: the raised estimate of bucket 0 made round-robin, which checks
+    room for the prompt alone, hold short requests a decode worker would take (7 of 20 sent);
+    and the power-of-two dispatcher sent hand-offs into the blocks of a prompt routed to the
+    decode worker, which refused them (each refusal stalls the sender until the next view)."""
+    rr = RoundRobinDispatcher(block_size=BLOCK, granularity=200)
+    rr.on_view(DecodeView(seq=1, decodes=[inst(0, free=100)]))
+    assert sum(rr.plan(i, 50, 0) is not None for i in range(20)) == 20
+    dispatcher = tetri()
+    queued = DecodeInstanceView(0, 60, 100, 0, 0, 0, num_queued_prompt_tokens=400)
+    dispatcher.on_view(DecodeView(seq=1, decodes=[queued]))
+    assert dispatcher.plan(1, 400, 1) is None  # 38 blocks; 60 free less the prompt's 25
+    assert dispatcher.plan(2, 100, 1) is not None  # 19 blocks fit beside it
+
+
 def test_a_short_request_counts_what_the_decode_worker_will_reserve_for_it() -> None:
     """Regression (review of session 63): bucket 0 was counted as its prompt and one token
     until the next view, where the decode worker reserves bucket 1's lower end (200 tokens)

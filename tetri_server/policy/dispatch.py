@@ -26,8 +26,9 @@ from tetri_server.policy.views import DecodeInstance, DecodeInstanceLoad, Decode
 @dataclass(frozen=True)
 class DispatchPlan:
     """Send ``req_id`` to ``decode_worker``. ``num_blocks``: its predicted footprint (prompt +
-    predicted output: the lower end of its bucket, at most ``max_tokens``), counted against
-    that worker until the next view."""
+    the output the decode worker will first reserve for it, ``predicted_output``; round-robin:
+    its bucket's lower end), counted against that worker until a view has a newer report of
+    it."""
 
     req_id: int
     decode_worker: int
@@ -109,12 +110,15 @@ class _ViewTracker:
             )
         return out
 
+    def lower_end(self, bucket: int, max_tokens: int | None) -> int:
+        """The bucket's lower end, at most ``max_tokens`` (``None``: no cap)."""
+        lower_end = bucket * self.granularity
+        return lower_end if max_tokens is None else min(lower_end, max_tokens)
+
     def is_heavy(self, bucket: int, max_tokens: int | None, min_output: int = 1) -> bool:
         """Heavy as the decode worker counts it (``DecodeSeq.is_heavy``): its bucket's lower
         end, at most ``max_tokens``, or the output it holds already, above the threshold."""
-        lower_end = bucket * self.granularity
-        lower_end = lower_end if max_tokens is None else min(lower_end, max_tokens)
-        return max(lower_end, min_output) > self.heavy_threshold
+        return max(self.lower_end(bucket, max_tokens), min_output) > self.heavy_threshold
 
     def predicted_output(self, bucket: int, max_tokens: int | None, min_output: int = 1) -> int:
         """The output the decode worker's admission first reserves for a request
@@ -140,9 +144,10 @@ class _ViewTracker:
 
 class TetriDispatcher(_ViewTracker):
     """TetriInfer's dispatcher: α = decode workers whose free blocks, less what their running
-    requests are still predicted to take, hold this request's prompt + predicted output (lower
-    end of its bucket, at most its ``max_tokens``; capped at the worker's pool so an over-long
-    prediction waits for an empty worker rather than forever). Two of α are drawn with ``rng``
+    requests are still predicted to take and its queued prompts need, hold this request's
+    prompt + predicted output (``predicted_output``: as the decode worker will reserve it;
+    capped at the worker's pool so an over-long prediction waits for an empty worker rather
+    than forever). Two of α are drawn with ``rng``
     (power of two choices); the one with the lower heavy share after adding the request wins
     (ties: fewer requests, more room, lower id). Heavy: predicted output above
     ``heavy_threshold`` tokens."""
@@ -165,7 +170,8 @@ class TetriDispatcher(_ViewTracker):
         output = self.predicted_output(bucket, max_tokens, min_output)
         need = num_blocks_for(num_prompt_tokens + output, self.block_size)
         heavy = self.is_heavy(bucket, max_tokens, min_output)
-        alpha = [d for d in self.instances() if _room(d) >= min(need, d.num_total_blocks)]
+        alpha = [d for d in self.instances()
+                 if _room(d, self.block_size) >= min(need, d.num_total_blocks)]
         if not alpha:
             return None
         pair = alpha if len(alpha) <= 2 else self.rng.sample(alpha, 2)
@@ -173,7 +179,7 @@ class TetriDispatcher(_ViewTracker):
         def key(d: DecodeInstance) -> tuple[float, int, int, int]:
             num_heavy = d.num_heavy + heavy
             num_all = d.num_heavy + d.num_light + 1
-            return (num_heavy / num_all, num_all, -_room(d), d.worker_id)
+            return (num_heavy / num_all, num_all, -_room(d, self.block_size), d.worker_id)
 
         return self.make_plan(req_id, min(pair, key=key).worker_id, num_prompt_tokens, output,
                               heavy)
@@ -181,7 +187,8 @@ class TetriDispatcher(_ViewTracker):
 
 class RoundRobinDispatcher(_ViewTracker):
     """Baseline: decode workers in turn by id, skipping those without free blocks for the
-    prompt and its first token. Ignores predictions and reservations."""
+    prompt and its first token. Ignores reservations; its own dispatches since a worker's
+    report count their bucket's lower end (at least what they hold)."""
 
     def __init__(self, *, block_size: int, granularity: int = 200, heavy_threshold: int = 128):
         super().__init__(
@@ -198,10 +205,13 @@ class RoundRobinDispatcher(_ViewTracker):
         later = [w for w in fits if w > self._last_worker]
         self._last_worker = later[0] if later else fits[0]
         return self.make_plan(req_id, self._last_worker, num_prompt_tokens,
-                              self.predicted_output(bucket, max_tokens, min_output),
+                              max(self.lower_end(bucket, max_tokens), min_output),
                               self.is_heavy(bucket, max_tokens, min_output))
 
 
-def _room(d: DecodeInstanceLoad) -> int:
-    """Free blocks not spoken for by the predictions of the worker's known requests."""
-    return d.num_free_blocks - d.predicted_demand_blocks
+def _room(d: DecodeInstanceLoad, block_size: int) -> int:
+    """Free blocks not spoken for by the predictions of the worker's known requests, nor by
+    the prompts routed to it (elastic: the decode worker refuses a hand-off that would take
+    the first one's blocks; a started prompt's are counted again, erring on the safe side)."""
+    return (d.num_free_blocks - d.predicted_demand_blocks
+            - num_blocks_for(d.num_queued_prompt_tokens, block_size))
