@@ -6,6 +6,7 @@ non-zero on any error (the supervisor notices through the process's pidfd)."""
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 
 import msgspec
@@ -14,6 +15,9 @@ from tetri_server.messages import WorkerSpec
 
 
 def main(argv: list[str]) -> int:
+    # before the heavy imports (torch: seconds): a Ctrl-C in the terminal while a worker is
+    # being (re)started must not kill it; control drains and stops it (``_die_with_parent``)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     spec = msgspec.json.decode(argv[1].encode(), type=WorkerSpec)
     level = str(spec.config.get("server", {}).get("log_level", "info")).upper()
     logging.basicConfig(level=level, stream=sys.stderr,
