@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,22 @@ def resolve_model_path(path: str) -> Path:
     return p
 
 
+def rope_context(max_position_embeddings: int, rope: Mapping[str, Any] | None) -> int:
+    """The model's context length: its positions, times the factor of a static RoPE scaling
+    (``linear``; ``yarn`` over its ``original_max_position_embeddings``), as vLLM derives it
+    (``llama3`` and the others keep the positions). A checkpoint extended by linear scaling
+    (4,096 positions x 4) serves 16,384 tokens."""
+    rope = rope or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    factor = rope.get("factor")
+    if kind not in ("linear", "yarn") or not isinstance(factor, int | float) or factor <= 1:
+        return max_position_embeddings
+    base = max_position_embeddings
+    if kind == "yarn":
+        base = int(rope.get("original_max_position_embeddings") or base)
+    return max(max_position_embeddings, int(base * factor))
+
+
 def serving_max_model_len(configured: int, max_position_embeddings: int) -> int:
     """The context length served: ``configured`` (0 = the model's), never above the model's
     positions: more is refused (``ConfigError``), as vLLM refuses it, rather than lowered
@@ -34,8 +51,8 @@ def serving_max_model_len(configured: int, max_position_embeddings: int) -> int:
         from tetri_server.config import ConfigError
 
         raise ConfigError(f"model.max_model_len = {configured} is more than the model's "
-                          f"max_position_embeddings ({max_position_embeddings}); leave it 0 "
-                          "for the model's, or set at most that")
+                          f"context ({max_position_embeddings} positions, RoPE scaling "
+                          "included); leave it 0 for the model's, or set at most that")
     return configured or max_position_embeddings
 
 
@@ -55,7 +72,9 @@ def read_limits(folder: Path) -> ModelLimits:
     cfg = {**cfg.get("text_config", {}), **cfg}
     eos = cfg.get("eos_token_id")
     eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
-    return ModelLimits(int(cfg["max_position_embeddings"]), int(cfg["vocab_size"]), eos_ids)
+    positions = rope_context(int(cfg["max_position_embeddings"]),
+                             cfg.get("rope_parameters") or cfg.get("rope_scaling"))
+    return ModelLimits(positions, int(cfg["vocab_size"]), eos_ids)
 
 
 def load_tokenizer(folder: Path) -> Any:

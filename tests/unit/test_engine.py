@@ -168,6 +168,22 @@ def test_rope_scaling_from_config(model_dir):
     assert eng.generate(prompts, GREEDY) == hf_greedy(path, prompts, GREEDY.max_tokens)
 
 
+def test_a_context_extended_by_linear_rope_scaling_is_served_whole(model_dir):
+    """Review of session 63: the served context was max_position_embeddings whatever the
+    RoPE scaling; vLLM serves positions x factor for linear and yarn scaling (a 4,096-position
+    checkpoint scaled x4 serves 16,384), and a longer --max-model-len was refused. Positions
+    past the table still equal transformers."""
+    from tetri_server.modelinfo import read_limits
+
+    scaling = {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}
+    path = model_dir("llama", rope_parameters=scaling, max_position_embeddings=128)
+    assert read_limits(path).max_model_len() == 512
+    eng = make_engine(str(path), "kv.num_blocks=200")
+    assert eng.max_model_len == 512
+    prompts = random_prompts(2, 8000, (200, 300), seed=7)  # past the 128 positions
+    assert eng.generate(prompts, GREEDY) == hf_greedy(path, prompts, GREEDY.max_tokens)
+
+
 def test_seeded_sampling_is_reproducible_and_independent_of_batch(model_dir):
     path = model_dir("llama")
     prompts = random_prompts(5, 8000, (5, 50), seed=6)

@@ -43,9 +43,10 @@ class ModelSpec:
         """The context length served: ``configured`` (0 = the model's), never above the
         model's positions. The one rule for the control process, the workers and the engine;
         a sliding window does not shorten it (attention applies the window)."""
-        from tetri_server.modelinfo import serving_max_model_len
+        from tetri_server.modelinfo import rope_context, serving_max_model_len
 
-        return serving_max_model_len(configured, self.max_position_embeddings)
+        return serving_max_model_len(configured,
+                                     rope_context(self.max_position_embeddings, self.rope))
 
     def layer_window(self, layer: int) -> int:
         """Keys a query of ``layer`` attends to at most (its last ones); 0 = all of them."""
