@@ -97,7 +97,18 @@ def build_config(
     the default served name; a Hugging Face id is replaced by its folder in the local cache.
     Raises ``ConfigError``."""
     env = os.environ if environ is None else environ
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser (hermes, "
+                          "llama3_json or mistral), as with vLLM")
     cfg = load_config(args.config, args.overrides, environ=env, flags=flag_values(args))
+    if args.model is None and args.served_model_name and cfg.model.path == ModelConfig().path:
+        swallowed = [n for n in args.served_model_name
+                     if n.startswith(BUILTIN_PREFIX) or Path(n).expanduser().is_dir()]
+        if swallowed:  # nargs="+": MODEL after the names went with them
+            raise ConfigError(
+                f"--served-model-name took {swallowed[0]!r} as a name and no MODEL was "
+                f"given (the built-in random-weight model would be served): put MODEL "
+                f"before the option, `serve {swallowed[0]} --served-model-name ...`")
     model = cfg.model
     if args.model is not None and model.path == args.model and not model.served_name:
         model = dataclasses.replace(model, served_name=args.model)  # vLLM: served as given
@@ -109,11 +120,16 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
 
 def hub_cache_dir(environ: Mapping[str, str]) -> Path:
     """The Hugging Face hub cache, by huggingface_hub's rules, read from ``environ`` now."""
-    if environ.get("HF_HUB_CACHE"):
-        return Path(environ["HF_HUB_CACHE"]).expanduser()
+    def expand(value: str) -> str:  # $VAR and ${VAR}, as os.path.expandvars, from environ
+        return re.sub(r"\$(\w+|\{[^}]*\})",
+                      lambda m: environ.get(m.group(1).strip("{}"), m.group(0)), value)
+
+    cache = environ.get("HF_HUB_CACHE") or environ.get("HUGGINGFACE_HUB_CACHE")  # (legacy)
+    if cache:
+        return Path(expand(cache)).expanduser()
     home = environ.get("HF_HOME") or str(
         Path(environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "huggingface")
-    return Path(home).expanduser() / "hub"
+    return Path(expand(home)).expanduser() / "hub"
 
 
 def resolve_hub_model(model: ModelConfig, environ: Mapping[str, str]) -> ModelConfig:
@@ -193,7 +209,8 @@ async def serve(cfg: Config, given_path: str | None = None) -> int:
         served = ServedModel.from_config(cfg.model, cluster.model_name,
                                          root=cluster.cfg.model.path, given_path=given_path)
         app = build_app(cluster, cluster.cfg.server, metrics, served)  # reads api_key_file
-    except (ConfigError, PredictorError) as e:  # e.g. a predictor.artifact that is not there
+    except (ConfigError, PredictorError, FileNotFoundError) as e:  # a predictor.artifact or
+        # a model folder (config.json) that is not there
         print(f"tetri-server: {e}", file=sys.stderr)
         return 2
     if (error := port_error(cfg.server.host, cfg.server.port)) is not None:

@@ -62,6 +62,26 @@ def test_ctrl_c_to_the_process_group_drains_without_restarting_workers(tmp_path)
     assert "exited with code" not in text and "restarting worker" not in text, text[-3000:]
 
 
+def test_a_model_swallowed_by_served_model_name_is_a_clear_error(tmp_path, model_dir):
+    """Review of session 63: `serve --served-model-name llama FOLDER` took FOLDER as a second
+    name and served the built-in random-weight model under "llama". And, as vLLM, auto tool
+    choice without a parser is refused."""
+    for argv, said in (
+            (["--served-model-name", "llama", str(model_dir())], "put MODEL before"),
+            ([str(model_dir()), "--enable-auto-tool-choice"], "--tool-call-parser")):
+        out = subprocess.run([sys.executable, "-m", "tetri_server", "serve", *argv],
+                             capture_output=True, text=True, timeout=60,
+                             env=dict(os.environ, TETRI_CACHE_DIR=str(tmp_path / "cache")))
+        assert out.returncode == 2 and said in out.stderr, out.stderr
+
+
+def test_the_hub_cache_follows_huggingface_hubs_variables() -> None:
+    from tetri_server.cli import hub_cache_dir
+
+    assert str(hub_cache_dir({"HUGGINGFACE_HUB_CACHE": "/data"})) == "/data"
+    assert str(hub_cache_dir({"HF_HOME": "$BASE/hf", "BASE": "/srv"})) == "/srv/hf/hub"
+
+
 def test_bad_config_is_a_clear_error(tmp_path):
     out = subprocess.run([sys.executable, "-m", "tetri_server", "serve", "--set",
                           "cluster.mode=tetris"], capture_output=True, text=True, timeout=60)
@@ -89,7 +109,8 @@ def test_serve_a_hub_id_from_the_local_cache_vllm_style(tmp_path, model_dir):
         assert models[0].model_extra["max_model_len"] == 128
         for name in ("a", "b", "org/tiny", str(snap)):
             out = client.completions.create(model=name, prompt="Hi", temperature=0)
-            assert out.model == "a" and out.usage.completion_tokens == 16  # OpenAI's default
+            # the name it asked for, as vLLM echoes it (review of session 63: always "a")
+            assert out.model == name and out.usage.completion_tokens == 16  # OpenAI's default
         with pytest.raises(openai.NotFoundError):
             client.completions.create(model="other", prompt="Hi", max_tokens=1)
         assert client.models.retrieve("org/tiny").id == "a"

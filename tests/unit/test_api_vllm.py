@@ -403,7 +403,9 @@ def test_models_list_names_with_root_and_cards(api: ApiHarness, client: openai.O
     # the folder (as a path or a name) is accepted as the model too
     for name in (root, Path(root).name):
         out = client.completions.create(model=name, prompt="Hi", max_tokens=1)
-        assert out.model == MODEL_NAME
+        assert out.model == name  # the name asked for, echoed as vLLM does
+    assert client.completions.create(prompt="Hi", max_tokens=1,
+                                     model="").model == MODEL_NAME
 
 
 def test_tokenize_detokenize_and_version(api: ApiHarness) -> None:

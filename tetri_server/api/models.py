@@ -119,8 +119,9 @@ class ServedModel:
                    frozenset(names) | {n for n in others if n}, model.tool_call_parser)
 
     def check(self, f: Fields) -> str:
-        """The model a request names, as listed first; missing or empty means ours (as
-        vLLM)."""
+        """The model a request names, as the response names it: the name it sent (any of the
+        served names, aliases or the folder; vLLM echoes it), or, missing or empty, the first
+        served name."""
         model = f.string("model", None)
         if model and model not in self.accepted:
             raise APIError(
@@ -129,7 +130,7 @@ class ServedModel:
                 param="model",
                 code="model_not_found",
             )
-        return self.names[0]
+        return model or self.names[0]
 
     def card(self, name: str, created: int, max_model_len: int) -> dict[str, object]:
         return {
