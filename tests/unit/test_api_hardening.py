@@ -528,3 +528,33 @@ def test_the_closing_writes_to_a_client_that_reads_nothing_are_bounded(
 
     asyncio.run(main())
     assert aborted == [True, True]
+
+
+def test_odd_but_valid_bodies_and_impossible_counts_get_the_right_status(
+        api: ApiHarness) -> None:
+    """Review of session 63: a gzip body that does not decompress was a 500 (the error
+    middleware's catch-all), a body opening with a UTF-8 BOM a 400 (json.loads and vLLM take
+    it), and more choices than server.max_queued_requests a 429 that no retry could pass."""
+    body = json.dumps({"prompt": "hi", "max_tokens": 1}).encode()
+    broken = raw_request(api.base_url, "POST", "/v1/completions", body,
+                         {"Content-Encoding": "gzip"})
+    assert broken.status == 400 and broken.json()["error"]["code"] == "invalid_body"
+    bom = raw_request(api.base_url, "POST", "/v1/completions", b"\xef\xbb\xbf" + body)
+    assert bom.status == 200, bom.body
+    small = api.serve(max_queued_requests=4)
+    too_many = raw_request(small, "POST", "/v1/completions",
+                           {"prompt": "hi", "max_tokens": 1, "n": 8})
+    assert too_many.status == 400 and too_many.json()["error"]["param"] == "n"
+
+
+def test_the_response_id_carries_the_clients_request_id(api: ApiHarness) -> None:
+    """Review of session 63: vLLM builds the id from X-Request-Id, else the body's request_id;
+    ours was always random."""
+    body = {"prompt": "hi", "max_tokens": 1}
+    got = raw_request(api.base_url, "POST", "/v1/completions", body,
+                      {"X-Request-Id": "abc-123"}).json()
+    assert got["id"] == "cmpl-abc-123"
+    got = raw_request(api.base_url, "POST", "/v1/chat/completions",
+                      {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+                       "request_id": "r7"}).json()
+    assert got["id"] == "chatcmpl-r7"

@@ -49,6 +49,9 @@ async def read_json_body(request: web.Request, *, max_bytes: int, timeout_s: flo
         raise APIError(
             f"the request body did not arrive within {timeout_s:g} s", status=408, code="timeout"
         ) from None
+    except web.RequestPayloadError as e:  # e.g. a Content-Encoding whose data is broken
+        raise APIError(f"the request body could not be decoded ({e})",
+                       code="invalid_body") from None
 
 
 def nesting_depth(raw: bytes) -> int:
@@ -66,7 +69,7 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
     if not raw:
         raise APIError("the request body is empty; expected a JSON object", code="invalid_json")
     try:
-        text = raw.decode("utf-8")
+        text = raw.decode("utf-8-sig")  # a leading BOM, as json.loads takes it
     except UnicodeDecodeError as e:
         raise APIError(
             f"the request body is not valid UTF-8 (byte {e.start})", code="invalid_utf8"

@@ -9,6 +9,7 @@ normal finish (``Generation.close`` in a ``finally``).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncGenerator
@@ -28,7 +29,7 @@ from tetri_server.api.errors import (
 from tetri_server.api.fields import Fields
 from tetri_server.api.generation import Generation, Piece
 from tetri_server.api.models import ServedModel
-from tetri_server.api.params import GenRequest, parse_request
+from tetri_server.api.params import MAX_REQUEST_ID, GenRequest, parse_request
 from tetri_server.api.prompts import (
     PromptLimits,
     chat_prompt,
@@ -193,10 +194,18 @@ class GenerateHandlers:
                 timeout_s=min(self.cfg.body_timeout_s, self._remaining(arrival_s)),
             )
             reqs = await asyncio.to_thread(self._parse, raw, kind)
+            header_id = request.headers.get("X-Request-Id")
+            if header_id:  # vLLM's id base: the header, else the body's request_id
+                reqs = [dataclasses.replace(r, request_id=header_id[:MAX_REQUEST_ID])
+                        for r in reqs]
             n = reqs[0].n
             # choice p * n + j: prompt p, sample j (seed + j)
             gens = [Generation(self.backend, req, self.metrics, arrival_s, p * n + j, sample=j)
                     for p, req in enumerate(reqs) for j in range(n)]
+            if len(gens) > self.cfg.max_queued_requests:  # a retry could never succeed
+                raise bad_param("n", f"{len(gens)} choices (prompts x n) are more than the "
+                                     f"server takes at once ({self.cfg.max_queued_requests}, "
+                                     "server.max_queued_requests)")
             if self.state.in_flight + len(gens) > self.cfg.max_queued_requests:
                 raise queue_full(1.0)
             try:

@@ -32,6 +32,7 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's and vLLM's /v1/completions defaul
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 TAGS_ARE_SPECIAL = ("hermes", "mistral")  # tool parsers whose call tags are special tokens
 # vLLM request extras this server does not implement: a 400 naming them, never ignored
+MAX_REQUEST_ID = 256  # characters of a client's request id kept in the response id
 UNSUPPORTED_EXTRAS = (
     "guided_whitespace_pattern", "use_beam_search", "length_penalty",
     "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "logits_processors",
@@ -83,6 +84,9 @@ class GenRequest:
     guide_param: str = ""  # the body field params.guide came from (a 400 names it)
     return_token_ids: bool = False  # vLLM's: prompt_token_ids and each choice's token_ids
     tokens_as_ids: bool = False  # return_tokens_as_token_ids: logprobs name "token_id:N"
+    # the response id's base (vLLM's: the X-Request-Id header, else the body's request_id;
+    # "": a random one)
+    request_id: str = ""
 
     def choice_params(self, index: int) -> SamplingParams:
         """Choice ``index``'s parameters: a seeded request derives seed + index (wrapping in
@@ -298,5 +302,6 @@ def parse_request(
         forced_call=forced_call,
         guide_param=guide_param,
         return_token_ids=f.boolean("return_token_ids", False),
+        request_id=(f.string("request_id", "") or "")[:MAX_REQUEST_ID],
         tokens_as_ids=f.boolean("return_tokens_as_token_ids", False),
     )

@@ -38,7 +38,7 @@ class ResponseBuilder:
         self._prompt_ids = prompt_ids or [req.prompt_ids] * num_choices
         self.chat = req.kind == "chat"
         prefix = "chatcmpl-" if self.chat else "cmpl-"
-        self.id = prefix + uuid.uuid4().hex
+        self.id = prefix + (req.request_id or uuid.uuid4().hex)
         self.created = int(time.time())
         self._tok = tokenizer
         self.num_choices = num_choices  # prompts x n
