@@ -193,7 +193,13 @@ async def serve(cfg: Config, given_path: str | None = None) -> int:
     from tetri_server.sdnotify import Notifier
 
     notifier = Notifier.from_env()  # before any worker is spawned: they must not inherit it
-    resolved = cfg.resolve(cpu_count=len(os.sched_getaffinity(0)))
+    from tetri_server.modelinfo import checkpoint_dtype, resolve_model_path
+
+    try:
+        weights = checkpoint_dtype(resolve_model_path(cfg.model.path))
+    except FileNotFoundError:
+        weights = None  # Cluster says why, below
+    resolved = cfg.resolve(cpu_count=len(os.sched_getaffinity(0)), checkpoint_dtype=weights)
     if overridden := cfg.split_overrides():
         log.warning("cluster.elastic = %s runs the strict split on %s: %s set to 0 (set "
                     "cluster.elastic = on to keep)", cfg.cluster.elastic, cfg.cluster.device,

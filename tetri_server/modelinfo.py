@@ -77,6 +77,18 @@ def read_limits(folder: Path) -> ModelLimits:
     return ModelLimits(positions, int(cfg["vocab_size"]), eos_ids)
 
 
+def checkpoint_dtype(folder: Path) -> str | None:
+    """The dtype ``config.json`` says the weights are (``torch_dtype``; transformers 5:
+    ``dtype``), or None."""
+    try:
+        cfg: dict[str, Any] = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    cfg = {**cfg.get("text_config", {}), **cfg}
+    value = cfg.get("torch_dtype") or cfg.get("dtype")
+    return value if isinstance(value, str) else None
+
+
 def load_tokenizer(folder: Path) -> Any:
     """The checkpoint's tokenizer. A fast tokenizer (``tokenizer.json``) loads without torch;
     only a checkpoint with a slow tokenizer alone needs ``AutoTokenizer`` (which imports it)."""

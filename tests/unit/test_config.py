@@ -400,3 +400,22 @@ def test_a_flip_low_load_the_flip_rule_refuses_is_a_config_error() -> None:
         load_config(None, ["flip.low_load=0.7"])
     cfg = load_config(None, ["flip.low_load=0.69"])
     FlipPolicy(low_util=cfg.flip.low_load)
+
+
+def test_auto_dtype_on_cuda_keeps_a_float16_checkpoint_in_float16(tmp_path) -> None:
+    """Review of session 63: auto meant bfloat16 on cuda whatever the weights, so a float16
+    checkpoint (Llama-2, OPT) lost mantissa bits and its greedy tokens could differ from
+    vLLM's (auto keeps float16) and transformers' in float16."""
+    from tetri_server.modelinfo import checkpoint_dtype
+
+    cuda = load_config(None, ["cluster.device=cuda"])
+    assert cuda.resolve(cpu_count=2, checkpoint_dtype="float16").model.dtype == "float16"
+    assert cuda.resolve(cpu_count=2, checkpoint_dtype="bfloat16").model.dtype == "bfloat16"
+    assert cuda.resolve(cpu_count=2, checkpoint_dtype="float32").model.dtype == "bfloat16"
+    assert cuda.resolve(cpu_count=2).model.dtype == "bfloat16"
+    assert load_config(None, []).resolve(cpu_count=2, checkpoint_dtype="float16"
+                                         ).model.dtype == "float32"
+    (tmp_path / "config.json").write_text('{"torch_dtype": "float16"}')
+    assert checkpoint_dtype(tmp_path) == "float16"
+    (tmp_path / "config.json").write_text('{"text_config": {"dtype": "bfloat16"}}')
+    assert checkpoint_dtype(tmp_path) == "bfloat16"

@@ -125,16 +125,22 @@ class Config:
                 "predictor.kind to classifier or oracle, or decode.policy to greedy"
             )
 
-    def resolve(self, *, cpu_count: int) -> Config:
+    def resolve(self, *, cpu_count: int, checkpoint_dtype: str | None = None) -> Config:
         """Return a copy with every auto/0 value decidable without I/O made concrete.
 
         ``cpu_count`` is the number of usable cores (pass ``len(os.sched_getaffinity(0))``).
-        Idempotent. See the module docstring for what stays for the runtime.
+        ``checkpoint_dtype``: the model's ``torch_dtype`` (``modelinfo.checkpoint_dtype``):
+        ``model.dtype = auto`` on cuda keeps a float16 checkpoint in float16, as vLLM does
+        (bfloat16 otherwise; float32 on cpu). Idempotent. See the module docstring for what
+        stays for the runtime.
         """
         c = self.cluster
         dtype = self.model.dtype
         if dtype == "auto":
-            dtype = "bfloat16" if c.device == "cuda" else "float32"
+            if c.device != "cuda":
+                dtype = "float32"
+            else:
+                dtype = "float16" if checkpoint_dtype == "float16" else "bfloat16"
         served_name = self.model.served_name or _default_served_name(self.model.path)
         transport = self.kv.transport
         if transport == "auto":
