@@ -8,7 +8,7 @@ section classes, cross-field rules in ``Config.__post_init__``); nothing here do
 ``Config.resolve(cpu_count=...)`` returns a new ``Config`` with every ``auto``/0 value that can
 be decided from the config alone made concrete:
 
-    model.dtype = auto              -> float32 on cpu, bfloat16 on cuda
+    model.dtype = auto              -> float32 on cpu, bfloat16 on cuda (float16 weights: float16)
     model.served_name = ""          -> folder name of model.path (``builtin:NAME`` -> NAME)
     kv.transport = auto             -> shm on cpu, cuda_ipc on cuda
     cluster.elastic = auto          -> on on cpu, off on cuda; off -> prefill.local_decode_batch

@@ -149,7 +149,8 @@ class ModelConfig(_Section):
     path: str = "builtin:tiny"
     """Local Hugging Face checkpoint folder, or builtin:tiny (made locally on first use)."""
     dtype: DType = "auto"
-    """Weight and KV dtype; auto = float32 on cpu, bfloat16 on cuda."""
+    """Weight and KV dtype; auto = float32 on cpu; on cuda float16 for a float16 checkpoint,
+    else bfloat16."""
     max_model_len: int = 0
     """Longest prompt + output in tokens; 0 = from the model's config.json."""
     served_name: str = ""
