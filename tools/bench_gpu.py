@@ -1,6 +1,6 @@
 """GPU engine benchmark: the decode step with CUDA graphs on and off against the step's
-bandwidth bound (weights + KV bytes / measured device-to-device copy bandwidth), and prefill
-steps against the matmul peak.
+bandwidth bound (weights + KV bytes / the device's measured read-only stream rate: a step only
+reads them), and prefill steps against the matmul peak.
 
     python tools/bench_gpu.py [--hidden 2048 --layers 16 --dtype bfloat16] [--batch 64]
         [--ctx 512] [--steps 30] [--profile 5] [--prefill 512,2048,1024x4] [--device cuda]

@@ -429,7 +429,10 @@ async def run_mode(mode: str, model: Path, load: Load, args: argparse.Namespace)
         f"kv.num_blocks={blocks}", "cluster.prefill_workers=1", "cluster.decode_workers=1",
         "cluster.workers=2", "server.request_timeout_s=300", "server.log_level=warning",
         "cluster.worker_start_timeout_s=300", "server.drain_timeout_s=5",
-        "cluster.restart_workers=false", *args.set,
+        "cluster.restart_workers=false",
+        # the paper's split: no prefill worker keeps a stream (the per-worker CPU clocks time
+        # every stream on the decode worker), no decode worker prefills a prompt
+        "cluster.elastic=off", *args.set,
     ]
     cfg = load_config(None, overrides).resolve(cpu_count=len(os.sched_getaffinity(0)))
     cluster = Cluster(cfg)

@@ -22,7 +22,7 @@ from tetri_server.config import PrefillConfig  # noqa: E402
 from tetri_server.llm import make_engine  # noqa: E402
 from tetri_server.messages import SamplingParams  # noqa: E402
 from tetri_server.modelinfo import resolve_model_path  # noqa: E402
-from tetri_server.policy import pick_chunk_size, throughput_curve  # noqa: E402
+from tetri_server.policy import calibration_rows, pick_chunk_size, throughput_curve  # noqa: E402
 from tetri_server.workers.calibrate import (  # noqa: E402
     PICKS,
     ROUNDS,
@@ -105,8 +105,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--calibrations", type=int, default=1,
                     help="calibrate this many times and print every pick")
-    ap.add_argument("--rows", type=int, default=PrefillConfig().local_decode_batch,
-                    help="decode rows in every pass (default: prefill.local_decode_batch)")
+    pre = PrefillConfig()
+    ap.add_argument("--rows", type=int,
+                    default=calibration_rows(pre.local_decode_batch, pre.local_decode_chunk,
+                                             pre.local_decode_full_chunk_backlog,
+                                             pre.local_decode_full_chunk_share),
+                    help="decode rows in every pass (default: those a prefill worker "
+                         "calibrates with on the default config, policy.calibration_rows)")
     ap.add_argument("--no-flip", action="store_true", help="only the calibration")
     args = ap.parse_args()
     model = str(resolve_model_path(args.model))

@@ -43,7 +43,7 @@ step bench_gpu_1b 100 python3 tools/bench_gpu.py --batch 64 --ctx 512 --profile 
 [ -d .gpudata ] && export TETRI_DATA_DIR=$PWD/.gpudata
 step serve_mixed 150 python3 -m tetri_server bench compare --no-vllm --modes coupled,disaggregated \
     --model /tmp/gpu-1b --max-model-len 2048 --workload Mixed --rate 12 --num-requests 240 \
-    --set cluster.device=cuda --no-progress --no-plots --out /tmp/serve-mixed
+    --set cluster.device=cuda --no-progress --no-plots --out "$OUT/serve-mixed"
 step bench_gpu_bench 40 python3 tools/bench_gpu.py --hidden 512 --layers 8 --heads 8 \
     --kv-heads 8 --intermediate 1408 --dtype float32 --batch 32 --ctx 128
 step bench_handoff 30 python3 tools/bench_handoff.py --reps 20
