@@ -15,6 +15,13 @@ import pytest
 from tests.integration.conftest import start_server
 
 
+def serve_once(tmp_path, *argv: str) -> subprocess.CompletedProcess[str]:  # noqa: ANN001
+    """`serve ARGV`, expected to exit (at most 180 s): its result, the cache under tmp_path."""
+    return subprocess.run([sys.executable, "-m", "tetri_server", "serve", *argv],
+                          capture_output=True, text=True, timeout=180,
+                          env=dict(os.environ, TETRI_CACHE_DIR=str(tmp_path / "cache")))
+
+
 def test_serve_defaults_builtin_model_and_sigterm_drains(tmp_path):
     proc, url = start_server(tmp_path, "server.drain_timeout_s=60")
     pid = proc.pid
@@ -69,9 +76,7 @@ def test_a_model_swallowed_by_served_model_name_is_a_clear_error(tmp_path, model
     for argv, said in (
             (["--served-model-name", "llama", str(model_dir())], "put MODEL before"),
             ([str(model_dir()), "--enable-auto-tool-choice"], "--tool-call-parser")):
-        out = subprocess.run([sys.executable, "-m", "tetri_server", "serve", *argv],
-                             capture_output=True, text=True, timeout=60,
-                             env=dict(os.environ, TETRI_CACHE_DIR=str(tmp_path / "cache")))
+        out = serve_once(tmp_path, *argv)
         assert out.returncode == 2 and said in out.stderr, out.stderr
 
 
@@ -136,10 +141,7 @@ def test_a_worker_that_cannot_start_is_named_with_its_error_in_the_last_line(tmp
     """Regression: the server's last line was "worker 0 (prefill) exited with code 1 before it
     was ready"; the cause (here a KV pool too small for one sequence) was only in a worker's
     traceback further up, where a systemd status or a wrapper's last line does not show it."""
-    out = subprocess.run([sys.executable, "-m", "tetri_server", "serve", str(model_dir()),
-                          "--port", "0", "--set", "kv.num_blocks=2"],
-                         capture_output=True, text=True, timeout=180,
-                         env=dict(os.environ, TETRI_CACHE_DIR=str(tmp_path / "cache")))
+    out = serve_once(tmp_path, str(model_dir()), "--port", "0", "--set", "kv.num_blocks=2")
     assert out.returncode == 1, out.stderr
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith("tetri-server: the workers did not start"), out.stderr
@@ -149,10 +151,8 @@ def test_a_worker_that_cannot_start_is_named_with_its_error_in_the_last_line(tmp
 
 def test_a_predictor_artifact_that_is_not_there_is_a_clear_error(tmp_path, model_dir):
     """Regression: a typo in predictor.artifact ended start-up in a PredictorError traceback."""
-    out = subprocess.run([sys.executable, "-m", "tetri_server", "serve", str(model_dir()),
-                          "--port", "0", "--set", "predictor.artifact=nope"],
-                         capture_output=True, text=True, timeout=120,
-                         env=dict(os.environ, TETRI_CACHE_DIR=str(tmp_path / "cache")))
+    out = serve_once(tmp_path, str(model_dir()), "--port", "0", "--set",
+                     "predictor.artifact=nope")
     assert out.returncode == 2, out.stderr
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith("tetri-server: ") and "nope" in last, out.stderr
