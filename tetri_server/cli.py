@@ -97,18 +97,18 @@ def build_config(
     the default served name; a Hugging Face id is replaced by its folder in the local cache.
     Raises ``ConfigError``."""
     env = os.environ if environ is None else environ
-    if args.enable_auto_tool_choice and not args.tool_call_parser:
-        raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser (hermes, "
-                          "llama3_json or mistral), as with vLLM")
     cfg = load_config(args.config, args.overrides, environ=env, flags=flag_values(args))
-    if args.model is None and args.served_model_name and cfg.model.path == ModelConfig().path:
-        swallowed = [n for n in args.served_model_name
-                     if n.startswith(BUILTIN_PREFIX) or Path(n).expanduser().is_dir()]
-        if swallowed:  # nargs="+": MODEL after the names went with them
-            raise ConfigError(
-                f"--served-model-name took {swallowed[0]!r} as a name and no MODEL was "
-                f"given (the built-in random-weight model would be served): put MODEL "
-                f"before the option, `serve {swallowed[0]} --served-model-name ...`")
+    if args.enable_auto_tool_choice and cfg.model.tool_call_parser == "none":
+        raise ConfigError("--enable-auto-tool-choice needs a tool call parser "
+                          "(--tool-call-parser or model.tool_call_parser: hermes, llama3_json "
+                          "or mistral), as with vLLM")
+    names = args.served_model_name or []
+    if args.model is None and len(names) > 1 and _looks_like_model(names[-1]):
+        # nargs="+": a MODEL after the names went with them
+        raise ConfigError(
+            f"--served-model-name took {names[-1]!r} as a name and no MODEL was given (the "
+            f"configured or built-in model would be served under these names): put MODEL "
+            f"before the option, `serve {names[-1]} --served-model-name ...`")
     model = cfg.model
     if args.model is not None and model.path == args.model and not model.served_name:
         model = dataclasses.replace(model, served_name=args.model)  # vLLM: served as given
@@ -116,6 +116,12 @@ def build_config(
 
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
+
+
+def _looks_like_model(name: str) -> bool:
+    """A MODEL argument rather than a name: builtin:NAME, a folder, or an org/name hub id."""
+    return (name.startswith(BUILTIN_PREFIX) or Path(name).expanduser().is_dir()
+            or ("/" in name and _HUB_ID.fullmatch(name) is not None))
 
 
 def hub_cache_dir(environ: Mapping[str, str]) -> Path:

@@ -42,7 +42,10 @@ class LLMEngine:
         if cfg.cluster.mode not in ("coupled", "coupled-chunked"):
             raise ValueError(f"the in-process engine runs coupled or coupled-chunked, not "
                              f"{cfg.cluster.mode!r}")
-        self.cfg = cfg = cfg.resolve(cpu_count=1)
+        from tetri_server.modelinfo import checkpoint_dtype
+
+        self.cfg = cfg = cfg.resolve(  # dtype auto as the server resolves it
+            cpu_count=1, checkpoint_dtype=checkpoint_dtype(resolve_model_path(cfg.model.path)))
         self.device = torch.device("cuda" if cfg.cluster.device == "cuda" else "cpu")
         path = str(resolve_model_path(cfg.model.path))
         self.model, self.spec = load_model(path, cfg.model.dtype, self.device)

@@ -72,8 +72,10 @@ def read_limits(folder: Path) -> ModelLimits:
     cfg = {**cfg.get("text_config", {}), **cfg}
     eos = cfg.get("eos_token_id")
     eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
-    positions = rope_context(int(cfg["max_position_embeddings"]),
-                             cfg.get("rope_parameters") or cfg.get("rope_scaling"))
+    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    if cfg.get("original_max_position_embeddings"):  # transformers prefers the top-level one
+        rope["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
+    positions = rope_context(int(cfg["max_position_embeddings"]), rope)
     return ModelLimits(positions, int(cfg["vocab_size"]), eos_ids)
 
 

@@ -80,6 +80,27 @@ def test_a_model_swallowed_by_served_model_name_is_a_clear_error(tmp_path, model
         assert out.returncode == 2 and said in out.stderr, out.stderr
 
 
+def test_the_swallowed_model_check_reads_ids_and_the_resolved_parser(tmp_path) -> None:
+    """Review of session 63 (second look): a hub id swallowed as a name still served the
+    built-in model; a parser given by --set or the config file was not seen beside
+    --enable-auto-tool-choice; one served name that is a folder was refused."""
+    import argparse
+
+    from tetri_server.cli import _serve_args, build_config
+    from tetri_server.config import ConfigError
+
+    parser = argparse.ArgumentParser()
+    _serve_args(parser.add_subparsers(dest="cmd"))
+
+    def config(*argv: str):  # noqa: ANN202
+        return build_config(parser.parse_args(["serve", *argv]), environ={})
+
+    with pytest.raises(ConfigError, match="put MODEL before"):
+        config("--served-model-name", "llama", "meta-llama/Llama-3.2-1B")
+    config("--set", "model.tool_call_parser=hermes", "--enable-auto-tool-choice")
+    config("--served-model-name", str(tmp_path))  # one name: a name, even a folder's
+
+
 def test_the_hub_cache_follows_huggingface_hubs_variables() -> None:
     from tetri_server.cli import hub_cache_dir
 

@@ -558,3 +558,8 @@ def test_the_response_id_carries_the_clients_request_id(api: ApiHarness) -> None
                       {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
                        "request_id": "r7"}).json()
     assert got["id"] == "chatcmpl-r7"
+    # a header byte that is no UTF-8 (aiohttp's surrogate escape could not be written as JSON:
+    # a stream got HTTP 200 and an error event, no tokens); read as latin-1, as vLLM does
+    streamed = raw_request(api.base_url, "POST", "/v1/completions", {**body, "stream": True},
+                           {"X-Request-Id": "ab\xffc"})
+    assert b'"id":"cmpl-ab\xc3\xbfc"' in streamed.body and b"[DONE]" in streamed.body

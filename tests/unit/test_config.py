@@ -419,3 +419,21 @@ def test_auto_dtype_on_cuda_keeps_a_float16_checkpoint_in_float16(tmp_path) -> N
     assert checkpoint_dtype(tmp_path) == "float16"
     (tmp_path / "config.json").write_text('{"text_config": {"dtype": "bfloat16"}}')
     assert checkpoint_dtype(tmp_path) == "bfloat16"
+
+
+def test_the_rope_scaled_context_reads_yarn_as_transformers_does(tmp_path) -> None:
+    """The control process reads config.json raw; a top-level original_max_position_embeddings
+    wins over the yarn dict's, as transformers' standardisation has it (the workers' view)."""
+    import json
+
+    from tetri_server.modelinfo import read_limits, rope_context
+
+    assert rope_context(4096, {"rope_type": "linear", "factor": 4.0}) == 16384
+    assert rope_context(32768, {"type": "yarn", "factor": 4.0,
+                                "original_max_position_embeddings": 32768}) == 131072
+    assert rope_context(8192, {"rope_type": "llama3", "factor": 8.0}) == 8192
+    cfg = {"max_position_embeddings": 4096, "vocab_size": 10, "original_max_position_embeddings":
+           2048, "rope_scaling": {"type": "yarn", "factor": 4.0,
+                                  "original_max_position_embeddings": 4096}}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert read_limits(tmp_path).max_model_len() == 8192

@@ -195,7 +195,9 @@ class GenerateHandlers:
             )
             reqs = await asyncio.to_thread(self._parse, raw, kind)
             header_id = request.headers.get("X-Request-Id")
-            if header_id:  # vLLM's id base: the header, else the body's request_id
+            if header_id:  # vLLM's id base: the header (its bytes as latin-1, as vLLM reads
+                # them: aiohttp's surrogate escapes cannot be written as JSON), else the body's
+                header_id = header_id.encode("utf-8", "surrogateescape").decode("latin-1")
                 reqs = [dataclasses.replace(r, request_id=header_id[:MAX_REQUEST_ID])
                         for r in reqs]
             n = reqs[0].n
