@@ -61,11 +61,9 @@ class DecodeSeq:
     def raise_estimate(self, granularity: int) -> None:
         """Misprediction: once the request has generated its estimate and still runs, move
         the estimate up one bucket at a time (the lower end of the next bucket)."""
-        while self.num_generated >= self.est_output_tokens and (
-            self.est_output_tokens < self.max_tokens
-        ):
-            self.bucket += 1
-            self.est_output_tokens = min(self.bucket * granularity, self.max_tokens)
+        self.bucket, self.est_output_tokens = raised_estimate(
+            self.bucket, self.est_output_tokens, self.num_generated, granularity,
+            self.max_tokens)
 
     def refine_estimate(self, tail: LengthTail, granularity: int) -> None:
         """The refined estimate: the expected total output given the tokens generated so far
@@ -80,8 +78,27 @@ class DecodeSeq:
         """Heavy decode: the predicted lower end (at most ``max_tokens``, as the dispatcher
         counts it) or the tokens generated so far exceed the threshold (128 in the paper).
         Raised estimates do not count: they are reservations."""
-        predicted = min(self.predicted_bucket * granularity, self.max_tokens)
-        return max(predicted, self.num_generated) > heavy_threshold
+        return is_heavy(self.predicted_bucket, granularity, self.max_tokens,
+                        self.num_generated, heavy_threshold)
+
+
+def raised_estimate(bucket: int, est: int, num_generated: int, granularity: int,
+                    max_tokens: int) -> tuple[int, int]:
+    """(bucket, estimate) raised a bucket at a time (its lower end, at most ``max_tokens``)
+    while ``num_generated`` reaches the estimate: the decode worker's rule, which the
+    dispatcher counts by too."""
+    while num_generated >= est and est < max_tokens:
+        bucket += 1
+        est = min(bucket * granularity, max_tokens)
+    return bucket, est
+
+
+def is_heavy(predicted_bucket: int, granularity: int, max_tokens: int, num_generated: int,
+             heavy_threshold: int) -> bool:
+    """Heavy decode: the predicted lower end (at most ``max_tokens``) or the tokens generated
+    so far above the threshold (128 in the paper)."""
+    predicted = min(predicted_bucket * granularity, max_tokens)
+    return max(predicted, num_generated) > heavy_threshold
 
 
 def fits_reserved(

@@ -20,7 +20,10 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from tetri_server.policy.chunker import num_blocks_for
+from tetri_server.policy.decode_state import is_heavy, raised_estimate
 from tetri_server.policy.views import DecodeInstance, DecodeInstanceLoad, DecodeSnapshot
+
+NO_CAP = 1 << 62  # output tokens: a request without max_tokens
 
 
 @dataclass(frozen=True)
@@ -112,25 +115,21 @@ class _ViewTracker:
 
     def lower_end(self, bucket: int, max_tokens: int | None) -> int:
         """The bucket's lower end, at most ``max_tokens`` (``None``: no cap)."""
-        lower_end = bucket * self.granularity
-        return lower_end if max_tokens is None else min(lower_end, max_tokens)
+        return min(bucket * self.granularity, _cap(max_tokens))
 
     def is_heavy(self, bucket: int, max_tokens: int | None, min_output: int = 1) -> bool:
-        """Heavy as the decode worker counts it (``DecodeSeq.is_heavy``): its bucket's lower
-        end, at most ``max_tokens``, or the output it holds already, above the threshold."""
-        return max(self.lower_end(bucket, max_tokens), min_output) > self.heavy_threshold
+        """Heavy as the decode worker counts it (``decode_state.is_heavy``)."""
+        return is_heavy(bucket, self.granularity, _cap(max_tokens), min_output,
+                        self.heavy_threshold)
 
     def predicted_output(self, bucket: int, max_tokens: int | None, min_output: int = 1) -> int:
         """The output the decode worker's admission first reserves for a request
-        (``DecodeSeq.raise_estimate`` as ``DecodeAdmission.add`` runs it): its bucket's lower
-        end, at most ``max_tokens`` (``None``: no cap), raised a bucket at a time while the
-        ``min_output`` tokens it holds already reach it (bucket 0: the next one's lower end;
-        counting one token instead under-counted every short request until the next view)."""
-        g, cap = self.granularity, max_tokens
-        est = bucket * g if cap is None else min(bucket * g, cap)
-        while min_output >= est and (cap is None or est < cap):
-            bucket += 1
-            est = bucket * g if cap is None else min(bucket * g, cap)
+        (``decode_state.raised_estimate`` as ``DecodeAdmission.add`` runs it): its bucket's
+        lower end raised while the ``min_output`` tokens it holds already reach it (bucket 0:
+        the next one's lower end; counting one token instead under-counted every short
+        request until the next view)."""
+        _, est = raised_estimate(bucket, self.lower_end(bucket, max_tokens), min_output,
+                                 self.granularity, _cap(max_tokens))
         return max(est, min_output)
 
     def make_plan(self, req_id: int, worker_id: int, num_prompt: int, output: int,
@@ -207,6 +206,11 @@ class RoundRobinDispatcher(_ViewTracker):
         return self.make_plan(req_id, self._last_worker, num_prompt_tokens,
                               max(self.lower_end(bucket, max_tokens), min_output),
                               self.is_heavy(bucket, max_tokens, min_output))
+
+
+def _cap(max_tokens: int | None) -> int:
+    """``max_tokens``, or no cap (``None``)."""
+    return NO_CAP if max_tokens is None else max_tokens
 
 
 def _room(d: DecodeInstanceLoad, block_size: int) -> int:
