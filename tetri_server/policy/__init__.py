@@ -41,6 +41,7 @@ from tetri_server.policy.elastic import (
     StepTimes,
     calibration_rows,
     kept_gap_s,
+    kept_prompt_room,
     local_decode_of,
     mixed_chunk,
 )
@@ -95,6 +96,7 @@ __all__ = [
     "StepTimes",
     "LocalPrefill",
     "head_prompt_need",
+    "kept_prompt_room",
     "LocalSteps",
     "MixedStepPlan",
     "PreemptPlan",

@@ -63,9 +63,13 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from tetri_server.policy.views import DecodeSnapshot
+
+if TYPE_CHECKING:
+    from tetri_server.policy.decode import DecodeAdmission, DecodeStepPlan
+    from tetri_server.policy.prefill_book import PrefillBook
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -406,3 +410,17 @@ class LocalSteps:
             (d.fastest_step_s for d in (view.decodes if view else ()) if d.fastest_step_s),
             default=0.0)
         return kept_gap_s(prompt_share, self.prompt.recent_s, decode_s)
+
+
+def kept_prompt_room(admission: DecodeAdmission, book: PrefillBook[Any],
+                     plan: DecodeStepPlan | None, free: int) -> int:
+    """Blocks a prefill worker's prompt slices may take beside ``plan`` (None: a chunk without
+    the kept rows). What its kept requests' waiting head needs (one preempted: its KV is
+    computed again there, it cannot be handed back) stays free while blocks come back without
+    a prompt completing (a kept row runs, a hand-off's KV is there): new prompts took each
+    block as it came back and left it waiting for good. With none coming back, prompts keep
+    them all: a head that needs more than is free would stop them, and the hand-offs with
+    them, for good. The worker and the simulator both plan with it."""
+    rows = plan.run_ids if plan is not None else admission.running_ids
+    hold = bool(rows) or book.kv_returning()
+    return admission.prompt_room(plan, free, hold_head=hold)

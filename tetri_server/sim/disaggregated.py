@@ -22,6 +22,7 @@ from tetri_server.policy import (
     TetriDispatcher,
     coupled_chunked_plan,
     head_prompt_need,
+    kept_prompt_room,
     local_decode_of,
     mixed_chunk,
 )
@@ -148,16 +149,11 @@ class PrefillInstance(_Decoding):
                 self.book.queue.num_queued_tokens, self.mixed_chunk, alone)):
             return self._start_mixed(predict_s)
         self._alone = bool(len(self.admission))  # a pure chunk beside kept requests
-        chunk = self.chunker.plan(self.book.queue, self._prompt_blocks(None, self.alloc.num_free))
+        room = kept_prompt_room(self.admission, self.book, None, self.alloc.num_free)
+        chunk = self.chunker.plan(self.book.queue, room)
         if chunk is None:
             return None
         return self._start_chunk(chunk, [], predict_s, pad=True)
-
-    def _prompt_blocks(self, plan: DecodeStepPlan | None, free: int) -> int:
-        """``PrefillRole._prompt_blocks``."""
-        rows = plan.run_ids if plan is not None else self.admission.running_ids
-        hold = bool(rows) or self.book.kv_returning()
-        return self.admission.prompt_room(plan, free, hold_head=hold)
 
     def _start_mixed(self, predict_s: float) -> float | None:
         """The kept requests decode and prompt slices fill the rest of the chunk (of
@@ -169,8 +165,9 @@ class PrefillInstance(_Decoding):
         tokens = self.kept_step_tokens(finishing=True, num_rows=len(decode.run_ids))
         self._wait_tokens = tokens  # ``PrefillRole._mixed_step`` reports the planned size
         num_left = tokens - decode.num_recompute_tokens  # a recompute's count against the chunk
+        room = kept_prompt_room(self.admission, self.book, decode, free)
         slices = coupled_chunked_plan(self.book.queue, decode.run_ids, num_left,
-                                      num_free_blocks=self._prompt_blocks(decode, free),
+                                      num_free_blocks=room,
                                       block_size=self.block_size,
                                       overtake_share=self.chunker.overtake_share).slices
         self.num_planned += 1

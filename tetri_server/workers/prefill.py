@@ -32,7 +32,6 @@ from tetri_server.policy import (
     Chunker,
     ChunkPlan,
     DecodeAdmission,
-    DecodeStepPlan,
     LocalDecode,
     LocalSteps,
     PrefillQueue,
@@ -40,6 +39,7 @@ from tetri_server.policy import (
     TetriDispatcher,
     calibration_rows,
     coupled_chunked_plan,
+    kept_prompt_room,
     local_decode_of,
     mixed_chunk,
 )
@@ -181,8 +181,8 @@ class PrefillRole(Role):
                 self.book.queue.num_queued_tokens, self._mixed_chunk, alone)):
             return self._mixed_step()
         self._alone = bool(len(self.admission))  # a pure chunk beside kept requests
-        chunk = self.chunker.plan(self.book.queue,
-                                  self._prompt_blocks(None, self.w.allocator.num_free))
+        room = kept_prompt_room(self.admission, self.book, None, self.w.allocator.num_free)
+        chunk = self.chunker.plan(self.book.queue, room)
         if chunk is None:
             return False  # no blocks for the head request: wait for an ack or an abort
         chunk, items = self._reserve(chunk)
@@ -202,18 +202,6 @@ class PrefillRole(Role):
         self.dispatch_held()
         return True
 
-    def _prompt_blocks(self, plan: DecodeStepPlan | None, free: int) -> int:
-        """Blocks prompt slices may take beside ``plan`` (None: a chunk without the kept
-        rows). What the kept requests' waiting head needs (one preempted: its KV is computed
-        again here, it cannot be handed back) stays free while blocks come back without a prompt
-        completing (a kept row runs, a hand-off's KV is here): new prompts took each block as
-        it came back and left it waiting for good. With none coming back, prompts keep them
-        all: a head that needs more than is free would stop them, and the hand-offs with them,
-        for good."""
-        rows = plan.run_ids if plan is not None else self.admission.running_ids
-        hold = bool(rows) or self.book.kv_returning()
-        return self.admission.prompt_room(plan, free, hold_head=hold)
-
     def _mixed_step(self) -> bool:
         """Elastic: the requests this worker kept decode one token each and prompt slices fill
         the rest of the chunk, or of ``prefill.local_decode_chunk`` when set (Sarathi-style),
@@ -224,8 +212,9 @@ class PrefillRole(Role):
             finishing=True, num_rows=rows) - rows)
         tokens = self._kept_step_tokens(finishing=True, num_rows=len(decode.run_ids))
         num_left = tokens - decode.num_recompute_tokens  # a recompute's count against the chunk
+        room = kept_prompt_room(self.admission, book, decode, free)
         slices = coupled_chunked_plan(book.queue, decode.run_ids, num_left,
-                                      num_free_blocks=self._prompt_blocks(decode, free),
+                                      num_free_blocks=room,
                                       block_size=self.w.block_size,
                                       overtake_share=self.chunker.overtake_share).slices
         self.w.decisions.step += 1
