@@ -295,15 +295,20 @@ def test_asyncio_sender_and_receiver_on_uvloop(run_id: str) -> None:
         dispose(to_child, from_child)
 
 
+async def fill(channel: Channel[Any], capacity: int) -> None:
+    """Send frames until the next would not fit in ``capacity`` bytes of ring."""
+    await channel.send_async(m.KVPulled(0))
+    frame = channel.num_bytes_used()
+    while channel.num_bytes_used() + frame <= capacity:
+        await channel.send_async(m.KVPulled(0))
+
+
 def test_send_async_waits_for_space_then_times_out(run_id: str) -> None:
     channel = make(run_id, "afull", 64, m.ToWorker)
 
     async def main() -> float:
         loop = asyncio.get_running_loop()
-        await channel.send_async(m.KVPulled(0))
-        frame = channel.num_bytes_used()
-        while channel.num_bytes_used() + frame <= 64:
-            await channel.send_async(m.KVPulled(0))
+        await fill(channel, 64)
         start = loop.time()  # the timer's clock, before it is armed (time.monotonic's base)
         loop.call_later(0.05, channel.try_recv)
         await channel.send_async(m.KVPulled(1), timeout_s=5)
@@ -330,10 +335,7 @@ def test_closing_under_a_waiting_sender_leaves_the_fd_number_to_its_next_owner(
 
     async def main() -> bool:
         loop = asyncio.get_running_loop()
-        await channel.send_async(m.KVPulled(0))
-        frame = channel.num_bytes_used()
-        while channel.num_bytes_used() + frame <= 64:
-            await channel.send_async(m.KVPulled(0))
+        await fill(channel, 64)
         writer = loop.create_task(channel.send_async(m.KVPulled(1), timeout_s=None))
         await asyncio.sleep(0.05)
         space_fd = channel._space_fd
