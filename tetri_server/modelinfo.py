@@ -56,6 +56,14 @@ def serving_max_model_len(configured: int, max_position_embeddings: int) -> int:
     return configured or max_position_embeddings
 
 
+# What transformers' config classes default to when config.json leaves a field out (the
+# workers read the checkpoint through them): (max_position_embeddings, vocab_size, eos_token_id)
+CONFIG_DEFAULTS: dict[str, tuple[int, int, int | None]] = {
+    "llama": (2048, 32000, 2), "mistral": (131072, 32000, 2), "qwen2": (32768, 151936, None),
+    "opt": (2048, 50272, 2),
+}
+
+
 @dataclass(frozen=True)
 class ModelLimits:
     max_position_embeddings: int
@@ -70,13 +78,23 @@ def read_limits(folder: Path) -> ModelLimits:
     """From ``config.json`` (the same fields ``engine.spec`` reads, without transformers)."""
     cfg: dict[str, Any] = json.loads((folder / "config.json").read_text())
     cfg = {**cfg.get("text_config", {}), **cfg}
-    eos = cfg.get("eos_token_id")
+    positions_default, vocab_default, eos_default = CONFIG_DEFAULTS.get(
+        cfg.get("model_type", ""), (0, 0, None))
+    eos = cfg.get("eos_token_id", eos_default)
     eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
     rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
     if cfg.get("original_max_position_embeddings"):  # transformers prefers the top-level one
         rope["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
-    positions = rope_context(int(cfg["max_position_embeddings"]), rope)
-    return ModelLimits(positions, int(cfg["vocab_size"]), eos_ids)
+    try:
+        positions = int(cfg.get("max_position_embeddings") or positions_default or 0)
+        vocab = int(cfg.get("vocab_size") or vocab_default or 0)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{folder / 'config.json'}: {exc}") from None
+    if not positions or not vocab:
+        missing = "max_position_embeddings" if not positions else "vocab_size"
+        raise ValueError(f"{folder / 'config.json'} has no {missing}, and model_type "
+                         f"{cfg.get('model_type')!r} has no default for it")
+    return ModelLimits(rope_context(positions, rope), vocab, eos_ids)
 
 
 def checkpoint_dtype(folder: Path) -> str | None:

@@ -437,3 +437,25 @@ def test_the_rope_scaled_context_reads_yarn_as_transformers_does(tmp_path) -> No
                                   "original_max_position_embeddings": 4096}}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     assert read_limits(tmp_path).max_model_len() == 8192
+
+
+def test_limits_default_as_transformers_configs_do(tmp_path):
+    """A config.json that leaves out max_position_embeddings / vocab_size / eos_token_id (the
+    config classes default them) gives control the limits the workers load with: it was a
+    KeyError at start-up."""
+    import json
+
+    from transformers import CONFIG_MAPPING
+
+    from tetri_server.modelinfo import CONFIG_DEFAULTS, read_limits
+
+    for family, (positions, vocab, eos) in CONFIG_DEFAULTS.items():
+        hf = CONFIG_MAPPING[family]()
+        assert (hf.max_position_embeddings, hf.vocab_size, hf.eos_token_id) == (
+            positions, vocab, eos), family
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    limits = read_limits(tmp_path)
+    assert (limits.max_model_len(), limits.vocab_size, limits.eos_token_ids) == (2048, 32000, (2,))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(ValueError, match="no max_position_embeddings"):
+        read_limits(tmp_path)
