@@ -177,17 +177,20 @@ class DecodeInstanceView(msgspec.Struct, array_like=True):
     step_s: float = 0.0  # its recent decode step time (policy.StepTimes; 0: idle)
     fastest_step_s: float = 0.0  # the fastest that has been (0: no step yet)
     # moves with each report of this worker (and its restart): a dispatcher forgets its own
-    # dispatches to it once it moves (-1: not tracked: the view's generation decides)
+    # dispatches to it once it moves (-1: not tracked: the view's generation decides), unless
+    # the report says which hand-offs it had read (LoadReport.handoffs_read)
     report_seq: int = -1
+    handoffs_read: dict[int, int] | None = None
+    incarnation: int = 0  # moves when it (re)starts in this role: what it read is gone
 
     @classmethod
-    def of(cls, r: LoadReport, num_queued_prompt_tokens: int,
-           report_seq: int = -1) -> DecodeInstanceView:
+    def of(cls, r: LoadReport, num_queued_prompt_tokens: int, report_seq: int = -1,
+           incarnation: int = 0) -> DecodeInstanceView:
         """A decode worker as its report ``r`` shows it, its queued prompt tokens given (the
         monitor and the simulator count prompts routed since the report)."""
         return cls(r.worker_id, r.num_free_blocks, r.num_total_blocks, r.num_heavy,
                    r.num_light, r.predicted_demand_blocks, num_queued_prompt_tokens, r.step_s,
-                   r.fastest_step_s, report_seq)
+                   r.fastest_step_s, report_seq, r.handoffs_read, incarnation)
 
 
 class DecodeView(msgspec.Struct, tag=True, array_like=True):
@@ -323,6 +326,9 @@ class LoadReport(msgspec.Struct, tag=True, array_like=True):
     # cumulative: requests waiting for admission whose KV was dropped (num_preemptions counts
     # only running requests)
     num_kv_drops: int = 0
+    # decode: prefill worker -> the last Handoff.dispatch_seq this process read from it (its
+    # free blocks count that hand-off and those before it); None: not tracked
+    handoffs_read: dict[int, int] | None = None
 
 
 # ------------------------------------------------ prefill <-> decode (forwarded by control)
@@ -344,6 +350,7 @@ class Handoff(msgspec.Struct, tag=True, array_like=True):
     predicted_len: int
     arrival_s: float
     dst_worker: int = -1  # the decode worker chosen by the dispatcher
+    dispatch_seq: int = 0  # DispatchPlan.seq: echoed in the decode worker's LoadReport
 
 
 class KVPulled(msgspec.Struct, tag=True, array_like=True):

@@ -94,6 +94,14 @@ async def test_many_concurrent_varied_requests_on_a_small_pool_are_all_right(tin
         got = await asyncio.wait_for(
             asyncio.gather(*(collect(cluster, p, params) for p in prompts)), 240)
         assert got == ref
+        # the decode worker's reports name the last hand-off it read from the prefill worker
+        # (its plans are stamped 1, 2, ...), so the dispatcher counts the unread ones
+        for _ in range(100):
+            read = cluster.reports[1].handoffs_read
+            if read and read.get(0, 0) >= 30:
+                break
+            await asyncio.sleep(0.1)
+        assert read is not None and read.get(0, 0) >= 30, read
     finally:
         await cluster.stop()
 

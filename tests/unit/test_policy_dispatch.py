@@ -184,3 +184,46 @@ def test_a_prediction_above_max_tokens_counts_only_max_tokens() -> None:
     rr.on_view(DecodeView(seq=1, decodes=[inst(0, free=8)]))
     rr_plan = rr.plan(1, 100, bucket=2, max_tokens=10)
     assert rr_plan is not None and rr_plan.num_blocks == num_blocks_for(110, BLOCK)
+
+
+def test_a_report_that_had_not_read_a_hand_off_keeps_it_counted() -> None:
+    """Regression (review of session 63): a decode worker reports after its step, before it
+    reads the hand-offs that arrived during it. The dispatcher forgot a dispatch at the first
+    newer report, sent the next request into the same room, and the decode worker refused it.
+    The report now says which hand-offs it had read (``handoffs_read``, per source)."""
+    def view(seq: int, read: dict[int, int], free: int = 100, life: int = 1) -> DecodeView:
+        return DecodeView(seq, [DecodeInstanceView(1, free, 1000, 0, 0, 0, report_seq=seq,
+                                                   handoffs_read=read, incarnation=life)], seq)
+
+    dispatcher = TetriDispatcher(random.Random(0), block_size=BLOCK, granularity=200, source=7)
+    dispatcher.on_view(view(1, {}))
+    first = dispatcher.plan(1, 1000, 1)  # 1000 + 200 tokens: 75 blocks
+    assert first is not None and (first.seq, first.incarnation) == (1, 1)
+    dispatcher.on_view(view(2, {}))  # newer, but built before it read the hand-off
+    assert dispatcher.plan(2, 1000, 1) is None  # 25 left
+    dispatcher.on_view(view(3, {8: 5}))  # another prefill worker's hand-offs
+    assert dispatcher.plan(2, 1000, 1) is None
+    dispatcher.on_view(view(4, {7: 1}, free=25))  # read: the report's free blocks count it
+    second = dispatcher.plan(2, 100, 1)  # 19 blocks: fits once the first counts only once
+    assert second is not None and second.seq == 2
+    dispatcher.on_view(view(5, {7: 1}, free=6, life=2))  # it restarted: what it read is gone
+    assert dispatcher.plan(3, 10, 0, max_tokens=80) is not None  # 6 blocks: all of them
+
+
+def test_an_aborted_hand_off_is_forgotten_by_the_book() -> None:
+    """Control drops the hand-off of a request aborted on the way, so no report will ever say
+    it was read: the book undoes its plan when it removes the request."""
+    from tetri_server.policy import PrefillBook, PrefillQueue
+
+    dispatcher = TetriDispatcher(random.Random(0), block_size=BLOCK, granularity=200, source=7)
+    book: PrefillBook[str] = PrefillBook(PrefillQueue("fcfs"), dispatcher)
+    view = DecodeView(1, [DecodeInstanceView(1, 20, 1000, 0, 0, 0, report_seq=1,
+                                             handoffs_read={}, incarnation=1)], 1)
+    book.on_view(view)
+    for rid in (1, 2):
+        book.add(rid, f"r{rid}", 8, float(rid))
+        book.predicted(rid, 0)
+        book.prefilled(rid)
+    assert [plan.req_id for _, plan in book.dispatch()] == [1]  # 13 of 20 blocks
+    book.remove(1)  # aborted before the decode worker read it
+    assert [plan.req_id for _, plan in book.dispatch()] == [2]

@@ -420,10 +420,11 @@ def test_elastic_decode_takes_no_prompt_while_its_steps_are_past_the_gap_bound()
 
 def test_refined_estimate_preempts_the_request_expected_to_run_longest() -> None:
     """A pool too small for five decodes: the bucket estimate preempts the newest request, the
-    refined one (the g=200 artifact's tails) the one whose true bucket says it runs longest."""
+    refined one (the g=200 artifact's tails) the one whose true bucket says it runs longest.
+    Round-robin dispatch, which counts no predicted output, fills the pool."""
     cost = v100()
     reqs = [SimRequest(i, 300, n, 0.001 * i) for i, n in enumerate([700, 60, 60, 60, 60])]
-    cfg = SimConfig(num_kv_blocks=110, decode_policy="greedy")
+    cfg = SimConfig(num_kv_blocks=110, decode_policy="greedy", dispatch="round-robin")
     predict(reqs, cfg)
     preempted: dict[str, list[dict[str, Any]]] = {}
     for estimate in ("bucket", "refined"):
@@ -764,12 +765,14 @@ def test_decode_waiting_kv_first_switches_drops_of_waiting_kv_for_preemptions(tm
     for on in (True, False):
         reqs = [SimRequest(i, 300, 400, 0.0) for i in range(8)]
         cfg = SimConfig(num_kv_blocks=120, predictor_accuracy=1.0,
-                        decode_policy="reserve-static", waiting_kv_first=on)
+                        decode_policy="reserve-static", waiting_kv_first=on,
+                        dispatch="round-robin")  # counts no output: fills the pool
         predict(reqs, cfg)
         out = simulate(cfg, v100(), reqs)
         assert out["num_completed"] == 8
         counts[on] = (out["num_preemptions"], out["num_kv_drops"])
-    assert counts[True] == (0, 2) and counts[False] == (1, 0)
+    # off, a waiting head that cannot fit the pool at all still drops the KV behind it
+    assert counts[True] == (0, 4) and counts[False] == (2, 1)
 
 
 @pytest.mark.parametrize("mode", ["coupled", "disaggregated"])
@@ -881,3 +884,24 @@ def test_preemptions_of_an_instance_before_it_flipped_still_count() -> None:
                 if getattr(i, "admission", None) is not None)
     assert sum(replaced) > 0 and sim.flips
     assert mode_metrics(result, cfg)["num_preemptions"] == final + sum(replaced)
+
+
+def test_no_hand_off_is_refused_for_a_report_that_predates_it() -> None:
+    """Regression (review of session 63): a decode instance reports when its step ends, before
+    it reads the hand-offs that came during the step; the dispatcher took such a report for one
+    that counted them and over-filled the pool (6 refusals of 60 requests here)."""
+    import random
+
+    cost = CostModel(load_hardware("this-cpu"), load_model("bench"))
+    rng = random.Random(1)
+    reqs = [SimRequest(i, rng.randrange(20, 300), rng.randrange(20, 300), 0.05 * i)
+            for i in range(60)]
+    cfg = SimConfig(num_kv_blocks=80, monitor_interval_ms=5, predictor_accuracy=1.0,
+                    max_model_len=1024)
+    predict(reqs, cfg)
+    sim = Simulation(cfg, cost, reqs)
+    sim.run()
+    assert all(r.error is None and r.end_s is not None for r in sim.requests)
+    prefill = sim.instances[0]
+    assert isinstance(prefill, PrefillInstance)
+    assert prefill.num_rejected == 0

@@ -51,6 +51,8 @@ class Monitor:
         self._view_generation = 0  # moves with each decode report, (re)start and removal
         # decode worker -> the generation of its last report (DecodeInstanceView.report_seq)
         self._report_seq: dict[int, int] = {}
+        # decode worker -> its (re)starts and flips (DecodeInstanceView.incarnation)
+        self._incarnation: dict[int, int] = {}
         self._last_tick_s = 0.0
 
     @property
@@ -89,6 +91,7 @@ class Monitor:
         self.picker.on_report(empty)
         self._view_generation += 1
         self._report_seq[h.worker_id] = self._view_generation
+        self._incarnation[h.worker_id] = self._incarnation.get(h.worker_id, 0) + 1
         self.metrics.set_up(h.worker_id, True)
         self.metrics.set_role(h.worker_id, msg.role)
         if msg.chunk_size:
@@ -127,7 +130,8 @@ class Monitor:
         a long step cannot report until it ends)."""
         self._view_seq += 1
         decodes = [DecodeInstanceView.of(r, self.picker.queued_tokens(wid),
-                                         self._report_seq.get(wid, -1))
+                                         self._report_seq.get(wid, -1),
+                                         self._incarnation.get(wid, 0))
                    for wid, r in sorted(self.reports.items())
                    if r.role == "decode" and wid in self.workers and self.serving(wid)]
         return DecodeView(self._view_seq, decodes, self._view_generation)

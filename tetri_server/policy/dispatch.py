@@ -8,8 +8,9 @@ worker;
 ``None`` means no decode worker has room: hold the request (its KV stays in this pool) and ask
 again after the next view. ``on_rejected(plan)`` undoes a plan whose hand-off the decode worker
 refused. The view is up to one broadcast interval stale, so every dispatcher counts its own
-dispatches since the view against it, each until a view has a newer report of its decode
-worker (``report_seq``). Draining
+dispatches since the view against it, each until a view has a report of its decode worker
+that had read it (``handoffs_read`` reaches the plan's ``seq``; where not tracked, a newer
+report: ``report_seq``) or a restart of that worker since (``incarnation``). Draining
 (flipping) decode workers must be left out of the view by the cluster monitor.
 """
 
@@ -37,6 +38,8 @@ class DispatchPlan:
     decode_worker: int
     num_blocks: int
     heavy: bool
+    seq: int = 0  # this dispatcher's plans so far, this one included (Handoff.dispatch_seq)
+    incarnation: int = 0  # of the decode worker's view entry it was planned against
 
 
 class Dispatcher(Protocol):
@@ -51,19 +54,25 @@ class Dispatcher(Protocol):
 class _ViewTracker:
     """The last view plus this worker's own dispatches since it."""
 
-    def __init__(self, *, block_size: int, granularity: int, heavy_threshold: int) -> None:
+    def __init__(self, *, block_size: int, granularity: int, heavy_threshold: int,
+                 source: int = -1) -> None:
         self.block_size = block_size
         self.granularity = granularity
         self.heavy_threshold = heavy_threshold
+        self.source = source  # the prefill worker's id: the key of ``handoffs_read``
         self.view: DecodeSnapshot | None = None
         self._since_view: dict[int, DispatchPlan] = {}  # req_id -> plan
+        self._num_plans = 0
 
     def on_view(self, view: DecodeSnapshot) -> bool:
         """Adopt ``view`` if newer than the current one; returns whether it was adopted. An
-        own dispatch is forgotten only when the view has a newer report of its decode worker
-        (its ``report_seq`` moved), or that worker left the view: one re-sent from the same
-        reports, or newer only by another worker's report, does not count it yet. Where the
-        view tracks no report (-1), a new ``generation`` forgets them all."""
+        own dispatch is forgotten only when the view's report of its decode worker counts it:
+        the report says it had read the hand-off (``handoffs_read``: a report built during the
+        step in which the hand-off arrived does not); or, where that is not tracked, the
+        report is newer (its ``report_seq`` moved: one re-sent from the same reports, or newer
+        only by another worker's report, does not count it yet; where the view tracks no
+        report (-1), a new ``generation`` forgets them all). It is forgotten too when that
+        worker left the view or restarted (``incarnation``)."""
         if self.view is not None and view.seq <= self.view.seq:
             return False
         old, self.view = self.view, view
@@ -74,19 +83,24 @@ class _ViewTracker:
         now = {d.worker_id: d.report_seq for d in view.decodes}
         newer_reports = view.generation < 0 or view.generation != old.generation
 
-        def counted(worker_id: int) -> bool:  # the view's entry of the worker counts them
-            seq = now.get(worker_id)
-            if seq is None:
-                return True  # gone from the view: nothing to count them against
+        entries = {d.worker_id: d for d in view.decodes}
+
+        def counted(plan: DispatchPlan) -> bool:  # the view's entry of its worker counts it
+            entry = entries.get(plan.decode_worker)
+            if entry is None or entry.incarnation != plan.incarnation:
+                return True  # gone from the view, or restarted: nothing holds it there
+            if entry.handoffs_read is not None:
+                return entry.handoffs_read.get(self.source, 0) >= plan.seq
+            seq = now[plan.decode_worker]
             if seq >= 0:
-                return seq != before.get(worker_id)
+                return seq != before.get(plan.decode_worker)
             return newer_reports
 
-        self._since_view = {r: p for r, p in self._since_view.items()
-                            if not counted(p.decode_worker)}
+        self._since_view = {r: p for r, p in self._since_view.items() if not counted(p)}
         return True
 
     def on_rejected(self, plan: DispatchPlan) -> None:
+        """Undo ``plan``: refused, or its request aborted (its hand-off may never be read)."""
         self._since_view.pop(plan.req_id, None)
 
     def instances(self) -> list[DecodeInstance]:
@@ -109,6 +123,7 @@ class _ViewTracker:
                     step_s=inst.step_s,
                     fastest_step_s=inst.fastest_step_s,
                     report_seq=inst.report_seq,
+                    incarnation=inst.incarnation,
                 )
             )
         return out
@@ -132,11 +147,14 @@ class _ViewTracker:
                                  self.granularity, _cap(max_tokens))
         return max(est, min_output)
 
-    def make_plan(self, req_id: int, worker_id: int, num_prompt: int, output: int,
+    def make_plan(self, req_id: int, inst: DecodeInstance, num_prompt: int, output: int,
                   heavy: bool) -> DispatchPlan:
-        """Record a dispatch of ``num_prompt`` + ``output`` (``predicted_output``) tokens."""
+        """Record a dispatch to ``inst`` of ``num_prompt`` + ``output``
+        (``predicted_output``) tokens."""
         num_blocks = num_blocks_for(num_prompt + max(output, 1), self.block_size)
-        plan = DispatchPlan(req_id, worker_id, num_blocks, heavy)
+        self._num_plans += 1
+        plan = DispatchPlan(req_id, inst.worker_id, num_blocks, heavy, self._num_plans,
+                            inst.incarnation)
         self._since_view[req_id] = plan
         return plan
 
@@ -158,9 +176,11 @@ class TetriDispatcher(_ViewTracker):
         block_size: int,
         granularity: int = 200,
         heavy_threshold: int = 128,
+        source: int = -1,
     ) -> None:
         super().__init__(
-            block_size=block_size, granularity=granularity, heavy_threshold=heavy_threshold
+            block_size=block_size, granularity=granularity, heavy_threshold=heavy_threshold,
+            source=source,
         )
         self.rng = rng
 
@@ -180,8 +200,7 @@ class TetriDispatcher(_ViewTracker):
             num_all = d.num_heavy + d.num_light + 1
             return (num_heavy / num_all, num_all, -_room(d, self.block_size), d.worker_id)
 
-        return self.make_plan(req_id, min(pair, key=key).worker_id, num_prompt_tokens, output,
-                              heavy)
+        return self.make_plan(req_id, min(pair, key=key), num_prompt_tokens, output, heavy)
 
 
 class RoundRobinDispatcher(_ViewTracker):
@@ -189,21 +208,24 @@ class RoundRobinDispatcher(_ViewTracker):
     prompt and its first token. Ignores reservations; its own dispatches since a worker's
     report count their bucket's lower end (at least what they hold)."""
 
-    def __init__(self, *, block_size: int, granularity: int = 200, heavy_threshold: int = 128):
+    def __init__(self, *, block_size: int, granularity: int = 200, heavy_threshold: int = 128,
+                 source: int = -1):
         super().__init__(
-            block_size=block_size, granularity=granularity, heavy_threshold=heavy_threshold
+            block_size=block_size, granularity=granularity, heavy_threshold=heavy_threshold,
+            source=source,
         )
         self._last_worker = -1
 
     def plan(self, req_id: int, num_prompt_tokens: int, bucket: int,
              max_tokens: int | None = None, min_output: int = 1) -> DispatchPlan | None:
         need = num_blocks_for(num_prompt_tokens + max(min_output, 1), self.block_size)
-        fits = [d.worker_id for d in self.instances() if d.num_free_blocks >= need]
+        fits = [d for d in self.instances() if d.num_free_blocks >= need]
         if not fits:
             return None
-        later = [w for w in fits if w > self._last_worker]
-        self._last_worker = later[0] if later else fits[0]
-        return self.make_plan(req_id, self._last_worker, num_prompt_tokens,
+        later = [d for d in fits if d.worker_id > self._last_worker]
+        chosen = later[0] if later else fits[0]
+        self._last_worker = chosen.worker_id
+        return self.make_plan(req_id, chosen, num_prompt_tokens,
                               max(self.lower_end(bucket, max_tokens), min_output),
                               self.is_heavy(bucket, max_tokens, min_output))
 

@@ -210,6 +210,8 @@ class PrefillBook(Generic[T]):
         self._counts[e.stage] -= 1
         if e.stage is Stage.QUEUED:
             self.queue.remove(req_id)
+        if e.stage is Stage.HANDED_OFF and e.plan is not None:
+            self.dispatcher.on_rejected(e.plan)  # control drops its hand-off if still unread
         return e.req
 
     # ------------------------------------------------------------------ helpers

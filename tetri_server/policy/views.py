@@ -4,7 +4,7 @@ protocols field for field, so the runtime and the simulator pass either without 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -32,6 +32,10 @@ class DecodeInstanceLoad(Protocol):
     def fastest_step_s(self) -> float: ...  # ... the fastest that has been (0: no step yet)
     @property
     def report_seq(self) -> int: ...  # moves with each of its reports (-1: not tracked)
+    @property
+    def handoffs_read(self) -> Mapping[int, int] | None: ...  # per source: last seq (None: -)
+    @property
+    def incarnation(self) -> int: ...  # moves when it (re)starts: what it read is gone
 
 
 class DecodeSnapshot(Protocol):
@@ -84,3 +88,5 @@ class DecodeInstance:
     step_s: float = 0.0
     fastest_step_s: float = 0.0
     report_seq: int = -1
+    incarnation: int = 0
+    handoffs_read: Mapping[int, int] | None = None  # own dispatches are applied: not needed

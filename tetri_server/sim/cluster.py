@@ -200,6 +200,7 @@ class Simulation:
         self._reports: dict[int, LoadReport] = {}  # each instance's latest (Monitor.reports)
         self._view_generation = 0
         self._report_seq: dict[int, int] = {}  # ``Monitor._report_seq``
+        self._incarnation: dict[int, int] = {}  # ``Monitor._incarnation``
         self._num_done = 0
         self.parked: list[SimRequest] = []
 
@@ -208,6 +209,7 @@ class Simulation:
     def run(self) -> SimResult:
         wall0 = time.perf_counter()
         for inst in self.instances:
+            self._incarnation[inst.worker_id] = 1
             self.on_report(inst.report())  # Monitor.on_ready
         for req in self.requests:
             self.loop.at(req.arrival_s, functools.partial(self.arrive, req))
@@ -278,7 +280,7 @@ class Simulation:
         if self.prefills:
             self._view_seq += 1
             view = decode_view(self._view_seq, self._serving(), self.picker.queued_tokens,
-                               self._view_generation, self._report_seq)
+                               self._view_generation, self._report_seq, self._incarnation)
             for inst in self.prefills:
                 inst.deliver(("view", view))
 
@@ -288,12 +290,13 @@ class Simulation:
         iterating over)."""
         self.loop.after(0.0, functools.partial(dst.deliver, msg))
 
-    def handoff(self, src: PrefillInstance, seq: SimSeq, decode_worker: int) -> None:
+    def handoff(self, src: PrefillInstance, seq: SimSeq, decode_worker: int,
+                dispatch_seq: int) -> None:
         dst = self.instances[decode_worker]
         if decode_worker in self.draining or not isinstance(dst, DecodeInstance):
             self.send(src, ("rejected", seq.req.req_id))  # Router.forward_handoff: draining
             return
-        self.send(dst, ("handoff", src, seq.req, seq.num_tokens))
+        self.send(dst, ("handoff", src, seq.req, seq.num_tokens, dispatch_seq))
 
     # ------------------------------------------------------------------ instance flip
 
@@ -325,6 +328,7 @@ class Simulation:
         self.prefills = [i for i in self.instances if isinstance(i, PrefillInstance)]
         del self.draining[wid]
         self._switching.discard(wid)
+        self._incarnation[wid] += 1  # Monitor.on_ready
         self.on_report(new.report())
         assert self.flip_policy is not None
         self.flip_policy.on_done(plan, self.loop.now_s)
@@ -377,13 +381,16 @@ def load_tail(kind: str, granularity: int) -> LengthTail:
 
 def decode_view(seq: int, reports: list[LoadReport],
                 queued: Callable[[int], int] | None = None, generation: int = -1,
-                report_seqs: Mapping[int, int] | None = None) -> DecodeView:
+                report_seqs: Mapping[int, int] | None = None,
+                incarnations: Mapping[int, int] | None = None) -> DecodeView:
     """``Monitor.decode_view`` from the decode instances' latest reports; ``queued``: a
     worker's queued prompt tokens with those routed since its report (default: the report's);
-    ``report_seqs``: each worker's ``report_seq`` (default: not tracked)."""
-    seqs = report_seqs or {}
+    ``report_seqs``, ``incarnations``: each worker's ``report_seq`` (default: not tracked)
+    and ``incarnation`` (default 0)."""
+    seqs, lives = report_seqs or {}, incarnations or {}
     return DecodeView(seq, [DecodeInstanceView.of(r, r.num_queued_prompt_tokens if queued is None
                                                      else queued(r.worker_id),
-                                                  seqs.get(r.worker_id, -1))
+                                                  seqs.get(r.worker_id, -1),
+                                                  lives.get(r.worker_id, 0))
                             for r in sorted(reports, key=lambda r: r.worker_id)
                             if r.role == "decode"], generation)

@@ -59,10 +59,11 @@ class PrefillInstance(_Decoding):
                                overtake_share=cfg.overtake_share, finish_alone=cfg.finish_alone)
         dispatcher: Dispatcher = (
             TetriDispatcher(random.Random(cfg.seed + worker_id), block_size=self.block_size,
-                            granularity=cfg.granularity, heavy_threshold=cfg.heavy_decode_tokens)
+                            granularity=cfg.granularity, heavy_threshold=cfg.heavy_decode_tokens,
+                            source=worker_id)
             if cfg.dispatch == "power-of-two"
             else RoundRobinDispatcher(block_size=self.block_size, granularity=cfg.granularity,
-                                      heavy_threshold=cfg.heavy_decode_tokens))
+                                      heavy_threshold=cfg.heavy_decode_tokens, source=worker_id))
         self.book: PrefillBook[SimSeq] = PrefillBook(
             PrefillQueue(cfg.prefill_policy, cfg.sched_batch, starve_tokens=cfg.starve_tokens),
             dispatcher)
@@ -258,7 +259,7 @@ class PrefillInstance(_Decoding):
         for seq, plan in self.book.dispatch():
             self.record("dispatch", req=seq.req.req_id, to=plan.decode_worker,
                         blocks=plan.num_blocks, heavy=plan.heavy)
-            self.sim.handoff(self, seq, plan.decode_worker)
+            self.sim.handoff(self, seq, plan.decode_worker, plan.seq)
 
     def _keep_held(self, local: LocalDecode) -> None:
         book = self.book
@@ -351,6 +352,7 @@ class DecodeInstance(_Decoding):
             cfg.local_prefill_tokens, mixed_chunk(cfg.chunk_size, cfg.local_decode_chunk),
             cfg.local_prefill_slice == "chunk")
         self.step_times = StepTimes()  # reported, as workers/decode.py does
+        self.handoffs_read: dict[int, int] = {}  # DecodeRole.handoffs_read
 
     def handle(self, msg: tuple[Any, ...]) -> None:
         kind = msg[0]
@@ -358,6 +360,7 @@ class DecodeInstance(_Decoding):
             src: PrefillInstance = msg[1]
             req: SimRequest = msg[2]
             num_tokens: int = msg[3]  # prompt + first token, + what a prefill worker decoded
+            self.handoffs_read[src.worker_id] = msg[4]  # DecodeRole.receive
             seq = SimSeq(req, num_tokens, num_computed=num_tokens - 1)
             # DecodeRole.receive: the batch's next step and the first queued prompt keep theirs
             free = self.alloc.num_free - head_prompt_need(self.queue, self.block_size)
@@ -432,4 +435,5 @@ class DecodeInstance(_Decoding):
                           load.num_light, load.predicted_demand_blocks, self.busy_s,
                           load.num_preemptions, step_s=self.step_times.recent_s,
                           fastest_step_s=self.step_times.fastest_s,
-                          num_kv_drops=load.num_kv_drops)
+                          num_kv_drops=load.num_kv_drops,
+                          handoffs_read=dict(self.handoffs_read))

@@ -62,6 +62,8 @@ class DecodeRole(Role):
         self.queue = PrefillQueue("fcfs")  # elastic: prompts this worker prefills itself
         self.prompt_budget = self.w.cfg.decode.local_prefill_tokens  # prompt tokens a step
         self.step_times = StepTimes()  # steps with decode rows, reported (elastic: LocalDecode)
+        # prefill worker -> the last Handoff.dispatch_seq read from it (LoadReport.handoffs_read)
+        self.handoffs_read: dict[int, int] = {}
 
     def handle(self, msg: object) -> None:
         if isinstance(msg, Handoff):
@@ -92,6 +94,8 @@ class DecodeRole(Role):
 
     def receive(self, h: Handoff) -> None:
         """Pull the request's KV into our pool and queue it for admission."""
+        if h.dispatch_seq:  # read: whatever it takes is in our reports from now on
+            self.handoffs_read[h.src_worker] = h.dispatch_seq
         seq = Sequence(h.req_id, list(h.token_ids), h.num_prompt_tokens, h.sampling,
                        arrival_s=h.arrival_s, status=SeqStatus.RUNNING,
                        generator=make_generator(h.sampling.seed, self.w.device),
@@ -213,4 +217,5 @@ class DecodeRole(Role):
                           busy_s=self.w.busy_s, num_preemptions=load.num_preemptions,
                           num_kv_drops=load.num_kv_drops,
                           step_s=self.step_times.recent_s,
-                          fastest_step_s=self.step_times.fastest_s)
+                          fastest_step_s=self.step_times.fastest_s,
+                          handoffs_read=dict(self.handoffs_read))

@@ -74,10 +74,11 @@ class PrefillRole(Role):
         heavy = cfg.predictor.heavy_decode_tokens
         dispatcher: Dispatcher = (
             TetriDispatcher(random.Random(cfg.dispatch.seed + self.w.worker_id),
-                            block_size=self.w.block_size, granularity=gran, heavy_threshold=heavy)
+                            block_size=self.w.block_size, granularity=gran, heavy_threshold=heavy,
+                            source=self.w.worker_id)
             if cfg.dispatch.policy == "power-of-two"
             else RoundRobinDispatcher(block_size=self.w.block_size, granularity=gran,
-                                      heavy_threshold=heavy))
+                                      heavy_threshold=heavy, source=self.w.worker_id))
         self.book: PrefillBook[Sequence] = PrefillBook(
             PrefillQueue(cfg.prefill.policy, cfg.prefill.sched_batch,
                          starve_tokens=cfg.prefill.starve_tokens), dispatcher)
@@ -318,7 +319,8 @@ class PrefillRole(Role):
             self.w.kv.pin(seq)  # the decode worker reads these block ids until KVPulled
             self.w.send(Handoff(seq.req_id, self.w.worker_id, list(seq.blocks), list(seq.token_ids),
                               seq.num_prompt, seq.params, seq.predicted_bucket,
-                              seq.predicted_len, seq.arrival_s, dst_worker=plan.decode_worker))
+                              seq.predicted_len, seq.arrival_s, dst_worker=plan.decode_worker,
+                              dispatch_seq=plan.seq))
 
     def _keep_held(self, local: LocalDecode) -> None:
         """Elastic: keep held requests, in order, while the policy says decode is the busier
