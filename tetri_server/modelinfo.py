@@ -82,9 +82,9 @@ def read_limits(folder: Path) -> ModelLimits:
         cfg.get("model_type", ""), (0, 0, None))
     eos = cfg.get("eos_token_id", eos_default)
     eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
-    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-    if cfg.get("original_max_position_embeddings"):  # transformers prefers the top-level one
-        rope["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
+    # as transformers standardises it for the workers: rope_scaling first, and yarn's base
+    # context from that dict alone (a top-level original_max_position_embeddings is not read)
+    rope = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})
     try:
         positions = int(cfg.get("max_position_embeddings") or positions_default or 0)
         vocab = int(cfg.get("vocab_size") or vocab_default or 0)

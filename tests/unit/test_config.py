@@ -421,22 +421,45 @@ def test_auto_dtype_on_cuda_keeps_a_float16_checkpoint_in_float16(tmp_path) -> N
     assert checkpoint_dtype(tmp_path) == "bfloat16"
 
 
-def test_the_rope_scaled_context_reads_yarn_as_transformers_does(tmp_path) -> None:
-    """The control process reads config.json raw; a top-level original_max_position_embeddings
-    wins over the yarn dict's, as transformers' standardisation has it (the workers' view)."""
+def test_the_rope_scaled_context_is_the_one_the_workers_serve(tmp_path) -> None:
+    """The control process reads config.json raw, the workers through transformers'
+    standardised config; both must find the same context. Regression (review of session 63):
+    a top-level ``original_max_position_embeddings`` beside a yarn dict, or ``rope_scaling``
+    beside a default ``rope_parameters``, gave control a context the workers did not serve (a
+    9,000-token prompt accepted, then cut at the workers' 8,192 with "length")."""
     import json
 
+    from transformers import AutoConfig
+
+    from tetri_server.engine.spec import spec_from_hf_config
     from tetri_server.modelinfo import read_limits, rope_context
 
     assert rope_context(4096, {"rope_type": "linear", "factor": 4.0}) == 16384
     assert rope_context(32768, {"type": "yarn", "factor": 4.0,
                                 "original_max_position_embeddings": 32768}) == 131072
     assert rope_context(8192, {"rope_type": "llama3", "factor": 8.0}) == 8192
-    cfg = {"max_position_embeddings": 4096, "vocab_size": 10, "original_max_position_embeddings":
-           2048, "rope_scaling": {"type": "yarn", "factor": 4.0,
-                                  "original_max_position_embeddings": 4096}}
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    assert read_limits(tmp_path).max_model_len() == 8192
+    from tetri_server.modelmaker import build_config
+
+    base = build_config("llama", "tiny").to_dict()
+    yarn = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
+    cases = [
+        {"original_max_position_embeddings": 2048, "rope_scaling": yarn},
+        {"original_max_position_embeddings": 8192,
+         "rope_scaling": {**yarn, "original_max_position_embeddings": 2048}},
+        {"rope_scaling": {**yarn, "original_max_position_embeddings": 2048}},
+        {"rope_scaling": {"type": "linear", "factor": 4.0}},
+        {"rope_scaling": {"rope_type": "linear", "factor": 4.0},
+         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
+        {"rope_parameters": {**yarn, "original_max_position_embeddings": 1024}},
+    ]
+    for i, over in enumerate(cases):
+        folder = tmp_path / str(i)
+        folder.mkdir()
+        cfg = {k: v for k, v in base.items() if not k.startswith("rope")}
+        (folder / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 4096,
+                                                         **over}))
+        engine = spec_from_hf_config(AutoConfig.from_pretrained(str(folder))).max_model_len(0)
+        assert read_limits(folder).max_model_len() == engine, over
 
 
 def test_limits_default_as_transformers_configs_do(tmp_path):

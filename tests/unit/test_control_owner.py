@@ -337,3 +337,12 @@ def test_a_hand_off_refused_and_forwarded_again_counts_once_in_the_metrics() -> 
         assert got["bytes"] == 2 * 2 * 4 * 16 * 8 * 4  # one block of 2 layers, K and V
 
     asyncio.run(main())
+
+
+def test_the_workers_are_told_the_context_the_api_accepts() -> None:
+    """Control reads the context from config.json raw, the workers through transformers: they
+    get control's (resolved) number, so a worker whose transformers reads less refuses to
+    start, naming both, instead of cutting outputs at its own limit with "length"."""
+    cluster = unstarted()
+    assert cluster.max_model_len > 0
+    assert cluster.cfg.model.max_model_len == cluster.max_model_len

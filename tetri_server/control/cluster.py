@@ -59,11 +59,13 @@ log = logging.getLogger("tetri.control")
 class Cluster:
     def __init__(self, cfg: Config, metrics: Any = None) -> None:
         folder = resolve_model_path(cfg.model.path)  # makes builtin:tiny once, here
-        self.cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model,
-                                                                      path=str(folder)))
         limits = read_limits(folder)
         self.model_name = cfg.model.served_name or folder.name
         self.max_model_len = limits.max_model_len(cfg.model.max_model_len)
+        # the workers serve the context the API accepts; one whose transformers reads a smaller
+        # one from config.json fails to start, naming both, instead of cutting outputs short
+        self.cfg = dataclasses.replace(cfg, model=dataclasses.replace(
+            cfg.model, path=str(folder), max_model_len=self.max_model_len))
         self.eos_token_ids = limits.eos_token_ids
         self.vocab_size = limits.vocab_size  # rows of the embedding: larger ids are refused
         self.tokenizer = load_tokenizer(folder)
