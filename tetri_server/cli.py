@@ -103,8 +103,10 @@ def build_config(
                           "(--tool-call-parser or model.tool_call_parser: hermes, llama3_json "
                           "or mistral), as with vLLM")
     names = args.served_model_name or []
-    if args.model is None and len(names) > 1 and _looks_like_model(names[-1]):
-        # nargs="+": a MODEL after the names went with them
+    if (args.model is None and len(names) > 1 and _looks_like_model(names[-1])
+            and cfg.model.path == ModelConfig.path):
+        # nargs="+": a MODEL after the names went with them (and none came from a config
+        # file, --set or the environment: the built-in model would be served)
         raise ConfigError(
             f"--served-model-name took {names[-1]!r} as a name and no MODEL was given (the "
             f"configured or built-in model would be served under these names): put MODEL "

@@ -80,7 +80,7 @@ def test_a_model_swallowed_by_served_model_name_is_a_clear_error(tmp_path, model
         assert out.returncode == 2 and said in out.stderr, out.stderr
 
 
-def test_the_swallowed_model_check_reads_ids_and_the_resolved_parser(tmp_path) -> None:
+def test_the_swallowed_model_check_reads_ids_and_the_resolved_parser(tmp_path, model_dir) -> None:  # type: ignore[no-untyped-def]
     """Review of session 63 (second look): a hub id swallowed as a name still served the
     built-in model; a parser given by --set or the config file was not seen beside
     --enable-auto-tool-choice; one served name that is a folder was refused."""
@@ -99,6 +99,15 @@ def test_the_swallowed_model_check_reads_ids_and_the_resolved_parser(tmp_path) -
         config("--served-model-name", "llama", "meta-llama/Llama-3.2-1B")
     config("--set", "model.tool_call_parser=hermes", "--enable-auto-tool-choice")
     config("--served-model-name", str(tmp_path))  # one name: a name, even a folder's
+    # a model from the config file (or --set): a name that looks like a model is a name
+    # (regression, review of session 63: refused, though the configured model was served)
+    toml = tmp_path / "c.toml"
+    toml.write_text(f'[model]\npath = "{model_dir()}"\n')
+    cfg, _ = config("--config", str(toml), "--served-model-name", "llama",
+                    "meta-llama/Llama-3.2-1B")
+    assert (cfg.model.served_name, list(cfg.model.served_aliases)) == (
+        "llama", ["meta-llama/Llama-3.2-1B"])
+    config("--set", f"model.path={model_dir()}", "--served-model-name", "a", "docs")
 
 
 def test_the_hub_cache_follows_huggingface_hubs_variables() -> None:
