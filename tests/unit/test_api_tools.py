@@ -269,7 +269,7 @@ def test_required_tool_calls_keep_each_tools_defs() -> None:
     {"type": "object", "required": ["b"]},  # {} passed
     {"type": "integer", "minimum": 5, "enum": [1, 7]},  # 1 passed
     {"type": "string", "enum": ["a", 1]},  # 1 passed
-    {"type": "object", "properties": {"a": {"type": "integer"}}, "unevaluatedProperties": False},
+    {"type": "string", "enum": ["ab", "abcdef"], "maxLength": 5},  # "abcdef" breaks it
 ])
 def test_a_schema_keyword_the_grammar_would_not_enforce_is_a_400(schema) -> None:
     """Regression (review of session 62): the compiler accepted these and did not enforce
@@ -296,6 +296,23 @@ def test_a_schema_keyword_the_grammar_would_not_enforce_is_a_400(schema) -> None
         "p": {"type": "string", "pattern": "^a"}}, "required": ["e", "p"],
         "$defs": {"A": {"type": "integer"}}},
         "response_format")
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "object", "properties": {"a": {"type": "integer"}}, "unevaluatedProperties": False},
+    {"type": "object", "properties": {"a": {"type": "integer"}},
+     "unevaluatedProperties": {"type": "string"}},
+    {"type": "array", "prefixItems": [{"type": "integer"}], "unevaluatedItems": {"type": "string"}},
+    {"enum": ["a", "b"], "maxLength": 5, "type": "string"},  # pydantic Literal, max_length=5
+    {"type": "integer", "enum": [3, 7], "minimum": 1, "exclusiveMaximum": 8},
+])
+def test_a_schema_the_grammar_enforces_is_served(schema) -> None:  # type: ignore[no-untyped-def]
+    """Regression (review of session 63): refused with a 400, though xgrammar 0.2.9 enforces
+    unevaluatedProperties / unevaluatedItems, and listed values that all meet their sibling
+    constraints leave nothing unenforced; vLLM serves each."""
+    from tetri_server.api.guides import schema_guide
+
+    schema_guide(schema, "response_format")
 
 
 def test_mistral_calls_get_ids_its_chat_template_takes_back() -> None:

@@ -14,6 +14,7 @@ comes back from the worker before any work as a 400 naming the same field (``Gen
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from tetri_server.api.body import json_type
@@ -87,9 +88,6 @@ def unenforced(schema: Any) -> str | None:
             return f"uniqueItems at {where}"
         if "contains" in node:  # alone or beside items: not enforced
             return f"contains at {where}"
-        for key in ("unevaluatedItems", "unevaluatedProperties"):
-            if key in node and node[key] is not True:
-                return f"{key} at {where}"
         for key in ("minLength", "maxLength"):  # the pattern or format alone is enforced
             shape = next((k for k in ("pattern", "format") if k in node), None)
             if key in node and shape is not None:
@@ -106,7 +104,7 @@ def unenforced(schema: Any) -> str | None:
         if values is not None:
             beside = sorted(k for k in node if k not in _ANNOTATIONS
                             and k not in ("enum", "const", "type"))
-            if beside:
+            if beside and not all(_meets(v, node, beside) for v in values):
                 return f"{', '.join(beside)} beside {'enum' if 'enum' in node else 'const'} " \
                        f"at {where}"
             if "type" in node and not all(_has_type(v, node["type"]) for v in values):
@@ -136,6 +134,33 @@ def _listed(node: dict[str, Any]) -> list[Any] | None:
         return [node["const"]]
     enum = node.get("enum")
     return enum if isinstance(enum, list) else None
+
+
+def _meets(value: Any, node: dict[str, Any], keys: list[str]) -> bool:
+    """Whether a listed value meets the scalar constraints ``keys`` of its node (the grammar
+    allows the listed values alone, so then nothing is left unenforced); False for any other
+    keyword."""
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    for key in keys:
+        bound = node[key]
+        if key in ("minLength", "maxLength") and isinstance(value, str) and isinstance(bound, int):
+            ok = len(value) >= bound if key == "minLength" else len(value) <= bound
+        elif key == "pattern" and isinstance(value, str) and isinstance(bound, str):
+            try:
+                ok = re.search(bound, value) is not None
+            except re.error:
+                return False
+        elif key in _BOUNDS and number and isinstance(bound, int | float):
+            ok = _BOUNDS[key](value, bound)
+        else:
+            return False
+        if not ok:
+            return False
+    return True
+
+
+_BOUNDS = {"minimum": lambda v, b: v >= b, "maximum": lambda v, b: v <= b,
+           "exclusiveMinimum": lambda v, b: v > b, "exclusiveMaximum": lambda v, b: v < b}
 
 
 def _has_type(value: Any, types: Any) -> bool:
