@@ -270,7 +270,7 @@ def hot_cold_cells(med: dict[tuple[str, str], float]) -> str:
                       f"{med[('B', h)] / med[('A', h)]:.3f}" for h in ("hot", "cold"))
 
 
-def ab_linears(rows: list[int]) -> None:
+def ab_linears(rows: list[int], rounds: int) -> None:
     t, x = torch.ops.tetri, torch.ops.tetrix
     gen = torch.Generator().manual_seed(0)
 
@@ -286,7 +286,7 @@ def ab_linears(rows: list[int]) -> None:
             if not torch.equal(fns["A"](0), fns["B"](0)):
                 print(f"  note: {name} at {m} rows: the copy's output differs from the built op's")
             med = hot_cold_ms({key: lambda r, f=f: f(0 if r is None else 1 + r % 7)
-                               for key, f in fns.items()}, 30)
+                               for key, f in fns.items()}, rounds)
             print(f"| {m} | {name} | {n * k * 4 / 1e6:.1f} | {hot_cold_cells(med)} |")
 
 
@@ -332,7 +332,8 @@ def attention_pools(shape: AttentionShape, layout: str,
     return kv[0], kv[1]
 
 
-def ab_attention(configs: list[AttentionShape], layout: str = "head-major") -> None:
+def ab_attention(configs: list[AttentionShape], rounds: int,
+                 layout: str = "head-major") -> None:
     t, x = torch.ops.tetri, torch.ops.tetrix
     gen = torch.Generator().manual_seed(0)
     print(f"| decode attention ({layout} pool) | KV MB | hot A / B ms | B/A | cold A / B ms | B/A "
@@ -351,7 +352,7 @@ def ab_attention(configs: list[AttentionShape], layout: str = "head-major") -> N
         fns["B"]()
         if not torch.equal(outs["A"], outs["B"]):
             print(f"  note: {shape}: the copy's output differs from the built op's")
-        med = hot_cold_ms({key: lambda r, f=f: f() for key, f in fns.items()}, 20)
+        med = hot_cold_ms({key: lambda r, f=f: f() for key, f in fns.items()}, rounds)
         mb = 2 * pool_k.numel() * 4 / 1e6
         print(f"| {shape} | {mb:.1f} | {hot_cold_cells(med)} | "
               f"{mb / med[('A', 'cold')]:.1f} |")
@@ -374,7 +375,9 @@ def main() -> int:
     ap.add_argument("--decode", default="32x128,32x1024", help="BxC list; empty: none")
     ap.add_argument("--prefill", default="",
                     help="prompt lengths, N or N/CHUNK, e.g. 512,1024/256; empty: none")
-    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="A/B rounds of every section (default: 8 for decode and prefill, 30 "
+                         "for the linears, 20 for attention)")
     ap.add_argument("--attention", default="1x512,32x128,32x1024",
                     help="BxC or BxC:H/KxD list for a ragged_attention copy; empty: none")
     ap.add_argument("--attention-layout", choices=("head-major", "token-major"),
@@ -382,6 +385,8 @@ def main() -> int:
     ap.add_argument("--linear-rows", default="1,16,32,256", help="empty: none")
     ap.add_argument("--cpu", type=int, default=0)
     args = ap.parse_args()
+    if args.rounds is not None and args.rounds < 1:
+        ap.error("--rounds must be at least 1")
     layouts = tuple(args.pool_layouts.split(",")) if args.pool_layouts else None
     if layouts is not None and len(layouts) != 2:
         ap.error("--pool-layouts takes two layouts, A,B")
@@ -403,16 +408,16 @@ def main() -> int:
           f"{pools}\n")
     arms = make_arms(args.model, replaced, layouts)  # type: ignore[arg-type]
     if args.decode:
-        ab_decode(shapes(args.decode), args.rounds, arms)
+        ab_decode(shapes(args.decode), args.rounds or 8, arms)
         print()
     if args.prefill:
-        ab_prefill(args.prefill.split(","), args.rounds, arms)
+        ab_prefill(args.prefill.split(","), args.rounds or 8, arms)
         print()
     if args.attention and "ragged_attention.cpp" in replaced:
-        ab_attention(attention, args.attention_layout)
+        ab_attention(attention, args.rounds or 20, args.attention_layout)
         print()
     if args.linear_rows and "linear_ops.cpp" in replaced:
-        ab_linears([int(v) for v in args.linear_rows.split(",")])
+        ab_linears([int(v) for v in args.linear_rows.split(",")], args.rounds or 30)
     return 0
 
 

@@ -157,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="the Triton kernel's programs per query head, not per KV head group")
     ap.add_argument("--out", default=None, help="model folder (default: a temporary one)")
     args = ap.parse_args(argv)
+    if args.steps < 1:
+        ap.error("--steps must be at least 1")
     device = torch.device(args.device)
     if args.per_head_attention:
         from tetri_server.engine.ops import triton_attention  # needs Triton
@@ -221,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(2):  # interleaved
             for name, g, kern in variants:
                 eng.runner.graphs, eng.model.kernels = g, kern
-                times[name] += step_times(run, args.steps // 2, eng.device)
+                times[name] += step_times(run, max(1, args.steps // 2), eng.device)
         tables: dict[str, str] = {}
         for name, g, kern in variants[:2] if args.profile else ():
             eng.runner.graphs, eng.model.kernels = g, kern
