@@ -251,6 +251,38 @@ async def test_a_stopped_decode_worker_is_noticed_and_its_streams_move(tiny_llam
         await cluster.stop()
 
 
+async def test_a_stalled_worker_that_does_not_die_when_killed_is_taken_for_dead(tiny_llama):
+    """A stalled worker stuck in the kernel (a GPU driver call) survives SIGKILL for as long
+    as the call lasts. Regression: its streams waited for its exit, or for their timeout;
+    now, 5 s after the kill, it is taken for dead: its streams are re-run on the other decode
+    worker (outputs equal transformers) and it restarts. Emulated: SIGSTOP, and the stall
+    check's kill does nothing."""
+    cluster = make_cluster(tiny_llama, "disaggregated", "cluster.decode_workers=2",
+                           "monitor.stall_timeout_s=2", "cluster.restart_backoff_s=0.1")
+    prompts = random_prompts(8, 8000, (10, 100), seed=41)
+    params = SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True)
+    ref = hf_greedy(tiny_llama, prompts, params.max_tokens)
+    await cluster.start()
+    stuck = None
+    try:
+        jobs = [asyncio.create_task(collect(cluster, p, params)) for p in prompts]
+        await until(lambda: any(r.state.value == "decode" and r.output_ids
+                                for r in cluster.requests.values()), 60, "a request decodes")
+        victim = next(r.owner for r in cluster.requests.values() if r.state.value == "decode")
+        stuck = cluster.workers[victim].proc
+        stuck.kill = lambda: None  # type: ignore[method-assign]  # SIGKILL does not take
+        kill(cluster, victim, signal.SIGSTOP)
+        got = await asyncio.wait_for(asyncio.gather(*jobs), 60)
+        assert got == ref
+        assert stuck.poll() is None  # it never exited: it was taken for dead
+        await until(cluster.is_ready, 60, "the worker is back, restarted")
+    finally:
+        if stuck is not None:
+            os.kill(stuck.pid, signal.SIGKILL)
+            stuck.wait(10)
+        await cluster.stop()
+
+
 async def test_killing_one_of_two_prefill_workers_loses_nothing(tiny_llama):
     cluster = make_cluster(tiny_llama, "disaggregated", "cluster.prefill_workers=2",
                            "cluster.restart_backoff_s=0.1")

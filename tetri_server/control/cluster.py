@@ -305,6 +305,7 @@ class Cluster:
         view to every prefill worker, the flip policy."""
         now = time.monotonic()
         self.monitor.check_stalls(now)
+        self.supervisor.abandon_stuck(now)
         wait = self.cfg.cluster.worker_wait_s
         for req in self.table.expired(now, self.router.has_live("decode")):
             self.fail(req, f"no worker could take the request within {wait:g} s "

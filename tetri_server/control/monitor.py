@@ -167,7 +167,7 @@ class Monitor:
             if silent > bound:
                 log.error("worker %d (%s) sent nothing and stamped no heartbeat for %.1f s: "
                           "stalled; killing it", h.worker_id, h.role, silent)
-                h.stalled = True
+                h.stalled, h.killed_s = True, now_s
                 self.metrics.inc_stalls()
                 self.metrics.set_up(h.worker_id, False)
                 h.proc.kill()

@@ -53,6 +53,7 @@ class WorkerHandle:
     alive: bool = True
     last_heard_s: float = field(default_factory=time.monotonic)  # any message (load reports)
     stalled: bool = False  # silent past monitor.stall_timeout_s: killed, not to be used
+    killed_s: float = 0.0  # when the stall check killed it (monotonic; 0: not killed)
     start_error: str | None = None  # its StartFailed: why it exits before it is ready
     # called with a message that can never be sent (larger than the worker's ring, or
     # not encodable) and why; the messages after it keep flowing
@@ -136,10 +137,11 @@ def spawn_worker(worker_id: int, role: str, generation: int, run_id: str,
     return handle
 
 
-def reap(handle: WorkerHandle) -> int | None:
+def reap(handle: WorkerHandle, wait_s: float = REAP_WAIT_S) -> int | None:
     """After the worker exited (or to clean up): deliver what it sent before it died (a
     StepFailed naming the requests that crashed it, a StartFailed naming why it did not start,
-    tokens, hand-offs), stop watching, unlink its segments."""
+    tokens, hand-offs), stop watching, unlink its segments. ``wait_s``: how long its exit may
+    block this loop (0: a killed worker that has not gone is left behind at once)."""
     loop = asyncio.get_running_loop()
     if handle.receiver is not None and handle.alive:
         try:
@@ -163,10 +165,10 @@ def reap(handle: WorkerHandle) -> int | None:
             f"worker {handle.worker_id} ({handle.role}) exited with code "
             f"{handle.proc.poll()} before it was ready{why}"))
     try:  # at once after its exit; after a kill, a process stuck in the kernel may not go
-        return handle.proc.wait(REAP_WAIT_S)
+        return handle.proc.wait(wait_s)
     except subprocess.TimeoutExpired:
-        log.error("worker %d (pid %d) did not exit %.0f s after it was killed; left behind",
-                  handle.worker_id, handle.proc.pid, REAP_WAIT_S)
+        log.error("worker %d (pid %d) did not exit after it was killed; left behind",
+                  handle.worker_id, handle.proc.pid)
         return None
 
 
@@ -229,14 +231,25 @@ class Supervisor:
     def on_ready(self, h: WorkerHandle) -> None:
         self.restarts.on_ready(h.worker_id, time.monotonic())
 
-    def _on_exit(self, h: WorkerHandle) -> None:
-        code = reap(h)
+    def _on_exit(self, h: WorkerHandle, wait_s: float = REAP_WAIT_S) -> None:
+        code = reap(h, wait_s)
         if self.stopping or not self.started:
             return  # start() reports a worker that dies before it is ready
         log.error("worker %d (%s) exited with code %s", h.worker_id, h.role, code)
         self._on_death(h, code)
         if self.cfg.cluster.restart_workers:
             self._schedule_restart(h.worker_id, h.role)
+
+    def abandon_stuck(self, now_s: float) -> None:
+        """A worker killed as stalled ``REAP_WAIT_S`` ago that still has not exited (stuck in
+        the kernel: a GPU driver call may hold it for minutes) is taken for dead now, without
+        its exit: its requests run again elsewhere and it restarts, instead of all of them
+        waiting for its exit (or their timeout)."""
+        for h in list(self.workers.values()):
+            if h.alive and h.killed_s and now_s - h.killed_s > REAP_WAIT_S:
+                log.error("worker %d (pid %d) has not exited %.0f s after it was killed: "
+                          "taken for dead", h.worker_id, h.proc.pid, now_s - h.killed_s)
+                self._on_exit(h, wait_s=0.0)
 
     def _schedule_restart(self, worker_id: int, role: str) -> None:
         """After a death, or a restart that could not even spawn: back off and try again, or
