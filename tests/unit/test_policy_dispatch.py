@@ -227,3 +227,28 @@ def test_an_aborted_hand_off_is_forgotten_by_the_book() -> None:
     assert [plan.req_id for _, plan in book.dispatch()] == [1]  # 13 of 20 blocks
     book.remove(1)  # aborted before the decode worker read it
     assert [plan.req_id for _, plan in book.dispatch()] == [2]
+
+
+def test_a_new_dispatcher_of_the_same_worker_is_not_taken_for_read_by_its_predecessors() -> None:
+    """Regression (review of session 64): the decode workers report the last seq they read
+    from each prefill worker id; a restarted or flipped prefill worker's new dispatcher counted
+    from 1 again, so its first plans looked read at once and a second request went into the
+    same room. A new dispatcher starts above every seq of the ones before it."""
+    import time
+
+    def view(seq: int, read: dict[int, int]) -> DecodeView:
+        return DecodeView(seq, [DecodeInstanceView(1, 100, 1000, 0, 0, 0, report_seq=seq,
+                                                   handoffs_read=read, incarnation=1)], seq)
+
+    old = TetriDispatcher(random.Random(0), block_size=BLOCK, granularity=200, source=0,
+                          first_seq=time.monotonic_ns() // 1000)
+    old.on_view(view(1, {}))
+    last = [old.plan(i, 10, 0) for i in range(3)][-1]
+    assert last is not None
+    new = TetriDispatcher(random.Random(0), block_size=BLOCK, granularity=200, source=0,
+                          first_seq=time.monotonic_ns() // 1000)  # as PrefillRole makes it
+    new.on_view(view(2, {0: last.seq}))  # what the old one sent has been read
+    first = new.plan(10, 1000, 1)  # 75 blocks
+    assert first is not None and first.seq > last.seq
+    new.on_view(view(3, {0: last.seq}))  # a newer report, not of the new one's hand-off
+    assert new.plan(11, 1000, 1) is None

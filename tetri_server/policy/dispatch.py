@@ -55,14 +55,16 @@ class _ViewTracker:
     """The last view plus this worker's own dispatches since it."""
 
     def __init__(self, *, block_size: int, granularity: int, heavy_threshold: int,
-                 source: int = -1) -> None:
+                 source: int = -1, first_seq: int = 1) -> None:
         self.block_size = block_size
         self.granularity = granularity
         self.heavy_threshold = heavy_threshold
         self.source = source  # the prefill worker's id: the key of ``handoffs_read``
         self.view: DecodeSnapshot | None = None
         self._since_view: dict[int, DispatchPlan] = {}  # req_id -> plan
-        self._num_plans = 0
+        # the first plan's seq, less one: above every seq an earlier dispatcher of this
+        # source sent (a restart, a flip), whose last read the decode workers still report
+        self._num_plans = first_seq - 1
 
     def on_view(self, view: DecodeSnapshot) -> bool:
         """Adopt ``view`` if newer than the current one; returns whether it was adopted. An
@@ -177,10 +179,11 @@ class TetriDispatcher(_ViewTracker):
         granularity: int = 200,
         heavy_threshold: int = 128,
         source: int = -1,
+        first_seq: int = 1,
     ) -> None:
         super().__init__(
             block_size=block_size, granularity=granularity, heavy_threshold=heavy_threshold,
-            source=source,
+            source=source, first_seq=first_seq,
         )
         self.rng = rng
 
@@ -209,10 +212,10 @@ class RoundRobinDispatcher(_ViewTracker):
     report count their bucket's lower end (at least what they hold)."""
 
     def __init__(self, *, block_size: int, granularity: int = 200, heavy_threshold: int = 128,
-                 source: int = -1):
+                 source: int = -1, first_seq: int = 1):
         super().__init__(
             block_size=block_size, granularity=granularity, heavy_threshold=heavy_threshold,
-            source=source,
+            source=source, first_seq=first_seq,
         )
         self._last_worker = -1
 

@@ -57,13 +57,15 @@ class PrefillInstance(_Decoding):
         cfg = sim.cfg
         self.chunker = Chunker(cfg.chunk_size, block_size=self.block_size,
                                overtake_share=cfg.overtake_share, finish_alone=cfg.finish_alone)
+        # seqs above those of a dispatcher this instance had before a flip (PrefillRole's)
+        stamp = dict(source=worker_id, first_seq=int(sim.loop.now_s * 1e6) + 1)
         dispatcher: Dispatcher = (
             TetriDispatcher(random.Random(cfg.seed + worker_id), block_size=self.block_size,
                             granularity=cfg.granularity, heavy_threshold=cfg.heavy_decode_tokens,
-                            source=worker_id)
+                            **stamp)
             if cfg.dispatch == "power-of-two"
             else RoundRobinDispatcher(block_size=self.block_size, granularity=cfg.granularity,
-                                      heavy_threshold=cfg.heavy_decode_tokens, source=worker_id))
+                                      heavy_threshold=cfg.heavy_decode_tokens, **stamp))
         self.book: PrefillBook[SimSeq] = PrefillBook(
             PrefillQueue(cfg.prefill_policy, cfg.sched_batch, starve_tokens=cfg.starve_tokens),
             dispatcher)

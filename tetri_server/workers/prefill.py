@@ -72,13 +72,16 @@ class PrefillRole(Role):
         self.predictor = w.predictor()
         gran = self.predictor.granularity
         heavy = cfg.predictor.heavy_decode_tokens
+        # seqs above any an earlier process or role of this worker id sent: microseconds of
+        # the system-wide monotonic clock (one plan takes far longer than one)
+        stamp = dict(source=self.w.worker_id, first_seq=time.monotonic_ns() // 1000)
         dispatcher: Dispatcher = (
             TetriDispatcher(random.Random(cfg.dispatch.seed + self.w.worker_id),
                             block_size=self.w.block_size, granularity=gran, heavy_threshold=heavy,
-                            source=self.w.worker_id)
+                            **stamp)
             if cfg.dispatch.policy == "power-of-two"
             else RoundRobinDispatcher(block_size=self.w.block_size, granularity=gran,
-                                      heavy_threshold=heavy, source=self.w.worker_id))
+                                      heavy_threshold=heavy, **stamp))
         self.book: PrefillBook[Sequence] = PrefillBook(
             PrefillQueue(cfg.prefill.policy, cfg.prefill.sched_batch,
                          starve_tokens=cfg.prefill.starve_tokens), dispatcher)
