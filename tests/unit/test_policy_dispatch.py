@@ -252,3 +252,19 @@ def test_a_new_dispatcher_of_the_same_worker_is_not_taken_for_read_by_its_predec
     assert first is not None and first.seq > last.seq
     new.on_view(view(3, {0: last.seq}))  # a newer report, not of the new one's hand-off
     assert new.plan(11, 1000, 1) is None
+
+
+def test_round_robin_leaves_routed_prompts_their_room_and_sends_what_never_fits() -> None:
+    """Regression (review of session 64): round-robin sent hand-offs into the blocks of a
+    prompt routed to an elastic decode worker, which refused each (stalling the sender until
+    the next view); and it held for ever a request whose prompt and first token need more
+    blocks than the pool has (the simulator never ended), where the power-of-two dispatcher
+    sends it to an empty worker, which fails it."""
+    rr = RoundRobinDispatcher(block_size=BLOCK, granularity=200)
+    queued = DecodeInstanceView(0, 60, 100, 0, 0, 0, num_queued_prompt_tokens=800)
+    rr.on_view(DecodeView(seq=1, decodes=[queued]))
+    assert rr.plan(1, 400, 1) is None  # 26 blocks; 60 free less the prompt's 50
+    assert rr.plan(2, 100, 1) is not None  # 7 blocks fit beside it
+    rr = RoundRobinDispatcher(block_size=BLOCK, granularity=200)
+    rr.on_view(DecodeView(seq=1, decodes=[inst(0, free=4, total=4)]))
+    assert rr.plan(1, 64, 1) is not None  # 5 blocks with its first token: all 4 of them

@@ -208,8 +208,10 @@ class TetriDispatcher(_ViewTracker):
 
 class RoundRobinDispatcher(_ViewTracker):
     """Baseline: decode workers in turn by id, skipping those without free blocks for the
-    prompt and its first token. Ignores reservations; its own dispatches since a worker's
-    report count their bucket's lower end (at least what they hold)."""
+    prompt and its first token beside the prompts routed to them (capped at the pool, as
+    ``TetriDispatcher``'s: one that can never fit goes to an empty worker and fails there).
+    Ignores reservations; its own dispatches since a worker's report count their bucket's
+    lower end (at least what they hold)."""
 
     def __init__(self, *, block_size: int, granularity: int = 200, heavy_threshold: int = 128,
                  source: int = -1, first_seq: int = 1):
@@ -222,7 +224,9 @@ class RoundRobinDispatcher(_ViewTracker):
     def plan(self, req_id: int, num_prompt_tokens: int, bucket: int,
              max_tokens: int | None = None, min_output: int = 1) -> DispatchPlan | None:
         need = num_blocks_for(num_prompt_tokens + max(min_output, 1), self.block_size)
-        fits = [d for d in self.instances() if d.num_free_blocks >= need]
+        fits = [d for d in self.instances()
+                if d.num_free_blocks - num_blocks_for(d.num_queued_prompt_tokens, self.block_size)
+                >= min(need, d.num_total_blocks)]
         if not fits:
             return None
         later = [d for d in fits if d.worker_id > self._last_worker]
