@@ -37,21 +37,29 @@ def test_a_heavy_tail_raises_the_expected_remaining_length_as_a_request_runs() -
     assert remaining == sorted(remaining) and remaining[-1] > 3 * remaining[0]
 
 
-def test_responses_cut_at_the_data_cap_count_as_running_to_max_tokens() -> None:
-    """The data's responses were cut at 1024 tokens: past that, a request asking for more is
-    expected to run to its max_tokens, not to stop at the cut (it said 1021 at 1020 before)."""
+def test_responses_cut_at_the_data_cap_run_one_cap_further() -> None:
+    """The data's responses were cut at 1024 tokens: a request asking for more is expected to
+    run past the cut (it said 1021 at 1020 before session 63), by one cut's length (regression,
+    review of session 64: counted as running to max_tokens, a short request whose max_tokens
+    was the rest of a 32k context reserved 2,385 tokens in bucket 0 and 11,906 in the top one,
+    and dispatch to a decode worker stopped with its pool 6% used)."""
     lengths = [100, 300, 1024, 1024]
     cut = LengthTail.from_json(LengthTail.from_lengths({0: lengths}, 1, 20).to_json(), clip=1024)
-    assert cut.expected_output(0, 1, 4096) == -(-(100 + 300 + 4096 + 4096) // 4)
-    assert cut.expected_output(0, 1020, 4096) == 4096
-    assert cut.expected_output(0, 2000, 4096) == 4096  # past every length in the data
+    assert cut.expected_output(0, 1, 4096) == -(-(100 + 300 + 2048 + 2048) // 4)
+    assert cut.expected_output(0, 1020, 4096) == 2048
+    assert cut.expected_output(0, 2000, 4096) == 3024  # past every length in the data
+    assert cut.expected_output(0, 3500, 4096) == 4096
     assert cut.expected_output(0, 1, 1024) == 612  # a cap at the cut: nothing is censored
+    assert cut.expected_output(0, 1, 1500) == -(-(100 + 300 + 1500 + 1500) // 4)
     assert cut.expected_output(0, 1, 512) == (100 + 300 + 512 + 512) // 4
     for name in shipped_artifacts():
         for kind in ("classifier", "oracle", "none"):
             tail = tails.load(kind, name)
             top = tail.num_buckets - 1
             assert tail.expected_output(top, 1030, 2048) == 2048, (name, kind)
+            for bucket in range(tail.num_buckets):
+                est = tail.expected_output(bucket, 1, 32668)
+                assert est is None or est <= 2048, (name, kind, bucket)
 
 
 def test_a_bucket_past_the_last_row_uses_the_last() -> None:

@@ -89,10 +89,12 @@ class LengthTail:
 
         Resolution is one bin: the bin holding ``num_generated`` counts whole, and lengths in
         the bin holding ``max_tokens`` count as ``max_tokens`` (an over-estimate < one bin).
-        Censored responses (``clip``) could have run to any ``max_tokens`` above the clip, so
-        past it they count as ``max_tokens`` (from the clip's bin on), and a request that has
-        generated ``clip`` tokens or more is expected to run to ``max_tokens`` if the bucket
-        has any censored response.
+        Censored responses (``clip``) ran at least to the clip, how much further the data
+        cannot say: from the clip's bin on each counts as ``2 x clip`` (at most
+        ``max_tokens``), and a request that has generated ``g >= clip`` tokens is expected to
+        run to ``g + clip`` (at most ``max_tokens``): a mean remaining length of one clip past
+        the cut. (Counting them as ``max_tokens`` made a short request whose ``max_tokens`` is
+        the rest of a long context reserve thousands of tokens.)
         """
         row = min(max(bucket, 0), self.num_buckets - 1)
         count_ge, sum_ge = self._count_ge[row], self._sum_ge[row]
@@ -102,9 +104,12 @@ class LengthTail:
         if count_ge[k] == 0:
             return None
         if num_generated >= cap:  # only censored responses are this long
-            return max_tokens
-        c = min(max(cap // self.bin_tokens, k), num_bins)  # bins >= c count as the cap
-        total = sum_ge[k] - sum_ge[c] + max_tokens * count_ge[c]
+            return max_tokens if self.clip is None else min(max_tokens,
+                                                            num_generated + self.clip)
+        past = (max_tokens if self.clip is None or max_tokens <= self.clip
+                else min(max_tokens, 2 * self.clip))  # what a length at or past the cap counts
+        c = min(max(cap // self.bin_tokens, k), num_bins)  # bins >= c count as ``past``
+        total = sum_ge[k] - sum_ge[c] + past * count_ge[c]
         est = -(-total // count_ge[k])
         return max(min(est, max_tokens), min(num_generated + 1, max_tokens))
 
