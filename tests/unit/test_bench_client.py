@@ -142,6 +142,22 @@ async def test_concurrency_cap_delays_sends(server: tuple[str, dict[str, object]
     assert waits[-1] >= 2 * FIRST_TOKEN_S  # the last pair waited for two earlier pairs
 
 
+async def test_requests_waiting_for_the_cap_are_not_cut_by_the_run_deadline(
+    server: tuple[str, dict[str, object]], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Regression (review of session 64): the run's deadline was the last arrival plus one
+    request's timeout, whatever the concurrency cap: six requests sent at once one at a time
+    (as calibration and warm-up send theirs), each well inside its own timeout, lost the last
+    ones to the deadline as failures (never-sent ones with no error at all)."""
+    import tetri_server.bench.client as client
+
+    monkeypatch.setattr(client, "RUN_DEADLINE_MARGIN_S", 0.0)
+    url, _ = server
+    cfg = ClientConfig(url, "m", max_concurrency=1, request_timeout_s=0.6, progress=False)
+    run = await run_benchmark([_req(i, "ok", 2) for i in range(6)], cfg, False)  # 0.2 s each
+    assert [r.error for r in run.records] == [None] * 6
+
+
 def test_sse_parser_handles_any_split() -> None:
     stream = (
         b'data: {"a": 1}\r\n\r\n: comment\n\nevent: error\ndata: x\ndata: y\n\ndata: [DONE]\n\n'
@@ -164,6 +180,20 @@ def test_progress_bar_text() -> None:
     lines = out.getvalue().splitlines()
     assert lines[0].startswith("coupled/LPLD 1/4 [") and "25%" in lines[0]
     assert lines[-1].startswith("coupled/LPLD 4/4 [" + "=" * 30 + "] 100% errors 1")
+
+
+def test_a_one_token_reply_in_one_terminal_chunk_without_text_is_its_token() -> None:
+    """Regression (review of session 64): max_tokens 1 streams one chunk with the token and
+    its finish_reason; a token whose text is held back (part of a character, a skipped special
+    token) has no text there, and the request counted as failed ("no tokens") though usage
+    said 1, as ``vllm bench serve`` would not."""
+    rec = RequestRecord(0, "HPLD", 3, 1, 0.0, send_s=0.0)
+    for t, ev in enumerate([{"choices": [{"index": 0, "text": "", "finish_reason": "length"}]},
+                            {"choices": [], "usage": {"prompt_tokens": 3,
+                                                      "completion_tokens": 1}}]):
+        assert _on_event(SSEEvent(json.dumps(ev)), rec, float(t)) is False
+    assert _on_event(SSEEvent("[DONE]"), rec, 9.0) is True
+    assert rec.token_times_s == [0.0] and rec.first_token_s == 0.0 and rec.error is None
 
 
 def test_terminal_chunk_without_text_is_not_a_token() -> None:

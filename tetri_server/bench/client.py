@@ -4,8 +4,9 @@ Each request is sent at its ``arrival_s`` whether or not earlier ones have finis
 an optional concurrency cap delays sending, and that delay is recorded (``send_s - arrival_s``).
 Times are seconds from the run's start on ``time.perf_counter``. Token arrivals are counted the
 way ``vllm bench serve`` counts them: every streamed chunk that carries a choice is one arrival,
-except a terminal chunk with no text and a ``finish_reason``. Every wait is bounded: connect,
-silence inside a stream, whole request, whole run.
+except a terminal chunk with no text and a ``finish_reason`` after other arrivals. Every wait is
+bounded: connect, silence inside a stream, whole request, whole run (with a concurrency cap,
+long enough for every request to wait its turn).
 """
 
 from __future__ import annotations
@@ -134,7 +135,11 @@ def _on_event(ev: SSEEvent, rec: RequestRecord, now_s: float) -> bool:
     choices = obj.get("choices") or []
     if choices and rec.error is None:
         choice = choices[0]
-        if choice.get("text") or choice.get("finish_reason") is None:
+        # the terminal chunk is a token too when none came before: a one-token reply whose
+        # text is held back (part of a character, a skipped special token) ends in one chunk
+        # with no text and its finish_reason
+        if (choice.get("text") or choice.get("finish_reason") is None
+                or rec.first_token_s is None):
             rec.token_times_s.append(now_s)
             if rec.first_token_s is None:
                 rec.first_token_s = now_s
@@ -248,7 +253,9 @@ async def run_benchmark(
     ]
     cap = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
     deadline_s = max((r.arrival_s for r in requests), default=0.0)
-    deadline_s += cfg.request_timeout_s + RUN_DEADLINE_MARGIN_S
+    # a request waits for the cap at most as long as the ones before it take (each bounded)
+    turns = 1 if cap is None else -(-len(requests) // cfg.max_concurrency)
+    deadline_s += turns * cfg.request_timeout_s + RUN_DEADLINE_MARGIN_S
     # limit=0: the connector must not become a hidden concurrency cap (aiohttp's default is 100)
     connector = aiohttp.TCPConnector(limit=0)
     progress = Progress(len(requests), enabled=cfg.progress, label=cfg.label)
@@ -271,6 +278,9 @@ async def run_benchmark(
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            for rec in records:
+                if rec.send_s is None:
+                    rec.error = rec.error or "not sent before the run deadline"
         finally:
             progress.close()
         ends = [r.end_s for r in records if r.end_s is not None]
