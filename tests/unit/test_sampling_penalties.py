@@ -53,6 +53,20 @@ def test_repetition_penalty_on_prompt_and_output_divides_positive_multiplies_neg
     assert row[3] == 3.0  # unseen: untouched
 
 
+def test_repetition_penalty_goes_before_presence_and_frequency_as_in_vllm() -> None:
+    """Regression (review of session 64): presence/frequency were subtracted first, and the
+    repetition penalty then divided or multiplied by the sign of the changed logit. vLLM
+    applies repetition first: here its greedy token is 1, ours was 0."""
+    logits = torch.tensor([[1.0, -0.7, -5.0, -5.0]])
+    p = SamplingParams(temperature=0.0, presence_penalty=1.5, repetition_penalty=1.3,
+                       max_tokens=5)
+    seq = Sequence(0, [2, 0], 1, p)  # prompt [2], output [0]
+    # vLLM: 1.0 / 1.3 - 1.5 for token 0; -5.0 * 1.3 for the prompt's token 2
+    want = torch.tensor([1.0 / 1.3 - 1.5, -0.7, -6.5, -5.0])
+    assert torch.allclose(penalize(logits[0], seq), want)
+    assert sample(logits, [seq])[0] == [1]
+
+
 def test_greedy_with_penalties_avoids_repeating() -> None:
     greedy = dict(temperature=0.0)
     plain = sample(logits(ROW), [seq([0], [4], **greedy)])[0]

@@ -62,7 +62,8 @@ def _sanitize(logits: torch.Tensor) -> torch.Tensor:
 
 def penalize(row: torch.Tensor, seq: Sequence) -> torch.Tensor:
     """row: [V] raw logits of ``seq``; returns a new row with its logit bias and penalties
-    applied. Counts: output tokens for presence/frequency, prompt + output for repetition."""
+    applied, in vLLM's order: bias, repetition, frequency, presence. Counts: output tokens for
+    presence/frequency, prompt + output for repetition."""
     p = seq.params
     row = row.float().clone()
     vocab = row.shape[-1]
@@ -70,18 +71,18 @@ def penalize(row: torch.Tensor, seq: Sequence) -> torch.Tensor:
         ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=row.device)
         bias = torch.tensor(list(p.logit_bias.values()), dtype=row.dtype, device=row.device)
         row.index_add_(0, ids.clamp(0, vocab - 1), bias)
+    if p.repetition_penalty != 1.0 and p.repetition_penalty > 0:  # first, as in vLLM
+        seen = torch.tensor(sorted({t for t in seq.token_ids if 0 <= t < vocab}),
+                            dtype=torch.long, device=row.device)
+        vals = row[seen]
+        row[seen] = torch.where(vals > 0, vals / p.repetition_penalty,
+                                vals * p.repetition_penalty)
     if p.presence_penalty or p.frequency_penalty:
         out = [t for t in seq.generated_ids if 0 <= t < vocab]
         if out:
             counts = torch.bincount(torch.tensor(out, device=row.device), minlength=vocab)
             row -= p.frequency_penalty * counts.to(row.dtype)
             row -= p.presence_penalty * (counts > 0).to(row.dtype)
-    if p.repetition_penalty != 1.0 and p.repetition_penalty > 0:
-        seen = torch.tensor(sorted({t for t in seq.token_ids if 0 <= t < vocab}),
-                            dtype=torch.long, device=row.device)
-        vals = row[seen]
-        row[seen] = torch.where(vals > 0, vals / p.repetition_penalty,
-                                vals * p.repetition_penalty)
     return row
 
 
