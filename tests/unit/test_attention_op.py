@@ -402,3 +402,26 @@ def test_triton_kernel_logic_in_the_interpreter():
     """The CUDA kernel's indexing, masks and online softmax, run by Triton's CPU interpreter."""
     proc = run_interpreted(TRITON_SCRIPT)
     assert proc.returncode == 0 and "TRITON OK 24" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_the_triton_launch_fits_cudas_grid_limits_for_a_128k_step(monkeypatch):  # type: ignore[no-untyped-def]
+    """Regression (review of session 64): the row blocks were on grid axis 2, whose CUDA limit
+    is 65,535: with a GQA group of 9 (one query row a program) a step of 140,000 tokens (a 128k
+    prompt, coupled mode) failed to launch, killing the worker. They are on axis 0 now."""
+    triton_attention = pytest.importorskip("tetri_server.engine.ops.triton_attention")
+    grids = []
+
+    class Launch:
+        def __getitem__(self, grid):  # type: ignore[no-untyped-def]
+            grids.append(grid)
+            return lambda *args, **kwargs: None
+
+    monkeypatch.setattr(triton_attention, "_ragged_attention_kernel", Launch())
+    tokens = 140_000
+    q = torch.zeros(tokens, 9, 1)
+    pool = torch.zeros(1, tokens, 1)
+    meta = (torch.tensor([0]), torch.tensor([tokens]), torch.tensor([tokens]), torch.tensor([0]))
+    triton_attention.ragged_attention_triton(q, pool, pool, torch.empty_like(q), *meta, 1.0, 0,
+                                             pack_groups=True)
+    [grid] = grids
+    assert grid[0] == tokens and grid[0] < 2**31 and max(grid[1:]) <= 65_535

@@ -41,9 +41,9 @@ def _ragged_attention_kernel(Q, K, V, Out, QS, QL, CL, KS, scale, window,  # noq
                              BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
     """HEADS query heads (a KV head's group, or 1) x BLOCK_Q query rows per program, stacked
     head-major in TILE >= HEADS * BLOCK_Q tile rows."""
-    seq = tl.program_id(0)
+    mb = tl.program_id(0)  # axis 0: up to 2**31 - 1 programs (axes 1 and 2: 65,535)
     head_block = tl.program_id(1)
-    mb = tl.program_id(2)
+    seq = tl.program_id(2)
     q_start = tl.load(QS + seq).to(tl.int64)
     q_len = tl.load(QL + seq).to(tl.int64)
     ctx = tl.load(CL + seq).to(tl.int64)
@@ -118,7 +118,9 @@ def ragged_attention_triton(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch
     groups = heads // kv_heads
     per_program = groups if (PACK_GROUPS if pack_groups is None else pack_groups) else 1
     block_q = max(1, BLOCK_M // per_program)
-    grid = (num_seqs, heads // per_program, triton.cdiv(tokens, block_q))
+    # the row blocks on axis 0: a step of over 65,535 x block_q tokens (a 128k prompt) would
+    # not launch on axis 2; a batch of over 65,535 sequences never comes
+    grid = (triton.cdiv(tokens, block_q), heads // per_program, num_seqs)
     _ragged_attention_kernel[grid](
         q, pool_k, pool_v, out, q_start, q_len, ctx_len, kv_start, float(scale), int(window),
         q.stride(0), q.stride(1), pool_k.stride(0), pool_k.stride(1), out.stride(0),
