@@ -113,3 +113,23 @@ def test_a_worker_that_stops_reporting_is_forgotten() -> None:
     without_1 = [r for r in at(10.0) if r.worker_id != 1]
     assert policy.plan(without_1, 10.0) is None
     assert policy.plan(at(11.0), 11.0) is None  # worker 1 starts a fresh window
+
+
+def test_a_blocked_worker_with_a_queue_is_not_taken_for_idle() -> None:
+    """Regression (review of session 64): a prefill worker whose pool is full of KV waiting
+    for a saturated decode side runs no step, so its busy seconds stay flat: it looked under
+    10% used and was flipped, and its drain then had to push its whole queue (84 prompts)
+    into the overloaded decode side (the server cancels such a drain after 90 s, and the rule
+    picked it again after each cooldown). A worker with waiting requests is not a candidate."""
+    policy = FlipPolicy(window_s=60, idle_window_s=60, low_util=0.1, cooldown_s=120)
+    for i in range(700):
+        t = i * 0.1
+        assert policy.plan([report(0, "prefill", 0.0, waiting=84, running=22),
+                            report(1, "prefill", t * 0.9, waiting=2, running=18),
+                            report(2, "decode", t * 0.95, waiting=3, running=17)], t) is None
+    calm = FlipPolicy(window_s=60, idle_window_s=60, low_util=0.1, cooldown_s=120)
+    plans = [calm.plan([report(0, "prefill", t * 0.05, running=1),  # 5% used, no queue
+                        report(1, "prefill", t * 0.9, waiting=2, running=18),
+                        report(2, "decode", t * 0.95, waiting=3, running=17)], t)
+             for t in (i * 0.1 for i in range(700))]
+    assert any(p is not None and p.worker_id == 0 for p in plans)

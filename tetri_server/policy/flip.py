@@ -109,7 +109,10 @@ class FlipPolicy:
         candidates = [
             (s.utilisation, wid)
             for wid, s in stats.items()
-            if (s.idle or (s.complete and s.utilisation < self.low_util))
+            # a worker with a queue is not idle, whatever its steps: one blocked (its pool
+            # full of KV waiting for decode room) ran none, and would drain its whole queue
+            # into the overloaded side first
+            if (s.idle or (s.complete and s.utilisation < self.low_util and s.mean_waiting < 1.0))
             and self.refusal(s.role, len(by_role[s.role]), now_s) is None
             and overloaded[_other(s.role)]
         ]
