@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from tetri_server.bench.workload import WorkloadSpec
-from tetri_server.policy import Stage
+from tetri_server.policy import FlipPlan, Stage
 from tetri_server.sim.cli import main
 from tetri_server.sim.cluster import MODES, SimConfig, Simulation
 from tetri_server.sim.cost import CostModel
@@ -905,3 +905,57 @@ def test_no_hand_off_is_refused_for_a_report_that_predates_it() -> None:
     prefill = sim.instances[0]
     assert isinstance(prefill, PrefillInstance)
     assert prefill.num_rejected == 0
+
+
+def test_a_flip_whose_drain_outlasts_the_servers_timeout_is_cancelled() -> None:
+    """Review of session 64: the server cancels a drain after ``[server] drain_timeout_s`` +
+    60 s and the worker serves its old role again, and routes the requests parked meanwhile;
+    the simulator drained for ever (349 s and 604 s drains it reported as flips), and never
+    routed a parked request again."""
+    cost = CostModel(load_hardware("this-cpu"), load_model("bench"))
+    sim = Simulation(SimConfig(flip=True, flip_timeout_s=1.0), cost, [SimRequest(0, 50, 5, 0.0)])
+    busy = sim.instances[0]
+    plan = FlipPlan(busy.worker_id, "prefill", "decode", 0.0)
+    assert sim.flip_policy is not None
+    sim.flip_policy.begin(plan)
+    sim.draining[busy.worker_id] = plan
+    sim._drain_start_s[busy.worker_id] = 0.0
+    busy.is_drained = lambda: False  # type: ignore[method-assign]  # never drains
+    sim.loop.after(2.0, lambda: sim.flip_step(sim._serving()))
+    sim.run()
+    assert not sim.draining and sim.flips[-1]["cancelled"] is True
+    assert sim.requests[0].end_s is not None  # parked while it drained, routed after
+    assert sim.flip_policy.refusal("prefill", 2, 2.5) is not None  # the cooldown started
+
+
+def test_the_simulator_emulates_the_configs_predictor(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Regression (review of session 64): ``sim --config`` read only heavy_decode_tokens of
+    ``[predictor]``: every server config was simulated as a perfect oracle at g=200, whatever
+    its artifact and kind (the default classifier's held-out accuracy is 0.33)."""
+    from tetri_server.sim.cli import build_parser, sim_config
+
+    def cfg(text: str, *flags: str) -> SimConfig:
+        path = tmp_path / "c.toml"
+        path.write_text(text)
+        args = build_parser().parse_args(["--config", str(path), *flags,
+                                          "--json", str(tmp_path / "o")])
+        return sim_config(args, v100())
+
+    classifier = cfg('[predictor]\nartifact = "arena_g400"\n')
+    assert classifier.granularity == 400 and 0.2 < classifier.predictor_accuracy < 0.6
+    oracle = cfg('[predictor]\nkind = "oracle"\n')
+    assert (oracle.granularity, oracle.predictor_accuracy) == (200, 1.0)
+    none = '[predictor]\nkind = "none"\n[decode]\npolicy = "greedy"\n'
+    with pytest.raises(ValueError, match="predictor-accuracy"):
+        cfg(none)
+    assert cfg(none, "--predictor-accuracy", "0.5").predictor_accuracy == 0.5
+    assert cfg("[server]\ndrain_timeout_s = 10\n").flip_timeout_s == 70.0
+
+
+def test_the_sim_json_is_strict_and_its_folder_is_made(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Review of session 64: ``--paper`` wrote ``"load": Infinity`` (not JSON); a missing
+    ``--json`` folder lost the results after the whole run."""
+    out = tmp_path / "new" / "o.json"
+    assert main(["--workload", "LPLD", "--rate", "2", "--num-requests", "5",
+                 "--no-progress", "--json", str(out)]) == 0
+    json.loads(out.read_text())

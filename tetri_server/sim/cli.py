@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -235,6 +236,37 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _finite(obj: Any) -> Any:
+    """``obj`` with every infinite or NaN float as None: JSON has neither (``Infinity`` breaks
+    strict parsers such as jq)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def _emulated_predictor(section: dict[str, Any]) -> dict[str, Any]:
+    """The server's ``[predictor]`` as the simulator emulates it: its artifact's granularity,
+    and the accuracy of its kind (oracle: 1.0; classifier: the artifact's held-out accuracy);
+    ``predictor_unemulated`` for kind none."""
+    from tetri_server.predictor import artifact
+
+    out: dict[str, Any] = {}
+    meta = artifact.read_meta(artifact.resolve(section.get("artifact") or None))
+    out["granularity"] = int(meta["granularity"])
+    kind = section.get("kind")
+    if kind == "oracle":
+        out["predictor_accuracy"] = 1.0
+    elif kind == "classifier" and "accuracy" in meta.get("heldout", {}):
+        out["predictor_accuracy"] = float(meta["heldout"]["accuracy"])
+    elif kind == "none":
+        out["predictor_unemulated"] = True
+    return out
+
+
 def sim_config(args: argparse.Namespace, cost: CostModel) -> SimConfig:
     values: dict[str, Any] = {"max_model_len": args.max_model_len or cost.model.max_model_len}
     if args.config:
@@ -245,9 +277,15 @@ def sim_config(args: argparse.Namespace, cost: CostModel) -> SimConfig:
         for (section, key), name in CONFIG_KEYS.items():
             if key in cfg.get(section, {}):
                 values[name] = cfg[section][key]
+        values.update(_emulated_predictor(cfg.get("predictor", {})))
+        if "drain_timeout_s" in cfg.get("server", {}):  # FlipController.timeout_s
+            values["flip_timeout_s"] = float(cfg["server"]["drain_timeout_s"]) + 60.0
     for attr, name in FLAGS.items():
         if getattr(args, attr) is not None:
             values[name] = getattr(args, attr)
+    if values.pop("predictor_unemulated", None) and args.predictor_accuracy is None:
+        raise ValueError("the config's predictor.kind = none (every request in bucket 0) is "
+                         "not emulated: give --predictor-accuracy")
     if args.flip_window_s is not None:
         values["flip_idle_s"] = args.flip_window_s
     if values.get("chunk_size", 512) == 0:
@@ -296,6 +334,8 @@ def main(argv: list[str] | None = None) -> int:
         if given:
             parser.error(f"--paper runs the paper's requests and policies; it does not take "
                          f"{', '.join('--' + k.replace('_', '-') for k in given)}")
+    if args.json:  # before the run: a missing folder must not lose its results
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     try:
         if args.paper:
             from tetri_server.sim.paper import paper_table
@@ -322,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, PredictorError) as e:
         print(f"tetri-server sim: {e}", file=sys.stderr)
         return 2
-    Path(args.json).write_text(json.dumps(out, indent=1))
+    Path(args.json).write_text(json.dumps(_finite(out), indent=1, allow_nan=False))
     _print(out)
     return 0
 

@@ -97,6 +97,9 @@ class SimConfig:
     flip_low_load: float = 0.1  # [flip] low_load
     flip_min_interval_s: float = 120.0  # [flip] min_interval_s (the policy's cooldown)
     flip_switch_s: float = 0.006  # drained -> serving in the new role (paper: 5-7 ms)
+    # a drain not done by then is cancelled (FlipController.timeout_s: [server]
+    # drain_timeout_s + 60 s) and the worker serves its old role again
+    flip_timeout_s: float = 90.0
     # The paper's mock KV transfer (its KV precomputed offline): a prefilled prompt's blocks
     # are freed on the prefill instance at once, so it never waits for decode room or the
     # pull; the decode side still reserves the KV and waits bytes / bandwidth. Not the server.
@@ -192,6 +195,7 @@ class Simulation:
                                        cooldown_s=cfg.flip_min_interval_s)
                             if cfg.flip and cfg.mode == "disaggregated" else None)
         self.draining: dict[int, FlipPlan] = {}  # flipping instances: no new work
+        self._drain_start_s: dict[int, float] = {}  # when each began to drain
         self._switching: set[int] = set()  # drained, switch under way
         self.flips: list[dict[str, object]] = []
         # worker id -> (preemptions, waiting-KV drops) of the roles it flipped from
@@ -305,15 +309,31 @@ class Simulation:
         once drained it switches role in place (same id and pool) after ``flip_switch_s``."""
         assert self.flip_policy is not None
         now = self.loop.now_s
-        for wid, plan in self.draining.items():
+        for wid, plan in list(self.draining.items()):
             inst = self.instances[wid]
-            if wid in self._switching or inst.busy or not inst.is_drained():
+            if wid in self._switching:
+                continue
+            if now - self._drain_start_s[wid] > self.cfg.flip_timeout_s:  # cancelled
+                del self.draining[wid]
+                self.flip_policy.on_done(plan, now)
+                self.flips.append({"time_s": now, "worker": wid, "from": plan.from_role,
+                                   "to": plan.to_role, "cancelled": True})
+                self._route_parked()  # Cluster.route_parked: it serves its old role again
+                continue
+            if inst.busy or not inst.is_drained():
                 continue
             self._switching.add(wid)
             self.loop.after(self.cfg.flip_switch_s, functools.partial(self._switch, wid, plan))
         decided = self.flip_policy.plan(serving, now)
         if decided is not None:
             self.draining[decided.worker_id] = decided
+            self._drain_start_s[decided.worker_id] = now
+
+    def _route_parked(self) -> None:
+        """``Cluster.route_parked``: requests that found no serving entry worker try again."""
+        parked, self.parked = self.parked, []
+        for req in parked:
+            self.arrive(req)
 
     def _switch(self, wid: int, plan: FlipPlan) -> None:
         old = self.instances[wid]
@@ -334,12 +354,21 @@ class Simulation:
         self.flip_policy.on_done(plan, self.loop.now_s)
         self.flips.append({"time_s": self.loop.now_s, "worker": wid,
                            "from": plan.from_role, "to": plan.to_role})
+        self._route_parked()  # Cluster._on_ready
 
     def pull(self, dst: DecodeInstance, req_id: int, num_tokens: int) -> None:
         """The KV of ``num_tokens`` crosses ``dst``'s inbound link, after what is on it."""
         start_s = max(self.loop.now_s, dst.link_free_s)
         dst.link_free_s = start_s + self.cost.handoff_s(num_tokens)
         self.loop.at(dst.link_free_s, functools.partial(dst.deliver, ("kv_ready", req_id)))
+
+    @property
+    def tail_kind(self) -> str:
+        """Whose length tails the refined estimate reads: the true buckets' (oracle) when the
+        emulated predictor never misses, else the shipped classifier's rows by predicted
+        bucket, which are as wide as a predictor's misses make them (the oracle's, inside one
+        true bucket, were overconfident for a missed one)."""
+        return "oracle" if self.cfg.predictor_accuracy >= 1.0 else "classifier"
 
     def length_tail(self, kind: str) -> LengthTail | None:
         """``workers.base.length_tail`` for the simulator: the refined estimate's distribution

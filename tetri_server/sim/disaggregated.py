@@ -83,7 +83,7 @@ class PrefillInstance(_Decoding):
         self.admission = DecodeAdmission("greedy", block_size=self.block_size,
                                          num_total_blocks=num_blocks,
                                          max_batch=max(1, cfg.local_decode_batch),
-                                         tail=sim.length_tail("oracle"),
+                                         tail=sim.length_tail(sim.tail_kind),
                                          recompute_chunk=cfg.recompute_tokens,
                                          waiting_kv_first=False)  # PrefillRole's
         self.seqs = {}  # the kept requests (DECODING in the book)
@@ -341,7 +341,7 @@ class DecodeInstance(_Decoding):
             cfg.decode_policy, block_size=self.block_size, num_total_blocks=num_blocks,
             granularity=cfg.granularity, max_batch=cfg.max_batch,
             heavy_threshold=cfg.heavy_decode_tokens,
-            tail=sim.length_tail("oracle"),  # buckets are true ones, with misses (sim/predictor)
+            tail=sim.length_tail(sim.tail_kind),  # as the emulated predictor's buckets are
             recompute_chunk=cfg.recompute_tokens, waiting_kv_first=cfg.waiting_kv_first)
         self.seqs = {}
         self.pulling: dict[int, tuple[SimSeq, PrefillInstance]] = {}

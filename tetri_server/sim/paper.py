@@ -94,7 +94,8 @@ def paper_row(name: str, cost: CostModel, *, num_requests: int = 128, load: floa
         **_deltas(tetri, base1),
         "equal_hardware": _deltas(tetri, base2),
         "paper": {"ttft_delta_pct": ttft, "jct_delta_pct": jct, "resource_delta_pct": res},
-        "rate_rps": None if math.isinf(rate) else rate, "load": load,
+        # JSON has no Infinity: the burst's load is "inf"
+        "rate_rps": None if math.isinf(rate) else rate, "load": "inf" if math.isinf(load) else load,
         "vllm_capacity_rps": capacity_rps, "num_requests": num_requests,
         "sizing": "TetriInfer 1 prefill + 1 decode; vLLM-like 1 instance (equal_hardware: 2)",
         "handoff": handoff,
