@@ -346,3 +346,89 @@ def test_the_workers_are_told_the_context_the_api_accepts() -> None:
     cluster = unstarted()
     assert cluster.max_model_len > 0
     assert cluster.cfg.model.max_model_len == cluster.max_model_len
+
+
+def test_a_rerun_tells_the_oracle_what_is_left_to_generate() -> None:
+    """Regression (review of session 64): a request re-run after a worker death has its
+    streamed tokens in its prompt and max_tokens lowered by them, but the oracle still got the
+    whole true length: 800 of 900 tokens streamed, admission reserved 800 more."""
+    from tetri_server.messages import AddRequest
+
+    async def main() -> None:
+        cluster = unstarted()
+        posted = serving(cluster, {0: "prefill", 1: "decode"})
+        req = cluster.table.add([1, 2, 3], SamplingParams(max_tokens=4000), "", 900)
+        req.output_ids = [5] * 800
+        cluster.router.route(req)
+        [add] = [m for m in posted[0] if isinstance(m, AddRequest)]
+        assert (add.true_output_len, add.sampling.max_tokens) == (100, 3200)
+        assert len(add.prompt_ids) == 803
+
+    asyncio.run(main())
+
+
+def test_a_parked_prompt_goes_to_an_elastic_decode_worker_once_it_has_room() -> None:
+    """Regression (review of session 64): with no prefill worker serving and the decode
+    worker full, a prompt was parked, and only a worker's Ready routed parked prompts again:
+    once the decode worker had room it took later prompts while the parked one got a 503 at
+    its deadline. The monitor tick routes parked prompts again."""
+    from tetri_server.messages import AddRequest
+
+    async def main() -> None:
+        cluster = unstarted(None, "decode.local_prefill_tokens=1024")
+        posted = serving(cluster, {0: "prefill", 1: "decode"})
+        die(cluster, 0)
+        cluster.monitor.on_report(cluster.workers[1], msgspec.structs.replace(
+            idle_report(1, "decode"), num_free_blocks=2))
+        req = cluster.table.add(list(range(1, 200)), SamplingParams(max_tokens=4), "", None)
+        cluster.router.route(req)
+        assert req in cluster.table.parked
+        cluster.monitor.on_report(cluster.workers[1], idle_report(1, "decode"))  # room now
+        cluster.monitor.check_stalls = lambda now: None  # type: ignore[method-assign]
+        cluster.supervisor.abandon_stuck = lambda now: None  # type: ignore[method-assign]
+        cluster._on_tick()
+        cluster._tick.cancel()
+        assert req.owner == 1 and not cluster.table.parked
+        assert any(isinstance(m, AddRequest) and m.req_id == req.wire_id for m in posted[1])
+
+    asyncio.run(main())
+
+
+def test_a_new_prefill_worker_has_the_decode_view_before_its_first_prompt() -> None:
+    """Regression (review of session 64): a worker that became a prefill worker (flip,
+    restart) got its first decode view at the next tick, but the parked prompts at once; with
+    no view it kept (elastic) every request it prefilled meanwhile, for good."""
+    from tetri_server.messages import AddRequest, DecodeView, PoolHandle, Ready
+
+    async def main() -> None:
+        cluster = unstarted(None, "decode.local_prefill_tokens=0")  # parked, not routed
+        posted = serving(cluster, {0: "prefill", 1: "decode"})
+        die(cluster, 0)
+        req = cluster.table.add([1, 2, 3], SamplingParams(), "", None)
+        cluster.router.route(req)
+        assert req in cluster.table.parked
+        h = cluster.workers[0]
+        h.alive = h.is_ready = True
+        h.ready, h.generation = asyncio.get_running_loop().create_future(), 1
+        h.ready.set_result(None)
+        cluster._broadcast_pools = lambda: None  # type: ignore[method-assign]
+        pool = PoolHandle(0, "shm", "x", 2, 64, 16, 4, 8, "float32")
+        cluster._on_ready(h, Ready(0, "prefill", pool, 64, 1))  # type: ignore[arg-type]
+        kinds = [type(m) for m in posted[0]]
+        assert DecodeView in kinds and AddRequest in kinds
+        assert kinds.index(DecodeView) < kinds.index(AddRequest)
+
+    asyncio.run(main())
+
+
+def test_a_model_with_another_tokenizer_than_the_predictors_is_named(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Review of session 64: the shipped predictor counts lengths in the project tokenizer's
+    tokens; a model with another tokenizer got buckets in other units, and nothing said so."""
+    from tetri_server.control.cluster import predictor_tokenizer_mismatch
+    from tetri_server.modelinfo import resolve_model_path
+
+    same = resolve_model_path("builtin:tiny")  # the project tokenizer
+    assert predictor_tokenizer_mismatch(same, None) is None
+    (tmp_path / "tokenizer.json").write_text("{}")
+    why = predictor_tokenizer_mismatch(tmp_path, "arena_g400")
+    assert why is not None and "arena_g400" in why and "retrain" in why

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from tetri_server.channel import MessageTooLarge, cleanup_stale_segments, new_run_id
@@ -56,6 +58,24 @@ from tetri_server.modelinfo import load_tokenizer, read_limits, resolve_model_pa
 log = logging.getLogger("tetri.control")
 
 
+def predictor_tokenizer_mismatch(folder: Path, artifact: str | None) -> str | None:
+    """Why the length predictor's buckets are in other tokens than the model's (the artifact
+    counted its training lengths with another tokenizer.json), or None. Not checked: an
+    artifact trained on served lengths (no sha recorded), a model without tokenizer.json."""
+    from tetri_server.predictor import artifact as artifact_io
+
+    recorded = artifact_io.read_meta(artifact_io.resolve(artifact)).get("tokenizer", {})
+    sha, model_file = recorded.get("sha256"), folder / "tokenizer.json"
+    if not sha or not model_file.is_file():
+        return None
+    if hashlib.sha256(model_file.read_bytes()).hexdigest() == sha:
+        return None
+    return (f"the length predictor ({artifact or 'the shipped default'}) learned its buckets "
+            f"in tokens of {recorded.get('name')}, not of this model's tokenizer: its "
+            f"predictions are off by the ratio of the two (retrain it on this model: "
+            f"docs/predictor.md)")
+
+
 class Cluster:
     def __init__(self, cfg: Config, metrics: Any = None) -> None:
         folder = resolve_model_path(cfg.model.path)  # makes builtin:tiny once, here
@@ -71,6 +91,10 @@ class Cluster:
         self.tokenizer = load_tokenizer(folder)
         self.metrics = metrics if metrics is not None else NullMetrics()
         self.disaggregated = cfg.cluster.mode == "disaggregated"
+        if self.disaggregated and cfg.predictor.kind == "classifier":
+            why = predictor_tokenizer_mismatch(folder, cfg.predictor.artifact or None)
+            if why:
+                log.warning("%s", why)
         # a decode worker's mapping of a dead prefill worker's pool: shm keeps the memory
         # until the last mapping goes; CUDA IPC does not (the owner's death frees it, and an
         # importer reading it is undefined behaviour), so a hand-off from it runs again
@@ -255,6 +279,10 @@ class Cluster:
             self.flipper.on_ready(h.worker_id, msg.switch_s)
         elif h.generation > 0:
             self._broadcast_pools()  # a restarted worker: peers map its new pool
+        if msg.role == "prefill":
+            # the view before the prompts: a prefill worker without one keeps every request
+            # it prefills (elastic), for good
+            self.broadcast_view()
         self.route_parked()
 
     def route_parked(self) -> None:
@@ -306,6 +334,8 @@ class Cluster:
         now = time.monotonic()
         self.monitor.check_stalls(now)
         self.supervisor.abandon_stuck(now)
+        if self.table.parked:  # elastic: a decode worker may have room for them now
+            self.route_parked()
         wait = self.cfg.cluster.worker_wait_s
         for req in self.table.expired(now, self.router.has_live("decode")):
             self.fail(req, f"no worker could take the request within {wait:g} s "

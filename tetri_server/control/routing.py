@@ -63,8 +63,11 @@ class Router:
         req.prompt_part = None  # a re-run computes the prompt's logprobs again from the start
         req.wait_deadline_s = None if self.has_live("decode") else self.deadline()
         to_decode = self.disaggregated and self.workers[wid].role == "decode"
+        # the oracle's length is of what is left to generate, as max_tokens is
+        true_len = (req.true_output_len if req.true_output_len is None or done == 0
+                    else max(1, req.true_output_len - done))
         self.workers[wid].post(AddRequest(req.wire_id, prompt, params, req.arrival_s,
-                                          req.true_output_len, req.prompt_text,
+                                          true_len, req.prompt_text,
                                           self.monitor.picker.stamp(wid),
                                           self.monitor.prefill_chunk() if to_decode else 0))
         if to_decode:
