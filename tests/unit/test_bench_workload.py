@@ -180,6 +180,29 @@ def test_arena_workload_has_real_response_lengths(folder: Path) -> None:
         assert r.prompt_len == len(r.prompt) + 1 and r.prompt_len + r.output_len <= 8000
 
 
+def test_arena_workload_uses_the_prompts_the_predictor_was_not_trained_on(folder: Path) -> None:
+    """Review of session 64: the Arena workload drew from every prompt, 80% of which the
+    shipped classifier was trained on (accuracy 0.49 there against 0.33 held out), so its
+    benchmark rows looked better than a deployment would. By default it draws from the 302
+    held-out prompts (the artifact's split); ``arena_held_out=False`` draws from all."""
+    from tetri_server.predictor import artifact
+    from tetri_server.predictor.train import held_out_ids
+
+    prompts = {p.prompt_id: p.text for p in data.load_arena_prompts(folder)}
+    held = held_out_ids(prompts, 0.2, 0)
+    assert len({prompts[p] for p in held}) == artifact.read_meta(
+        artifact.resolve(None))["heldout"]["prompts"] == 302
+    responses = data.load_arena_responses(folder)
+
+    def prompt_ids(spec: WorkloadSpec) -> set[str]:
+        reqs = build_workload(spec, folder, tokenizer=CharTokenizer())
+        return {responses[int(r.source.rsplit("#", 1)[1])].prompt_id for r in reqs}
+
+    assert prompt_ids(WorkloadSpec("Arena", num_requests=60, max_model_len=8000)) <= held
+    assert prompt_ids(WorkloadSpec("Arena", num_requests=60, max_model_len=8000,
+                                   arena_held_out=False)) - held
+
+
 def test_fixed_workload_has_one_length_and_needs_it(folder: Path) -> None:
     spec = WorkloadSpec("Fixed", num_requests=5, rate_rps=2.0, fixed_lens=(256, 64))
     reqs = build_workload(spec, folder, vocab=VOCAB)

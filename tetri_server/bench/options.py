@@ -74,6 +74,9 @@ def add_workload_args(p: argparse.ArgumentParser, sweep: bool = False) -> None:
     g.add_argument("--vocab-size", type=int, help="for id prompts without --model")
     g.add_argument("--max-model-len", type=int, help="default: the model's, else 4096")
     g.add_argument("--arena-model", help="Arena: only this model's responses")
+    g.add_argument("--arena-all-prompts", action="store_true",
+                   help="Arena: every prompt, also those the shipped length predictor was "
+                        "trained on (default: only its held-out ones)")
     g.add_argument("--input-len", type=int, help="Fixed: prompt tokens of every request")
     g.add_argument("--output-len", type=int, help="Fixed: output tokens of every request")
     g.add_argument("--data-dir", help="default $TETRI_DATA_DIR or ../shared/data")
@@ -181,6 +184,7 @@ def build_requests(args: argparse.Namespace) -> Built:
             time_scale=args.time_scale,
             trace_start=args.trace_start,
             arena_model=args.arena_model,
+            arena_held_out=not getattr(args, "arena_all_prompts", False),
             fixed_lens=fixed_lens(args) if name == "Fixed" else None,
             prompt_salt=getattr(args, "prompt_salt", 0),
         )

@@ -92,6 +92,9 @@ class WorkloadSpec:
     time_scale: float | None = None  # trace only: multiply the trace's gaps (overrides rate)
     trace_start: int = 0  # trace only: first row of the window
     arena_model: str | None = None  # Arena only: use only this model's responses
+    # Arena only: only the prompts the shipped length predictor's training held out (its
+    # test_frac and seed), so its classifier is not measured on prompts it learned
+    arena_held_out: bool = True
     fixed_lens: tuple[int, int] | None = None  # Fixed only: (prompt_len, output_len)
     prompt_salt: int = 0  # != 0: other prompt tokens, the same lengths (a sweep's rate index)
 
@@ -175,6 +178,13 @@ def _arena_requests(
 ) -> list[tuple[str, int, int, str]]:
     """(prompt text, prompt_len, real output_len, source) for random fitting Arena pairs."""
     prompts = {p.prompt_id: p.text for p in data.load_arena_prompts(folder)}
+    if spec.arena_held_out:
+        from tetri_server.predictor import artifact
+        from tetri_server.predictor.train import held_out_ids
+
+        split = artifact.read_meta(artifact.resolve(None))["training"]
+        held = held_out_ids(prompts, float(split["test_frac"]), int(split["seed"]))
+        prompts = {pid: text for pid, text in prompts.items() if pid in held}
     responses = [
         (i, r)  # i: index in data.load_arena_responses order, names the sample
         for i, r in enumerate(data.load_arena_responses(folder))
