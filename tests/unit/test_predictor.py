@@ -136,3 +136,15 @@ def test_corrupt_artifacts_fail_at_load(tmp_path: Path) -> None:
     meta_path.write_text("{")
     with pytest.raises(PredictorError, match="corrupt"):
         load_predictor("none", meta_path)
+
+
+def test_an_artifact_trained_on_served_lengths_needs_a_tokenizer_to_count_with() -> None:
+    """Review of session 64: ``predictor eval`` on an artifact trained with --labels (its
+    lengths counted by the served model, no tokenizer file recorded) died with a traceback."""
+    import pytest
+
+    from tetri_server.predictor.command import counter_for
+
+    meta = {"tokenizer": {"name": "served model (usage.completion_tokens)"}}
+    with pytest.raises(SystemExit, match="give --tokenizer"):
+        counter_for(meta, None)

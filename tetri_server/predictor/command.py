@@ -74,7 +74,12 @@ def counter_for(meta: dict[str, Any], tokenizer: str | None) -> tuple[TokenCount
             tokenizer = str(PACKAGE_ROOT.parent / name)
         elif name:
             tokenizer = name
-    counter = TokenCounter(tokenizer)
+    try:
+        counter = TokenCounter(tokenizer)
+    except (OSError, ValueError) as exc:  # e.g. labels counted by a served model
+        raise SystemExit(f"cannot load the tokenizer the artifact's lengths were counted with "
+                         f"({recorded.get('name') or tokenizer!r}): give --tokenizer "
+                         f"({type(exc).__name__}: {exc})") from None
     sha = recorded.get("sha256")
     warn = None
     if sha and sha != counter.sha256:
