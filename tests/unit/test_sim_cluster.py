@@ -959,3 +959,26 @@ def test_the_sim_json_is_strict_and_its_folder_is_made(tmp_path) -> None:  # typ
     assert main(["--workload", "LPLD", "--rate", "2", "--num-requests", "5",
                  "--no-progress", "--json", str(out)]) == 0
     json.loads(out.read_text())
+
+
+def test_a_drained_instance_switches_at_once_not_at_the_next_tick() -> None:
+    """Review of session 64: a worker switches role as soon as its loop finds it drained; the
+    simulator checked only at the monitor tick (up to one interval later)."""
+    cost = CostModel(load_hardware("this-cpu"), load_model("bench"))
+    sim = Simulation(SimConfig(flip=True, num_prefill=2, monitor_interval_ms=1000), cost,
+                     [SimRequest(0, 50, 5, 0.0)])
+    idle = sim.instances[1]
+    assert isinstance(idle, PrefillInstance)
+    plan = FlipPlan(idle.worker_id, "prefill", "decode", 0.0)
+
+    def drain() -> None:
+        assert sim.flip_policy is not None
+        sim.flip_policy.begin(plan)
+        sim.draining[idle.worker_id] = plan
+        sim._drain_start_s[idle.worker_id] = sim.loop.now_s
+        idle.kick()
+
+    sim.loop.at(0.3, drain)
+    sim.run()
+    [flip] = sim.flips
+    assert flip["time_s"] == pytest.approx(0.3 + sim.cfg.flip_switch_s)

@@ -320,14 +320,21 @@ class Simulation:
                                    "to": plan.to_role, "cancelled": True})
                 self._route_parked()  # Cluster.route_parked: it serves its old role again
                 continue
-            if inst.busy or not inst.is_drained():
-                continue
-            self._switching.add(wid)
-            self.loop.after(self.cfg.flip_switch_s, functools.partial(self._switch, wid, plan))
+            self.check_drained(inst)
         decided = self.flip_policy.plan(serving, now)
         if decided is not None:
             self.draining[decided.worker_id] = decided
             self._drain_start_s[decided.worker_id] = now
+
+    def check_drained(self, inst: Instance) -> None:
+        """A flipping instance that has drained switches now (``Worker.run``: as soon as its
+        loop finds it drained), not at the next monitor tick."""
+        wid = inst.worker_id
+        plan = self.draining.get(wid)
+        if plan is None or wid in self._switching or inst.busy or not inst.is_drained():
+            return
+        self._switching.add(wid)
+        self.loop.after(self.cfg.flip_switch_s, functools.partial(self._switch, wid, plan))
 
     def _route_parked(self) -> None:
         """``Cluster.route_parked``: requests that found no serving entry worker try again."""

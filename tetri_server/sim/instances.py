@@ -151,6 +151,7 @@ class Instance:
             self.kick()
             return
         if duration_s is None:
+            self.sim.check_drained(self)  # a flip's drain may have ended with this message
             # Nothing ran. The worker waits on its inbox until its next report and tries again;
             # a message wakes it sooner.
             if self.has_work() and not self._retry_pending:
