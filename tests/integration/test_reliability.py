@@ -255,8 +255,8 @@ async def test_a_stalled_worker_that_does_not_die_when_killed_is_taken_for_dead(
     """A stalled worker stuck in the kernel (a GPU driver call) survives SIGKILL for as long
     as the call lasts. Regression: its streams waited for its exit, or for their timeout;
     now, 5 s after the kill, it is taken for dead: its streams are re-run on the other decode
-    worker (outputs equal transformers) and it restarts. Emulated: SIGSTOP, and the stall
-    check's kill does nothing."""
+    worker (outputs equal transformers); it restarts once it has really exited (until then it
+    holds its memory). Emulated: SIGSTOP, and the stall check's kill does nothing."""
     cluster = make_cluster(tiny_llama, "disaggregated", "cluster.decode_workers=2",
                            "monitor.stall_timeout_s=2", "cluster.restart_backoff_s=0.1")
     prompts = random_prompts(8, 8000, (10, 100), seed=41)
@@ -275,9 +275,13 @@ async def test_a_stalled_worker_that_does_not_die_when_killed_is_taken_for_dead(
         got = await asyncio.wait_for(asyncio.gather(*jobs), 60)
         assert got == ref
         assert stuck.poll() is None  # it never exited: it was taken for dead
-        await until(cluster.is_ready, 60, "the worker is back, restarted")
+        await asyncio.sleep(2.0)
+        assert cluster.num_restarts == 0 and not cluster.is_ready()  # not beside it
+        os.kill(stuck.pid, signal.SIGKILL)  # the stuck call returns: it exits
+        await until(cluster.is_ready, 60, "the worker is back, restarted after its exit")
+        assert cluster.num_restarts == 1
     finally:
-        if stuck is not None:
+        if stuck is not None and stuck.poll() is None:
             os.kill(stuck.pid, signal.SIGKILL)
             stuck.wait(10)
         await cluster.stop()

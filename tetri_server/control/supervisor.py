@@ -188,6 +188,7 @@ class Supervisor:
         self.restarts = RestartPolicy(c.restart_backoff_s, c.restart_backoff_max_s,
                                       c.max_restarts, c.restart_reset_s)
         self.num_restarts = 0
+        self._left_behind: list[WorkerHandle] = []  # taken for dead, not exited: no restart yet
         self.run_id = ""
         self.fatal: asyncio.Future[str] | None = None  # set: the server must exit non-zero
         self.stopping = False
@@ -237,18 +238,31 @@ class Supervisor:
             return  # start() reports a worker that dies before it is ready
         log.error("worker %d (%s) exited with code %s", h.worker_id, h.role, code)
         self._on_death(h, code)
-        if self.cfg.cluster.restart_workers:
+        if not self.cfg.cluster.restart_workers:
+            return
+        if h.proc.poll() is None:  # left behind: its memory (a GPU's) is still its own
+            self._left_behind.append(h)
+        else:
             self._schedule_restart(h.worker_id, h.role)
 
     def abandon_stuck(self, now_s: float) -> None:
         """A worker killed as stalled ``REAP_WAIT_S`` ago that still has not exited (stuck in
         the kernel: a GPU driver call may hold it for minutes) is taken for dead now, without
-        its exit: its requests run again elsewhere and it restarts, instead of all of them
-        waiting for its exit (or their timeout)."""
+        its exit: its requests run again elsewhere, instead of all of them waiting for its exit
+        (or their timeout). It restarts once it has really exited: until then its weights and
+        KV pool still hold their memory, and a restart beside them would not fit, or would
+        size its pool from what they leave."""
+        for h in list(self._left_behind):
+            if h.proc.poll() is not None:
+                log.warning("worker %d (pid %d) exited at last; restarting it", h.worker_id,
+                            h.proc.pid)
+                self._left_behind.remove(h)
+                self._schedule_restart(h.worker_id, h.role)
         for h in list(self.workers.values()):
             if h.alive and h.killed_s and now_s - h.killed_s > REAP_WAIT_S:
                 log.error("worker %d (pid %d) has not exited %.0f s after it was killed: "
-                          "taken for dead", h.worker_id, h.proc.pid, now_s - h.killed_s)
+                          "taken for dead; it restarts once it exits", h.worker_id,
+                          h.proc.pid, now_s - h.killed_s)
                 self._on_exit(h, wait_s=0.0)
 
     def _schedule_restart(self, worker_id: int, role: str) -> None:
