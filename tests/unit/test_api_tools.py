@@ -270,6 +270,9 @@ def test_required_tool_calls_keep_each_tools_defs() -> None:
     {"type": "integer", "minimum": 5, "enum": [1, 7]},  # 1 passed
     {"type": "string", "enum": ["a", 1]},  # 1 passed
     {"type": "string", "enum": ["ab", "abcdef"], "maxLength": 5},  # "abcdef" breaks it
+    # review of session 64: the client's pattern was run here on the listed values: this
+    # one backtracks for hours (a thread of the parsing pool each)
+    {"type": "string", "enum": ["a" * 40 + "!"], "pattern": "^(a+)+$"},
 ])
 def test_a_schema_keyword_the_grammar_would_not_enforce_is_a_400(schema) -> None:
     """Regression (review of session 62): the compiler accepted these and did not enforce
