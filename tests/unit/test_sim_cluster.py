@@ -89,7 +89,9 @@ def test_a_small_pool_preempts_and_still_finishes() -> None:
 def test_reserve_policies_use_the_prediction_and_avoid_preemption() -> None:
     cost = v100()
     reqs = [SimRequest(i, 300, 400, 0.0) for i in range(8)]
-    cfg = SimConfig(num_kv_blocks=120, predictor_accuracy=1.0)
+    # round-robin dispatch counts no output: the decode pool is over-committed, as the
+    # power-of-two dispatcher (which counts the predictions too) never lets it be
+    cfg = SimConfig(num_kv_blocks=120, predictor_accuracy=1.0, dispatch="round-robin")
     predict(reqs, cfg)
     assert {r.bucket for r in reqs} == {2}
     greedy = simulate(dataclasses.replace(cfg, decode_policy="greedy"), cost, reqs)
@@ -982,3 +984,20 @@ def test_a_drained_instance_switches_at_once_not_at_the_next_tick() -> None:
     sim.run()
     [flip] = sim.flips
     assert flip["time_s"] == pytest.approx(0.3 + sim.cfg.flip_switch_s)
+
+
+def test_a_hand_off_counts_as_read_once_its_admission_counts_it() -> None:
+    """Review of session 64: the simulated decode instance said a hand-off was read when it
+    arrived, but admits it only when its KV has crossed the link: a report built during the
+    pull made the dispatcher forget it while the report's demand left it out (the worker
+    reads, copies and admits in one go)."""
+    cost = CostModel(load_hardware("this-cpu"), load_model("bench"))
+    req = SimRequest(0, 300, 50, 0.0)
+    sim = Simulation(SimConfig(), cost, [req])
+    predict([req], sim.cfg)
+    prefill, decode = sim.instances
+    assert isinstance(decode, DecodeInstance)
+    decode.handle(("handoff", prefill, req, 301, 7))
+    assert decode.load_report().handoffs_read == {}  # pulling: not in its load yet
+    sim.loop.run()
+    assert decode.load_report().handoffs_read == {prefill.worker_id: 7}

@@ -344,7 +344,7 @@ class DecodeInstance(_Decoding):
             tail=sim.length_tail(sim.tail_kind),  # as the emulated predictor's buckets are
             recompute_chunk=cfg.recompute_tokens, waiting_kv_first=cfg.waiting_kv_first)
         self.seqs = {}
-        self.pulling: dict[int, tuple[SimSeq, PrefillInstance]] = {}
+        self.pulling: dict[int, tuple[SimSeq, PrefillInstance, int]] = {}
         self.link_free_s = 0.0  # the inbound link carries one hand-off at a time
         self._plan: DecodeStepPlan | None = None
         self.queue = PrefillQueue("fcfs")  # elastic: prompts prefilled here
@@ -362,7 +362,6 @@ class DecodeInstance(_Decoding):
             src: PrefillInstance = msg[1]
             req: SimRequest = msg[2]
             num_tokens: int = msg[3]  # prompt + first token, + what a prefill worker decoded
-            self.handoffs_read[src.worker_id] = msg[4]  # DecodeRole.receive
             seq = SimSeq(req, num_tokens, num_computed=num_tokens - 1)
             # DecodeRole.receive: the batch's next step and the first queued prompt keep theirs
             free = self.alloc.num_free - head_prompt_need(self.queue, self.block_size)
@@ -371,14 +370,17 @@ class DecodeInstance(_Decoding):
                     or not reserve(self.alloc, seq, seq.num_computed, self.block_size):
                 self.sim.send(src, ("rejected", req.req_id))
                 return
-            self.pulling[req.req_id] = (seq, src)
+            self.pulling[req.req_id] = (seq, src, msg[4])
             self.sim.pull(self, req.req_id, seq.num_computed)
         elif kind == "add":  # elastic: a prompt routed here (it finishes sooner)
             req = msg[1]
             self.seqs[req.req_id] = SimSeq(req, req.prompt_len)
             self.queue.add(req.req_id, req.prompt_len, req.arrival_s)
         elif kind == "kv_ready":
-            seq, src = self.pulling.pop(msg[1])
+            seq, src, dispatch_seq = self.pulling.pop(msg[1])
+            # read once its admission counts it (DecodeRole.receive reserves, copies and
+            # admits in one go; a report during the pull must not forget it yet)
+            self.handoffs_read[src.worker_id] = dispatch_seq
             self.sim.send(src, ("pulled", msg[1]))
             self.seqs[msg[1]] = seq
             req = seq.req
