@@ -93,8 +93,10 @@ def _die_with_parent(parent_pid: int) -> None:
         if os.getppid() == parent_pid:
             log.info("SIGTERM ignored: the control process drains and stops this worker")
             return
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # orphaned: die as the signal says
-        os.kill(os.getpid(), signal.SIGTERM)
+        # orphaned: exit through the run loop's cleanup (its KV pool is unlinked there;
+        # killed by the signal, the pool stayed in /dev/shm until the next start)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, on_sigterm)
     try:
