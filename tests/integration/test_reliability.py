@@ -222,21 +222,32 @@ async def test_manual_flips_obey_the_cooldown(tiny_llama):
         await cluster.stop()
 
 
+def with_a_stall_bound(tiny_llama, num: int, seed: int):  # noqa: ANN001, ANN201
+    """Two decode workers, one silent for 2 s is stalled; ``num`` greedy prompts of 10-100
+    tokens and their transformers outputs: (cluster, prompts, params, reference)."""
+    cluster = make_cluster(tiny_llama, "disaggregated", "cluster.decode_workers=2",
+                           "monitor.stall_timeout_s=2", "cluster.restart_backoff_s=0.1")
+    prompts = random_prompts(num, 8000, (10, 100), seed=seed)
+    params = SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True)
+    return cluster, prompts, params, hf_greedy(tiny_llama, prompts, params.max_tokens)
+
+
+async def a_decoding_worker(cluster) -> int:  # noqa: ANN001
+    """Once a request decodes: the decode worker it is on."""
+    await until(lambda: any(r.state.value == "decode" and r.output_ids
+                            for r in cluster.requests.values()), 60, "a request decodes")
+    return next(r.owner for r in cluster.requests.values() if r.state.value == "decode")
+
+
 async def test_a_stopped_decode_worker_is_noticed_and_its_streams_move(tiny_llama):
     """SIGSTOP of one of two decode workers under 12 streams: within seconds it is declared
     stalled (no new work, /health not ready), killed and restarted; its streams are re-run on
     the other and every output equals transformers."""
-    cluster = make_cluster(tiny_llama, "disaggregated", "cluster.decode_workers=2",
-                           "monitor.stall_timeout_s=2", "cluster.restart_backoff_s=0.1")
-    prompts = random_prompts(12, 8000, (10, 100), seed=37)
-    params = SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True)
-    ref = hf_greedy(tiny_llama, prompts, params.max_tokens)
+    cluster, prompts, params, ref = with_a_stall_bound(tiny_llama, 12, 37)
     await cluster.start()
     try:
         jobs = [asyncio.create_task(collect(cluster, p, params)) for p in prompts]
-        await until(lambda: any(r.state.value == "decode" and r.output_ids
-                                for r in cluster.requests.values()), 60, "a request decodes")
-        victim = next(r.owner for r in cluster.requests.values() if r.state.value == "decode")
+        victim = await a_decoding_worker(cluster)
         t0 = asyncio.get_running_loop().time()
         kill(cluster, victim, signal.SIGSTOP)
         await until(lambda: cluster.workers[victim].stalled or cluster.num_restarts, 20,
@@ -257,18 +268,12 @@ async def test_a_stalled_worker_that_does_not_die_when_killed_is_taken_for_dead(
     now, 5 s after the kill, it is taken for dead: its streams are re-run on the other decode
     worker (outputs equal transformers); it restarts once it has really exited (until then it
     holds its memory). Emulated: SIGSTOP, and the stall check's kill does nothing."""
-    cluster = make_cluster(tiny_llama, "disaggregated", "cluster.decode_workers=2",
-                           "monitor.stall_timeout_s=2", "cluster.restart_backoff_s=0.1")
-    prompts = random_prompts(8, 8000, (10, 100), seed=41)
-    params = SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True)
-    ref = hf_greedy(tiny_llama, prompts, params.max_tokens)
+    cluster, prompts, params, ref = with_a_stall_bound(tiny_llama, 8, 41)
     await cluster.start()
     stuck = None
     try:
         jobs = [asyncio.create_task(collect(cluster, p, params)) for p in prompts]
-        await until(lambda: any(r.state.value == "decode" and r.output_ids
-                                for r in cluster.requests.values()), 60, "a request decodes")
-        victim = next(r.owner for r in cluster.requests.values() if r.state.value == "decode")
+        victim = await a_decoding_worker(cluster)
         stuck = cluster.workers[victim].proc
         stuck.kill = lambda: None  # type: ignore[method-assign]  # SIGKILL does not take
         kill(cluster, victim, signal.SIGSTOP)
@@ -537,10 +542,13 @@ async def test_a_request_larger_than_a_ring_is_a_413_for_it_alone(tiny_llama, mo
 async def test_killing_a_prefill_worker_that_decodes_kept_requests_loses_nothing(tiny_llama):
     """Elastic P/D on (the prefill worker keeps long requests and decodes them itself): SIGKILL
     of that worker while kept requests are mid-stream; they are re-run from prompt + streamed
-    tokens elsewhere and every output equals transformers."""
+    tokens elsewhere and every output equals transformers. Every request is one a prefill
+    worker keeps whatever the load (``local_finish_tokens``): the test relied on the prefill
+    workers keeping what they prefilled before their first decode view, which they now get
+    when they start (session 64)."""
     cluster = make_cluster(tiny_llama, "disaggregated", "cluster.prefill_workers=2",
                            "prefill.local_decode_batch=4", "prefill.local_decode_balance=false",
-                           "cluster.restart_backoff_s=0.1")
+                           "prefill.local_finish_tokens=200", "cluster.restart_backoff_s=0.1")
     prompts = random_prompts(10, 8000, (10, 60), seed=41)
     params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
     ref = hf_greedy(tiny_llama, prompts, params.max_tokens)
