@@ -85,15 +85,17 @@ def read_limits(folder: Path) -> ModelLimits:
     # as transformers standardises it for the workers: rope_scaling first, and yarn's base
     # context from that dict alone (a top-level original_max_position_embeddings is not read)
     rope = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})
+    from tetri_server.config import ConfigError  # a one-line error at start-up
+
     try:
         positions = int(cfg.get("max_position_embeddings") or positions_default or 0)
         vocab = int(cfg.get("vocab_size") or vocab_default or 0)
     except (TypeError, ValueError) as exc:
-        raise ValueError(f"{folder / 'config.json'}: {exc}") from None
+        raise ConfigError(f"{folder / 'config.json'}: {exc}") from None
     if not positions or not vocab:
         missing = "max_position_embeddings" if not positions else "vocab_size"
-        raise ValueError(f"{folder / 'config.json'} has no {missing}, and model_type "
-                         f"{cfg.get('model_type')!r} has no default for it")
+        raise ConfigError(f"{folder / 'config.json'} has no {missing}, and model_type "
+                          f"{cfg.get('model_type')!r} has no default for it")
     return ModelLimits(rope_context(positions, rope), vocab, eos_ids)
 
 
