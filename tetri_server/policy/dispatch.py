@@ -82,10 +82,8 @@ class _ViewTracker:
             self._since_view.clear()
             return True
         before = {d.worker_id: d.report_seq for d in old.decodes}
-        now = {d.worker_id: d.report_seq for d in view.decodes}
-        newer_reports = view.generation < 0 or view.generation != old.generation
-
         entries = {d.worker_id: d for d in view.decodes}
+        newer_reports = view.generation < 0 or view.generation != old.generation
 
         def counted(plan: DispatchPlan) -> bool:  # the view's entry of its worker counts it
             entry = entries.get(plan.decode_worker)
@@ -93,7 +91,7 @@ class _ViewTracker:
                 return True  # gone from the view, or restarted: nothing holds it there
             if entry.handoffs_read is not None:
                 return entry.handoffs_read.get(self.source, 0) >= plan.seq
-            seq = now[plan.decode_worker]
+            seq = entry.report_seq
             if seq >= 0:
                 return seq != before.get(plan.decode_worker)
             return newer_reports
@@ -225,8 +223,7 @@ class RoundRobinDispatcher(_ViewTracker):
              max_tokens: int | None = None, min_output: int = 1) -> DispatchPlan | None:
         need = num_blocks_for(num_prompt_tokens + max(min_output, 1), self.block_size)
         fits = [d for d in self.instances()
-                if d.num_free_blocks - num_blocks_for(d.num_queued_prompt_tokens, self.block_size)
-                >= min(need, d.num_total_blocks)]
+                if _beside_prompts(d, self.block_size) >= min(need, d.num_total_blocks)]
         if not fits:
             return None
         later = [d for d in fits if d.worker_id > self._last_worker]
@@ -246,5 +243,9 @@ def _room(d: DecodeInstanceLoad, block_size: int) -> int:
     """Free blocks not spoken for by the predictions of the worker's known requests, nor by
     the prompts routed to it (elastic: the decode worker refuses a hand-off that would take
     the first one's blocks; a started prompt's are counted again, erring on the safe side)."""
-    return (d.num_free_blocks - d.predicted_demand_blocks
-            - num_blocks_for(d.num_queued_prompt_tokens, block_size))
+    return _beside_prompts(d, block_size) - d.predicted_demand_blocks
+
+
+def _beside_prompts(d: DecodeInstanceLoad, block_size: int) -> int:
+    """Free blocks less those of the prompts routed to the worker."""
+    return d.num_free_blocks - num_blocks_for(d.num_queued_prompt_tokens, block_size)

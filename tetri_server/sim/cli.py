@@ -248,10 +248,10 @@ def _finite(obj: Any) -> Any:
     return obj
 
 
-def _emulated_predictor(section: dict[str, Any]) -> dict[str, Any]:
+def _emulated_predictor(section: dict[str, Any], accuracy_given: bool) -> dict[str, Any]:
     """The server's ``[predictor]`` as the simulator emulates it: its artifact's granularity,
-    and the accuracy of its kind (oracle: 1.0; classifier: the artifact's held-out accuracy);
-    ``predictor_unemulated`` for kind none."""
+    and the accuracy of its kind (oracle: 1.0; classifier: the artifact's held-out accuracy;
+    none: not emulated, so ``accuracy_given`` must say --predictor-accuracy was)."""
     from tetri_server.predictor import artifact
 
     out: dict[str, Any] = {}
@@ -262,8 +262,9 @@ def _emulated_predictor(section: dict[str, Any]) -> dict[str, Any]:
         out["predictor_accuracy"] = 1.0
     elif kind == "classifier" and "accuracy" in meta.get("heldout", {}):
         out["predictor_accuracy"] = float(meta["heldout"]["accuracy"])
-    elif kind == "none":
-        out["predictor_unemulated"] = True
+    elif kind == "none" and not accuracy_given:
+        raise ValueError("the config's predictor.kind = none (every request in bucket 0) is "
+                         "not emulated: give --predictor-accuracy")
     return out
 
 
@@ -277,15 +278,13 @@ def sim_config(args: argparse.Namespace, cost: CostModel) -> SimConfig:
         for (section, key), name in CONFIG_KEYS.items():
             if key in cfg.get(section, {}):
                 values[name] = cfg[section][key]
-        values.update(_emulated_predictor(cfg.get("predictor", {})))
+        values.update(_emulated_predictor(cfg.get("predictor", {}),
+                                          args.predictor_accuracy is not None))
         if "drain_timeout_s" in cfg.get("server", {}):  # FlipController.timeout_s
             values["flip_timeout_s"] = float(cfg["server"]["drain_timeout_s"]) + 60.0
     for attr, name in FLAGS.items():
         if getattr(args, attr) is not None:
             values[name] = getattr(args, attr)
-    if values.pop("predictor_unemulated", None) and args.predictor_accuracy is None:
-        raise ValueError("the config's predictor.kind = none (every request in bucket 0) is "
-                         "not emulated: give --predictor-accuracy")
     if args.flip_window_s is not None:
         values["flip_idle_s"] = args.flip_window_s
     if values.get("chunk_size", 512) == 0:
