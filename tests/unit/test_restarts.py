@@ -111,3 +111,35 @@ def test_a_restart_that_cannot_spawn_is_retried_and_leaves_no_segment(monkeypatc
     assert "died 4 times in a row" in msg
     assert len(made) == 4  # the first try and three restarts, each made its inbox
     assert not [n for n in made if os.path.exists(os.path.join(SHM_DIR, n))]
+
+
+def test_a_restart_asks_for_the_pool_of_the_first_start(monkeypatch) -> None:  # noqa: ANN001
+    """Regression (review of session 64): a restarted worker sized its KV pool beside its
+    peers' pools. The supervisor now passes the pool the worker id had at its first start."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from tetri_server.config import load_config
+    from tetri_server.control import supervisor as sup
+    from tetri_server.control.monitor import NullMetrics
+
+    asked: list[int] = []
+
+    def spawn(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        asked.append(args[10] if len(args) > 10 else kwargs.get("previous_num_blocks", 0))
+        return SimpleNamespace(on_undeliverable=None)
+
+    monkeypatch.setattr(sup, "spawn_worker", spawn)
+
+    async def scenario() -> None:
+        s = sup.Supervisor(load_config(None, []), lambda h, m: None, lambda h, c: None,
+                           lambda m, e: None, NullMetrics())
+        s.begin("tetri-test-pool")
+        s.spawn(0, "prefill", {})
+        s.on_ready(SimpleNamespace(worker_id=0, pool=SimpleNamespace(num_blocks=700)))
+        s.spawn(0, "prefill", {})  # restarted: fewer blocks fit
+        s.on_ready(SimpleNamespace(worker_id=0, pool=SimpleNamespace(num_blocks=500)))
+        s.spawn(0, "prefill", {})
+
+    asyncio.run(scenario())
+    assert asked == [0, 700, 700]

@@ -126,3 +126,48 @@ def test_workers_sharing_a_gpu_split_its_kv_memory_evenly_whoever_sizes_first() 
     assert first == second == 12 * gib
     alone = cuda_kv_budget(total - weights - gib, total, weights, 1, 0.5)  # a CUDA context
     assert alone == (total - weights - gib) * 0.5
+
+
+def _sizing_worker(monkeypatch: Any, avail_bytes: int, previous_num_blocks: int) -> Worker:
+    """A CPU worker with only what ``_blocks_from_memory`` reads; ``avail_bytes`` of RAM free."""
+    import os
+    from types import SimpleNamespace
+
+    import torch
+
+    from tetri_server.config import load_config
+    from tetri_server.engine.spec import ModelSpec
+
+    page = 4096
+    real_sysconf = os.sysconf
+    monkeypatch.setattr(os, "sysconf", lambda name: {"SC_AVPHYS_PAGES": avail_bytes // page,
+                                                     "SC_PAGE_SIZE": page}.get(name)
+                        or real_sysconf(name))
+    monkeypatch.setattr(os, "statvfs", lambda path: SimpleNamespace(f_bavail=2**40 // page,
+                                                                   f_frsize=page))
+    w = object.__new__(Worker)
+    w.cfg = load_config(None, ["cluster.prefill_workers=1", "cluster.decode_workers=1",
+                                 "decode.max_batch=4096"])
+    w.spec = SimpleNamespace(previous_num_blocks=previous_num_blocks)  # type: ignore[assignment]
+    w.worker_id, w.device, w.max_model_len = 1, torch.device("cpu"), 2048
+    w.model_spec = ModelSpec("llama", 100, 512, 8, 8, 8, 64, 1408, 2048, 1e-6, False, (2,), 1)
+    return w
+
+
+def test_a_restarted_cpu_worker_gets_the_kv_pool_it_had(monkeypatch: Any) -> None:
+    """Regression (review of session 64): a CPU worker sized its pool from the RAM available
+    when it started, split among all workers. Restarted, its peers' pools counted as used:
+    with 2 workers at the default fraction it got a quarter fewer blocks, for good."""
+    import torch
+
+    gib = 2**30
+    first = _sizing_worker(monkeypatch, 23 * gib, 0)._blocks_from_memory(torch.float32)
+    pool = first * 16 * 2 * 8 * 8 * 64 * 4  # blocks x tokens x K/V x layers x heads x dim x 4 B
+    assert abs(pool - 23 * gib * 0.5 / 2) < 2 * gib / 1000  # half the RAM, split in two
+    # restarted: its peer's pool (and a dead one's, still mapped) count as used now
+    again = _sizing_worker(monkeypatch, 23 * gib - 2 * pool, first)._blocks_from_memory(
+        torch.float32)
+    assert again == first
+    # memory really short now (other programs took it): never more than half of what is free
+    short = _sizing_worker(monkeypatch, pool, first)._blocks_from_memory(torch.float32)
+    assert short == first // 2

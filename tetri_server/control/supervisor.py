@@ -102,7 +102,8 @@ class WorkerHandle:
 def spawn_worker(worker_id: int, role: str, generation: int, run_id: str,
                  config: dict[str, dict[str, object]], cpus: list[int], num_threads: int,
                  device: str, on_message: Callable[[WorkerHandle, FromWorker], None],
-                 on_exit: Callable[[WorkerHandle], None]) -> WorkerHandle:
+                 on_exit: Callable[[WorkerHandle], None],
+                 previous_num_blocks: int = 0) -> WorkerHandle:
     loop = asyncio.get_running_loop()
     # A fresh random part per generation: names no other local user can guess or pre-create.
     prefix = f"{run_id}-w{worker_id}g{generation}-{secrets.token_hex(4)}"
@@ -113,7 +114,8 @@ def spawn_worker(worker_id: int, role: str, generation: int, run_id: str,
         outbox: Channel[FromWorker] = Channel.create(f"{prefix}-out", RING_BYTES, FromWorker)
         made.append(outbox)
         spec = WorkerSpec(worker_id, role, generation, run_id, config, inbox.spec, outbox.spec,
-                          cpus, num_threads, os.getpid(), f"{prefix}-kv", device)
+                          cpus, num_threads, os.getpid(), f"{prefix}-kv", device,
+                          previous_num_blocks)
         # glibc would hand a step's large temporaries back to the OS and fault them in again
         # on the next step (30-40% extra time in a prefill-only process): keep freed memory.
         env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS=str(num_threads))
@@ -185,6 +187,7 @@ class Supervisor:
         self.cfg = cfg
         self.workers: dict[int, WorkerHandle] = {}
         self.generations: dict[int, int] = {}
+        self.pool_blocks: dict[int, int] = {}  # each worker id's KV pool at its first start
         self.restarts = RestartPolicy(c.restart_backoff_s, c.restart_backoff_max_s,
                                       c.max_restarts, c.restart_reset_s)
         self.num_restarts = 0
@@ -224,13 +227,16 @@ class Supervisor:
         self.generations[worker_id] = gen
         cpus, threads = self._cpus(worker_id)
         h = spawn_worker(worker_id, role, gen, self.run_id, config, cpus, threads,
-                         self._device(worker_id), self._on_message, self._on_exit)
+                         self._device(worker_id), self._on_message, self._on_exit,
+                         self.pool_blocks.get(worker_id, 0))
         h.on_undeliverable = self._on_undeliverable
         self.workers[worker_id] = h
         return h
 
     def on_ready(self, h: WorkerHandle) -> None:
         self.restarts.on_ready(h.worker_id, time.monotonic())
+        if h.pool is not None:  # a restart asks for the same pool (see cpu_kv_budget)
+            self.pool_blocks.setdefault(h.worker_id, h.pool.num_blocks)
 
     def _on_exit(self, h: WorkerHandle, wait_s: float = REAP_WAIT_S) -> None:
         code = reap(h, wait_s)

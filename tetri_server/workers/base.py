@@ -81,6 +81,21 @@ def cuda_kv_budget(free: float, total: float, weights: float, sharing: int,
     return min(free * fraction, even)
 
 
+def cpu_kv_budget(avail: float, shm_free: float, fraction: float, num_workers: int, *,
+                  restart: bool = False) -> tuple[float, bool]:
+    """Bytes of a worker's KV pool on the CPU, and whether /dev/shm's free space set it. At
+    the first start, the workers start together: each takes ``fraction`` of the memory
+    available now, split evenly, and at most 90% of its share of /dev/shm's free space. A
+    restarted worker sizes beside its peers' pools, which already count as used (and the dead
+    one's while a peer still maps it): split again, it got 14-37% fewer blocks than before.
+    It takes at most ``fraction`` of what is available, and 90% of /dev/shm's free space,
+    whole (the caller caps it at its predecessor's pool)."""
+    share = 1 if restart else max(1, num_workers)
+    budget = avail * fraction / share
+    shm_cap = 0.9 * shm_free / share
+    return min(budget, shm_cap), shm_cap < budget
+
+
 def _die_with_parent(parent_pid: int) -> None:
     """Linux: SIGTERM this process when the control process dies (no orphans). While the
     control process lives, SIGINT and SIGTERM are its to act on: a Ctrl-C in the terminal or
@@ -189,19 +204,25 @@ class Worker:
                           for t in (*self.model.parameters(), *self.model.buffers()))
             budget = cuda_kv_budget(free, total, weights, sharing, kv.memory_fraction)
         else:
-            pages = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-            budget = pages * kv.memory_fraction / max(1, self.cfg.cluster.num_workers)
+            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
             st = os.statvfs("/dev/shm")  # the CPU pool lives there: a small tmpfs caps it
-            shm_share = 0.9 * st.f_bavail * st.f_frsize / max(1, self.cfg.cluster.num_workers)
-            if shm_share < budget:
+            shm_free = st.f_bavail * st.f_frsize
+            budget, shm_binds = cpu_kv_budget(avail, shm_free, kv.memory_fraction,
+                                              self.cfg.cluster.num_workers,
+                                              restart=self.spec.previous_num_blocks > 0)
+            if shm_binds:
                 log.warning("worker %d: /dev/shm is small (%.0f MiB free): KV pool sized to "
-                            "%.0f MiB", self.worker_id, st.f_bavail * st.f_frsize / 2**20,
-                            shm_share / 2**20)
-                budget = shm_share
+                            "%.0f MiB", self.worker_id, shm_free / 2**20, budget / 2**20)
         # More than max_batch full-length sequences (x2: a prefill worker also holds requests
         # waiting for dispatch) cannot be used; a bigger pool only costs start-up page faults.
         useful = 2 * self.cfg.decode.max_batch * blocks_for(self.max_model_len, kv.block_size)
         fits = self.model_spec.blocks_in_budget(budget, dtype.itemsize, kv.block_size)
+        previous = self.spec.previous_num_blocks
+        if previous and self.device.type == "cpu":
+            if fits < previous:
+                log.warning("worker %d: restarted with %d KV blocks, %d before: memory is "
+                            "short", self.worker_id, fits, previous)
+            return max(1, min(previous, fits))
         return max(1, min(useful, fits))
 
     def predictor(self) -> Any:
