@@ -432,3 +432,27 @@ def test_a_model_with_another_tokenizer_than_the_predictors_is_named(tmp_path) -
     (tmp_path / "tokenizer.json").write_text("{}")
     why = predictor_tokenizer_mismatch(tmp_path, "arena_g400")
     assert why is not None and "arena_g400" in why and "retrain" in why
+
+
+def test_gpus_without_peer_access_are_refused_at_start(monkeypatch) -> None:  # noqa: ANN001
+    """Regression (review of session 64): a decode worker on a GPU that cannot map the
+    prefill worker's GPU (no peer access, as on many consumer boards) refused every hand-off,
+    and each request was dispatched again until it timed out. Now the server does not start,
+    and says why; one GPU, or GPUs with peer access, start as before."""
+    import pytest
+    import torch
+
+    from tetri_server.config import ConfigError
+    from tetri_server.control import supervisor as sup
+
+    monkeypatch.setattr(sup, "_num_cuda_devices", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: False)
+    gpu = ("cluster.device=cuda", "model.dtype=float32")
+    with pytest.raises(ConfigError, match="no peer access"):
+        unstarted(None, *gpu)
+    unstarted(None, *gpu, "cluster.mode=coupled")  # no hand-offs
+    monkeypatch.setattr(sup, "_num_cuda_devices", lambda: 1)
+    unstarted(None, *gpu)
+    monkeypatch.setattr(sup, "_num_cuda_devices", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: True)
+    unstarted(None, *gpu)

@@ -102,6 +102,8 @@ class Cluster:
         self.draining: set[int] = set()  # flipping: no new requests, out of the decode view
         self.supervisor = Supervisor(self.cfg, self._on_message, self._on_death,
                                      self._undeliverable, self.metrics)
+        if self.disaggregated and cfg.cluster.device == "cuda":
+            self.supervisor.check_peer_access(len(self.roles()))
         self.workers = self.supervisor.workers
         self.table = RequestTable(self.workers, self.cfg.server.max_queued_requests)
         self.requests = self.table.requests

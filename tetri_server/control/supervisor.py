@@ -22,7 +22,7 @@ from typing import Any
 import msgspec
 
 from tetri_server.channel import AsyncReceiver, Channel, unlink_segment
-from tetri_server.config import Config
+from tetri_server.config import Config, ConfigError
 from tetri_server.control.restarts import RestartPolicy
 from tetri_server.messages import FromWorker, PoolHandle, Shutdown, ToWorker, WorkerSpec
 
@@ -220,6 +220,29 @@ class Supervisor:
         if self._num_cuda is None:
             self._num_cuda = _num_cuda_devices()
         return f"cuda:{worker_id % max(1, self._num_cuda)}"
+
+    def check_peer_access(self, num_workers: int,
+                          can_access: Callable[[int, int], bool] | None = None) -> None:
+        """Disaggregated on several GPUs: a decode worker maps a prefill worker's KV pool over
+        CUDA IPC, which needs peer access between their GPUs (``cudaDeviceCanAccessPeer`` says
+        whether such a mapping is possible). Without it every hand-off was refused and retried
+        until the request timed out. Raises ``ConfigError`` naming the first such pair."""
+        devices = sorted({self._device(w) for w in range(num_workers)})
+        if len(devices) < 2:
+            return
+        if can_access is None:
+            import torch
+
+            can_access = torch.cuda.can_device_access_peer
+        ids = [int(d.split(":")[1]) for d in devices]
+        for a in ids:
+            for b in ids:
+                if a != b and not can_access(b, a):
+                    raise ConfigError(
+                        f"GPU {b} cannot map GPU {a}'s memory (no peer access): the KV "
+                        f"hand-off between workers on them goes over CUDA IPC. Give the "
+                        f"workers GPUs with peer access (CUDA_VISIBLE_DEVICES), or run "
+                        f"cluster.mode = coupled")
 
     def spawn(self, worker_id: int, role: str,
               config: dict[str, dict[str, object]]) -> WorkerHandle:
