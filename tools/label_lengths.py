@@ -4,8 +4,10 @@
         --prompts ../shared/data/arena_prompts.jsonl.gz --out labels/MODEL.csv \\
         --retrain --name MODEL --out-dir predictors/MODEL
 
-Sends each prompt to ``POST /v1/completions`` of any OpenAI-compatible server (tetri-server,
-vLLM, SGLang) with ``max_tokens`` as the cap and the sampling settings your traffic uses, and
+Sends each prompt as a user message to ``POST /v1/chat/completions`` of any OpenAI-compatible
+server (tetri-server, vLLM, SGLang; ``--endpoint completions``: as raw text to
+``/v1/completions``, for traffic that is not chat) with ``max_tokens`` as the cap and the
+sampling settings your traffic uses, and
 writes ``prompt_id,prompt,output_tokens`` (from ``usage.completion_tokens``) to a CSV. With
 ``--retrain`` it then runs ``tools/train_predictor.py --labels CSV``; point
 ``predictor.artifact`` in config.toml at the ``NAME_g200`` it writes.
@@ -43,6 +45,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight")
+    p.add_argument("--endpoint", choices=["chat", "completions"], default="chat",
+                   help="chat: each prompt as one user message, through the chat template "
+                        "(default); completions: the raw prompt")
     p.add_argument("--out", required=True, help="CSV to write (prompt_id,prompt,output_tokens)")
     p.add_argument("--retrain", action="store_true", help="then train on the CSV")
     p.add_argument("--name", default=None, help="artifact name prefix (default: CSV stem)")
@@ -71,7 +76,8 @@ def retrain_args(args: argparse.Namespace) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     prompts = read_prompts(args.prompts, args.limit)
-    req = LabelRequest(args.url, args.model, args.max_tokens, args.temperature, args.top_p)
+    req = LabelRequest(args.url, args.model, args.max_tokens, args.temperature, args.top_p,
+                       endpoint=args.endpoint)
     start = time.perf_counter()
     rows = list(label(prompts, openai_completer(req), args.concurrency))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

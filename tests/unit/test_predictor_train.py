@@ -142,25 +142,30 @@ def test_label_csv_trains_an_artifact_that_loads(tmp_path: Path) -> None:
 
 @pytest.fixture
 def fake_openai_server() -> Iterator[str]:
-    """An OpenAI-style /v1/completions endpoint whose output length is len(prompt) tokens."""
+    """An OpenAI-style server whose output length is len(prompt) tokens on
+    /v1/chat/completions (the prompt as one user message) and twice that on /v1/completions."""
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self) -> None:  # noqa: N802 - http.server's name
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            assert self.path == "/v1/completions" and body["max_tokens"] == 64
-            n = min(len(body["prompt"]), body["max_tokens"])
+            assert body["max_tokens"] == 64
+            if self.path == "/v1/chat/completions":
+                [message] = body["messages"]
+                assert message["role"] == "user"
+                n = min(len(message["content"]), body["max_tokens"])
+                choice: dict[str, object] = {"index": 0, "finish_reason": "length",
+                                             "message": {"role": "assistant", "content": "x"}}
+                kind = "chat.completion"
+            else:
+                assert self.path == "/v1/completions"
+                n = min(2 * len(body["prompt"]), body["max_tokens"])
+                choice = {"index": 0, "text": "x", "finish_reason": "length", "logprobs": None}
+                kind = "text_completion"
+            usage = {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": n + 3}
             out = json.dumps(
-                {
-                    "id": "cmpl-1",
-                    "object": "text_completion",
-                    "created": 0,
-                    "model": body["model"],
-                    "choices": [
-                        {"index": 0, "text": "x" * n, "finish_reason": "length", "logprobs": None}
-                    ],
-                    "usage": {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": n + 3},
-                }
+                {"id": "cmpl-1", "object": kind, "created": 0, "model": body["model"],
+                 "choices": [choice], "usage": usage}
             ).encode()
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
@@ -179,7 +184,7 @@ def fake_openai_server() -> Iterator[str]:
     thread.join(timeout=5)
 
 
-def test_label_tool_records_served_lengths(fake_openai_server: str, tmp_path: Path) -> None:
+def test_label_tool_records_served_chat_lengths(fake_openai_server: str, tmp_path: Path) -> None:
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(
         "".join(
@@ -216,6 +221,11 @@ def test_label_tool_records_served_lengths(fake_openai_server: str, tmp_path: Pa
         ("q5", 50),
     ]
     assert load_predictor("classifier", tmp_path / "labels_g100").predict(["p" * 30]) == [0]
+    # raw text on request (traffic that is not chat): that endpoint's lengths
+    assert label_lengths.main(["--url", fake_openai_server, "--model", "m", "--prompts",
+                               str(prompts), "--limit", "2", "--max-tokens", "64", "--out",
+                               str(out), "--endpoint", "completions"]) == 0
+    assert [s.output_tokens for s in load_label_csv(out)] == [20, 40]
 
 
 def test_eval_command_prints_a_json_last_line(

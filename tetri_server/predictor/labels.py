@@ -1,9 +1,13 @@
 """Label prompts with the *served* model's own output lengths, through its OpenAI API.
 
 A predictor must predict the lengths of the model it serves (the paper labelled ShareGPT
-prompts with OPT-13B's outputs). ``label`` sends every prompt to ``POST {url}/v1/completions``
-with a ``max_tokens`` cap and records ``usage.completion_tokens`` — the server's own count in
-the served model's tokenizer — so no tokenizer has to be guessed on this side.
+prompts with OPT-13B's outputs). ``label`` sends every prompt as one user message to
+``POST {url}/v1/chat/completions`` (``endpoint = "completions"``: as raw text to
+``/v1/completions``) with a ``max_tokens`` cap and records ``usage.completion_tokens`` — the
+server's own count in the served model's tokenizer — so no tokenizer has to be guessed on this
+side. Chat is the default: the prompts are chat turns, served through the model's chat template
+(whose answers are not the length of a raw continuation), and the predictor reads a chat
+request's user text, as it reads these prompts.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tetri_server.predictor.data import read_jsonl
 
@@ -28,6 +33,7 @@ class LabelRequest:
     temperature: float = 0.7
     top_p: float = 1.0
     timeout_s: float = 600.0
+    endpoint: str = "chat"  # chat | completions
 
 
 def openai_completer(req: LabelRequest) -> Completer:
@@ -42,14 +48,27 @@ def openai_completer(req: LabelRequest) -> Completer:
         max_retries=2,
     )
 
+    if req.endpoint not in ("chat", "completions"):
+        raise ValueError(f"endpoint must be chat or completions, got {req.endpoint!r}")
+
     def complete(prompt: str) -> int:
-        out = client.completions.create(
-            model=req.model,
-            prompt=prompt,
-            max_tokens=req.max_tokens,
-            temperature=req.temperature,
-            top_p=req.top_p,
-        )
+        out: Any
+        if req.endpoint == "chat":
+            out = client.chat.completions.create(
+                model=req.model,
+                messages=[{"role": "user", "content": prompt}],
+                max_tokens=req.max_tokens,
+                temperature=req.temperature,
+                top_p=req.top_p,
+            )
+        else:
+            out = client.completions.create(
+                model=req.model,
+                prompt=prompt,
+                max_tokens=req.max_tokens,
+                temperature=req.temperature,
+                top_p=req.top_p,
+            )
         if out.usage is None:
             raise RuntimeError(f"{req.url}: completion without usage; cannot count its tokens")
         return int(out.usage.completion_tokens)
