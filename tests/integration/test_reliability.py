@@ -14,7 +14,11 @@ import pytest
 
 from tests.conftest import hf_greedy, random_prompts
 from tests.integration.conftest import STRICT_SPLIT, collect, make_cluster, until
-from tetri_server.control.protocol import GenerationError, WorkerUnavailableError
+from tetri_server.control.protocol import (
+    GenerationError,
+    InvalidRequestError,
+    WorkerUnavailableError,
+)
 from tetri_server.messages import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -718,5 +722,38 @@ async def test_hand_offs_from_a_dead_prefill_worker_run_again_where_its_memory_g
                     "every hand-off withdrawn")
         kill(cluster, 1, signal.SIGCONT)
         assert await asyncio.wait_for(asyncio.gather(*jobs), 120) == ref
+    finally:
+        await cluster.stop()
+
+
+@pytest.mark.parametrize("mode", ["disaggregated", "coupled"])
+async def test_a_grammar_that_allows_no_token_fails_its_request_alone(tiny_llama, mode):
+    """Regression (review of session 64: a crash any client could repeat): a grammar that
+    allows no next token (an impossible pattern, a rule with no base case) left the sampler
+    a row with nothing allowed; the token it took was refused by the grammar, the step
+    raised, and the worker died (the request then crashed a second one before failing
+    alone). Now that request gets an error naming its grammar, at its first token (on a
+    prefill worker) or later (on a decode worker); the others finish, and nothing restarts."""
+    from tetri_server.messages import Guide
+
+    cluster = make_cluster(tiny_llama, mode, *STRICT_SPLIT)
+    prompts = random_prompts(2, 8000, (20, 40), seed=61)
+    plain = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    [ref] = hf_greedy(tiny_llama, prompts[:1], plain.max_tokens)
+    dead = [Guide("regex", "[^\\s\\S]"), Guide("regex", "[a-z]{20}[^\\s\\S]")]
+    await cluster.start()
+    try:
+        jobs = [asyncio.create_task(collect(cluster, prompts[0], plain))]
+        jobs += [asyncio.create_task(collect(cluster, prompts[1], SamplingParams(
+            max_tokens=60, temperature=0.0, guide=g))) for g in dead]
+        got = await asyncio.wait_for(asyncio.gather(*jobs, return_exceptions=True), 120)
+        assert got[0] == ref
+        for error in got[1:]:
+            assert isinstance(error, GenerationError), error
+            assert isinstance(error, InvalidRequestError) and "grammar" in str(error), error
+        assert "after 0 output tokens" in str(got[1])
+        assert "after 0 output tokens" not in str(got[2])
+        assert cluster.num_restarts == 0
+        assert all(h.alive for h in cluster.workers.values())
     finally:
         await cluster.stop()

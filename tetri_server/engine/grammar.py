@@ -148,6 +148,7 @@ class GuideState:
         self.matcher = xgr.GrammarMatcher(compiled)
         self.stop_ids = sorted(stop_ids)
         self.num_accepted = 0
+        self.dead_end = False  # the grammar allows no next token (set by the sampler's mask)
         for token in replay or []:
             if self.advance(token):
                 raise RuntimeError("a replayed reply already ended its grammar")

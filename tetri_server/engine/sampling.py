@@ -115,11 +115,15 @@ class GuideMask(NamedTuple):
 
 
 def guide_mask(logits: torch.Tensor, seqs: list[Sequence]) -> GuideMask:
-    """The grammars' allowed tokens for the guided rows of ``seqs`` (each matcher read once)."""
+    """The grammars' allowed tokens for the guided rows of ``seqs`` (each matcher read once).
+    A grammar that allows no token at all (no base case, an impossible pattern) is marked
+    ``dead_end``: its request cannot be completed (``append_token`` ends it)."""
     guided = [(i, s.guide) for i, s in enumerate(seqs) if s.guide is not None]
-    allowed = allowed_tokens([g for _, g in guided], logits.shape[-1]).to(logits.device)
+    allowed = allowed_tokens([g for _, g in guided], logits.shape[-1])
+    for (_, guide), some in zip(guided, allowed.any(dim=-1).tolist(), strict=True):
+        guide.dead_end = not some
     return GuideMask(torch.tensor([i for i, _ in guided], dtype=torch.long,
-                                  device=logits.device), allowed)
+                                  device=logits.device), allowed.to(logits.device))
 
 
 def constrain(logits: torch.Tensor, seqs: list[Sequence],

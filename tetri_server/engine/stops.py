@@ -6,12 +6,18 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from tetri_server.engine.sequence import Sequence
-from tetri_server.messages import PromptLogprobs, TokenDelta
+from tetri_server.messages import PromptLogprobs, RequestFailed, TokenDelta
+
+DEAD_END = "dead_end"  # append_token: the grammar allows no next token; the request fails
 
 
 def append_token(seq: Sequence, token: int, logprob: float | None, eos_ids: tuple[int, ...],
                  max_model_len: int) -> str | None:
-    """Append a sampled token; return the finish reason (``stop`` | ``length``) or None."""
+    """Append a sampled token; return the finish reason (``stop`` | ``length``) or None.
+    ``DEAD_END`` (the token is not appended): the request's grammar allows no token here, so
+    it cannot be completed; the caller frees it and reports ``dead_end_failure``."""
+    if seq.guide is not None and seq.guide.dead_end:
+        return DEAD_END
     seq.token_ids.append(token)
     if logprob is not None:
         seq.logprobs.append(logprob)
@@ -25,6 +31,13 @@ def append_token(seq: Sequence, token: int, logprob: float | None, eos_ids: tupl
     if n >= p.max_tokens or seq.num_tokens >= max_model_len:
         return "length"
     return None
+
+
+def dead_end_failure(seq: Sequence) -> RequestFailed:
+    """The client's error (a 400) for a request whose grammar allows no next token."""
+    return RequestFailed(seq.req_id, f"the request's grammar (response_format or structured "
+                                     f"outputs) allows no token after {seq.num_output} output "
+                                     f"tokens: no reply can match it", invalid=True)
 
 
 def emit(seq: Sequence, reason: str | None) -> TokenDelta:

@@ -23,7 +23,7 @@ import torch
 from tetri_server.engine.runner import ModelRunner, ScheduledSeq, StepPlan
 from tetri_server.engine.sampling import make_generator
 from tetri_server.engine.sequence import SeqStatus, Sequence
-from tetri_server.engine.stops import append_token, emit, prompt_parts
+from tetri_server.engine.stops import DEAD_END, append_token, dead_end_failure, emit, prompt_parts
 from tetri_server.kv.manager import KVCacheManager
 from tetri_server.messages import (
     AddRequest,
@@ -186,7 +186,10 @@ class CoupledLoop:
                 deltas: list[TokenDelta]) -> bool:
         """Append a sampled token; True (and freed) if the request finished."""
         reason = append_token(seq, tok, lp, self.eos_token_ids, self.max_model_len)
-        deltas.append(emit(seq, reason))
+        if reason == DEAD_END:
+            self.failed.append(dead_end_failure(seq))
+        else:
+            deltas.append(emit(seq, reason))
         if reason is None:
             return False
         seq.status = SeqStatus.FINISHED

@@ -20,7 +20,7 @@ import time
 from tetri_server.engine.runner import StepPlan
 from tetri_server.engine.sampling import make_generator
 from tetri_server.engine.sequence import SeqStatus, Sequence
-from tetri_server.engine.stops import append_token, emit, prompt_parts
+from tetri_server.engine.stops import DEAD_END, append_token, dead_end_failure, emit, prompt_parts
 from tetri_server.messages import (
     AddRequest,
     Handoff,
@@ -196,7 +196,10 @@ class DecodeRole(Role):
         """Append a sampled token and its delta; True (and freed) if the request finished."""
         reason = append_token(seq, tok, lp, self.w.model_spec.eos_token_ids,
                               self.w.max_model_len)
-        deltas.append(emit(seq, reason))
+        if reason == DEAD_END:
+            self.w.send(dead_end_failure(seq))
+        else:
+            deltas.append(emit(seq, reason))
         if reason is None:
             return False
         self.w.kv.free(seq)

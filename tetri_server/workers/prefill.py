@@ -17,7 +17,7 @@ import time
 from tetri_server.engine.runner import ScheduledSeq, StepPlan
 from tetri_server.engine.sampling import make_generator
 from tetri_server.engine.sequence import SeqStatus, Sequence
-from tetri_server.engine.stops import append_token, emit, prompt_parts
+from tetri_server.engine.stops import DEAD_END, append_token, dead_end_failure, emit, prompt_parts
 from tetri_server.messages import (
     AddRequest,
     DecodeView,
@@ -253,7 +253,10 @@ class PrefillRole(Role):
                 continue
             reason = append_token(seq, tok, lp, self.w.model_spec.eos_token_ids,
                                   self.w.max_model_len)
-            deltas.append(emit(seq, reason))
+            if reason == DEAD_END:
+                self.w.send(dead_end_failure(seq))
+            else:
+                deltas.append(emit(seq, reason))
             if reason is not None:
                 finished.add(seq.req_id)
                 book.remove(seq.req_id)
@@ -295,8 +298,11 @@ class PrefillRole(Role):
                 continue
             reason = append_token(seq, tok, lp, self.w.model_spec.eos_token_ids,
                                   self.w.max_model_len)
-            deltas.append(emit(seq, reason))
-            deltas[-1].predicted_bucket = seq.predicted_bucket  # also for what never hands off
+            if reason == DEAD_END:
+                self.w.send(dead_end_failure(seq))
+            else:
+                deltas.append(emit(seq, reason))
+                deltas[-1].predicted_bucket = seq.predicted_bucket  # also if never handed off
             if reason is not None:
                 self.book.remove(seq.req_id)
                 self.w.kv.free(seq)
