@@ -22,6 +22,21 @@ from tetri_server.modelinfo import resolve_model_path
 DEFAULT_KV_GB = 1.0  # pool size in-process when kv.num_blocks and kv.memory_gb are 0
 
 
+def check_params(params: SamplingParams, vocab_size: int) -> None:
+    """What the HTTP API refuses with a 400 (``api/params.py``), for the in-process API: a
+    ``ValueError``, as vLLM's ``SamplingParams`` raises."""
+    if params.max_tokens < 1:
+        raise ValueError(f"max_tokens must be at least 1, got {params.max_tokens}")
+    if not 0 <= params.min_tokens <= params.max_tokens:
+        raise ValueError(f"min_tokens must be in [0, max_tokens={params.max_tokens}], got "
+                         f"{params.min_tokens}")
+    for field, ids in (("stop_token_ids", params.stop_token_ids),
+                       ("logit_bias", list(params.logit_bias))):
+        if bad := [t for t in ids if not 0 <= t < vocab_size]:
+            raise ValueError(f"{field}: token ids {bad[:5]} are outside the vocabulary (0.."
+                             f"{vocab_size - 1})")
+
+
 def make_engine(model_path: str, *overrides: str, pad_chunks: bool = False) -> LLMEngine:
     """An engine for ``model_path`` with ``--set``-style overrides, e.g.
     ``make_engine(path, "cluster.mode=coupled-chunked", "prefill.token_budget=64")``."""
@@ -88,6 +103,12 @@ class LLMEngine:
                              f"{self.max_model_len}")
         if req_id in self.seqs:
             raise ValueError(f"duplicate request id {req_id}")
+        vocab = self.runner.spec.vocab_size
+        if bad := [t for t in prompt_ids if not 0 <= t < vocab]:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary (0.."
+                             f"{vocab - 1})")
+        if params is not None:
+            check_params(params, vocab)
         if params is not None and params.guide is not None:
             self.grammars.compile(params.guide)  # GuideError (a ValueError) if it is bad
         self.loop.add(req_id, prompt_ids, params or SamplingParams(), time.monotonic())
@@ -122,8 +143,13 @@ class LLMEngine:
                 self.abort(req_id)
             raise
         out: dict[int, list[int]] = {base + i: [] for i in range(len(prompts))}
-        while self.has_unfinished():
-            for d in self.step():
-                if d.req_id in out:  # (an add_request of the caller's runs beside them)
-                    out[d.req_id].extend(d.token_ids)
+        try:
+            while self.has_unfinished():
+                for d in self.step():
+                    if d.req_id in out:  # (an add_request of the caller's runs beside them)
+                        out[d.req_id].extend(d.token_ids)
+        except BaseException:  # a failed step: none of the batch stays behind to fail the
+            for req_id in added:  # next call too
+                self.abort(req_id)
+            raise
         return [out[base + i] for i in range(len(prompts))]

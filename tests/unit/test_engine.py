@@ -224,6 +224,30 @@ def test_bad_requests_are_clear_errors(model_dir):
         eng.add_request(2, list(range(5, 70)), GREEDY)
 
 
+def test_in_process_bad_requests_are_refused_and_a_failed_step_wedges_nothing(model_dir,
+                                                                               monkeypatch):
+    """Regression (review of session 64): the in-process engine took a prompt id outside the
+    vocabulary (an IndexError in the forward), a logit_bias id outside it (clamped onto the
+    last token), max_tokens 0 (one token) and min_tokens above max_tokens; and a step that
+    raised left its requests queued, so every later generate() raised the same error."""
+    eng = make_engine(str(model_dir("llama")), "kv.num_blocks=200", "model.max_model_len=64")
+    vocab = eng.runner.spec.vocab_size
+    bad = [([5, vocab], GREEDY), ([5], SamplingParams(logit_bias={vocab + 5: 100.0})),
+           ([5], SamplingParams(stop_token_ids=[-1])), ([5], SamplingParams(max_tokens=0)),
+           ([5], SamplingParams(max_tokens=2, min_tokens=3))]
+    for prompt, params in bad:
+        with pytest.raises(ValueError, match="vocabulary|max_tokens"):
+            eng.generate([prompt], params)
+        assert not eng.has_unfinished()
+    real = eng.runner.execute
+    monkeypatch.setattr(eng.runner, "execute", lambda plan: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        eng.generate([[5, 6, 7], [8, 9]], GREEDY)
+    monkeypatch.setattr(eng.runner, "execute", real)
+    assert not eng.has_unfinished()
+    assert len(eng.generate([[8, 9, 10]], GREEDY)[0]) == GREEDY.max_tokens
+
+
 @pytest.mark.parametrize("family,overrides", [
     ("mistral", {"sliding_window": 64}),
     ("qwen2", {"use_sliding_window": True, "sliding_window": 48, "max_window_layers": 1}),
