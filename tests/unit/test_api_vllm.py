@@ -324,6 +324,25 @@ def test_request_fields_that_would_change_the_prompt_unseen_are_refused(
     assert reply.status == 400 and reply.json()["error"]["param"] == field
 
 
+def test_vllm_extras_at_their_defaults_are_taken_and_others_refused(api: ApiHarness) -> None:
+    """Regression (review of session 64): a client that sends every field of vLLM's request
+    model sends use_beam_search false, length_penalty 1.0 and bad_words [] (vLLM's defaults,
+    which change nothing); each was a 400. A value that would change the output still is."""
+    noop = {"use_beam_search": False, "length_penalty": 1, "bad_words": [],
+            "logits_processors": []}
+    for route, body in (("/v1/completions", {"prompt": "Hi"}),
+                        ("/v1/chat/completions", {"messages": [{"role": "user",
+                                                                "content": "Hi"}]})):
+        reply = raw_request(api.base_url, "POST", route, {"model": MODEL_NAME, "max_tokens": 2,
+                                                          **body, **noop})
+        assert reply.status == 200, reply.json()
+    for field, value in (("use_beam_search", True), ("length_penalty", 0.5),
+                         ("bad_words", ["Hi"]), ("use_beam_search", 0)):
+        reply = raw_request(api.base_url, "POST", "/v1/completions", {
+            "model": MODEL_NAME, "prompt": "Hi", "max_tokens": 2, field: value})
+        assert reply.status == 400 and reply.json()["error"]["param"] == field
+
+
 def test_skip_special_tokens_false_shows_them(api: ApiHarness, client: openai.OpenAI) -> None:
     special = _tok(api).convert_tokens_to_ids("<|im_end|>")
     kw = dict(model=MODEL_NAME, prompt="Hi", max_tokens=3, logit_bias={str(special): 100})

@@ -41,6 +41,12 @@ UNSUPPORTED_EXTRAS = (
     # templates), prompt embeddings, and arguments for custom logits processors
     "chat_template", "prompt_embeds", "vllm_xargs",
 )
+# values of those extras that change nothing: vLLM's own defaults, which a client that sends
+# every field of vLLM's request model sends (false, 1.0, [])
+NO_OP_EXTRAS: dict[str, tuple[object, ...]] = {
+    "use_beam_search": (False,), "length_penalty": (1.0,), "bad_words": ([],),
+    "logits_processors": ([],), "functions": ([],),
+}
 
 
 @dataclass(frozen=True)
@@ -99,9 +105,14 @@ class GenRequest:
                                        seed=(seed + index - low) % (high - low + 1) + low)
 
 
+def _no_op(value: object, no_ops: tuple[object, ...]) -> bool:
+    """``value`` is one of ``no_ops`` (``1`` is ``1.0``; ``0`` is not ``false``)."""
+    return any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in no_ops)
+
+
 def _reject_unsupported(f: Fields, kind: str) -> None:
     for name in UNSUPPORTED_EXTRAS:
-        if f.has(name):
+        if f.has(name) and not _no_op(f.body[name], NO_OP_EXTRAS.get(name, ())):
             raise bad_param(name, "is not supported by this server")
     if kind == "completion":
         f.require_absent("suffix", ("",), "suffix")
