@@ -104,3 +104,42 @@ def test_many_clients_leaving_at_random_points_free_everything(api: ApiHarness) 
         assert not errors, errors
         assert wait_until(lambda: _idle(api))
     assert metric(api.base_url, "tetri_kv_blocks_total") > 0
+
+
+def test_a_cancel_that_lands_with_a_token_is_not_lost() -> None:
+    """Regression (review of session 64): the control's stream waited with asyncio.wait_for,
+    which on Python 3.11 returns the item and drops a cancel of the same loop turn: a client
+    that left as a token arrived (or the request's HTTP deadline) was lost, and its request
+    ran on to max_tokens, holding its KV blocks, counted as finished, not aborted."""
+    import asyncio
+
+    from tetri_server.control.requests import Request, Stream
+    from tetri_server.messages import SamplingParams, TokenDelta
+
+    class Owner:
+        def fail(self, req, error, retry_after_s=None) -> None:  # noqa: ANN001
+            pass
+
+        def abort(self, req_id: int, *, stopped: bool = False) -> None:
+            pass
+
+    async def main() -> tuple[bool, list[list[int]]]:
+        req = Request(7, [1, 2], SamplingParams(max_tokens=4), "", None)
+        seen: list[list[int]] = []
+
+        async def consume() -> None:
+            async for d in Stream(Owner(), req, 600.0):
+                seen.append(d.token_ids)
+
+        task = asyncio.ensure_future(consume())
+        await asyncio.sleep(0.01)
+        req.queue.put_nowait(TokenDelta(req.req_id, [5]))  # a token arrives ...
+        task.cancel()  # ... as the client goes away
+        await asyncio.sleep(0.05)
+        for tok in (6, 7):
+            req.queue.put_nowait(TokenDelta(req.req_id, [tok]))
+            await asyncio.sleep(0.01)
+        return task.cancelled(), seen
+
+    cancelled, seen = asyncio.run(main())
+    assert cancelled and seen == []

@@ -88,8 +88,10 @@ class Stream:
 
     async def __aiter__(self) -> AsyncIterator[TokenDelta]:
         while True:
-            try:
-                item = await asyncio.wait_for(self._req.queue.get(), self._timeout_s)
+            try:  # not wait_for: on Python 3.11 it returned the item and dropped a cancel
+                # (the client's disconnect, the HTTP deadline) that landed in the same turn
+                async with asyncio.timeout(self._timeout_s):
+                    item = await self._req.queue.get()
             except TimeoutError:
                 # fail() also aborts the request on every worker that holds state for it
                 self._cluster.fail(self._req, "no token within "
