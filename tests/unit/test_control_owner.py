@@ -456,3 +456,27 @@ def test_gpus_without_peer_access_are_refused_at_start(monkeypatch) -> None:  # 
     monkeypatch.setattr(sup, "_num_cuda_devices", lambda: 2)
     monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: True)
     unstarted(None, *gpu)
+
+
+def test_requests_left_at_the_end_of_a_drain_get_a_retryable_error() -> None:
+    """Regression (review of session 64): a request still in flight when the shutdown's drain
+    bound ran out got a 500, while one that arrived during the drain got a 503 with
+    Retry-After; both may succeed on a retry (the restarted server, another replica)."""
+    import asyncio
+
+    from tetri_server.control.protocol import WorkerUnavailableError
+    from tetri_server.messages import SamplingParams
+
+    async def scenario() -> object:
+        cluster = unstarted()
+
+        async def shutdown() -> None:
+            pass
+
+        cluster.supervisor.shutdown = shutdown  # type: ignore[method-assign]
+        req = cluster.table.add([1, 2, 3], SamplingParams(), "", None)
+        await cluster.stop(drain_timeout_s=0)
+        return req.queue.get_nowait()
+
+    error = asyncio.run(scenario())
+    assert isinstance(error, WorkerUnavailableError) and "shutting down" in str(error)

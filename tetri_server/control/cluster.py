@@ -175,7 +175,7 @@ class Cluster:
         if self._tick is not None:
             self._tick.cancel()
         for req in self.table:
-            self.fail(req, "server is shutting down")
+            self.fail(req, "server is shutting down", retry_after_s=1.0)  # another may serve
         await self.supervisor.shutdown()
 
     def is_ready(self) -> bool:
@@ -265,7 +265,7 @@ class Cluster:
             if req is None:
                 continue
             if len(msg.req_ids) == 1 or req.suspect:
-                log.error("request %d crashed worker %d: %s", req_id, h.worker_id, msg.error)
+                log.error("request %d crashed worker %d: %s", req.req_id, h.worker_id, msg.error)
                 self.fail(req, f"this request crashed a worker ({msg.error})")
             else:
                 req.suspect = True
