@@ -51,7 +51,7 @@ def test_lm_eval_loglikelihood_request(api: ApiHarness, client: openai.OpenAI, h
         for own, top in zip(lp.token_logprobs[1:], lp.top_logprobs[1:], strict=True):
             assert max(top.values()) >= own and len(top) in (2, 3)  # 2 best (+ own token)
         assert lp.text_offset == sorted(lp.text_offset)
-        assert choice.text.startswith(tok.decode(ids, skip_special_tokens=True))
+        assert choice.text.startswith(tok.decode(ids))  # special tokens kept, as vLLM
     assert out.usage.completion_tokens == 2
 
 
@@ -78,6 +78,22 @@ def test_max_tokens_zero_with_echo_is_the_prompt_alone(api: ApiHarness, hf) -> N
     assert choice["logprobs"]["token_logprobs"][1:] == pytest.approx(hf_logprobs(hf, ids),
                                                                      abs=1e-3)
     assert out["usage"]["completion_tokens"] == 0
+
+
+def test_echo_of_token_ids_keeps_special_tokens_as_its_offsets_do(api: ApiHarness) -> None:
+    """Regression (review of session 64): a prompt of token ids was echoed without its special
+    tokens (BOS), while logprobs.tokens named them and text_offset counted them, so the
+    offsets pointed past the text they index. vLLM decodes it with the special tokens."""
+    tok = api.backend.tokenizer
+    ids = tok.encode("A short prompt here")
+    assert ids[0] in tok.all_special_ids  # a BOS opens it
+    reply = raw_request(api.base_url, "POST", "/v1/completions", {
+        "model": MODEL_NAME, "prompt": ids, "echo": True, "logprobs": 0, "max_tokens": 0})
+    choice = reply.json()["choices"][0]
+    text, lp = choice["text"], choice["logprobs"]
+    assert text == tok.decode(ids) and text.startswith(tok.decode(ids[:1]))
+    ends = [*lp["text_offset"][1:], len(text)]
+    assert [text[a:b] for a, b in zip(lp["text_offset"], ends, strict=True)] == lp["tokens"]
 
 
 def test_vllm_prompt_logprobs_extension(api: ApiHarness, hf) -> None:
