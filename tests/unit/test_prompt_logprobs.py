@@ -302,3 +302,25 @@ def test_batch_invariant_mode_refuses_what_it_cannot_give() -> None:
         set_batch_invariant(True, "cuda", torch.float32)
     with pytest.raises(ValueError, match="float32 only"):
         set_batch_invariant(True, "cpu", torch.bfloat16)
+
+
+def test_prompt_logprobs_of_non_finite_logits_stay_finite() -> None:
+    """Regression (review of session 64): the prompt's logprobs were not clamped as the
+    output's are, so a -inf or NaN logit (an overflowing fp16 model) gave -inf, and the whole
+    reply's JSON said -Infinity, which no JSON parser reads. vLLM clamps them too."""
+    import json
+
+    import torch
+
+    from tetri_server.engine.sampling import LOGPROB_FLOOR, PromptSpan, add_prompt_logprobs
+    from tetri_server.engine.sequence import Sequence
+    from tetri_server.messages import SamplingParams
+
+    seq = Sequence(1, [3, 1, 2], 3, SamplingParams(prompt_logprobs=2))
+    logits = torch.tensor([[0.0, float("-inf"), 1.0, 2.0],
+                           [float("nan"), 0.0, float("-inf"), 1.0]])
+    add_prompt_logprobs(logits, [PromptSpan(seq, 0, 0, 2)])
+    out = seq.prompt_logprobs
+    assert out is not None and out.logprobs[0] == LOGPROB_FLOOR and out.ranks == [4, 3]
+    assert all(v >= LOGPROB_FLOOR for row in out.top for _, v in row)
+    json.dumps([out.logprobs, out.top], allow_nan=False)

@@ -248,8 +248,9 @@ def _score(seq: Sequence, position: int, logits: torch.Tensor) -> None:
                            dtype=torch.long, device=logp.device)
     own = logp.gather(1, targets[:, None])  # [num, 1]
     out = seq.prompt_logprobs or PromptLogprobs([], [], [])
-    out.logprobs += own[:, 0].tolist()
     out.ranks += ((logp > own).sum(dim=-1) + 1).tolist()
+    logp = logp.clamp_min(LOGPROB_FLOOR)  # as the output's: JSON has no -inf (vLLM clamps too)
+    out.logprobs += own[:, 0].clamp_min(LOGPROB_FLOOR).tolist()
     k = min(seq.params.prompt_logprobs or 0, logp.shape[-1])
     if k > 0:
         top = torch.topk(logp, k)
