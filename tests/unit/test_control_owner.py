@@ -480,3 +480,27 @@ def test_requests_left_at_the_end_of_a_drain_get_a_retryable_error() -> None:
 
     error = asyncio.run(scenario())
     assert isinstance(error, WorkerUnavailableError) and "shutting down" in str(error)
+
+
+def test_a_decode_worker_coming_up_is_in_the_prefill_workers_view_at_once() -> None:
+    """Regression (review of session 64): the decode view went out on a prefill worker's
+    Ready only. At start, a prefill worker ready before the decode workers had a view without
+    them until the first tick; a decode worker restarted was left out until the next tick
+    too. Meanwhile dispatch held every request, and elastic kept each for good."""
+    from tetri_server.messages import DecodeView, PoolHandle, Ready
+
+    async def main() -> None:
+        cluster = unstarted()
+        posted = serving(cluster, {0: "prefill", 1: "decode"})
+        del cluster.monitor.reports[1]  # worker 1 has not come up yet
+        cluster.broadcast_view()
+        assert [d.worker_id for d in posted[0][-1].decodes] == []
+        h = cluster.workers[1]
+        h.ready, h.generation = asyncio.get_running_loop().create_future(), 0
+        cluster._broadcast_pools = lambda: None  # type: ignore[method-assign]
+        pool = PoolHandle(1, "shm", "x", 2, 64, 16, 4, 8, "float32")
+        cluster._on_ready(h, Ready(1, "decode", pool, 0, 1))  # type: ignore[arg-type]
+        views = [m for m in posted[0] if isinstance(m, DecodeView)]
+        assert [d.worker_id for d in views[-1].decodes] == [1]
+
+    asyncio.run(main())

@@ -281,10 +281,10 @@ class Cluster:
             self.flipper.on_ready(h.worker_id, msg.switch_s)
         elif h.generation > 0:
             self._broadcast_pools()  # a restarted worker: peers map its new pool
-        if msg.role == "prefill":
-            # the view before the prompts: a prefill worker without one keeps every request
-            # it prefills (elastic), for good
-            self.broadcast_view()
+        # a prefill worker: the view before the prompts (without one it keeps every request
+        # it prefills, elastic, for good); a decode worker: in the prefill workers' views at
+        # once (at start, or restarted, it was left out until the next tick)
+        self.broadcast_view()
         self.route_parked()
 
     def route_parked(self) -> None:
