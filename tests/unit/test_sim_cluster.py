@@ -1001,3 +1001,33 @@ def test_a_hand_off_counts_as_read_once_its_admission_counts_it() -> None:
     assert decode.load_report().handoffs_read == {}  # pulling: not in its load yet
     sim.loop.run()
     assert decode.load_report().handoffs_read == {prefill.worker_id: 7}
+
+
+def test_an_instance_flipped_to_prefill_has_the_decode_view_before_it_keeps(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Regression (review of session 64): the simulator's flipped prefill instance got its
+    first decode view at the next tick, while the server sends it with the Ready
+    (``Cluster._on_ready``): without a view it kept (elastic) what it prefilled meanwhile."""
+    import random
+
+    hw = load_hardware("V100-32GB")
+    cost = CostModel(hw, load_model("OPT-13B"), hw.link("ts-roce"))
+    cfg = SimConfig(num_prefill=1, num_decode=3, chunk_size=512, flip=True, flip_window_s=1.0,
+                    flip_idle_s=1.0, flip_min_interval_s=1.0, local_decode_batch=16,
+                    local_decode_min_tokens=0)
+    rng = random.Random(2)
+    reqs = [SimRequest(i, rng.randint(100, 300), rng.randint(150, 300), 2.0 + i * 0.004)
+            for i in range(400)]
+    for r in reqs:
+        r.bucket = min(r.output_len // 200, 5)
+    sim = Simulation(cfg, cost, reqs)
+    keeps: list[bool] = []  # each keep: had the instance a view?
+    real_keep = PrefillInstance._keep
+
+    def keep(inst: PrefillInstance, req_id: int) -> Any:
+        keeps.append(inst.book.view is not None)
+        return real_keep(inst, req_id)
+
+    monkeypatch.setattr(PrefillInstance, "_keep", keep)
+    result = sim.run()
+    assert result.flips[0]["to"] == "prefill" and len(keeps) > 10
+    assert all(keeps)

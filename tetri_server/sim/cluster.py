@@ -361,6 +361,7 @@ class Simulation:
         self.flip_policy.on_done(plan, self.loop.now_s)
         self.flips.append({"time_s": self.loop.now_s, "worker": wid,
                            "from": plan.from_role, "to": plan.to_role})
+        self._broadcast_view()  # Cluster._on_ready: the view before the prompts
         self._route_parked()  # Cluster._on_ready
 
     def pull(self, dst: DecodeInstance, req_id: int, num_tokens: int) -> None:
