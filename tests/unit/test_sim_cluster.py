@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 
 from tetri_server.bench.workload import WorkloadSpec
-from tetri_server.policy import FlipPlan, Stage
+from tetri_server.policy import FlipPlan, Stage, calibration_rows
 from tetri_server.sim.cli import main
 from tetri_server.sim.cluster import MODES, SimConfig, Simulation
-from tetri_server.sim.cost import CostModel
+from tetri_server.sim.cost import CostModel, knee_chunk_size
 from tetri_server.sim.disaggregated import DecodeInstance, PrefillInstance
 from tetri_server.sim.instances import SimRequest, SimSeq
 from tetri_server.sim.profiles import load_hardware, load_model
@@ -1031,3 +1031,27 @@ def test_an_instance_flipped_to_prefill_has_the_decode_view_before_it_keeps(monk
     result = sim.run()
     assert result.flips[0]["to"] == "prefill" and len(keeps) > 10
     assert all(keeps)
+
+
+def test_sim_calibrates_the_chunk_on_the_passes_the_prefill_worker_runs(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Regression (review of session 64): ``sim --config`` (the server's chunk_size is 0)
+    picked the knee of passes packed from 128-token prompts, while the prefill worker packs
+    ``min(max_model_len - 1, 1024)``-token prompts (``calibrate.measure``): far less attention
+    in the large passes, a 2-3x larger chunk (544 against 192 for the bench model here)."""
+    cost = CostModel(load_hardware("this-cpu"), load_model("bench"))
+    seen: list[list[tuple[int, int]]] = []
+    step_s = cost.step_s
+
+    def record(items, num_pad=0, num_sampled=None):  # noqa: ANN001, ANN202
+        seen.append(list(items))
+        return step_s(items, num_pad, num_sampled)
+
+    cost.step_s = record  # type: ignore[method-assign]
+    shipped = _shipped_sim_config(cost, tmp_path)  # --max-model-len 1024
+    prompts = {n for items in seen for n, ctx in items if ctx == 0}
+    riders = {ctx for items in seen for n, ctx in items if n == 1 and ctx > 0}
+    assert max(prompts) == 1023 and riders <= {256}  # RIDER_CONTEXT, under 1023
+    cost.step_s = step_s  # type: ignore[method-assign]
+    assert shipped.chunk_size == knee_chunk_size(cost, 1023, calibration_rows(
+        shipped.local_decode_batch, shipped.local_decode_chunk,
+        shipped.local_decode_full_chunk_backlog, shipped.local_decode_full_chunk_share), 1023)

@@ -58,7 +58,8 @@ def test_512_token_chunk_is_compute_bound_on_v100_for_opt13b_and_the_knee() -> N
     cost = v100_opt13b()
     assert cost.bound([(512, 0)]) == "compute"
     assert cost.prefill_s(512) > 3 * cost.decode_s([0])
-    assert knee_chunk_size(cost) == 512  # the paper's ChunkSize, through policy.knee
+    assert knee_chunk_size(cost, prompt_tokens=128) == 512  # the paper's ChunkSize (128-token
+    # prompts), through policy.knee
     # padding costs compute on a GPU (the padded shape runs), not on the CPU runner
     assert cost.step_s([(100, 0)], num_pad=412) == pytest.approx(cost.step_s([(512, 0)]), 0.05)
     cpu = CostModel(load_hardware("this-cpu"), load_model("bench"))

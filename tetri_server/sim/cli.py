@@ -21,7 +21,7 @@ from typing import Any
 
 from tetri_server.bench.metrics import SLO
 from tetri_server.bench.workload import WORKLOADS, WorkloadSpec
-from tetri_server.policy import PREFILL_ORDERS, calibration_rows
+from tetri_server.policy import PREFILL_ORDERS, RIDER_CONTEXT, calibration_rows
 from tetri_server.predictor.base import PredictorError
 from tetri_server.sim.cluster import MODES, SimConfig
 from tetri_server.sim.cost import CostModel, knee_chunk_size
@@ -292,7 +292,9 @@ def sim_config(args: argparse.Namespace, cost: CostModel) -> SimConfig:
                                 values.get("local_decode_chunk", 0),
                                 values.get("local_decode_full_chunk_backlog", 0),
                                 values.get("local_decode_full_chunk_share", 0.0))
-        values["chunk_size"] = knee_chunk_size(cost, rows=rows)
+        longest = max(1, values["max_model_len"] - 1)  # calibrate.measure's packing
+        values["chunk_size"] = knee_chunk_size(cost, min(longest, 1024), rows,
+                                               min(RIDER_CONTEXT, longest))
     if values.get("num_kv_blocks") is None:
         values["num_kv_blocks"] = 0
     return SimConfig(**values)

@@ -96,22 +96,26 @@ class CostModel:
         return num_tokens * self._kv_bytes / self.link.bandwidth_Bps + self.link.latency_s
 
 
-def knee_chunk_size(cost: CostModel, prompt_tokens: int = 128, rows: int = 0) -> int:
+def knee_chunk_size(cost: CostModel, prompt_tokens: int = 1024, rows: int = 0,
+                    rider_context: int | None = None) -> int:
     """The chunk size ``policy.knee.pick_chunk_size`` picks from this model's prefill curve
     (passes of ``CALIBRATION_SIZES`` tokens packed from ``prompt_tokens``-token prompts), as
-    the prefill worker calibrates with ``prefill.chunk_size = 0``; with ``rows`` (its
-    ``prefill.local_decode_batch``) that many one-token decode rows over ``RIDER_CONTEXT``
-    tokens of context take part of each pass (sizes not above ``rows`` are skipped, as the
-    worker skips them), and the pick is the knee of the prompt tokens' rate."""
+    the prefill worker calibrates with ``prefill.chunk_size = 0`` (``workers/calibrate.py``:
+    prompts of ``min(max_model_len - 1, 1024)`` tokens); with ``rows`` (its
+    ``prefill.local_decode_batch``) that many one-token decode rows over ``rider_context``
+    (``RIDER_CONTEXT``; the worker's: at most ``max_model_len - 1``) tokens of context take
+    part of each pass (sizes not above ``rows`` are skipped, as the worker skips them), and the
+    pick is the knee of the prompt tokens' rate."""
     from tetri_server.policy import CALIBRATION_SIZES, RIDER_CONTEXT, pick_chunk_size
 
+    context = RIDER_CONTEXT if rider_context is None else rider_context
     samples = []
     if rows >= CALIBRATION_SIZES[-1]:
         raise ValueError(f"chunk_size 0 calibrates over passes of up to {CALIBRATION_SIZES[-1]} "
                          f"tokens; local_decode_batch {rows} leaves none room for prompt tokens")
     for num in (n for n in CALIBRATION_SIZES if rows < n):
         full, rest = divmod(num - rows, prompt_tokens)  # every prompt token of the pass
-        items = ([(1, RIDER_CONTEXT)] * rows + [(prompt_tokens, 0)] * full
+        items = ([(1, context)] * rows + [(prompt_tokens, 0)] * full
                  + ([(rest, 0)] if rest else []))
         samples.append((num, cost.step_s(items, 0, len(items))))
     return pick_chunk_size(samples, riders=rows)
