@@ -986,21 +986,33 @@ def test_a_drained_instance_switches_at_once_not_at_the_next_tick() -> None:
     assert flip["time_s"] == pytest.approx(0.3 + sim.cfg.flip_switch_s)
 
 
-def test_a_hand_off_counts_as_read_once_its_admission_counts_it() -> None:
-    """Review of session 64: the simulated decode instance said a hand-off was read when it
-    arrived, but admits it only when its KV has crossed the link: a report built during the
-    pull made the dispatcher forget it while the report's demand left it out (the worker
-    reads, copies and admits in one go)."""
+def test_a_hand_off_counts_as_read_and_in_the_load_from_its_reservation() -> None:
+    """Review of session 64, twice. The simulated decode instance reserves a hand-off's blocks
+    when it arrives and admits it when its KV has crossed the link; the worker reserves,
+    copies, marks it read and admits it in one go. First the instance said it was read at
+    arrival while its reported demand left it out (the dispatcher forgot it); then it said so
+    only after the pull, so a report during the pull showed the blocks taken while the
+    dispatcher still subtracted its plan for them too. Now a report during the pull marks it
+    read and counts it as waiting, with its demand, as the worker's next report would."""
     cost = CostModel(load_hardware("this-cpu"), load_model("bench"))
     req = SimRequest(0, 300, 50, 0.0)
     sim = Simulation(SimConfig(), cost, [req])
     predict([req], sim.cfg)
     prefill, decode = sim.instances
     assert isinstance(decode, DecodeInstance)
+    idle = decode.load_report()
     decode.handle(("handoff", prefill, req, 301, 7))
-    assert decode.load_report().handoffs_read == {}  # pulling: not in its load yet
-    sim.loop.run()
-    assert decode.load_report().handoffs_read == {prefill.worker_id: 7}
+    pulling = decode.load_report()
+    assert decode.pulling and pulling.handoffs_read == {prefill.worker_id: 7}
+    assert pulling.num_free_blocks < idle.num_free_blocks and pulling.num_waiting == 1
+    assert pulling.predicted_demand_blocks > 0
+    assert pulling.num_heavy + pulling.num_light == 1
+    sim.loop.run(until_s=decode.link_free_s)  # the KV crossed the link: admitted, the same
+    assert not decode.pulling
+    admitted = decode.load_report()
+    assert admitted.handoffs_read == {prefill.worker_id: 7}
+    assert (admitted.predicted_demand_blocks, admitted.num_waiting + admitted.num_running) == (
+        pulling.predicted_demand_blocks, 1)
 
 
 def test_an_instance_flipped_to_prefill_has_the_decode_view_before_it_keeps(monkeypatch) -> None:  # type: ignore[no-untyped-def]

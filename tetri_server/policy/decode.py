@@ -199,6 +199,11 @@ class DecodeAdmission:
         prompt + tokens generated so far (>= prompt + 1: prefill sampled the first one)."""
         if req_id in self:
             raise ValueError(f"request {req_id} is already known")
+        self._waiting.append(self._new_seq(req_id, num_prompt_tokens, num_tokens, bucket,
+                                           max_tokens))
+
+    def _new_seq(self, req_id: int, num_prompt_tokens: int, num_tokens: int, bucket: int,
+                 max_tokens: int) -> DecodeSeq:
         if num_tokens <= num_prompt_tokens:
             raise ValueError(f"request {req_id}: num_tokens must include the first output token")
         seq = DecodeSeq(
@@ -216,7 +221,7 @@ class DecodeAdmission:
             seq.refine_estimate(self.tail, self.granularity)
         else:  # it has generated its first token(s): bucket 0's estimate (0) is already passed
             seq.raise_estimate(self.granularity)
-        self._waiting.append(seq)
+        return seq
 
     def remove(self, req_id: int) -> bool:
         """Forget a request (abort or finish outside a step). Its blocks are the runtime's."""
@@ -435,14 +440,17 @@ class DecodeAdmission:
             else:
                 seq.refine_estimate(self.tail, self.granularity)
 
-    def load(self) -> DecodeLoad:
+    def load(self, arriving: Iterable[tuple[int, int, int, int, int]] = ()) -> DecodeLoad:
         """Counts for the load report. Heavy: predicted (lower end) or generated output above
-        ``heavy_threshold`` tokens."""
-        seqs = [*self._running.values(), *self._waiting]
+        ``heavy_threshold`` tokens. ``arriving``: requests not added yet, counted as waiting
+        as ``add`` would add them (its arguments; the simulator's hand-offs whose KV is on
+        the link, which the worker's receive admits at once)."""
+        new = [self._new_seq(*a) for a in arriving]
+        seqs = [*self._running.values(), *self._waiting, *new]
         num_heavy = sum(s.is_heavy(self.granularity, self.heavy_threshold) for s in seqs)
         demand = sum(s.num_reserved_blocks(self.block_size) for s in seqs)
         return DecodeLoad(
-            num_waiting=len(self._waiting),
+            num_waiting=len(self._waiting) + len(new),
             num_running=len(self._running),
             num_heavy=num_heavy,
             num_light=len(seqs) - num_heavy,

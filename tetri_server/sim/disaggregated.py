@@ -344,7 +344,7 @@ class DecodeInstance(_Decoding):
             tail=sim.length_tail(sim.tail_kind),  # as the emulated predictor's buckets are
             recompute_chunk=cfg.recompute_tokens, waiting_kv_first=cfg.waiting_kv_first)
         self.seqs = {}
-        self.pulling: dict[int, tuple[SimSeq, PrefillInstance, int]] = {}
+        self.pulling: dict[int, tuple[SimSeq, PrefillInstance]] = {}
         self.link_free_s = 0.0  # the inbound link carries one hand-off at a time
         self._plan: DecodeStepPlan | None = None
         self.queue = PrefillQueue("fcfs")  # elastic: prompts prefilled here
@@ -370,17 +370,17 @@ class DecodeInstance(_Decoding):
                     or not reserve(self.alloc, seq, seq.num_computed, self.block_size):
                 self.sim.send(src, ("rejected", req.req_id))
                 return
-            self.pulling[req.req_id] = (seq, src, msg[4])
+            self.pulling[req.req_id] = (seq, src)
+            # read now: DecodeRole.receive reserves, copies, marks it read and admits in one
+            # go (the worker reports nothing in between); the reports count it meanwhile
+            self.handoffs_read[src.worker_id] = msg[4]
             self.sim.pull(self, req.req_id, seq.num_computed)
         elif kind == "add":  # elastic: a prompt routed here (it finishes sooner)
             req = msg[1]
             self.seqs[req.req_id] = SimSeq(req, req.prompt_len)
             self.queue.add(req.req_id, req.prompt_len, req.arrival_s)
         elif kind == "kv_ready":
-            seq, src, dispatch_seq = self.pulling.pop(msg[1])
-            # read once its admission counts it (DecodeRole.receive reserves, copies and
-            # admits in one go; a report during the pull must not forget it yet)
-            self.handoffs_read[src.worker_id] = dispatch_seq
+            seq, src = self.pulling.pop(msg[1])
             self.sim.send(src, ("pulled", msg[1]))
             self.seqs[msg[1]] = seq
             req = seq.req
@@ -432,7 +432,9 @@ class DecodeInstance(_Decoding):
             self.prompts_done(done, predicted=True)
 
     def load_report(self) -> LoadReport:
-        load = self.admission.load()
+        load = self.admission.load((r.req_id, r.prompt_len, seq.num_tokens, r.bucket,
+                                    r.output_len)
+                                   for seq, _ in self.pulling.values() for r in (seq.req,))
         return LoadReport(self.worker_id, "decode", load.num_waiting + len(self.queue),
                           load.num_running, self.queue.num_queued_tokens,
                           self.alloc.num_free, self.alloc.num_blocks, load.num_heavy,
