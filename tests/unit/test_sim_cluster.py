@@ -1067,3 +1067,31 @@ def test_sim_calibrates_the_chunk_on_the_passes_the_prefill_worker_runs(tmp_path
     assert shipped.chunk_size == knee_chunk_size(cost, 1023, calibration_rows(
         shipped.local_decode_batch, shipped.local_decode_chunk,
         shipped.local_decode_full_chunk_backlog, shipped.local_decode_full_chunk_share), 1023)
+
+
+def test_a_decode_instance_slices_prompts_as_the_worker_does_with_no_prefill_serving() -> None:
+    """Review of session 64: the simulated decode instance fixed its prompt slice once, at the
+    prefill side's chunk; the worker takes it from each routed prompt's ``prefill_chunk``,
+    which is 0 while no prefill worker serves (a flip, a restart): then it prefills up to
+    ``decode.local_prefill_tokens`` a step."""
+    import msgspec
+
+    from tetri_server.policy import mixed_chunk
+
+    cost = CostModel(load_hardware("this-cpu"), load_model("bench"))
+    cfg = SimConfig(chunk_size=64, local_prefill_tokens=1024, local_prefill_slice="chunk")
+    reqs = [SimRequest(i, 300, 20, 0.0) for i in range(2)]
+    sim = Simulation(cfg, cost, reqs)
+    predict(reqs, sim.cfg)
+    prefill, decode = sim.instances
+    assert isinstance(decode, DecodeInstance)
+    for inst in sim.instances:
+        sim.on_report(inst.report())
+    sim.draining[prefill.worker_id] = FlipPlan(prefill.worker_id, "prefill", "decode", 0.0)
+    sim.arrive(reqs[0])  # no prefill instance serves: the decode instance takes it
+    assert reqs[0].req_id in decode.seqs and decode.prompt_budget == 1024
+    del sim.draining[prefill.worker_id]
+    sim.on_report(msgspec.structs.replace(prefill.report(), num_queued_prompt_tokens=10**6))
+    sim.arrive(reqs[1])  # a long backlog there: the decode instance takes it too
+    assert reqs[1].req_id in decode.seqs
+    assert decode.prompt_budget == mixed_chunk(64, cfg.local_decode_chunk) < 1024

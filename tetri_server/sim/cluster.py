@@ -30,6 +30,7 @@ from tetri_server.policy import (
     LengthTail,
     LocalPrefill,
     PrefillOrder,
+    mixed_chunk,
     num_blocks_for,
 )
 from tetri_server.sim.cost import CostModel
@@ -245,9 +246,14 @@ class Simulation:
         if wid is None:
             self.parked.append(req)
             return
-        self.instances[wid].deliver(("add", req, self.picker.stamp(wid)))
-        if self.instances[wid].role == "decode":
+        if self.instances[wid].role == "decode":  # Monitor.prefill_chunk: 0 if none serves
+            serving = any(i.role == "prefill" and i.worker_id not in self.draining
+                          for i in self.instances)
+            chunk = mixed_chunk(self.cfg.chunk_size, self.cfg.local_decode_chunk) if serving else 0
+            self.instances[wid].deliver(("add", req, self.picker.stamp(wid), chunk))
             self._broadcast_view()  # Router.on_decode_prompt
+        else:
+            self.instances[wid].deliver(("add", req, self.picker.stamp(wid)))
 
     def tick(self) -> None:
         """The monitor: every idle instance reports (one in a step reports when it ends), the

@@ -350,9 +350,7 @@ class DecodeInstance(_Decoding):
         self.queue = PrefillQueue("fcfs")  # elastic: prompts prefilled here
         self._slices: tuple[ChunkSlice, ...] = ()
         self.num_prefilled = 0  # prompts prefilled here (elastic)
-        self.prompt_budget = LocalPrefill.slice_tokens(
-            cfg.local_prefill_tokens, mixed_chunk(cfg.chunk_size, cfg.local_decode_chunk),
-            cfg.local_prefill_slice == "chunk")
+        self.prompt_budget = cfg.local_prefill_tokens  # DecodeRole's, until a prompt comes
         self.step_times = StepTimes()  # reported, as workers/decode.py does
         self.handoffs_read: dict[int, int] = {}  # DecodeRole.handoffs_read
 
@@ -377,6 +375,9 @@ class DecodeInstance(_Decoding):
             self.sim.pull(self, req.req_id, seq.num_computed)
         elif kind == "add":  # elastic: a prompt routed here (it finishes sooner)
             req = msg[1]
+            cfg = self.sim.cfg  # DecodeRole.add: the slice follows the prefill side's chunk
+            self.prompt_budget = LocalPrefill.slice_tokens(
+                cfg.local_prefill_tokens, msg[3], cfg.local_prefill_slice == "chunk")
             self.seqs[req.req_id] = SimSeq(req, req.prompt_len)
             self.queue.add(req.req_id, req.prompt_len, req.arrival_s)
         elif kind == "kv_ready":
