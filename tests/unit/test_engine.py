@@ -287,10 +287,39 @@ def test_a_llama_config_with_a_sliding_window_field_attends_to_the_whole_context
     assert eng.generate(prompts, GREEDY) == hf_greedy(plain, prompts, GREEDY.max_tokens)
 
 
+@pytest.mark.parametrize("family", ["llama", "opt"])
+def test_a_tied_config_with_another_lm_head_in_the_checkpoint_is_refused(model_dir, tmp_path,
+                                                                         family):
+    """Regression (review of session 64): config.json ties the head to the embeddings and the
+    checkpoint also holds a different lm_head.weight. We served the embeddings (as vLLM);
+    transformers serves the stored head: other tokens. Now refused, saying how to choose; a
+    stored head equal to the embeddings loads as before."""
+    from safetensors.torch import load_file, save_file
+
+    src = model_dir(family, tie_word_embeddings=True)
+    for name, differs in (("other", True), ("same", False)):
+        path = tmp_path / name
+        shutil.copytree(src, path)
+        weights = load_file(path / "model.safetensors")
+        embed = next(v for k, v in weights.items() if k.endswith("embed_tokens.weight"))
+        weights["lm_head.weight"] = embed + 1.0 if differs else embed.clone()
+        save_file(weights, path / "model.safetensors")
+        if differs:
+            with pytest.raises(ValueError, match="tie_word_embeddings"):
+                make_engine(str(path), "kv.num_blocks=50", "model.max_model_len=256")
+        else:
+            prompts = random_prompts(1, 8000, (10, 20), seed=4)
+            eng = make_engine(str(path), "kv.num_blocks=50", "model.max_model_len=256")
+            assert eng.generate(prompts, GREEDY) == hf_greedy(path, prompts, GREEDY.max_tokens)
+
+
 @pytest.mark.parametrize(("family", "overrides", "field"), [
     ("llama", {"hidden_act": "gelu"}, "hidden_act"),
     ("qwen2", {"hidden_act": "relu"}, "hidden_act"),
     ("llama", {"attention_bias": True}, "attention_bias"),
+    ("llama", {"sliding_window": 16, "num_hidden_layers": 2,
+               "layer_types": ["full_attention", "sliding_attention"]},
+     "sliding_window"),
     ("mistral", {"mlp_bias": True}, "mlp_bias"),
     ("llama", {"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 8,
                                 "long_factor": [2.0] * 8,

@@ -10,7 +10,7 @@ from torch import nn
 from tetri_server.engine.attention import BatchMetadata
 from tetri_server.engine.kernels import Kernels
 from tetri_server.engine.ops.linear import pack_glu_weight, pack_weight
-from tetri_server.engine.spec import ModelSpec
+from tetri_server.engine.spec import ModelSpec, check_tied_head
 
 
 def rope_inv_freq(spec: ModelSpec, hf_config: object) -> tuple[torch.Tensor, float]:
@@ -137,9 +137,11 @@ class LlamaModel(nn.Module):
         """HF names (``model.layers.N.self_attn.q_proj.weight`` ...) -> fused parameters."""
         w = {k.removeprefix("model."): v for k, v in weights.items()}
         with torch.no_grad():
+            head = w.pop("lm_head.weight", None)
+            if self.spec.tie_word_embeddings:
+                check_tied_head(head, w["embed_tokens.weight"])
             self.embed.copy_(w.pop("embed_tokens.weight"))
             self.norm.copy_(w.pop("norm.weight"))
-            head = w.pop("lm_head.weight", None)
             if not self.spec.tie_word_embeddings:
                 if head is None:
                     raise ValueError("checkpoint has no lm_head.weight but tie_word_embeddings"

@@ -10,7 +10,7 @@ from torch import nn
 from tetri_server.engine.attention import BatchMetadata
 from tetri_server.engine.kernels import Kernels
 from tetri_server.engine.ops.linear import pack_weight
-from tetri_server.engine.spec import ModelSpec
+from tetri_server.engine.spec import ModelSpec, check_tied_head
 
 POSITION_OFFSET = 2  # OPT's learned position table starts at index 2
 ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu}
@@ -130,7 +130,7 @@ class OPTModel(nn.Module):
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         w = {k.removeprefix("model.").removeprefix("decoder."): v for k, v in weights.items()}
-        w.pop("lm_head.weight", None)  # tied to embed_tokens
+        check_tied_head(w.pop("lm_head.weight", None), w["embed_tokens.weight"])
         with torch.no_grad():
             self.embed.copy_(w.pop("embed_tokens.weight"))
             self.positions.copy_(w.pop("embed_positions.weight"))

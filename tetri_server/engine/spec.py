@@ -106,6 +106,11 @@ def _unsupported(family: str, hf: Any) -> str | None:
         return f"hidden_act = {hf.hidden_act!r} (the MLP runs SiLU only)"
     if family == "llama" and getattr(hf, "attention_bias", False):
         return "attention_bias = true (biases on q/k/v and o_proj)"
+    if (family == "llama" and getattr(hf, "sliding_window", None)
+            and "sliding_attention" in (getattr(hf, "layer_types", None) or ())):
+        # transformers' Llama applies no window in its forward but its DynamicCache trims to
+        # it when generating; vLLM applies it: no one answer to match
+        return "sliding_window with sliding_attention layer_types (Llama has no window)"
     if getattr(hf, "mlp_bias", False):
         return "mlp_bias = true"
     return None
@@ -164,3 +169,17 @@ def spec_from_hf_config(hf: Any) -> ModelSpec:
         sliding_layers=sliding_layers,
         activation=getattr(hf, "hidden_act", "silu"),
     )
+
+
+def check_tied_head(head: Any, embed: Any) -> None:
+    """config.json ties the LM head to the embeddings, and the checkpoint also holds an
+    ``lm_head.weight``: if it differs, transformers serves that head (it warns, and does not
+    tie) while vLLM serves the embeddings. Neither can be matched for both, so it is refused,
+    saying how to choose. Raises ``ValueError``."""
+    import torch
+
+    if head is not None and not torch.equal(head, embed):
+        raise ValueError("the checkpoint's lm_head.weight differs from embed_tokens.weight, "
+                         "but config.json says tie_word_embeddings = true: set it to false to "
+                         "serve that head (as transformers does), or drop lm_head.weight from "
+                         "the checkpoint to serve the embeddings (as vLLM does)")
