@@ -199,8 +199,10 @@ class StopMatcher:
                 ((pending.find(s, max(0, floor - len(s) + 1)), s) for s in self._stops)
                 if i >= 0]
         if hits:
-            # the match that completes first, ties in list order (vLLM): the same as feeding
-            # the text a character at a time, however the tokens were grouped into deltas
+            # the match that completes first, ties in list order: the same as feeding the text
+            # a character at a time, however the tokens were grouped into deltas. (vLLM takes
+            # the first listed stop found in a token's new text: it differs only where one
+            # token completes two stop strings)
             self._pending = ""
             start, end = min(hits, key=lambda h: h[1])
             self.matched = pending[start:end]
