@@ -196,7 +196,24 @@ def test_a_one_token_reply_in_one_terminal_chunk_without_text_is_its_token() -> 
     assert rec.token_times_s == [0.0] and rec.first_token_s == 0.0 and rec.error is None
 
 
-def test_terminal_chunk_without_text_is_not_a_token() -> None:
+def test_a_last_token_without_text_is_a_token_and_its_gap_counts() -> None:
+    """Regression (review of session 64): a terminal chunk without text was never counted
+    after the first token, so a reply whose last token's text was empty (a trailing U+FFFD
+    held back, a skipped special token) lost its last inter-token gap; vLLM's bench counts
+    every chunk. Usage (3 tokens) says all three chunks were tokens."""
+    rec = RequestRecord(0, "LPLD", 3, 3, 0.0, send_s=0.0)
+    events = [_token(0), _token(1),
+              {"choices": [{"index": 0, "text": "", "finish_reason": "length"}]},
+              {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 3}}]
+    for t, ev in enumerate(events):
+        assert _on_event(SSEEvent(json.dumps(ev)), rec, float(t)) is False
+    assert _on_event(SSEEvent("[DONE]"), rec, 9.0) is True
+    assert rec.token_times_s == [0.0, 1.0, 2.0]
+
+
+def test_a_finish_chunk_of_its_own_is_not_a_token() -> None:
+    """A server that sends its finish_reason in a chunk without a token: the usage (2 tokens)
+    says the last chunk carried none."""
     rec = RequestRecord(0, "LPLD", 3, 2, 0.0, send_s=0.0)
     events = [
         _token(0),

@@ -69,6 +69,7 @@ class RequestRecord:
     num_prompt_tokens: int | None = None  # usage.prompt_tokens
     http_status: int | None = None
     error: str | None = None
+    ended_without_text: bool = False  # the last chunk: a finish_reason and no text
 
     @property
     def ok(self) -> bool:
@@ -118,6 +119,9 @@ def request_body(req: BenchRequest, cfg: ClientConfig) -> dict[str, Any]:
 def _on_event(ev: SSEEvent, rec: RequestRecord, now_s: float) -> bool:
     """Apply one SSE event to ``rec``; True when the stream says it is done."""
     if ev.data.strip() == "[DONE]":
+        if (rec.ended_without_text and rec.num_output_tokens is not None
+                and len(rec.token_times_s) > rec.num_output_tokens):
+            rec.token_times_s.pop()  # a finish chunk that carried no token (usage says so)
         return True
     try:
         obj = json.loads(ev.data)
@@ -135,14 +139,14 @@ def _on_event(ev: SSEEvent, rec: RequestRecord, now_s: float) -> bool:
     choices = obj.get("choices") or []
     if choices and rec.error is None:
         choice = choices[0]
-        # the terminal chunk is a token too when none came before: a one-token reply whose
-        # text is held back (part of a character, a skipped special token) ends in one chunk
-        # with no text and its finish_reason
-        if (choice.get("text") or choice.get("finish_reason") is None
-                or rec.first_token_s is None):
-            rec.token_times_s.append(now_s)
-            if rec.first_token_s is None:
-                rec.first_token_s = now_s
+        # every chunk with a choice is a token's arrival, as ``vllm bench serve`` counts them:
+        # a token's text may be empty (held back: part of a character; a skipped special
+        # token), the last one's too; a server that sends its finish_reason in a chunk of its
+        # own is told by the usage at the end ([DONE])
+        rec.token_times_s.append(now_s)
+        rec.ended_without_text = not choice.get("text") and choice.get("finish_reason") is not None
+        if rec.first_token_s is None:
+            rec.first_token_s = now_s
     usage = obj.get("usage")
     if usage:
         rec.num_output_tokens = usage.get("completion_tokens")
