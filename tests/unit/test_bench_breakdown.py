@@ -103,6 +103,29 @@ def test_cdfs_are_drawn_per_load_with_a_line_per_mode(tmp_path, monkeypatch) -> 
     plt.close("all")
 
 
+def test_a_load_cdf_stays_below_one_by_its_failed_requests(tmp_path, monkeypatch) -> None:
+    """Regression (review of session 64): the sweep's and ablation's CDFs were drawn from the
+    completed requests only, so every curve reached 1 and hid the failed ones."""
+    import pytest
+
+    from tetri_server.bench import breakdown
+    from tetri_server.bench.report import cdf_points
+
+    runs = [_banded(1.5, {50: 0.04}, 0.02, "coupled").to_dict(),
+            _banded(1.5, {50: 0.05}, 0.02, "default").to_dict()]
+    failed = dict(runs[0]["records"][0], error="HTTP 503", first_token_s=None, end_s=None)
+    runs[0]["records"].append(failed)
+    tops: dict[str, float] = {}
+
+    def spy(curves, title, path):  # noqa: ANN001, ANN202 - where each TTFT curve ends
+        for mode, recs in curves.items():
+            tops[mode] = cdf_points([1.0 for r in recs if r.ok], len(recs))[1][-1]
+
+    monkeypatch.setattr(breakdown, "plot_record_cdfs", spy)
+    breakdown.plot_load_cdfs(results_as_sweep(runs), tmp_path)
+    assert tops == {"coupled": pytest.approx(2 / 3), "default": 1.0}
+
+
 def test_compare_cdfs_pool_the_runs_of_a_mode(tmp_path, monkeypatch) -> None:
     """``report.plot_cdfs`` (bench compare): two runs of one mode are one line of both runs'
     requests, not two lines with the same label."""

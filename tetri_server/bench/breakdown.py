@@ -24,9 +24,9 @@ from tetri_server.bench.report import plot_record_cdfs
 PROMPT_BANDS = (128, 512)  # prompt tokens: < 128, 128-511, >= 512
 
 
-def _records(point: dict[str, Any]) -> list[RequestRecord]:
+def _records(point: dict[str, Any], *, ok_only: bool = True) -> list[RequestRecord]:
     recs = [RequestRecord.from_json(r) for r in point["records"]]
-    return [r for r in recs if r.ok]
+    return [r for r in recs if r.ok or not ok_only]
 
 
 def _load_name(rate: float | str) -> str:
@@ -107,7 +107,9 @@ def plot_load_cdfs(result: dict[str, Any], out_dir: Path) -> list[Path]:
     for i, rate in enumerate(modes[0]["rates"] if modes else []):
         at = _load_name(rate)
         path = out_dir / f"cdf_{re.sub(r'[^A-Za-z0-9.]+', '_', at).strip('_')}.png"
-        plot_record_cdfs({m["mode"]: _records(m["points"][i]) for m in modes}, at, path)
+        # every request: a curve that stays below 1 shows the failed ones
+        plot_record_cdfs({m["mode"]: _records(m["points"][i], ok_only=False) for m in modes},
+                         at, path)
         paths.append(path)
     return paths
 
