@@ -104,6 +104,16 @@ def test_table_and_json_show_goodput_and_attainment_per_rate() -> None:
     assert Calibration.from_dict(out["slo_calibration"]) == cal
 
 
+def test_an_attainment_just_under_the_target_does_not_read_as_met() -> None:
+    """Regression (review of session 64): attainment printed with no decimals, so 179 of
+    200 (89.5%, below the 90% target, as goodput counts it) read "90%"; the JSON said what
+    the definition's recomputation would not (no floor on short prompts' TTFT SLO)."""
+    cal = Calibration(0.01, 0.001, 0.02, source="coupled")
+    point = ModeSweep("coupled", None, [_result(0.2, [0.1] * 179 + [1.0] * 21)])
+    assert "| coupled | **0** | 89.5% |" in sweep_table([point], cal, SLOScale())
+    assert "prefill_floor_s" in sweep_json([point], cal, SLOScale(), 0.0)["definition"]
+
+
 def _args(*argv: str) -> argparse.Namespace:
     return cli.parser().parse_args(["sweep", *argv])
 

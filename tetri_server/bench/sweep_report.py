@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -51,7 +52,8 @@ def sweep_table(sweeps: Sequence[ModeSweep], cal: Calibration, scale: SLOScale) 
     rows = []
     for sw in sweeps:
         atts = sw.attainments(cal, scale)
-        met = " / ".join(f"{a * 100:.0f}%" for a in atts)
+        # rounded down: 89.5% must not read as the 90% target met
+        met = " / ".join(f"{math.floor(a * 1000) / 10:g}%" for a in atts)
         ttft = " / ".join(_s(r.summary.ttft_s.mean) for r in sw.results)
         tpot = " / ".join(_ms(r.summary.tpot_s.mean) for r in sw.results)
         others = " / ".join(_others(r) for r in sw.results)
@@ -97,7 +99,8 @@ def sweep_json(
     return {
         "kind": "slo_sweep",
         "definition": "goodput = highest rate r such that every tested rate <= r had >= target "
-        "of requests with TTFT <= ttft_x * (a + b * prompt_len) and TPOT <= tpot_x * step",
+        "of requests with TTFT <= ttft_x * max(a + b * prompt_len, prefill_floor_s) and "
+        "TPOT <= tpot_x * step",
         "scale": {"ttft_x": scale.ttft_x, "tpot_x": scale.tpot_x, "target": scale.target},
         "slo_calibration": cal.to_dict(),
         "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started_unix_s)),
