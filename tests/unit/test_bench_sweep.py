@@ -65,6 +65,16 @@ def test_calibration_requests_fit_the_context_and_are_alone() -> None:
     assert all(q.arrival_s == 0.0 for q in everything)
 
 
+def test_a_context_too_small_for_the_calibration_is_refused_by_name() -> None:
+    """Regression (review of session 64): under 96 tokens of context the calibration's lone
+    decode streams (32 + 64 tokens) failed as the server's HTTP 400s, which read as a server
+    fault; at 96 every request fits."""
+    with pytest.raises(ValueError, match="--max-model-len"):
+        calibration_requests(95, (512, frozenset({1, 2})), seed=0)
+    warm, probes, steps = calibration_requests(96, (512, frozenset({1, 2})), seed=0)
+    assert all(q.prompt_len + q.output_len <= 96 for q in [*warm, *probes, *steps])
+
+
 def test_the_reference_mode_sets_everyones_slo() -> None:
     assert reference_mode(["disaggregated", "coupled"]) == "coupled"
     assert reference_mode(["disaggregated", "coupled-chunked"]) == "disaggregated"

@@ -62,6 +62,7 @@ STEP_PROMPT_TOKENS = 32
 STEP_OUTPUT_TOKENS = 64
 NUM_PROBE_REPEATS = 3  # per prompt length; the fit uses every sample
 NUM_STEP_STREAMS = 2
+MIN_CALIBRATION_CONTEXT = STEP_PROMPT_TOKENS + STEP_OUTPUT_TOKENS  # also holds every probe
 _Built = Sequence[tuple[WorkloadSpec, list[BenchRequest]]]  # one (spec, requests) per rate
 
 
@@ -97,7 +98,13 @@ def calibration_requests(
     max_model_len: int, vocab: tuple[int, frozenset[int]], seed: int
 ) -> tuple[list[BenchRequest], list[BenchRequest], list[BenchRequest]]:
     """(warm-up, prefill probes, lone decode streams); all arrive at 0 and are sent one at a
-    time (concurrency 1), so each is alone on the server."""
+    time (concurrency 1), so each is alone on the server. Raises ``ValueError`` for a context
+    too small for them (they would fail as the server's 400s)."""
+    if max_model_len < MIN_CALIBRATION_CONTEXT:
+        raise ValueError(f"the SLO calibration sends requests of up to "
+                         f"{MIN_CALIBRATION_CONTEXT} tokens (a lone decode stream of "
+                         f"{STEP_OUTPUT_TOKENS} tokens after {STEP_PROMPT_TOKENS}); a context "
+                         f"of {max_model_len} cannot hold them: raise --max-model-len")
     rng = np.random.default_rng([seed, 7])
     maker = RandomIdPrompts(*vocab)
     made: list[BenchRequest] = []
