@@ -133,3 +133,31 @@ def test_a_blocked_worker_with_a_queue_is_not_taken_for_idle() -> None:
                         report(2, "decode", t * 0.95, waiting=3, running=17)], t)
              for t in (i * 0.1 for i in range(700))]
     assert any(p is not None and p.worker_id == 0 for p in plans)
+
+
+def test_the_placeholder_report_of_a_worker_just_flipped_is_not_a_busy_window() -> None:
+    """Regression (review of session 64): control's placeholder report of a worker that just
+    flipped says busy_s 0; its next report says the whole total of its process (busy_s is not
+    reset by a flip). A tick between them started its new window at 0, and the window read
+    100% busy: its new role looked overloaded, and a second prefill worker flipped to decode.
+    A restarted process (busy_s back to 0) starts a new window too."""
+    policy = FlipPolicy(window_s=60, idle_window_s=60, cooldown_s=10)
+    roles = {0: "prefill", 1: "prefill", 2: "prefill", 3: "decode"}
+    past = {1: 300.0}  # worker 1 prefilled for 300 s earlier in its life
+    util = {0: 0.5, 1: 0.0, 2: 0.0, 3: 0.9}
+    placeholder: set[int] = set()
+    flips = []
+    for step in range(1, 1500):
+        t = step * 0.1
+        reports = [report(w, roles[w], 0.0) if w in placeholder
+                   else report(w, roles[w], past.get(w, 0.0) + util[w] * t,
+                               running=int(util[w] > 0)) for w in sorted(roles)]
+        placeholder.clear()
+        plan = policy.plan(reports, t)
+        if plan is not None:
+            flips.append((round(t, 1), plan.worker_id, plan.to_role))
+            roles[plan.worker_id] = plan.to_role
+            policy.on_done(plan, t)
+            placeholder.add(plan.worker_id)
+            util[3], util[plan.worker_id] = 0.45, 0.3  # the decode load, shared now
+    assert flips == [(60.1, 1, "decode")]
