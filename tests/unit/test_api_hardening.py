@@ -266,6 +266,18 @@ def test_loopback_server_answers_only_to_loopback_host_names(
         assert err["code"] == "host_not_allowed" and repr(host) in err["message"]
 
 
+def test_a_loopback_bind_spelled_otherwise_keeps_the_host_checks(api: ApiHarness) -> None:
+    """Regression (review of session 64): --host 127.1 binds 127.0.0.1, but was not taken for
+    loopback (ipaddress does not read that spelling), so the DNS-rebinding Host check and the
+    cross-site Origin check were off."""
+    from tetri_server.config import ServerConfig
+
+    assert ServerConfig(host="127.1").is_loopback and ServerConfig(host="127.0.0.1").is_loopback
+    assert not ServerConfig(host="0.0.0.0").is_loopback
+    url = api.serve(host="127.1")
+    assert raw_request(url, "GET", "/v1/models", headers={"Host": "evil.example"}).status == 421
+
+
 def test_allowed_hosts_and_non_loopback_binds(api: ApiHarness) -> None:
     url = api.serve(allowed_hosts=("box.lan",))
     assert raw_request(url, "GET", "/v1/models", headers={"Host": "box.lan:8000"}).status == 200

@@ -4,6 +4,7 @@ field per key (its docstring is the key's documentation). ``__post_init__`` only
 from __future__ import annotations
 
 import ipaddress
+import socket
 import typing
 from dataclasses import dataclass
 from typing import ClassVar, Literal, get_args, get_origin
@@ -114,7 +115,15 @@ class ServerConfig(_Section):
         try:
             return ipaddress.ip_address(self.host.strip("[]")).is_loopback
         except ValueError:
+            pass
+        # another spelling (127.1) or a name (/etc/hosts' ip6-localhost): what the socket
+        # binds is what it resolves to
+        try:
+            infos = socket.getaddrinfo(self.host, None, type=socket.SOCK_STREAM)
+        except (OSError, UnicodeError):
             return False
+        addresses = {str(info[4][0]).split("%")[0] for info in infos}
+        return bool(addresses) and all(ipaddress.ip_address(a).is_loopback for a in addresses)
 
     def _validate(self) -> None:
         if not 0 <= self.port <= 65535:
