@@ -145,7 +145,15 @@ def resolve_hub_model(model: ModelConfig, environ: Mapping[str, str]) -> ModelCo
     cache, served under the id unless a served name is set. Never downloads (offline always,
     so HF_HUB_OFFLINE holds); a missing model is a ``ConfigError`` saying how to get it."""
     path = model.path
-    if path.startswith(BUILTIN_PREFIX) or Path(path).expanduser().is_dir():
+    if path.startswith(BUILTIN_PREFIX):
+        from tetri_server.modelmaker import parse_builtin
+
+        try:
+            parse_builtin(path)
+        except ValueError as e:  # a typo: one line, not a traceback at start
+            raise ConfigError(f"model.path {path!r}: {e}") from None
+        return model
+    if Path(path).expanduser().is_dir():
         return model
     if not _HUB_ID.fullmatch(path) or ".." in path:
         raise ConfigError(f"model.path {path!r} is not a folder, builtin:NAME or a Hugging "

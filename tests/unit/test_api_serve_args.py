@@ -116,6 +116,9 @@ def test_missing_hub_model_is_a_clear_error_and_never_downloads(tmp_path: Path) 
         build_config(parse("org/absent"), env)
     with pytest.raises(ConfigError, match="not a folder"):
         build_config(parse(str(tmp_path / "no" / "such")), env)
+    # regression (review of session 64): a typo in a built-in name was a traceback at start
+    with pytest.raises(ConfigError, match="builtin:nope"):
+        build_config(parse("builtin:nope"), env)
 
 
 def test_a_max_model_len_beyond_the_models_is_refused(model_dir) -> None:
