@@ -167,3 +167,32 @@ def test_a_prefill_worker_reports_its_kept_requests_preemptions_and_kv_drops() -
     adm.on_done(plan, set())
     report = role.load_report()
     assert (report.num_preemptions, report.num_kv_drops) == (1, 1)
+
+
+def test_a_prompt_chunk_alone_leaves_the_kept_rows_their_next_blocks() -> None:
+    """Regression (review of session 64): with prefill.local_decode_prompt_first, a chunk of
+    prompt alone planned its blocks as if the kept requests would not grow: an 80-token prompt
+    took the last free blocks of an 8-block pool, and the next step preempted the kept request
+    whose next token needed a new block (its 48 tokens of KV computed again)."""
+    from tetri_server.messages import AddRequest, DecodeInstanceView, DecodeView, SamplingParams
+    from tetri_server.policy.prefill_book import Stage
+
+    lines: list[dict[str, object]] = []
+    pw = FakeWorker(0, 8, [])
+    pw.cfg = load_config(None, [
+        "prefill.chunk_size=128", "predictor.kind=none", "decode.policy=greedy",
+        "prefill.local_finish_tokens=0", "prefill.local_decode_prompt_first=true",
+        "prefill.local_decode_min_tokens=0"])
+    pw.decisions = DecisionLog(lambda line: lines.append(json.loads(line)))
+    role = PrefillRole(pw)  # type: ignore[arg-type]
+    params = SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)
+    role.handle(AddRequest(1, list(range(5, 52)), params, 0.0))  # no view yet: kept
+    while 1 not in role.book.ids(Stage.DECODING):
+        role.step()
+    role.handle(DecodeView(1, [DecodeInstanceView(1, 0, 48, 0, 1, 0, 0, 0.0, 0.0)], 1))  # full
+    role.step()  # the kept request: 49 tokens in 3 blocks, its next one needs a fourth
+    role.handle(AddRequest(2, list(range(5, 85)), params, 0.0))  # 5 blocks; 5 free
+    for _ in range(4):
+        role.step()
+    assert not [d for d in lines if d.get("preempt")]
+    assert role.book.get(1).num_tokens > 49  # it decoded on, never recomputed

@@ -343,6 +343,10 @@ class DecodeAdmission:
         step_need = self._step_need(self._running.values())
         return num_free_blocks - num_blocks >= step_need + self.head_need()
 
+    def next_step_need(self) -> int:
+        """New blocks the running batch's next step needs."""
+        return self._step_need(self._running.values())
+
     def _step_need(self, running: Iterable[DecodeSeq]) -> int:
         """New blocks the next step of ``running`` needs."""
         return sum(s.num_step_blocks(self.block_size) for s in running)

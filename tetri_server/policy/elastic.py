@@ -420,7 +420,11 @@ def kept_prompt_room(admission: DecodeAdmission, book: PrefillBook[Any],
     a prompt completing (a kept row runs, a hand-off's KV is there): new prompts took each
     block as it came back and left it waiting for good. With none coming back, prompts keep
     them all: a head that needs more than is free would stop them, and the hand-offs with
-    them, for good. The worker and the simulator both plan with it."""
+    them, for good. A chunk without the kept rows leaves them what their next step needs (it
+    took those blocks, and the next step preempted a kept request). The worker and the
+    simulator both plan with it."""
     rows = plan.run_ids if plan is not None else admission.running_ids
     hold = bool(rows) or book.kv_returning()
+    if plan is None:
+        free = max(0, free - admission.next_step_need())
     return admission.prompt_room(plan, free, hold_head=hold)
