@@ -157,6 +157,17 @@ def test_bad_override_names_the_key_and_the_choices(override: str, must_mention:
         assert text in str(info.value)
 
 
+def test_keys_that_undo_each_other_are_refused() -> None:
+    """Regression (review of session 64): with both on, past a chunk of prompt backlog the
+    prefill worker handed every kept request back and kept it again in the same step, each
+    step, dispatching none (and resetting its admission estimate each time)."""
+    with pytest.raises(ConfigError, match="local_decode_hand_back.*local_decode_balance_back"):
+        load_config(None, ["prefill.local_decode_hand_back=true",
+                           "prefill.local_decode_balance_backlog=true"])
+    load_config(None, ["prefill.local_decode_hand_back=true"])
+    load_config(None, ["prefill.local_decode_balance_backlog=true"])
+
+
 def test_bad_file_values_name_the_file_and_key(tmp_path: Path) -> None:
     path = tmp_path / "c.toml"
     path.write_text('[server]\nport = "8000"\n')

@@ -156,6 +156,13 @@ class PrefillConfig(_Section):
         self._at_least("starve_tokens", 1)
         self._at_least("token_budget", 1)
         self._at_least("local_decode_batch", 0)
+        if self.local_decode_hand_back and self.local_decode_balance_backlog:
+            # past a chunk of backlog one hands every kept request back, the other keeps
+            # it again at once where it decodes faster: each step, and none dispatched
+            raise ConfigError("prefill.local_decode_hand_back and "
+                              "prefill.local_decode_balance_backlog contradict each other "
+                              "(past a chunk of prompt backlog the first hands kept requests "
+                              "back, the second keeps them): set one of them")
 
 
 @dataclass(frozen=True, kw_only=True)
