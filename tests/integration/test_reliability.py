@@ -757,3 +757,28 @@ async def test_a_grammar_that_allows_no_token_fails_its_request_alone(tiny_llama
         assert all(h.alive for h in cluster.workers.values())
     finally:
         await cluster.stop()
+
+
+async def test_a_grammar_dead_end_on_a_prompt_the_decode_worker_prefilled_fails_it_alone(
+        tiny_llama):
+    """Regression (review of session 65's fix): a decode worker that prefills a prompt itself
+    (elastic; here its only prefill worker is down) wrote the first token's predicted bucket
+    on the step's last delta; a grammar with no first token has none, and the step raised
+    (IndexError) and the worker died. Now that request alone fails, naming its grammar."""
+    from tetri_server.messages import Guide
+
+    cluster = make_cluster(tiny_llama, "disaggregated", "cluster.restart_workers=false")
+    prompts = random_prompts(2, 8000, (20, 40), seed=62)
+    plain = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    [ref] = hf_greedy(tiny_llama, prompts[:1], plain.max_tokens)
+    await cluster.start()
+    try:
+        kill(cluster, 0)
+        await until(lambda: not cluster.workers[0].alive, 10, "the kill is seen")
+        dead = SamplingParams(max_tokens=20, temperature=0.0, guide=Guide("regex", "[^\\s\\S]"))
+        with pytest.raises(InvalidRequestError, match="grammar"):
+            await asyncio.wait_for(collect(cluster, prompts[1], dead), 60)
+        assert await asyncio.wait_for(collect(cluster, prompts[0], plain), 60) == ref
+        assert cluster.workers[1].alive
+    finally:
+        await cluster.stop()

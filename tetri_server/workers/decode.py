@@ -178,8 +178,7 @@ class DecodeRole(Role):
                 seq = item.seq
                 if tok is None or seq.req_id not in done:
                     continue
-                ended = self._append(seq, tok, lp, deltas)
-                deltas[-1].predicted_bucket = seq.predicted_bucket  # predicted here
+                ended = self._append(seq, tok, lp, deltas, predicted_here=True)
                 if not ended:  # prefilled here: now it decodes
                     seq.status = SeqStatus.RUNNING
                     self.admission.add(seq.req_id, seq.num_prompt, seq.num_tokens,
@@ -191,15 +190,19 @@ class DecodeRole(Role):
         # a step that only preempted or failed requests made progress: plan again at once
         return bool(items or plan.preempt.req_ids or plan.fail_ids)
 
-    def _append(self, seq: Sequence, tok: int, lp: float | None,
-                deltas: list[TokenDelta]) -> bool:
-        """Append a sampled token and its delta; True (and freed) if the request finished."""
+    def _append(self, seq: Sequence, tok: int, lp: float | None, deltas: list[TokenDelta],
+                *, predicted_here: bool = False) -> bool:
+        """Append a sampled token and its delta (a prompt prefilled here, ``predicted_here``:
+        with its predicted bucket); True (and freed) if the request finished (a grammar's dead
+        end: failed, no delta)."""
         reason = append_token(seq, tok, lp, self.w.model_spec.eos_token_ids,
                               self.w.max_model_len)
         if reason == DEAD_END:
             self.w.send(dead_end_failure(seq))
         else:
             deltas.append(emit(seq, reason))
+            if predicted_here:
+                deltas[-1].predicted_bucket = seq.predicted_bucket
         if reason is None:
             return False
         self.w.kv.free(seq)
