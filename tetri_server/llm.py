@@ -93,6 +93,7 @@ class LLMEngine:
                                 waiting_kv_first=cfg.decode.waiting_kv_first,
                                 pad_chunks=pad_chunks)
         self.seqs = self.loop.seqs
+        self.failures: dict[int, str] = {}  # request id -> why it failed (``step``)
 
     def add_request(self, req_id: int, prompt_ids: list[int],
                     params: SamplingParams | None = None) -> None:
@@ -120,10 +121,13 @@ class LLMEngine:
         return self.loop.has_work()
 
     def step(self) -> list[TokenDelta]:
+        """One step; the deltas of the requests it served. A request that failed in it (its
+        grammar allows no next token, it no longer fits the pool) gets no more deltas: its
+        error is in ``failures`` (the others' deltas of the step are not lost)."""
         deltas = self.loop.step()
-        if self.loop.failed:
-            failed, self.loop.failed = self.loop.failed, []
-            raise RuntimeError("; ".join(f"request {f.req_id}: {f.error}" for f in failed))
+        for f in self.loop.failed:
+            self.failures[f.req_id] = f.error
+        self.loop.failed.clear()
         if not self.loop.last_step_ran and self.loop.has_work():
             raise RuntimeError("no request fits in the KV pool")
         return deltas
@@ -148,6 +152,9 @@ class LLMEngine:
                 for d in self.step():
                     if d.req_id in out:  # (an add_request of the caller's runs beside them)
                         out[d.req_id].extend(d.token_ids)
+                if failed := [r for r in added if r in self.failures]:
+                    raise RuntimeError("; ".join(f"request {r}: {self.failures.pop(r)}"
+                                                 for r in failed))
         except BaseException:  # a failed step: none of the batch stays behind to fail the
             for req_id in added:  # next call too
                 self.abort(req_id)

@@ -304,9 +304,10 @@ def test_a_tied_config_with_another_lm_head_in_the_checkpoint_is_refused(model_d
         embed = next(v for k, v in weights.items() if k.endswith("embed_tokens.weight"))
         weights["lm_head.weight"] = embed + 1.0 if differs else embed.clone()
         save_file(weights, path / "model.safetensors")
-        if differs:
-            with pytest.raises(ValueError, match="tie_word_embeddings"):
+        if differs:  # OPT serves no head of its own: only the other way out is offered
+            with pytest.raises(ValueError, match="tie_word_embeddings") as info:
                 make_engine(str(path), "kv.num_blocks=50", "model.max_model_len=256")
+            assert ("set it to false" in str(info.value)) == (family != "opt")
         else:
             prompts = random_prompts(1, 8000, (10, 20), seed=4)
             eng = make_engine(str(path), "kv.num_blocks=50", "model.max_model_len=256")
@@ -395,3 +396,26 @@ def test_last_layer_runs_only_the_sampled_rows_with_the_same_logits(model_dir, f
     assert seen[layers:] == [111] * layers
     assert torch.equal(cut.argmax(-1), full.argmax(-1))
     torch.testing.assert_close(cut, full, rtol=1e-5, atol=1e-5)
+
+
+def test_a_request_failing_in_a_step_loses_no_other_requests_tokens(model_dir):
+    """Regression (review of session 65's fix): a request that failed in a step (here its
+    grammar allows no token) made LLMEngine.step() raise, and the deltas the others got in
+    that step were lost for good (marked sent). Now step() returns them and names the failed
+    one in ``failures``; generate() raises for a batch with a failed request."""
+    from tetri_server.messages import Guide
+
+    eng = make_engine(str(model_dir("llama")), "kv.num_blocks=200", "model.max_model_len=64")
+    plain = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    [ref] = eng.generate([[5, 6, 7]], plain)
+    eng.add_request(100, [5, 6, 7], plain)
+    eng.add_request(101, [8, 9], SamplingParams(max_tokens=6, temperature=0.0,
+                                                guide=Guide("regex", "[^\\s\\S]")))
+    got: list[int] = []
+    while eng.has_unfinished():
+        got += [t for d in eng.step() if d.req_id == 100 for t in d.token_ids]
+    assert got == ref and "grammar" in eng.failures.pop(101) and not eng.failures
+    with pytest.raises(RuntimeError, match="grammar"):
+        eng.generate([[5, 6, 7], [8, 9]], [plain, SamplingParams(
+            max_tokens=6, temperature=0.0, guide=Guide("regex", "[^\\s\\S]"))])
+    assert not eng.has_unfinished() and eng.generate([[5, 6, 7]], plain) == [ref]

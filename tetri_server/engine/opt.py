@@ -130,7 +130,8 @@ class OPTModel(nn.Module):
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         w = {k.removeprefix("model.").removeprefix("decoder."): v for k, v in weights.items()}
-        check_tied_head(w.pop("lm_head.weight", None), w["embed_tokens.weight"])
+        check_tied_head(w.pop("lm_head.weight", None), w["embed_tokens.weight"],
+                        can_untie=False)  # an untied OPT head is refused (``_unsupported``)
         with torch.no_grad():
             self.embed.copy_(w.pop("embed_tokens.weight"))
             self.positions.copy_(w.pop("embed_positions.weight"))

@@ -171,15 +171,18 @@ def spec_from_hf_config(hf: Any) -> ModelSpec:
     )
 
 
-def check_tied_head(head: Any, embed: Any) -> None:
+def check_tied_head(head: Any, embed: Any, *, can_untie: bool = True) -> None:
     """config.json ties the LM head to the embeddings, and the checkpoint also holds an
     ``lm_head.weight``: if it differs, transformers serves that head (it warns, and does not
     tie) while vLLM serves the embeddings. Neither can be matched for both, so it is refused,
-    saying how to choose. Raises ``ValueError``."""
+    saying how to choose (``can_untie``: the family serves a head of its own; OPT does not).
+    Raises ``ValueError``."""
     import torch
 
-    if head is not None and not torch.equal(head, embed):
-        raise ValueError("the checkpoint's lm_head.weight differs from embed_tokens.weight, "
-                         "but config.json says tie_word_embeddings = true: set it to false to "
-                         "serve that head (as transformers does), or drop lm_head.weight from "
-                         "the checkpoint to serve the embeddings (as vLLM does)")
+    if head is None or torch.equal(head, embed):
+        return
+    untie = ("set it to false to serve that head (as transformers does), or "
+             if can_untie else "")
+    raise ValueError(f"the checkpoint's lm_head.weight differs from embed_tokens.weight, but "
+                     f"config.json says tie_word_embeddings = true: {untie}drop lm_head.weight "
+                     f"from the checkpoint to serve the embeddings (as vLLM does)")
