@@ -226,3 +226,23 @@ def test_dropped_waiting_kv_is_its_own_counter_not_a_preemption() -> None:
     text = monitor.metrics.render().decode()
     assert 'tetri_preemptions_total{model_name="m"} 1.0' in text
     assert 'tetri_waiting_kv_drops_total{model_name="m"} 3.0' in text
+
+
+def test_a_flipped_worker_keeps_its_busy_total_and_a_restarted_one_starts_at_zero() -> None:
+    """Regression (review of session 64): control's placeholder report of a worker that just
+    flipped said busy_s 0, while the worker's process goes on counting its total (300 s of
+    prefill here). A flip-rule tick between it and the worker's first report read the whole
+    past as the new role's first window: 100% busy, and a second worker flipped. A restarted
+    worker is a new process: 0."""
+    from tetri_server.messages import PoolHandle, Ready
+
+    monitor, workers = pair_monitor()
+    monitor.on_report(workers[0], msgspec.structs.replace(report(0, "prefill", 0),
+                                                          busy_s=300.0))
+    pool = PoolHandle(0, "shm", "x", 2, 64, 16, 4, 8, "float32")
+    workers[0].role = "decode"
+    monitor.on_ready(workers[0], Ready(0, "decode", pool, 0, 1))  # flipped
+    assert monitor.reports[0].busy_s == 300.0 and monitor.reports[0].role == "decode"
+    monitor.remove(0)  # died
+    monitor.on_ready(workers[0], Ready(0, "decode", pool, 0, 2))  # restarted
+    assert monitor.reports[0].busy_s == 0.0

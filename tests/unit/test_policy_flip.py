@@ -135,29 +135,18 @@ def test_a_blocked_worker_with_a_queue_is_not_taken_for_idle() -> None:
     assert any(p is not None and p.worker_id == 0 for p in plans)
 
 
-def test_the_placeholder_report_of_a_worker_just_flipped_is_not_a_busy_window() -> None:
-    """Regression (review of session 64): control's placeholder report of a worker that just
-    flipped says busy_s 0; its next report says the whole total of its process (busy_s is not
-    reset by a flip). A tick between them started its new window at 0, and the window read
-    100% busy: its new role looked overloaded, and a second prefill worker flipped to decode.
-    A restarted process (busy_s back to 0) starts a new window too."""
-    policy = FlipPolicy(window_s=60, idle_window_s=60, cooldown_s=10)
-    roles = {0: "prefill", 1: "prefill", 2: "prefill", 3: "decode"}
-    past = {1: 300.0}  # worker 1 prefilled for 300 s earlier in its life
-    util = {0: 0.5, 1: 0.0, 2: 0.0, 3: 0.9}
-    placeholder: set[int] = set()
-    flips = []
-    for step in range(1, 1500):
-        t = step * 0.1
-        reports = [report(w, roles[w], 0.0) if w in placeholder
-                   else report(w, roles[w], past.get(w, 0.0) + util[w] * t,
-                               running=int(util[w] > 0)) for w in sorted(roles)]
-        placeholder.clear()
-        plan = policy.plan(reports, t)
-        if plan is not None:
-            flips.append((round(t, 1), plan.worker_id, plan.to_role))
-            roles[plan.worker_id] = plan.to_role
-            policy.on_done(plan, t)
-            placeholder.add(plan.worker_id)
-            util[3], util[plan.worker_id] = 0.45, 0.3  # the decode load, shared now
-    assert flips == [(60.1, 1, "decode")]
+
+def test_a_restarted_process_starts_a_new_window_and_a_long_step_does_not() -> None:
+    """A worker's busy total counts from 0 in a restarted process: its window starts again
+    (read across the restart, it was busy a negative share). A step longer than the time
+    between two reports comes in all at once: the same window (review of session 65: a
+    bound on the growth restarted a saturated CPU prefill worker's window at every step)."""
+    policy = FlipPolicy(window_s=10, idle_window_s=10)
+    roles = {0: "prefill", 1: "decode"}
+    for t in range(0, 11):  # worker 1 busy 90% of the time
+        policy.plan([report(0, roles[0], 0.0), report(1, roles[1], 0.9 * t, running=1)], t)
+    assert policy._stats(1, 10.0).utilisation == 0.9 and policy._stats(1, 10.0).complete
+    policy.plan([report(0, roles[0], 0.0), report(1, roles[1], 20.0, running=1)], 11.0)
+    assert policy._stats(1, 11.0).complete  # 11 s of work reported late, at once: kept
+    policy.plan([report(0, roles[0], 0.0), report(1, roles[1], 0.5, running=1)], 12.0)
+    assert not policy._stats(1, 12.0).complete  # restarted: a new window

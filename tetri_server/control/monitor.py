@@ -82,11 +82,15 @@ class Monitor:
         return emptied
 
     def on_ready(self, h: WorkerHandle, msg: Ready) -> None:
-        """A worker (re)started or flipped: an empty report in its role until its first one."""
+        """A worker (re)started or flipped: an empty report in its role until its first one;
+        a flipped one (the same process) keeps its busy total, which its reports go on
+        counting (at 0, the flip rule read its whole past as its new role's first window)."""
         n = msg.pool.num_blocks
+        before = self.reports.get(h.worker_id)  # none after a death (``remove``)
         empty = LoadReport(worker_id=h.worker_id, role=msg.role, num_waiting=0, num_running=0,
                            num_queued_prompt_tokens=0, num_free_blocks=n, num_total_blocks=n,
-                           num_heavy=0, num_light=0, predicted_demand_blocks=0, busy_s=0.0)
+                           num_heavy=0, num_light=0, predicted_demand_blocks=0,
+                           busy_s=before.busy_s if before is not None else 0.0)
         self.reports[h.worker_id] = empty
         self.picker.on_report(empty)
         self._view_generation += 1
