@@ -154,6 +154,9 @@ class PrefillInstance(_Decoding):
         self._alone = bool(len(self.admission))  # a pure chunk beside kept requests
         room = kept_prompt_room(self.admission, self.book, None, self.alloc.num_free)
         chunk = self.chunker.plan(self.book.queue, room)
+        if chunk is None and self._alone:  # PrefillRole.step: the kept rows run instead
+            self._alone = False
+            return self._start_mixed(predict_s)
         if chunk is None:
             return None
         return self._start_chunk(chunk, [], predict_s, pad=True)

@@ -187,6 +187,9 @@ class PrefillRole(Role):
         self._alone = bool(len(self.admission))  # a pure chunk beside kept requests
         room = kept_prompt_room(self.admission, self.book, None, self.w.allocator.num_free)
         chunk = self.chunker.plan(self.book.queue, room)
+        if chunk is None and self._alone:  # no room beside the kept rows: they run instead
+            self._alone = False
+            return self._mixed_step()
         if chunk is None:
             return False  # no blocks for the head request: wait for an ack or an abort
         chunk, items = self._reserve(chunk)
