@@ -438,23 +438,32 @@ def test_gpus_without_peer_access_are_refused_at_start(monkeypatch) -> None:  # 
     """Regression (review of session 64): a decode worker on a GPU that cannot map the
     prefill worker's GPU (no peer access, as on many consumer boards) refused every hand-off,
     and each request was dispatched again until it timed out. Now the server does not start,
-    and says why; one GPU, or GPUs with peer access, start as before."""
+    and says why; one GPU, or GPUs with peer access, start as before. (The query runs in a
+    child process, so that the control process sets no CUDA context up.)"""
     import pytest
-    import torch
 
     from tetri_server.config import ConfigError
     from tetri_server.control import supervisor as sup
 
+    assert sup._gpus_without_peer_access([3]) == []  # the child's query runs (no pair here)
+    asked: list[list[int]] = []
+
+    def none_reach(ids: list[int]) -> list[tuple[int, int]]:
+        asked.append(ids)
+        return [(a, b) for a in ids for b in ids if a != b]
+
     monkeypatch.setattr(sup, "_num_cuda_devices", lambda: 2)
-    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: False)
+    monkeypatch.setattr(sup, "_gpus_without_peer_access", none_reach)
     gpu = ("cluster.device=cuda", "model.dtype=float32")
-    with pytest.raises(ConfigError, match="no peer access"):
+    with pytest.raises(ConfigError, match="GPU 1 cannot map GPU 0's memory"):
         unstarted(None, *gpu)
+    assert asked == [[0, 1]]
     unstarted(None, *gpu, "cluster.mode=coupled")  # no hand-offs
     monkeypatch.setattr(sup, "_num_cuda_devices", lambda: 1)
     unstarted(None, *gpu)
+    assert len(asked) == 1  # one GPU: nothing to ask
     monkeypatch.setattr(sup, "_num_cuda_devices", lambda: 2)
-    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: True)
+    monkeypatch.setattr(sup, "_gpus_without_peer_access", lambda ids: [])
     unstarted(None, *gpu)
 
 

@@ -9,6 +9,7 @@ the control process; the control process unlinks them when the worker exits.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import secrets
@@ -31,6 +32,7 @@ RING_BYTES = 4 << 20
 SHUTDOWN_WAIT_S = 10.0  # Shutdown to exit, all workers together; then they are killed
 SEND_TIMEOUT_S = 30.0
 REAP_WAIT_S = 5.0  # a killed worker to be reaped (one stuck in the kernel is left behind)
+PEER_CHECK_TIMEOUT_S = 120.0  # the GPU peer-access query (imports torch, sets CUDA up)
 
 
 @dataclass(eq=False)
@@ -221,8 +223,7 @@ class Supervisor:
             self._num_cuda = _num_cuda_devices()
         return f"cuda:{worker_id % max(1, self._num_cuda)}"
 
-    def check_peer_access(self, num_workers: int,
-                          can_access: Callable[[int, int], bool] | None = None) -> None:
+    def check_peer_access(self, num_workers: int) -> None:
         """Disaggregated on several GPUs: a decode worker maps a prefill worker's KV pool over
         CUDA IPC, which needs peer access between their GPUs (``cudaDeviceCanAccessPeer`` says
         whether such a mapping is possible). Without it every hand-off was refused and retried
@@ -230,19 +231,13 @@ class Supervisor:
         devices = sorted({self._device(w) for w in range(num_workers)})
         if len(devices) < 2:
             return
-        if can_access is None:
-            import torch
-
-            can_access = torch.cuda.can_device_access_peer
-        ids = [int(d.split(":")[1]) for d in devices]
-        for a in ids:
-            for b in ids:
-                if a != b and not can_access(b, a):
-                    raise ConfigError(
-                        f"GPU {b} cannot map GPU {a}'s memory (no peer access): the KV "
-                        f"hand-off between workers on them goes over CUDA IPC. Give the "
-                        f"workers GPUs with peer access (CUDA_VISIBLE_DEVICES), or run "
-                        f"cluster.mode = coupled")
+        pairs = _gpus_without_peer_access([int(d.split(":")[1]) for d in devices])
+        if pairs:
+            src, dst = pairs[0]
+            raise ConfigError(
+                f"GPU {dst} cannot map GPU {src}'s memory (no peer access): the KV hand-off "
+                f"between workers on them goes over CUDA IPC. Give the workers GPUs with peer "
+                f"access (CUDA_VISIBLE_DEVICES), or run cluster.mode = coupled")
 
     def spawn(self, worker_id: int, role: str,
               config: dict[str, dict[str, object]]) -> WorkerHandle:
@@ -352,6 +347,18 @@ class Supervisor:
 def _log_ready_failure(fut: asyncio.Future[None]) -> None:
     if not fut.cancelled() and fut.exception() is not None:
         log.error("restarted worker failed: %s", fut.exception())
+
+
+def _gpus_without_peer_access(ids: list[int]) -> list[tuple[int, int]]:
+    """(owner, mapper) pairs of these GPUs where the mapper cannot map the owner's memory.
+    Asked in a child process: the query sets CUDA up, which in this process could leave a
+    context (GPU memory the workers' pools are sized without)."""
+    code = ("import json, sys, torch; ids = json.loads(sys.argv[1]); print(json.dumps("
+            "[[a, b] for a in ids for b in ids if a != b "
+            "and not torch.cuda.can_device_access_peer(b, a)]))")
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(ids)], capture_output=True,
+                         text=True, timeout=PEER_CHECK_TIMEOUT_S, check=True)
+    return [(a, b) for a, b in json.loads(out.stdout.strip().splitlines()[-1])]
 
 
 def _num_cuda_devices() -> int:
