@@ -190,6 +190,13 @@ def test_a_bad_reference_or_scale_fails_before_any_server_starts(
     monkeypatch.setattr(cli, "find_vllm", lambda explicit=None: None)
     with pytest.raises(SystemExit, match="vLLM was not found"):
         cli.main([*base[:2], "coupled,vllm-cpu", *base[3:]])
+    # a context too small for the calibration (review of session 65: found minutes in, by
+    # the calibration, with a server up and a traceback)
+    with pytest.raises(SystemExit, match="max-model-len"):
+        cli.main([*base, "--max-model-len", "80", "--workload", "LPLD", "--input-len", "8",
+                  "--output-len", "8"])
+    with pytest.raises(SystemExit, match="max_model_len 80"):  # the workload's own check
+        cli.main([*base, "--max-model-len", "80", "--workload", "Mixed"])
 
 
 def test_sweep_end_to_end_against_fake_servers(

@@ -62,6 +62,7 @@ from tetri_server.bench.options import (
 from tetri_server.bench.slo import Calibration, SLOScale
 from tetri_server.bench.sweep import (
     ModeSweep,
+    check_calibration_context,
     parse_rates,
     reference_mode,
     sweep_interleaved,
@@ -234,12 +235,14 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     vocab = workload_vocab(args)
     if vocab is None or args.prompt_mode != "ids":
         raise SystemExit("sweep sends token-id prompts: give --model (or --vocab-size)")
-    built = sweep_workloads(args, rates)
     loaded = _load_calibration(args.calibration) if args.calibration else None
     try:
+        built = sweep_workloads(args, rates)  # a context too small for the workload: here
         specs = [] if args.url else _sweep_specs(args, built[0][0].max_model_len)
         labels = [args.label] if args.url else [s.label for s in specs]
         ref = reference_mode(labels, args.slo_reference)
+        if loaded is None:  # before a server starts: the calibration's requests must fit
+            check_calibration_context(built[0][0].max_model_len)
     except ValueError as exc:
         raise SystemExit(str(exc)) from exc
     started, machine = time.time(), report.machine_info()

@@ -94,17 +94,23 @@ def probe_lengths(max_model_len: int) -> tuple[int, ...]:
     return tuple(sorted({SHORT_PROBE_TOKENS, max(16, top // 8), max(16, top // 2), top}))
 
 
-def calibration_requests(
-    max_model_len: int, vocab: tuple[int, frozenset[int]], seed: int
-) -> tuple[list[BenchRequest], list[BenchRequest], list[BenchRequest]]:
-    """(warm-up, prefill probes, lone decode streams); all arrive at 0 and are sent one at a
-    time (concurrency 1), so each is alone on the server. Raises ``ValueError`` for a context
-    too small for them (they would fail as the server's 400s)."""
+def check_calibration_context(max_model_len: int) -> None:
+    """``ValueError`` when the calibration's requests do not fit ``max_model_len`` (they
+    would fail as the server's 400s, which read as its fault)."""
     if max_model_len < MIN_CALIBRATION_CONTEXT:
         raise ValueError(f"the SLO calibration sends requests of up to "
                          f"{MIN_CALIBRATION_CONTEXT} tokens (a lone decode stream of "
                          f"{STEP_OUTPUT_TOKENS} tokens after {STEP_PROMPT_TOKENS}); a context "
                          f"of {max_model_len} cannot hold them: raise --max-model-len")
+
+
+def calibration_requests(
+    max_model_len: int, vocab: tuple[int, frozenset[int]], seed: int
+) -> tuple[list[BenchRequest], list[BenchRequest], list[BenchRequest]]:
+    """(warm-up, prefill probes, lone decode streams); all arrive at 0 and are sent one at a
+    time (concurrency 1), so each is alone on the server. Raises ``ValueError`` for a context
+    too small for them (``check_calibration_context``)."""
+    check_calibration_context(max_model_len)
     rng = np.random.default_rng([seed, 7])
     maker = RandomIdPrompts(*vocab)
     made: list[BenchRequest] = []
