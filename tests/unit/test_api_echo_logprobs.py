@@ -94,6 +94,12 @@ def test_echo_of_token_ids_keeps_special_tokens_as_its_offsets_do(api: ApiHarnes
     assert text == tok.decode(ids) and text.startswith(tok.decode(ids[:1]))
     ends = [*lp["text_offset"][1:], len(text)]
     assert [text[a:b] for a, b in zip(lp["text_offset"], ends, strict=True)] == lp["tokens"]
+    # the length predictor reads the prompt as its data had it: without the special tokens
+    from tetri_server.api.fields import Fields
+    from tetri_server.api.prompts import PromptLimits, completion_prompts
+
+    [prompt] = completion_prompts(Fields({"prompt": ids}), tok, PromptLimits(10**5, 4096, 10**6))
+    assert prompt.text == tok.decode(ids, skip_special_tokens=True) != text
 
 
 def test_vllm_prompt_logprobs_extension(api: ApiHarness, hf) -> None:

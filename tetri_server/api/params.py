@@ -57,6 +57,8 @@ class Prompt:
     text: str
     param: str
     final_assistant: str = ""  # chat: the content of a last message by the assistant
+    echo_text: str = ""  # completions' echo where it is not ``text`` (token ids: the special
+    # tokens kept, as vLLM; ``text``, the length predictor's, leaves them out as its data did)
 
 
 @dataclass(frozen=True)
@@ -273,7 +275,8 @@ def parse_request(
     continuous_usage = (options or {}).get("continuous_usage_stats") or False
     if not isinstance(continuous_usage, bool):
         raise bad_param("stream_options.continuous_usage_stats", "expected true or false")
-    echo_text = prompt.text if kind == "completion" else prompt.final_assistant
+    echo_text = (prompt.echo_text or prompt.text) if kind == "completion" else (
+        prompt.final_assistant)
     echo = f.boolean("echo", False) and (kind == "completion" or bool(echo_text))
     prompt_echo = echo and kind == "completion"  # the prompt's logprobs and max_tokens 0 too
     max_tokens = _max_tokens(f, kind, prompt, max_model_len, defaults, prompt_echo)

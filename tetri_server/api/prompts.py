@@ -112,8 +112,9 @@ def _one_completion_prompt(
         return Prompt(_check_encoded(ids, param, limits), value, param)
     if isinstance(value, list):
         ids = _check_ids(value, param, limits)
-        # as vLLM: special tokens kept (echo's text and its text_offsets name every token)
-        return Prompt(ids, tokenizer.decode(ids), param)
+        # echo as vLLM: special tokens kept (its text_offsets name every token)
+        return Prompt(ids, tokenizer.decode(ids, skip_special_tokens=True), param,
+                      echo_text=tokenizer.decode(ids))
     raise bad_param(param, "expected a string, a list of token ids, or a list of those")
 
 
