@@ -166,6 +166,11 @@ def test_keys_that_undo_each_other_are_refused() -> None:
                            "prefill.local_decode_balance_backlog=true"])
     load_config(None, ["prefill.local_decode_hand_back=true"])
     load_config(None, ["prefill.local_decode_balance_backlog=true"])
+    from tetri_server.sim.cluster import SimConfig  # the simulator refuses them too
+
+    with pytest.raises(ValueError, match="contradict"):
+        SimConfig(local_decode_hand_back=True, local_decode_balance=True,
+                  local_decode_balance_backlog=True)
 
 
 def test_bad_file_values_name_the_file_and_key(tmp_path: Path) -> None:

@@ -156,7 +156,8 @@ class PrefillConfig(_Section):
         self._at_least("starve_tokens", 1)
         self._at_least("token_budget", 1)
         self._at_least("local_decode_batch", 0)
-        if self.local_decode_hand_back and self.local_decode_balance_backlog:
+        if (self.local_decode_hand_back and self.local_decode_balance
+                and self.local_decode_balance_backlog):
             # past a chunk of backlog one hands every kept request back, the other keeps
             # it again at once where it decodes faster: each step, and none dispatched
             raise ConfigError("prefill.local_decode_hand_back and "

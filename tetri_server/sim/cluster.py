@@ -131,6 +131,10 @@ class SimConfig:
             raise ValueError("monitor_interval_ms must be > 0")
         if self.predictor_miss not in ("neighbour", "uniform"):
             raise ValueError("predictor_miss must be neighbour or uniform")
+        if (self.local_decode_hand_back and self.local_decode_balance
+                and self.local_decode_balance_backlog):
+            raise ValueError("local_decode_hand_back and local_decode_balance_backlog "
+                             "contradict each other (as the server's config says)")
         if self.mock_handoff and self.local_decode_batch:
             raise ValueError("mock_handoff frees the prompt's KV: no local decode (elastic)")
 
