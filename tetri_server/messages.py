@@ -103,7 +103,7 @@ class WorkerSpec(msgspec.Struct, frozen=True):
     parent_pid: int
     kv_segment: str  # name of the shared-memory segment of this worker's KV pool (shm)
     device: str = "cpu"  # cpu | cuda:<i>
-    previous_num_blocks: int = 0  # a restart: its predecessor's pool (0 = the first start)
+    previous_num_blocks: int = 0  # a restart: its worker id's pool at the first start (0: none)
 
 
 class PoolHandle(msgspec.Struct, frozen=True):

@@ -84,13 +84,14 @@ class HostGuard:
     """The Host and Origin rules of one ``ServerConfig``."""
 
     def __init__(self, cfg: ServerConfig) -> None:
+        loopback = cfg.is_loopback  # may resolve the host name: once
         hosts = {_host_name(h) for h in cfg.allowed_hosts}
-        if cfg.is_loopback:
+        if loopback:
             hosts |= LOOPBACK_NAMES | {_host_name(cfg.host)}
         self.hosts = frozenset() if "*" in hosts else frozenset(hosts)  # empty: any Host
         self.origins = frozenset(o.strip().lower().rstrip("/") for o in cfg.allowed_origins)
-        self.localhost_origins = cfg.is_loopback
-        self.check_origin = (cfg.is_loopback or bool(self.origins)) and "*" not in self.origins
+        self.localhost_origins = loopback
+        self.check_origin = (loopback or bool(self.origins)) and "*" not in self.origins
 
     @property
     def active(self) -> bool:
