@@ -123,8 +123,10 @@ class Fields:
                 raise bad_param(name, f"token id {v} is outside the vocabulary [0, {vocab_size})")
         return list(value)
 
-    def require_absent(self, name: str, allowed: tuple[Any, ...], what: str) -> None:
-        """Reject a known OpenAI field we cannot honour unless it has a no-op value."""
+    def require_absent(self, name: str, allowed: tuple[Any, ...] = (), what: str = "") -> None:
+        """Reject a known field we cannot honour unless it has a no-op value of ``allowed``
+        (``1`` is ``1.0``; ``0`` is not ``false``)."""
         value = self.body.get(name)
-        if value is not None and value not in allowed:
-            raise bad_param(name, f"{what} is not supported by this server")
+        if value is not None and not any(
+                value == v and isinstance(value, bool) == isinstance(v, bool) for v in allowed):
+            raise bad_param(name, f"{what} is not supported by this server".lstrip())

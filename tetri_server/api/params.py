@@ -107,15 +107,9 @@ class GenRequest:
                                        seed=(seed + index - low) % (high - low + 1) + low)
 
 
-def _no_op(value: object, no_ops: tuple[object, ...]) -> bool:
-    """``value`` is one of ``no_ops`` (``1`` is ``1.0``; ``0`` is not ``false``)."""
-    return any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in no_ops)
-
-
 def _reject_unsupported(f: Fields, kind: str) -> None:
     for name in UNSUPPORTED_EXTRAS:
-        if f.has(name) and not _no_op(f.body[name], NO_OP_EXTRAS.get(name, ())):
-            raise bad_param(name, "is not supported by this server")
+        f.require_absent(name, NO_OP_EXTRAS.get(name, ()))
     if kind == "completion":
         f.require_absent("suffix", ("",), "suffix")
     elif f.has("prompt_logprobs"):
