@@ -340,8 +340,7 @@ class DecodeAdmission:
         blocks the running batch's next step needs and those the waiting head needs to start
         (``head_need``) stay free. Otherwise the newcomer would be the first waiting request
         whose KV goes when the batch grows (``_evict_for_batch``), its transfer wasted."""
-        step_need = self._step_need(self._running.values())
-        return num_free_blocks - num_blocks >= step_need + self.head_need()
+        return num_free_blocks - num_blocks >= self.next_step_need() + self.head_need()
 
     def next_step_need(self) -> int:
         """New blocks the running batch's next step needs."""
@@ -446,9 +445,8 @@ class DecodeAdmission:
 
     def load(self, arriving: Iterable[tuple[int, int, int, int, int]] = ()) -> DecodeLoad:
         """Counts for the load report. Heavy: predicted (lower end) or generated output above
-        ``heavy_threshold`` tokens. ``arriving``: requests not added yet, counted as waiting
-        as ``add`` would add them (its arguments; the simulator's hand-offs whose KV is on
-        the link, which the worker's receive admits at once)."""
+        ``heavy_threshold`` tokens. ``arriving``: ``add``'s arguments of requests counted as
+        waiting, not added yet (the simulator's hand-offs whose KV is still on the link)."""
         new = [self._new_seq(*a) for a in arriving]
         seqs = [*self._running.values(), *self._waiting, *new]
         num_heavy = sum(s.is_heavy(self.granularity, self.heavy_threshold) for s in seqs)

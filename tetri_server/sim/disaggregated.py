@@ -436,9 +436,9 @@ class DecodeInstance(_Decoding):
             self.prompts_done(done, predicted=True)
 
     def load_report(self) -> LoadReport:
-        load = self.admission.load((r.req_id, r.prompt_len, seq.num_tokens, r.bucket,
-                                    r.output_len)
-                                   for seq, _ in self.pulling.values() for r in (seq.req,))
+        load = self.admission.load([(s.req.req_id, s.req.prompt_len, s.num_tokens,
+                                     s.req.bucket, s.req.output_len)
+                                    for s, _ in self.pulling.values()])
         return LoadReport(self.worker_id, "decode", load.num_waiting + len(self.queue),
                           load.num_running, self.queue.num_queued_tokens,
                           self.alloc.num_free, self.alloc.num_blocks, load.num_heavy,
