@@ -77,7 +77,13 @@ class LLMEngine:
                                layout).zeros(self.device)
         self.allocator = BlockAllocator(num_blocks)
         self.kv_manager = KVCacheManager(self.allocator, self.kv, bs)
-        self.grammars = Grammars(path, s.vocab_size, s.eos_token_ids)
+        # the EOS ids it stops on: config.json's, and generation_config.json's (Llama 3's
+        # <|eot_id|>), as transformers' generate() and vLLM do (the server: stop ids)
+        from tetri_server.api.models import GenerationDefaults
+
+        eos = s.eos_token_ids + tuple(i for i in GenerationDefaults.read(path).eos_token_ids
+                                      if i < s.vocab_size and i not in s.eos_token_ids)
+        self.grammars = Grammars(path, s.vocab_size, s.eos_token_ids)  # as the workers'
         self.runner = ModelRunner(self.model, s, self.kv, bs, self.device, self.grammars)
         if self.device.type == "cuda" and cfg.model.cuda_graphs:
             self.runner.graphs = decode_graphs(self.model, self.kv, self.allocator, bs,
@@ -85,7 +91,7 @@ class LLMEngine:
         from tetri_server.workers.coupled import CoupledLoop
 
         budget = cfg.prefill.token_budget
-        self.loop = CoupledLoop(self.runner, self.kv_manager, s.eos_token_ids, self.max_model_len,
+        self.loop = CoupledLoop(self.runner, self.kv_manager, eos, self.max_model_len,
                                 self.device, chunked=cfg.cluster.mode == "coupled-chunked",
                                 token_budget=budget, max_batch=cfg.decode.max_batch,
                                 max_prefill_tokens=max(self.max_model_len, budget),
@@ -94,6 +100,7 @@ class LLMEngine:
                                 pad_chunks=pad_chunks)
         self.seqs = self.loop.seqs
         self.failures: dict[int, str] = {}  # request id -> why it failed (``step``)
+        self._held: list[TokenDelta] = []  # deltas of add_request's requests a generate() ran
 
     def add_request(self, req_id: int, prompt_ids: list[int],
                     params: SamplingParams | None = None) -> None:
@@ -112,6 +119,7 @@ class LLMEngine:
             check_params(params, vocab)
         if params is not None and params.guide is not None:
             self.grammars.compile(params.guide)  # GuideError (a ValueError) if it is bad
+        self.failures.pop(req_id, None)  # an id used again: its old failure is not this one's
         self.loop.add(req_id, prompt_ids, params or SamplingParams(), time.monotonic())
 
     def abort(self, req_id: int) -> None:
@@ -123,14 +131,16 @@ class LLMEngine:
     def step(self) -> list[TokenDelta]:
         """One step; the deltas of the requests it served. A request that failed in it (its
         grammar allows no next token, it no longer fits the pool) gets no more deltas: its
-        error is in ``failures`` (the others' deltas of the step are not lost)."""
+        error is in ``failures`` (the others' deltas of the step are not lost). Deltas of
+        ``add_request``'s requests that a ``generate()`` call stepped come first."""
         deltas = self.loop.step()
         for f in self.loop.failed:
             self.failures[f.req_id] = f.error
         self.loop.failed.clear()
         if not self.loop.last_step_ran and self.loop.has_work():
             raise RuntimeError("no request fits in the KV pool")
-        return deltas
+        held, self._held = self._held, []
+        return held + deltas
 
     def generate(self, prompts: list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[list[int]]:
@@ -150,8 +160,10 @@ class LLMEngine:
         try:
             while self.has_unfinished():
                 for d in self.step():
-                    if d.req_id in out:  # (an add_request of the caller's runs beside them)
+                    if d.req_id in out:
                         out[d.req_id].extend(d.token_ids)
+                    else:  # an add_request of the caller's, run beside them: its next step()
+                        self._held.append(d)
                 if failed := [r for r in added if r in self.failures]:
                     raise RuntimeError("; ".join(f"request {r}: {self.failures.pop(r)}"
                                                  for r in failed))

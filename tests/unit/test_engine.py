@@ -419,3 +419,56 @@ def test_a_request_failing_in_a_step_loses_no_other_requests_tokens(model_dir):
         eng.generate([[5, 6, 7], [8, 9]], [plain, SamplingParams(
             max_tokens=6, temperature=0.0, guide=Guide("regex", "[^\\s\\S]"))])
     assert not eng.has_unfinished() and eng.generate([[5, 6, 7]], plain) == [ref]
+
+
+def test_generate_keeps_the_callers_own_requests_and_forgets_old_failures(model_dir):
+    """Regression (session 66 review): generate() stepped requests added earlier with
+    add_request() and dropped their deltas (marked sent, never returned); and a failure the
+    caller had not popped from ``failures`` failed a later generate() whose new request took
+    the same id."""
+    from tetri_server.messages import Guide
+
+    eng = make_engine(str(model_dir("llama")), "kv.num_blocks=200", "model.max_model_len=64")
+    plain = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    [ref] = eng.generate([[5, 6, 7]], plain)
+    eng.add_request(7, [5, 6, 7], plain)
+    assert eng.generate([[5, 6, 7]], plain) == [ref]  # it ran request 7 beside its own
+    got: list[int] = []
+    while True:
+        deltas = eng.step()
+        got += [t for d in deltas if d.req_id == 7 for t in d.token_ids]
+        if not eng.has_unfinished() and not deltas:
+            break
+    assert got == ref
+    eng.add_request(0, [8, 9], SamplingParams(max_tokens=6, temperature=0.0,
+                                              guide=Guide("regex", "[^\\s\\S]")))
+    while eng.has_unfinished():
+        eng.step()
+    assert "grammar" in eng.failures[0]  # not popped by the caller
+    assert eng.generate([[5, 6, 7]], plain) == [ref]  # request 0 again: not the old failure
+
+
+def test_the_in_process_engine_stops_on_generation_configs_eos_as_transformers(model_dir,
+                                                                              tmp_path):
+    """Regression (session 66 review): LLMEngine stopped only on config.json's EOS id, not on
+    generation_config.json's (Llama 3 Instruct's <|eot_id|>), where transformers' generate()
+    and vLLM stop (the HTTP server adds them as stop ids)."""
+    from transformers import AutoModelForCausalLM
+
+    src = model_dir("llama")
+    prompt = [5, 6, 7, 8]
+    greedy = SamplingParams(max_tokens=8, temperature=0.0)
+    sets = ("kv.num_blocks=64", "model.max_model_len=64")
+    [plain] = make_engine(str(src), *sets).generate([prompt], greedy)
+    dst = tmp_path / "eot"
+    shutil.copytree(src, dst)
+    gc_path = dst / "generation_config.json"
+    gc = json.loads(gc_path.read_text()) if gc_path.is_file() else {}
+    gc["eos_token_id"] = [json.loads((dst / "config.json").read_text())["eos_token_id"],
+                          plain[2]]
+    gc_path.write_text(json.dumps(gc))
+    [got] = make_engine(str(dst), *sets).generate([prompt], greedy)
+    model = AutoModelForCausalLM.from_pretrained(dst, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        ref = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)
+    assert got == ref[0, len(prompt):].tolist() == plain[:3]
