@@ -175,6 +175,24 @@ def test_a_skipped_special_token_keeps_the_next_words_space(detok) -> None:
     assert got == " é the"
 
 
+def test_a_byte_that_takes_back_a_sent_character_is_no_crash(detok) -> None:
+    """Regression (session 66 review): with a byte-fallback tokenizer (Llama 2, Mistral), a
+    stray continuation byte after a sent "é" makes the whole byte run decode as U+FFFD, and
+    ``DecodeStream.step`` raised "Invalid prefix encountered": the request was a 500 (or a
+    stream cut by an error). The text goes on from what was sent, the byte as U+FFFD."""
+    sp, vocab = sentencepiece_style()
+    c3, a9 = 3 + 0xC3, 3 + 0xA9
+    d = detok(sp, [1, vocab["a"]])
+    ids = [vocab["▁"], c3, a9, a9, vocab["▁the"]]
+    pieces = [d.add([t]) for t in ids] + [d.add([], final=True)]
+    assert "".join(pieces[:3]) == " é"
+    assert "".join(pieces).startswith(" é") and "".join(pieces).endswith(" the")
+    assert REPLACEMENT in "".join(pieces)
+    # a prompt given as token ids that ends in such bytes, then any output token
+    d = detok(sp, [1, vocab["a"], c3, a9, a9])
+    assert (d.add([vocab["▁the"]]) + d.add([], final=True)).endswith(" the")
+
+
 def test_special_tokens_are_skipped_and_leading_space_kept(tok, detok) -> None:
     ids = tok.encode(" hello there", add_special_tokens=False)
     eos = tok.eos_token_id

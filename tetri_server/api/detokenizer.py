@@ -22,6 +22,10 @@ MAX_HELD_TOKENS = 64
 # Prompt tokens decoded as left context, so the first output token keeps its leading space
 # (SentencePiece-style tokenizers drop it at the start of a decode).
 CONTEXT_TOKENS = 5
+# What ``DecodeStream.step`` raises when a token changes text it already returned (byte-fallback
+# tokenizers: a run of ``<0xNN>`` tokens that is not valid UTF-8 decodes to U+FFFD as a whole,
+# so a stray continuation byte after a sent "é" takes the "é" back). vLLM resets its stream.
+INVALID_PREFIX = "Invalid prefix encountered"
 
 
 def whole_context(decode: Any, context: list[int]) -> tuple[int, str]:
@@ -123,11 +127,19 @@ class StreamDetokenizer:
         self._sent = context[:k]  # the last ids whose text was sent: the fallback's context
         self._held: list[int] = []
         self._fallback: IncrementalDetokenizer | None = None
-        for t in context[k:]:  # the output goes on from them (and may complete a character)
-            if self._stream.step(self._fast, t) is None:
-                self._held.append(t)
-            else:  # (not expected: its text ended in U+FFFD) the prompt's text
-                self._sent, self._held = (self._sent + self._held + [t])[-CONTEXT_TOKENS:], []
+        try:
+            for t in context[k:]:  # the output goes on from them (and may complete a character)
+                if self._stream.step(self._fast, t) is None:
+                    self._held.append(t)
+                else:  # (not expected: its text ended in U+FFFD) the prompt's text
+                    self._sent = (self._sent + self._held + [t])[-CONTEXT_TOKENS:]
+                    self._held = []
+        except Exception as e:  # noqa: BLE001 - tokenizers raises a plain Exception
+            if INVALID_PREFIX not in str(e):
+                raise
+            self._tail = PromptTail("")  # the Python detokenizer strips its own
+            self._fallback = IncrementalDetokenizer(tokenizer, prompt_ids,
+                                                    skip_special_tokens=skip_special_tokens)
 
     def add(self, token_ids: list[int], *, final: bool = False) -> str:
         return self._tail.strip(self._add(token_ids, final))
@@ -137,7 +149,12 @@ class StreamDetokenizer:
             return self._fallback.add(token_ids, final=final)
         out = []
         for i, t in enumerate(token_ids):
-            piece = self._stream.step(self._fast, t)
+            try:
+                piece = self._stream.step(self._fast, t)
+            except Exception as e:  # noqa: BLE001 - tokenizers raises a plain Exception
+                if INVALID_PREFIX not in str(e):
+                    raise
+                return "".join(out) + self._to_fallback(token_ids[i:], final)
             if piece is None:
                 self._held.append(t)
                 if len(self._held) >= MAX_HELD_TOKENS:
