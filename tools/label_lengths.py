@@ -82,8 +82,15 @@ def main(argv: list[str] | None = None) -> int:
     rows = list(label(prompts, openai_completer(req), args.concurrency))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     write_label_csv(args.out, rows)
+    refused = len(prompts) - len(rows)
+    if prompts and not rows:  # a 400 for every prompt: the settings, not the prompts
+        print(f"the server refused all {refused} prompts (400); check --model and "
+              f"--max-tokens against its context", file=sys.stderr)
+        return 1
     print(
-        f"labelled {len(rows)} prompts in {time.perf_counter() - start:.0f} s -> {args.out}",
+        f"labelled {len(rows)} prompts in {time.perf_counter() - start:.0f} s -> {args.out}"
+        + (f"; {refused} refused by the server (400: e.g. longer than its context, less "
+           f"--max-tokens) and left out" if refused else ""),
         flush=True,
     )
     if not args.retrain:

@@ -150,6 +150,16 @@ def fake_openai_server() -> Iterator[str]:
         def do_POST(self) -> None:  # noqa: N802 - http.server's name
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             assert body["max_tokens"] == 64
+            text = body["messages"][0]["content"] if "messages" in body else body["prompt"]
+            if len(text) > 60:  # "longer than the context": vLLM's and our 400
+                out = json.dumps({"error": {"message": "too long", "type": "BadRequestError",
+                                            "param": None, "code": 400}}).encode()
+                self.send_response(400)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
+                return
             if self.path == "/v1/chat/completions":
                 [message] = body["messages"]
                 assert message["role"] == "user"
@@ -226,6 +236,28 @@ def test_label_tool_records_served_chat_lengths(fake_openai_server: str, tmp_pat
                                str(prompts), "--limit", "2", "--max-tokens", "64", "--out",
                                str(out), "--endpoint", "completions"]) == 0
     assert [s.output_tokens for s in load_label_csv(out)] == [20, 40]
+
+
+def test_label_tool_leaves_out_the_prompts_the_server_refuses(
+    fake_openai_server: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Regression (session 66 review): one prompt the server refused with a 400 (longer
+    than its context) raised out of the whole run after every other request had been sent,
+    and no CSV was written."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt_id": f"q{i}", "prompt": "p" * (10 * i)})
+                               + "\n" for i in (1, 7, 2, 8, 3)))
+    out = tmp_path / "labels.csv"
+    assert _tool("label_lengths").main(["--url", fake_openai_server, "--model", "m",
+                                        "--prompts", str(prompts), "--max-tokens", "64",
+                                        "--out", str(out)]) == 0
+    assert [(s.prompt_id, s.output_tokens) for s in load_label_csv(out)] == [
+        ("q1", 10), ("q2", 20), ("q3", 30)]
+    assert "2 refused by the server" in capsys.readouterr().out
+    prompts.write_text(json.dumps({"prompt_id": "q8", "prompt": "p" * 80}) + "\n")
+    assert _tool("label_lengths").main(["--url", fake_openai_server, "--model", "m",
+                                        "--prompts", str(prompts), "--max-tokens", "64",
+                                        "--out", str(out)]) == 1
 
 
 def test_eval_command_prints_a_json_last_line(

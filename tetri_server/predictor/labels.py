@@ -20,7 +20,7 @@ from typing import Any
 
 from tetri_server.predictor.data import read_jsonl
 
-Completer = Callable[[str], int]  # prompt -> output tokens
+Completer = Callable[[str], "int | None"]  # prompt -> output tokens; None: the server refused it
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class LabelRequest:
 
 def openai_completer(req: LabelRequest) -> Completer:
     """A completer over the ``openai`` client (the package of the ``dev`` extra)."""
-    from openai import OpenAI
+    from openai import BadRequestError, OpenAI
 
     base = req.url.rstrip("/")
     client = OpenAI(
@@ -51,7 +51,13 @@ def openai_completer(req: LabelRequest) -> Completer:
     if req.endpoint not in ("chat", "completions"):
         raise ValueError(f"endpoint must be chat or completions, got {req.endpoint!r}")
 
-    def complete(prompt: str) -> int:
+    def complete(prompt: str) -> int | None:
+        try:
+            return _count(prompt)
+        except BadRequestError:  # a 400: this prompt (too long for the context), not the run
+            return None
+
+    def _count(prompt: str) -> int:
         out: Any
         if req.endpoint == "chat":
             out = client.chat.completions.create(
@@ -89,8 +95,10 @@ def read_prompts(path: str | Path, limit: int | None = None) -> list[tuple[str, 
 def label(
     prompts: Sequence[tuple[str, str]], complete: Completer, concurrency: int = 8
 ) -> Iterator[tuple[str, str, int]]:
-    """Yield (prompt_id, prompt, output_tokens) in input order; a failed request raises."""
+    """Yield (prompt_id, prompt, output_tokens) in input order, less the prompts the server
+    refused (the completer's None); any other failed request raises."""
     with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
         lengths = pool.map(complete, [p for _, p in prompts])
         for (pid, prompt), n in zip(prompts, lengths, strict=True):
-            yield pid, prompt, n
+            if n is not None:
+                yield pid, prompt, n
