@@ -138,6 +138,26 @@ def test_corrupt_artifacts_fail_at_load(tmp_path: Path) -> None:
         load_predictor("none", meta_path)
 
 
+@pytest.mark.parametrize(("key", "value"), [("granularity", 0), ("granularity", "200 tokens"),
+                                            ("num_buckets", -1), ("max_tokens", True),
+                                            ("tokenizer", "gpt2")])
+def test_an_artifact_with_a_bad_value_is_a_predictor_error(tmp_path: Path, key, value) -> None:
+    """Regression (session 66 review): a granularity of 0 or a string, or a tokenizer that is
+    not an object, raised a plain ValueError / AttributeError, which the server's start does
+    not catch: a traceback instead of the one line naming the file."""
+    from tetri_server.control.cluster import predictor_tokenizer_mismatch
+
+    meta_path = _copy_shipped(tmp_path)
+    meta = json.loads(meta_path.read_text())
+    meta[key] = value
+    meta_path.write_text(json.dumps(meta))
+    for kind in ("classifier", "none"):
+        with pytest.raises(PredictorError, match=f"corrupt.*{key}"):
+            load_predictor(kind, meta_path)
+    with pytest.raises(PredictorError, match=key):
+        predictor_tokenizer_mismatch(tmp_path, str(meta_path))
+
+
 def test_an_artifact_trained_on_served_lengths_needs_a_tokenizer_to_count_with() -> None:
     """Review of session 64: ``predictor eval`` on an artifact trained with --labels (its
     lengths counted by the served model, no tokenizer file recorded) died with a traceback."""

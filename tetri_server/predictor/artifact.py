@@ -100,6 +100,14 @@ def read_meta(path: Path) -> dict[str, Any]:
             f"length-predictor artifact {path} is {meta['format']!r}/"
             f"{meta['encoder']!r}; this build reads {FORMAT!r}/{ENCODER!r}"
         )
+    for key in ("granularity", "num_buckets", "max_tokens"):  # (bool is an int too)
+        value = meta[key]
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise PredictorError(f"corrupt length-predictor artifact {path}: {key} must be a "
+                                 f"positive integer, got {value!r}")
+    if not isinstance(meta["tokenizer"], dict):
+        raise PredictorError(f"corrupt length-predictor artifact {path}: tokenizer must be an "
+                             f"object, got {meta['tokenizer']!r}")
     return meta
 
 
