@@ -351,6 +351,48 @@ def test_a_finished_build_in_the_default_cache_serves_any_cache_dir(monkeypatch,
     assert ops.build_folder(folder, name) == done
 
 
+_KILLED_BUILD = """
+import os, shutil, sys, torch, torch.utils.cpp_extension as ce
+from tetri_server.engine import ops
+real, calls = sys.argv[1], []
+def fake_build(name, sources, build_directory, **kw):
+    calls.append(build_directory)
+    so = os.path.join(build_directory, name + ".so")
+    if len(calls) == 1:  # killed mid-link: half a library written
+        with open(so, "wb") as f:
+            f.write(open(real, "rb").read()[:4096])
+        raise RuntimeError("killed")
+    shutil.copy(real, so)
+    torch.ops.load_library(so)
+ce.load = fake_build
+first = ops.load_cpu_ops()
+ops.load_cpu_ops.cache_clear()
+print("RESULT", first, ops.load_cpu_ops(), len(calls))
+"""
+
+
+def test_a_build_killed_part_way_leaves_nothing_a_later_start_loads(tmp_path):
+    """Regression (session 66 review): a cached library was trusted because it existed, and a
+    build writes it in place: a build killed mid-link left half a library that every later
+    start loaded (a SIGBUS, or the slow path for good). The build now runs in a folder of its
+    own and renames the finished library in. (A subprocess: this one has the ops loaded.)"""
+    import os
+    import subprocess
+    import sys
+
+    assert ops.load_cpu_ops()
+    name, _, folder = ops.build_spec()
+    real = ops.build_folder(folder, name) / f"{name}.so"
+    assert real.is_file()
+    env = {**os.environ, "HOME": str(tmp_path), "TETRI_CACHE_DIR": str(tmp_path / "cache")}
+    out = subprocess.run([sys.executable, "-c", _KILLED_BUILD, str(real)], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert "RESULT False True 2" in out.stdout, (out.returncode, out.stdout, out.stderr[-2000:])
+    [built] = (tmp_path / "cache" / "ops").glob(f"{name}-*/{name}.so")
+    assert built.read_bytes() == real.read_bytes()
+    assert not list((tmp_path / "cache" / "ops").glob("*.build-*"))
+
+
 def test_results_do_not_depend_on_the_thread_count():
     rng = random.Random(5)
     specs = random_specs(rng, 12)

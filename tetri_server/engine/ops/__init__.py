@@ -18,7 +18,8 @@ The C++ sources are compiled with ninja and the host compiler through
 Builds live in ``$TETRI_CACHE_DIR/ops`` (default ``~/.cache/tetri_server/ops``), one folder per
 (capability, torch version, source and flags hash); a finished one in the default cache is used
 from any TETRI_CACHE_DIR. A file lock serialises the build between processes; the others wait
-and then load the finished library.
+and then load the finished library, which a build writes in a folder of its own and renames in
+whole.
 """
 
 from __future__ import annotations
@@ -100,6 +101,23 @@ def _registered() -> bool:
     return True
 
 
+def _build_into(folder: Path, name: str, build: Callable[[Path], object]) -> None:
+    """Run ``build`` (it writes ``NAME.so`` into the folder it is given, and loads it) in a
+    folder of its own, then rename the finished library into ``folder``: a build killed part
+    way (SIGKILL mid-link, a worker killed at its start timeout while its ninja runs on)
+    leaves no half-written library there for a later start to load (a SIGBUS). Called with
+    the build lock held, so other build folders are dead builds'."""
+    for stale in folder.parent.glob(f"{folder.name}.build-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = folder.parent / f"{folder.name}.build-{os.getpid()}"
+    tmp.mkdir()
+    try:
+        build(tmp)
+        os.replace(tmp / f"{name}.so", folder / f"{name}.so")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 @functools.cache
 def load_cpu_ops() -> bool:
     """Build (if needed) and load the CPU library once per process. False, with one WARNING,
@@ -116,15 +134,15 @@ def load_cpu_ops() -> bool:
         t0 = time.monotonic()
         with open(folder.parent / f"{folder.name}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # released if the holder dies, unlike the baton
-            # We hold the lock, so cpp_extension's own baton file can only be a dead build's.
-            (folder / "lock").unlink(missing_ok=True)
-            built = (folder / f"{name}.so").exists()
-            if built:  # the folder's name covers source, flags and torch: it is current
-                torch.ops.load_library(str(folder / f"{name}.so"))
+            library = folder / f"{name}.so"
+            built = library.exists()
+            if built:  # whole (a build renames it in) and current (the folder's name covers
+                torch.ops.load_library(str(library))  # source, flags and torch)
             else:
-                load(name, [str(src) for src in SOURCES], extra_cflags=flags,
-                     extra_ldflags=["-fopenmp"], build_directory=str(folder),
-                     is_python_module=False, verbose=False)
+                _build_into(folder, name, lambda tmp: load(
+                    name, [str(src) for src in SOURCES], extra_cflags=flags,
+                    extra_ldflags=["-fopenmp"], build_directory=str(tmp),
+                    is_python_module=False, verbose=False))
         if not built:
             log.info("built the tetri:: ops for %s in %.1f s (%s)",
                      torch.backends.cpu.get_cpu_capability(), time.monotonic() - t0, folder)
