@@ -216,6 +216,34 @@ def test_a_flip_that_the_death_of_the_other_worker_of_its_role_would_leave_alone
     asyncio.run(main())
 
 
+def test_an_automatic_flip_planned_just_before_the_other_worker_of_its_role_died_is_dropped(
+        ) -> None:
+    """Regression (session 66 review): the flip policy planned worker 0's flip at a tick
+    (two prefill workers serving), and worker 1 died in the same loop turn, before the flip's
+    task ran: the death saw no flip pending, and the flip went on to leave no prefill worker."""
+    from tetri_server.policy import FlipPlan
+
+    async def main() -> None:
+        cluster = unstarted(None, "flip.enabled=true", "cluster.prefill_workers=2")
+        posted = serving(cluster, {0: "prefill", 1: "prefill", 2: "decode"})
+        plan = FlipPlan(0, "prefill", "decode", 0.0)
+        policy = cluster.flipper.policy
+
+        def planned(reports: object, now: float) -> FlipPlan:
+            policy.begin(plan)
+            return plan
+
+        policy.plan = planned  # type: ignore[method-assign]
+        cluster.flipper.on_tick()
+        die(cluster, 1)
+        await asyncio.sleep(0.05)
+        assert not [m for m in posted[0] if isinstance(m, SetRole)]
+        assert cluster.draining == set() and cluster.router.has_live("prefill")
+        assert policy.refusal("prefill", 2, 1e9) is None  # the plan ended: flips go on later
+
+    asyncio.run(main())
+
+
 def test_requests_parked_while_a_flip_drained_go_on_when_it_is_cancelled() -> None:
     """Regression (review of session 62): requests parked because the only other worker of
     the flipping worker's role was down stayed parked when the flip was cancelled and the

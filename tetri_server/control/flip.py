@@ -168,9 +168,15 @@ class FlipController:
 
     async def _auto(self, plan: FlipPlan) -> None:
         try:
-            h = self.cluster.workers.get(plan.worker_id)
+            c = self.cluster
+            h = c.workers.get(plan.worker_id)
             if h is None or not h.is_ready or h.role != plan.from_role:
                 raise FlipRefused(f"worker {plan.worker_id} is not serving as {plan.from_role}")
+            # the other worker of its role may have died since the tick that planned it (the
+            # death's on_worker_exit saw no flip pending yet); _run registers it in this turn
+            if sum(x.role == plan.from_role and x.is_ready and w not in c.draining
+                   for w, x in c.workers.items()) <= 1:
+                raise FlipRefused(f"worker {plan.worker_id} is the last {plan.from_role} worker")
             await self._run(plan.worker_id, plan.from_role, plan.to_role)
         except (FlipRefused, TimeoutError) as e:
             log.warning("flip of worker %d abandoned: %s", plan.worker_id, e)
