@@ -143,3 +143,40 @@ def test_a_restart_asks_for_the_pool_of_the_first_start(monkeypatch) -> None:  #
 
     asyncio.run(scenario())
     assert asked == [0, 700, 700]
+
+
+def test_a_spawn_that_fails_at_start_stops_the_workers_spawned_before_it(monkeypatch) -> None:
+    """Regression (session 66 review): the start's spawn loop ran outside the try that stops
+    the cluster on failure: when the second worker's spawn raised (/dev/shm full), the first
+    worker went on loading its model, its message rings left in /dev/shm."""
+    import asyncio
+    import time
+
+    from tetri_server.config import load_config
+    from tetri_server.control import supervisor as sup
+    from tetri_server.control.cluster import Cluster
+
+    real, made = sup.spawn_worker, []
+
+    def spawn(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        if made:
+            raise OSError(28, "No space left on device")
+        made.append(real(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(sup, "spawn_worker", spawn)
+    cluster = Cluster(load_config(None, ["model.path=builtin:tiny", "cluster.mode=disaggregated"]
+                                  ).resolve(cpu_count=os.cpu_count() or 1))
+
+    async def start() -> None:
+        with pytest.raises(OSError, match="No space"):
+            await cluster.start()
+
+    asyncio.run(start())
+    [first] = made
+    deadline = time.monotonic() + 30
+    while first.proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert first.proc.poll() is not None, "the first worker runs on"
+    assert cluster.supervisor.stopping
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(cluster.run_id)]

@@ -150,10 +150,10 @@ class Cluster:
         self.supervisor.begin(new_run_id())
         # Workers never need the API key, and argv is visible to every user of the machine.
         config = self.cfg.to_dict(redact=True)
-        handles = [self.supervisor.spawn(wid, role, config)
-                   for wid, role in self.roles().items()]
         timeout = self.cfg.cluster.worker_start_timeout_s
-        try:
+        try:  # a spawn that fails (/dev/shm full) stops the workers spawned before it too
+            handles = [self.supervisor.spawn(wid, role, config)
+                       for wid, role in self.roles().items()]
             await asyncio.wait_for(asyncio.gather(*(h.ready for h in handles)), timeout)
         except BaseException:
             await self.stop(drain_timeout_s=0)
