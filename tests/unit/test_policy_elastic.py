@@ -445,6 +445,37 @@ def test_a_backlog_beyond_the_bound_gets_steps_of_the_whole_chunk() -> None:
     assert LocalDecode(max_batch=4).step_tokens(5000, 128, 432) == 128  # off by default
 
 
+def test_kept_rows_as_many_as_the_cap_leave_the_prompts_a_quarter_of_it() -> None:
+    """Regression (session 66 review): with local_decode_batch rows as many as the step's cap
+    (64 beside a calibrated chunk of 64), every mixed step was rows alone, and the prompts on
+    that worker waited until a kept request ended (103 s in the simulator)."""
+    local = LocalDecode(max_batch=64)
+    assert local.step_tokens(20, 64, 64, num_rows=64) == 64 + 16
+    assert local.step_tokens(20, 64, 64, num_rows=40) == 64  # room left: the cap
+    assert local.step_tokens(20, 2, 64, num_rows=2) == 3  # at least one token
+    backlog = LocalDecode(max_batch=64, full_chunk_backlog=10)
+    assert backlog.step_tokens(20, 64, 64, num_rows=64) == 80
+
+
+def test_a_prompt_behind_a_full_batch_of_kept_requests_is_prefilled_soon() -> None:
+    """The same in the simulator, which runs the workers' policies: a late prompt on a
+    prefill worker holding 64 long kept requests beside a chunk of 64."""
+    from tetri_server.sim.cluster import SimConfig, Simulation
+    from tetri_server.sim.cost import CostModel
+    from tetri_server.sim.instances import SimRequest
+    from tetri_server.sim.profiles import load_hardware, load_model
+
+    hw = load_hardware("V100-32GB")
+    cost = CostModel(hw, load_model("OPT-13B"), hw.link("ts-roce"))
+    cfg = SimConfig(chunk_size=64, local_decode_batch=64, local_decode_chunk=128,
+                    local_decode_min_tokens=0, max_model_len=2048, num_kv_blocks=20000,
+                    max_batch=32)
+    reqs = [SimRequest(i, 8, 1500, i * 0.1, bucket=0) for i in range(200)]
+    late = [SimRequest(1000 + i, 20, 2, 30.0 + 0.01 * i, bucket=0) for i in range(3)]
+    Simulation(cfg, cost, reqs + late).run()
+    assert max(r.first_token_s - r.arrival_s for r in late) < 5.0
+
+
 def test_while_prompts_are_rare_a_step_with_kept_rows_takes_the_whole_chunk() -> None:
     """``prefill.local_decode_full_chunk_share``: while steps with prompt tokens took less than
     that share of the last 10 s, a step with kept rows takes the chunk; from it on,

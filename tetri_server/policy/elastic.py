@@ -164,10 +164,14 @@ class LocalDecode:
         in E38 ``LocalSteps`` still scaled its whole-chunk steps down to ``mixed_chunk``)."""
         if finishing and self.finish_tokens > 0:
             return num_rows + min(self.finish_tokens, mixed_chunk)
+        # rows as many as the cap (a local_decode_batch of 64 beside a calibrated chunk of
+        # 64) would leave the prompts here no token until a kept request ends: a quarter of
+        # the cap stays theirs
+        floor = num_rows + max(1, mixed_chunk // 4)
         if (0 < self.full_chunk_backlog < num_queued_prompt_tokens
                 or prompt_share < self.full_chunk_share):
-            return max(chunk_size, mixed_chunk)
-        return mixed_chunk
+            return max(chunk_size, mixed_chunk, floor)
+        return max(mixed_chunk, floor)
 
     def hands_back(self, num_queued_prompt_tokens: int, chunk_size: int) -> bool:
         """Whether the requests kept here go to a decode worker now: prompts wait beyond the
