@@ -148,6 +148,21 @@ def test_decode_waiting_kv_first_reaches_the_decode_worker() -> None:
         assert PrefillRole(w).admission.waiting_kv_first is False  # type: ignore[arg-type]
 
 
+def test_a_prefill_workers_kept_requests_are_estimated_in_its_predictors_buckets() -> None:
+    """Regression (session 66 review): a prefill worker's admission of its kept requests
+    took the default granularity of 200 whatever the artifact (a g100 one: a bucket-3
+    request estimated at 600 tokens, not 300), and so did the simulator's."""
+    from tests.unit.test_sim_golden_disagg import LockStep
+    from tetri_server.sim.cluster import SimConfig
+    from tetri_server.sim.disaggregated import PrefillInstance
+
+    w = FakeWorker(0, 48, [])
+    w.predictor = lambda: load_predictor("classifier", "arena_g100")  # type: ignore[method-assign]
+    assert PrefillRole(w).admission.granularity == 100  # type: ignore[arg-type]
+    sim = LockStep(SimConfig(mode="disaggregated", granularity=100))
+    assert PrefillInstance(sim, 0, 64).admission.granularity == 100
+
+
 def test_a_prefill_worker_reports_its_kept_requests_preemptions_and_kv_drops() -> None:
     """Regression (review of session 50): a prefill worker's load report carried neither the
     preemptions of the requests it keeps nor the KV it drops from waiting ones (with nothing

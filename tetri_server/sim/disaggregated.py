@@ -82,6 +82,7 @@ class PrefillInstance(_Decoding):
         self._last_bucket = num_buckets(cfg.granularity) - 1  # open
         self.admission = DecodeAdmission("greedy", block_size=self.block_size,
                                          num_total_blocks=num_blocks,
+                                         granularity=cfg.granularity,
                                          max_batch=max(1, cfg.local_decode_batch),
                                          tail=sim.length_tail(sim.tail_kind),
                                          recompute_chunk=cfg.recompute_tokens,

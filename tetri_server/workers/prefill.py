@@ -95,7 +95,7 @@ class PrefillRole(Role):
         self._drain_views = -1  # book.num_views when draining last handed kept requests back
         self.admission = DecodeAdmission("greedy", block_size=w.block_size,
                                          num_total_blocks=w.allocator.num_blocks,
-                                         max_batch=max(1, num_local),
+                                         granularity=gran, max_batch=max(1, num_local),
                                          tail=length_tail(cfg, cfg.predictor.kind),
                                          recompute_chunk=cfg.decode.recompute_tokens,
                                          # a waiting kept request keeps its KV to be handed
