@@ -88,6 +88,7 @@ class LLMEngine:
         if self.device.type == "cuda" and cfg.model.cuda_graphs:
             self.runner.graphs = decode_graphs(self.model, self.kv, self.allocator, bs,
                                                cfg.decode.max_batch, self.device)
+        from tetri_server.workers.base import length_tail
         from tetri_server.workers.coupled import CoupledLoop
 
         budget = cfg.prefill.token_budget
@@ -97,7 +98,8 @@ class LLMEngine:
                                 max_prefill_tokens=max(self.max_model_len, budget),
                                 recompute_tokens=cfg.decode.recompute_tokens,
                                 waiting_kv_first=cfg.decode.waiting_kv_first,
-                                pad_chunks=pad_chunks)
+                                pad_chunks=pad_chunks,
+                                tail=length_tail(cfg, "none"))  # as the coupled worker's
         self.seqs = self.loop.seqs
         self.failures: dict[int, str] = {}  # request id -> why it failed (``step``)
         self._held: list[TokenDelta] = []  # deltas of add_request's requests a generate() ran

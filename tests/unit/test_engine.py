@@ -472,3 +472,16 @@ def test_the_in_process_engine_stops_on_generation_configs_eos_as_transformers(m
     with torch.inference_mode():
         ref = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)
     assert got == ref[0, len(prompt):].tolist() == plain[:3]
+
+
+def test_the_in_process_engine_takes_decode_estimate_refined_as_the_coupled_worker(model_dir):
+    """Regression (session 66 review): ``decode.estimate = "refined"`` was ignored in-process
+    (no length tail), so under preemption the engine evicted another request than the coupled
+    worker did with the same config."""
+    from tetri_server.workers.base import length_tail
+
+    for estimate in ("refined", "bucket"):
+        eng = make_engine(str(model_dir("llama")), "kv.num_blocks=64", "model.max_model_len=64",
+                          f"decode.estimate={estimate}")
+        want = length_tail(eng.cfg, "none")
+        assert (eng.loop.admission.tail is None) == (want is None) == (estimate == "bucket")
