@@ -585,6 +585,35 @@ def test_tool_calls_name_and_tool_call_id_reach_the_template() -> None:
                                           "tool_calls": [call] * 129}]}), tok, limits)
 
 
+def test_chat_template_kwargs_may_set_the_generation_prompt_and_documents_reach_the_template(
+        ) -> None:
+    """Regression (session 66 review): ``chat_template_kwargs: {"add_generation_prompt":
+    false}`` (or ``continue_final_message``) was a 400, where vLLM applies the kwargs over its
+    defaults; and the top-level ``documents`` (retrieval templates) never reached the template."""
+    from tetri_server.api.errors import APIError
+    from tetri_server.api.fields import Fields
+    from tetri_server.api.prompts import PromptLimits, chat_prompt
+
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "So"}]
+    limits = PromptLimits(vocab_size=10, max_model_len=100, max_chars=10_000)
+    tok = _RecordingTokenizer()
+    chat_prompt(Fields({"messages": messages, "add_generation_prompt": True,
+                        "chat_template_kwargs": {"add_generation_prompt": False}}), tok, limits)
+    chat_prompt(Fields({"messages": messages, "chat_template_kwargs": {
+        "continue_final_message": True}}), tok, limits)
+    docs = [{"title": "a", "text": "b"}]
+    chat_prompt(Fields({"messages": messages, "documents": docs}), tok, limits)
+    got = [(k["add_generation_prompt"], k["continue_final_message"], k.get("documents"))
+           for _, k in tok.calls]
+    assert got == [(False, False, None), (False, True, None), (True, False, docs)]
+    for bad in ({"chat_template_kwargs": {"add_generation_prompt": "no"}},
+                {"documents": [{"title": 1}]}, {"documents": "x"},
+                {"chat_template_kwargs": {"continue_final_message": True,
+                                          "add_generation_prompt": True}}):
+        with pytest.raises(APIError):
+            chat_prompt(Fields({"messages": messages, **bad}), tok, limits)
+
+
 # ---------------------------------------------------------------- CORS
 
 

@@ -26,8 +26,8 @@ MAX_NAME_CHARS = 256  # name, tool_call_id
 MAX_BATCH_PROMPTS = 64  # prompts in one /v1/completions request (times n: backend requests)
 # apply_chat_template's own parameters: a request must not swap the template or its output
 RESERVED_TEMPLATE_KWARGS = frozenset((
-    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
-    "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+    "conversation", "messages", "tools", "documents", "chat_template", "tokenize", "padding",
+    "truncation", "max_length",
     "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
     "tokenizer"))
 # A token covers at most its own length in characters, times this: a normalizer (NFC) may
@@ -232,13 +232,27 @@ def _template_kwargs(f: Fields) -> dict[str, Any]:
     for key in extra:
         if key in RESERVED_TEMPLATE_KWARGS:
             raise bad_param(f"chat_template_kwargs.{key}", "is set by the server")
+    # the two switches may come in chat_template_kwargs too, over the top-level fields (vLLM
+    # applies chat_template_kwargs last)
+    inner = Fields(extra)
     kwargs = dict(extra)
-    kwargs["continue_final_message"] = f.boolean("continue_final_message", False)
-    kwargs["add_generation_prompt"] = f.boolean(
-        "add_generation_prompt", not kwargs["continue_final_message"])
-    if kwargs["continue_final_message"] and kwargs["add_generation_prompt"]:
+    continue_final = inner.boolean("continue_final_message",
+                                   f.boolean("continue_final_message", False))
+    add_prompt = inner.boolean("add_generation_prompt",
+                               f.boolean("add_generation_prompt", not continue_final))
+    if continue_final and add_prompt:
         raise bad_param("continue_final_message",
                         "cannot be combined with add_generation_prompt=true")
+    kwargs["continue_final_message"] = continue_final
+    kwargs["add_generation_prompt"] = add_prompt
+    documents = f.raw("documents")  # retrieval templates (Command-R, Granite): vLLM's field
+    if documents is not None:
+        if (not isinstance(documents, list) or len(documents) > MAX_MESSAGES
+                or not all(isinstance(d, dict) and all(isinstance(k, str) and isinstance(v, str)
+                                                       for k, v in d.items())
+                           for d in documents)):
+            raise bad_param("documents", "expected a list of objects of strings")
+        kwargs["documents"] = documents
     return kwargs
 
 
