@@ -673,6 +673,32 @@ def test_the_simulator_reads_cluster_elastic_from_the_config(tmp_path, cluster, 
                                                                   else (0, 0))
 
 
+def test_the_simulator_buckets_as_the_configs_own_predictor_artifact(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Regression (session 66 review): the simulator took the bucket count of a trained
+    artifact of the shipped clip (6 at g=200) and the shipped artifact's tails whatever
+    predictor.artifact the config named: one trained to 2048 tokens has 11 buckets on the
+    server, and a 1500-token output was in bucket 7 there but in the open bucket 5 here."""
+    import shutil
+
+    from tetri_server.predictor import artifact
+    from tetri_server.sim.cli import build_parser, sim_config
+
+    src = artifact.resolve("arena_g200")
+    for suffix in (".json", ".npz"):
+        shutil.copy(src.with_suffix(suffix), tmp_path / f"long{suffix}")
+    meta = json.loads((tmp_path / "long.json").read_text())
+    meta.update(num_buckets=11, max_tokens=2048)
+    (tmp_path / "long.json").write_text(json.dumps(meta))
+    path = tmp_path / "c.toml"
+    path.write_text(f'[predictor]\nkind = "oracle"\nartifact = "{tmp_path / "long"}"\n'
+                    '[decode]\nestimate = "refined"\n')
+    args = build_parser().parse_args(["--config", str(path), "--json", str(tmp_path / "o")])
+    sim = sim_config(args, v100())
+    assert (sim.granularity, sim.num_buckets) == (200, 11)
+    assert sim.predictor_artifact == str(tmp_path / "long")
+    assert SimConfig(granularity=200).num_buckets == 6  # no artifact named: the shipped clip
+
+
 def test_the_cli_counts_slo_attainment_against_the_objectives_given(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
     """``--slo-ttft-s`` / ``--slo-tpot-s`` as ``bench ablation`` takes them; the attainment is
     in the JSON and the printed table."""

@@ -257,6 +257,8 @@ def _emulated_predictor(section: dict[str, Any], accuracy_given: bool) -> dict[s
     out: dict[str, Any] = {}
     meta = artifact.read_meta(artifact.resolve(section.get("artifact") or None))
     out["granularity"] = int(meta["granularity"])
+    if section.get("artifact"):  # a trained one: its bucket count and tails
+        out["predictor_artifact"] = str(section["artifact"])
     kind = section.get("kind")
     if kind == "oracle":
         out["predictor_accuracy"] = 1.0

@@ -84,6 +84,9 @@ class SimConfig:
     recompute_tokens: int = 256  # [decode] recompute_tokens (0: a preempted context in one step)
     waiting_kv_first: bool = True  # [decode] waiting_kv_first (false: preempt running ones first)
     granularity: int = 200
+    # the server's predictor.artifact (``sim --config``): its bucket count and length tails;
+    # "" = a trained artifact's count at ``granularity`` and the shipped one's tails
+    predictor_artifact: str = ""
     heavy_decode_tokens: int = 128
     predictor_accuracy: float = 1.0  # 1.0 = oracle
     predictor_miss: str = "neighbour"  # a miss: a neighbouring bucket, or "uniform": any other
@@ -137,6 +140,18 @@ class SimConfig:
                              "contradict each other (as the server's config says)")
         if self.mock_handoff and self.local_decode_batch:
             raise ValueError("mock_handoff frees the prompt's KV: no local decode (elastic)")
+
+    @property
+    def num_buckets(self) -> int:
+        """The server's bucket count: its artifact's, else a trained one's at granularity."""
+        if self.predictor_artifact:
+            from tetri_server.predictor import artifact
+
+            meta = artifact.read_meta(artifact.resolve(self.predictor_artifact))
+            return int(meta["num_buckets"])
+        from tetri_server.sim.predictor import num_buckets
+
+        return num_buckets(self.granularity)
 
     @property
     def num_held_instances(self) -> int:
@@ -395,7 +410,8 @@ class Simulation:
         if self.cfg.decode_estimate == "bucket":
             return None
         if kind not in self._tails:
-            self._tails[kind] = load_tail(kind, self.cfg.granularity)
+            self._tails[kind] = load_tail(kind, self.cfg.granularity,
+                                          self.cfg.predictor_artifact)
         return self._tails[kind]
 
     def predictor_s(self, prompt_lens: Sequence[int]) -> float:
@@ -415,10 +431,13 @@ def _load(inst: Instance) -> DecodeLoad:
     return DecodeLoad(0, 0, 0, 0, 0, 0) if admission is None else admission.load()
 
 
-def load_tail(kind: str, granularity: int) -> LengthTail:
-    """The tails of predictor ``kind`` from the shipped artifact of ``granularity`` tokens."""
+def load_tail(kind: str, granularity: int, artifact_name: str = "") -> LengthTail:
+    """The tails of predictor ``kind`` from ``artifact_name`` (the server's artifact), else from
+    the shipped artifact of ``granularity`` tokens."""
     from tetri_server.predictor import artifact, tails  # numpy and JSON: only when refined
 
+    if artifact_name:
+        return tails.load(kind, artifact_name)
     for name in artifact.shipped_artifacts():
         if int(artifact.read_meta(artifact.resolve(name))["granularity"]) == granularity:
             return tails.load(kind, name)

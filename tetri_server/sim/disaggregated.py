@@ -38,7 +38,6 @@ from tetri_server.sim.instances import (
     reserve,
     slice_list,
 )
-from tetri_server.sim.predictor import num_buckets
 
 if TYPE_CHECKING:
     from tetri_server.sim.cluster import Simulation
@@ -79,7 +78,7 @@ class PrefillInstance(_Decoding):
         self._drain_views = -1  # ``PrefillRole._drain_views``
         self._step_start_s = 0.0
         self._wait_tokens = 0  # a mixed step's planned tokens (LocalSteps)
-        self._last_bucket = num_buckets(cfg.granularity) - 1  # open
+        self._last_bucket = cfg.num_buckets - 1  # open
         self.admission = DecodeAdmission("greedy", block_size=self.block_size,
                                          num_total_blocks=num_blocks,
                                          granularity=cfg.granularity,

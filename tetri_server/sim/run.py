@@ -10,7 +10,7 @@ from tetri_server.bench.progress import Progress
 from tetri_server.sim.cluster import SimConfig, Simulation
 from tetri_server.sim.cost import CostModel
 from tetri_server.sim.instances import SimRequest
-from tetri_server.sim.predictor import EmulatedPredictor, num_buckets
+from tetri_server.sim.predictor import EmulatedPredictor
 from tetri_server.sim.profiles import load_model
 from tetri_server.sim.report import mode_metrics
 from tetri_server.sim.workload import assign_buckets, fresh
@@ -18,9 +18,8 @@ from tetri_server.sim.workload import assign_buckets, fresh
 
 def predict(requests: list[SimRequest], cfg: SimConfig) -> None:
     """Draw every request's bucket (once, so all modes see the same predictions)."""
-    buckets = num_buckets(cfg.granularity)
     assign_buckets(requests, EmulatedPredictor(granularity=cfg.granularity,
-                                               num_buckets=buckets,
+                                               num_buckets=cfg.num_buckets,
                                                accuracy=cfg.predictor_accuracy, seed=cfg.seed,
                                                miss=cfg.predictor_miss))
 
