@@ -180,3 +180,30 @@ def test_a_spawn_that_fails_at_start_stops_the_workers_spawned_before_it(monkeyp
     assert first.proc.poll() is not None, "the first worker runs on"
     assert cluster.supervisor.stopping
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(cluster.run_id)]
+
+
+def test_a_worker_makes_its_gpu_the_current_device_before_anything_else(monkeypatch) -> None:
+    """Regression (session 66 review): nothing set the current CUDA device, and Triton
+    launches on the current device, not on its tensors': on a machine with two GPUs the worker
+    on cuda:1 launched its kernels on cuda:0 (a Triton error at its first eager step). No GPU
+    here: the call is recorded, and the start stops right after it."""
+    import torch
+
+    from tetri_server.workers import base
+
+    seen: list[object] = []
+
+    class Stop(Exception):
+        pass
+
+    def set_device(device: object) -> None:
+        seen.append(device)
+        raise Stop
+
+    monkeypatch.setattr(torch.cuda, "set_device", set_device)
+    worker = base.Worker.__new__(base.Worker)
+    with pytest.raises(Stop):
+        worker._start(type("Spec", (), {"device": "cuda:1"})())  # type: ignore[arg-type]
+    assert seen == [torch.device("cuda:1")]
+    base.bind_device(torch.device("cpu"))  # no CUDA call on cpu
+    assert seen == [torch.device("cuda:1")]

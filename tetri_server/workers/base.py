@@ -96,6 +96,15 @@ def cpu_kv_budget(avail: float, shm_free: float, fraction: float, num_workers: i
     return min(budget, shm_cap), shm_cap < budget
 
 
+def bind_device(device: torch.device) -> None:
+    """Make ``device`` this process's current CUDA device. Triton launches its kernels on the
+    current device and stream, not on their tensors' device: a worker on ``cuda:1`` would
+    launch on ``cuda:0`` ("Pointer argument cannot be accessed from Triton", or with peer
+    access a race with its own stream), and make a context there that no pool size counted."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
 def _die_with_parent(parent_pid: int) -> None:
     """Linux: SIGTERM this process when the control process dies (no orphans). While the
     control process lives, SIGINT and SIGTERM are its to act on: a Ctrl-C in the terminal or
@@ -158,6 +167,7 @@ class Worker:
 
     def _start(self, spec: WorkerSpec) -> None:
         self.device = torch.device(spec.device)
+        bind_device(self.device)  # before anything touches CUDA
         mcfg = self.cfg.model
         self.model, self.model_spec = load_model(mcfg.path, mcfg.dtype, self.device)
         s = self.model_spec
