@@ -41,10 +41,13 @@ BACKEND_FACTORIES: dict[str, Factory] = {"engine": make_engine_backend}
 
 
 class ApiHarness:
-    """One event-loop thread, one backend, any number of served apps."""
+    """One event-loop thread (uvloop, as ``serve`` runs), one backend, any number of served
+    apps."""
 
     def __init__(self, factory: Factory, model_path: Path) -> None:
-        self.loop = asyncio.new_event_loop()
+        import uvloop
+
+        self.loop = uvloop.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
         self.metrics = Metrics(model_name=MODEL_NAME)

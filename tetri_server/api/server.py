@@ -16,6 +16,7 @@ import asyncio
 import json
 import logging
 from collections.abc import Callable
+from typing import cast
 
 from aiohttp import web
 
@@ -116,8 +117,9 @@ class _Refusal(asyncio.Protocol):
         self._timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self._transport = transport
+        # (uvloop's TCPTransport is no asyncio.Transport subclass: an isinstance assert here
+        # reset every connection over the cap, with a traceback each, instead of the 503)
+        self._transport = cast(asyncio.Transport, transport)
         self._timer = asyncio.get_running_loop().call_later(self._wait_s, transport.close)
 
     def data_received(self, data: bytes) -> None:
