@@ -82,12 +82,16 @@ class FlipController:
             raise FlipRefused(f"worker {worker_id} is already {role}")
         if self._pending:
             raise FlipRefused("another flip is in progress")
-        same = [w for w, x in c.workers.items()
-                if x.role == h.role and x.is_ready and w not in c.draining]
-        reason = self.policy.refusal(h.role, len(same), time.monotonic())
+        reason = self.policy.refusal(h.role, self._num_serving(h.role), time.monotonic())
         if reason is not None:
             raise FlipRefused(f"worker {worker_id} cannot flip: {reason}")
         return h.role
+
+    def _num_serving(self, role: str) -> int:
+        """Workers serving as ``role`` now (ready, not draining)."""
+        c = self.cluster
+        return sum(x.role == role and x.is_ready and w not in c.draining
+                   for w, x in c.workers.items())
 
     async def flip(self, worker_id: int, role: str) -> FlipResult:
         """A manual flip (the policy's own go through ``_auto``)."""
@@ -168,14 +172,12 @@ class FlipController:
 
     async def _auto(self, plan: FlipPlan) -> None:
         try:
-            c = self.cluster
-            h = c.workers.get(plan.worker_id)
+            h = self.cluster.workers.get(plan.worker_id)
             if h is None or not h.is_ready or h.role != plan.from_role:
                 raise FlipRefused(f"worker {plan.worker_id} is not serving as {plan.from_role}")
             # the other worker of its role may have died since the tick that planned it (the
             # death's on_worker_exit saw no flip pending yet); _run registers it in this turn
-            if sum(x.role == plan.from_role and x.is_ready and w not in c.draining
-                   for w, x in c.workers.items()) <= 1:
+            if self._num_serving(plan.from_role) <= 1:
                 raise FlipRefused(f"worker {plan.worker_id} is the last {plan.from_role} worker")
             await self._run(plan.worker_id, plan.from_role, plan.to_role)
         except (FlipRefused, TimeoutError) as e:
